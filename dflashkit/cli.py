@@ -1,0 +1,59 @@
+"""The `dflashkit` command: a thin layer that parses arguments and calls one function per command.
+
+Each stage package contributes its subcommands through `register(subparsers)` in its own `cli.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from dflashkit.errors import DFlashError
+
+# The stages a user walks through, in order; each module defines register(subparsers).
+STAGES = [
+    "dflashkit.target.cli",
+    "dflashkit.drafter.cli",
+    "dflashkit.cache.cli",
+    "dflashkit.evaluate.cli",
+    "dflashkit.decode.cli",
+    "dflashkit.train.cli",
+    "dflashkit.demo",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dflashkit import __version__
+
+    parser = argparse.ArgumentParser(prog="dflashkit", description="Train, evaluate and compare DFlash speculative drafters.")
+    parser.add_argument("--version", action="version", version=f"dflashkit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in STAGES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a real missing dependency, not a stage that is not written yet
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; completed work is saved and a rerun resumes", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Drafter folders: z-lab's format (config.json + model.safetensors, what vLLM and SGLang serve) and ours,
+which adds `dflashkit.json` with the contract a drafter was trained under (layer ids, block size, mask id,
+target identity), so a mismatched target or cache is refused instead of silently scoring near zero."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import atomic_dir, write_json
+
+CONTRACT_FILE = "dflashkit.json"
+FORMATS = ("zlab", "dflashkit")
+
+
+def contract(drafter: DFlashDrafter, target_identity: dict | None = None, **extra) -> dict:
+    c = drafter.config
+    out = {
+        "format": "dflashkit-drafter/1",
+        "target_layer_ids": list(c.target_layer_ids),
+        "block_size": c.block_size,
+        "mask_token_id": c.mask_token_id,
+        "hidden_size": c.hidden_size,
+        "num_target_layers": c.num_target_layers,
+        "target": target_identity,
+    }
+    out.update(extra)
+    return out
+
+
+def save_drafter(drafter: DFlashDrafter, path, format: str = "dflashkit", target_identity: dict | None = None,
+                 dtype: torch.dtype | None = None, **contract_extra) -> Path:
+    """Write a drafter folder atomically. `zlab`: exactly what serving engines read; `dflashkit`: plus the contract."""
+    if format not in FORMATS:
+        raise DFlashError(f"unknown drafter format {format!r}; use one of {', '.join(FORMATS)}")
+    path = Path(path)
+    cfg = drafter.config.to_zlab()
+    state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    cfg["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    with atomic_dir(path) as tmp:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        if format == "dflashkit":
+            write_json(tmp / CONTRACT_FILE, contract(drafter, target_identity, **contract_extra))
+    return path
+
+
+def read_contract(path) -> dict | None:
+    f = Path(path) / CONTRACT_FILE
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def load_drafter(path, target=None, allow_missing: bool = False, strict: bool = False, device="cpu",
+                 dtype: torch.dtype | None = torch.float32) -> DFlashDrafter:
+    """Load either format; `drafter.load_report` lists what was detected, loaded and skipped."""
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if not path.is_dir():
+        raise DFlashError(f"{path}: not a drafter folder (expected config.json + model.safetensors)")
+    for f in (cfg_file, weights):
+        if not f.is_file():
+            raise DFlashError(f"{f}: missing; a drafter folder holds config.json and model.safetensors")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{cfg_file}: invalid JSON ({e})") from e
+    try:
+        state = load_file(weights)
+    except Exception as e:  # safetensors raises several types for truncated or corrupt files
+        raise DFlashError(f"{weights}: cannot read ({e}); the file is truncated or corrupt") from e
+    if "fc.weight" not in state:
+        raise DFlashError(f"{weights}: no fc.weight tensor; this is not a DFlash drafter")
+    hidden = raw.get("hidden_size")
+    fc_in = state["fc.weight"].shape[1]
+    if not hidden or fc_in % hidden:
+        raise DFlashError(f"{weights}: fc.weight input width {fc_in} is not a multiple of config hidden_size {hidden}")
+    k = fc_in // hidden
+    report = [f"Detected fc input: {fc_in} = {k} target layers x {hidden}"]
+    cfg, notes = DrafterConfig.from_zlab(raw, str(cfg_file), fc_features=k)
+    report += notes
+    if cfg.num_features != k:
+        raise DFlashError(
+            f"{cfg_file}: dflash_config.target_layer_ids has {cfg.num_features} layers {cfg.target_layer_ids} but "
+            f"fc.weight expects {k} ({fc_in} = {k} x {hidden}); fix target_layer_ids to list {k} layer ids"
+        )
+    con = read_contract(path)
+    if con:
+        for key in ("target_layer_ids", "block_size", "mask_token_id"):
+            if con.get(key) != getattr(cfg, key):
+                raise DFlashError(f"{path / CONTRACT_FILE}: {key}={con.get(key)} disagrees with config.json ({getattr(cfg, key)})")
+    if target is not None:
+        check_against_target(cfg, target, str(cfg_file))
+        if not cfg.vocab_size:
+            cfg.vocab_size = target.vocab_size
+    drafter = DFlashDrafter(cfg)
+    expected = drafter.state_dict()
+    skipped = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state))
+    if skipped and strict:
+        raise DFlashError(f"{weights}: unknown tensors {skipped}; drop them or load with strict=False")
+    if missing and not allow_missing:
+        raise DFlashError(f"{weights}: missing tensors {missing[:6]}{'...' if len(missing) > 6 else ''}; "
+                          "the checkpoint is incomplete (allow_missing initialises them randomly)")
+    for name in expected:
+        if name in state:
+            t = state[name]
+            if t.shape != expected[name].shape:
+                raise DFlashError(f"{weights}: {name} has shape {list(t.shape)}, config.json implies {list(expected[name].shape)}")
+            if not torch.isfinite(t.float()).all():
+                raise DFlashError(f"{weights}: {name} contains NaN or Inf values; the checkpoint is corrupt (diverged training?)")
+    drafter.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+    loaded = len(expected) - len(missing)
+    line = f"Loaded {loaded} tensors"
+    if skipped:
+        line += f", skipped {len(skipped)}: {', '.join(skipped)}"
+    if missing:
+        line += f", MISSING {len(missing)} (randomly initialised): {', '.join(missing)}"
+    report.append(line)
+    drafter.load_report = report
+    drafter.contract = con
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def check_against_target(cfg: DrafterConfig, target, source: str = "drafter config") -> None:
+    """A drafter borrows the target's embedding and lm_head: hidden size, vocab and layers must fit."""
+    if cfg.hidden_size != target.hidden_size:
+        raise DFlashError(f"{source}: hidden_size {cfg.hidden_size} != target {target.name} hidden size {target.hidden_size}; "
+                          "this drafter was made for another target")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise DFlashError(f"{source}: dflash_config.mask_token_id {cfg.mask_token_id} is outside target {target.name}'s "
+                          f"vocabulary (0..{target.vocab_size - 1})")
+    if cfg.num_target_layers != target.num_layers:
+        raise DFlashError(f"{source}: num_target_layers {cfg.num_target_layers} != target {target.name}'s {target.num_layers} layers")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise DFlashError(f"{source}: target_layer_ids {bad} out of range for {target.name} (0..{target.num_layers - 1})")
+
+
+def check_feature_layers(cfg: DrafterConfig, available: list[int], source: str) -> list[int]:
+    """Indices into `available` for the drafter's layers; refuses a cache/target that lacks some."""
+    missing = [i for i in cfg.target_layer_ids if i not in available]
+    if missing:
+        raise DFlashError(
+            f"drafter expects {cfg.num_features} target layers {cfg.target_layer_ids} (fc input "
+            f"{cfg.num_features * cfg.hidden_size} = {cfg.num_features} x {cfg.hidden_size}) but {source} offers "
+            f"{len(available)} layers {available}; missing {missing}: re-extract with --layers "
+            f"{','.join(map(str, cfg.target_layer_ids))}"
+        )
+    return [available.index(i) for i in cfg.target_layer_ids]
+
+
+def new_drafter(target, num_layers: int = 5, target_layer_ids=None, allow_final_layers: bool = False, **overrides) -> DFlashDrafter:
+    """A randomly initialised drafter shaped for `target`; refuses the shortcut layers."""
+    cfg = DrafterConfig.for_target(target, num_layers=num_layers, target_layer_ids=target_layer_ids, **overrides)
+    target.check_layer_ids(cfg.target_layer_ids, allow_final=allow_final_layers)
+    return DFlashDrafter(cfg)

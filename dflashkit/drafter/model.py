@@ -1,0 +1,234 @@
+"""The DFlash drafter: one non-causal forward drafts a whole block from target-layer features.
+
+Reference semantics (SPEC.md section 2): `fc` + `hidden_norm` fuse K target layers into one context vector
+per position; in EVERY layer, queries come from the block only while keys/values are
+[k_proj(context), k_proj(block)] and [v_proj(context), v_proj(block)] (k_norm on all keys); the context never
+enters q_proj, o_proj, the MLP or the residual stream. RoPE uses absolute positions. The drafter has no
+embedding and no lm_head: the caller applies the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflashkit.drafter.config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
+    """Default RoPE frequencies; scaled variants come from transformers' own rope table."""
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = Qwen3Config(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                     max_position_embeddings=cfg.max_position_embeddings,
+                     rope_parameters={"rope_theta": cfg.rope_theta, **scaling, "rope_type": kind})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+    return inv_freq.float()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x [b, h, T, d]; cos/sin [b, T, d]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DrafterCache:
+    """Post-RoPE context keys/values per layer. Block keys never enter it, so nothing needs cropping
+    after a draft; `crop` exists for callers that roll the context back."""
+
+    def __init__(self, num_layers: int):
+        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        old = self.kv[layer]
+        if old is not None:
+            k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
+        self.kv[layer] = (k, v)
+        return k, v
+
+    def get_seq_length(self) -> int:
+        return 0 if self.kv[0] is None else self.kv[0][0].shape[2]
+
+    def crop(self, length: int):
+        self.kv = [None if e is None else (e[0][:, :, :length], e[1][:, :, :length]) for e in self.kv]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer: int):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.layer, self.n_heads, self.n_kv, self.head_dim = layer, cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def _heads(self, x, n):
+        return x.view(*x.shape[:2], n, self.head_dim)
+
+    def forward(self, h, ctx, cos_ctx, sin_ctx, cos_q, sin_q, mask, cache: DrafterCache | None):
+        """h [b, Q, H] block states; ctx [b, T, H] fused context (new positions only when cached)."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.n_heads)).transpose(1, 2), cos_q, sin_q)
+        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(h), self.n_kv)).transpose(1, 2), cos_q, sin_q)
+        v_blk = self._heads(self.v_proj(h), self.n_kv).transpose(1, 2)
+        k_ctx = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv)).transpose(1, 2), cos_ctx, sin_ctx)
+        v_ctx = self._heads(self.v_proj(ctx), self.n_kv).transpose(1, 2)
+        if cache is not None:
+            k_ctx, v_ctx = cache.append(self.layer, k_ctx, v_ctx)
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        if self.n_kv != self.n_heads:
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if mask is not None:  # rows that may see nothing (padding blocks) output zeros, not NaN
+            out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        return self.o_proj(out.transpose(1, 2).reshape(*h.shape[:2], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, ctx, rope, mask, cache):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, *rope, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.load_report: list[str] = []
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache(len(self.layers))
+
+    def _rope(self, positions):
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        dtype = self.fc.weight.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _sliding(self, mask, q_pos, k_pos):
+        """Restrict `mask` to keys within sliding_window of each query (sliding_attention layers)."""
+        near = (q_pos[:, :, None] - k_pos[:, None, :]) < self.config.sliding_window
+        near = near[:, None]
+        return near if mask is None else mask & near
+
+    def run(self, target_hidden, noise_embedding, ctx_positions, q_positions, mask=None, cache=None):
+        """Core forward. target_hidden [b, T, K*H] (new context only when cached); noise_embedding [b, Q, H];
+        ctx_positions [b, T]; q_positions [b, Q]; mask [b, 1, Q, T_total + Q] bool (True = may attend) or None
+        for full visibility. Returns final-normed block states [b, Q, H]."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos_c, sin_c = self._rope(ctx_positions)
+        cos_q, sin_q = self._rope(q_positions)
+        rope = (cos_c, sin_c, cos_q, sin_q)
+        sliding_mask = None
+        if "sliding_attention" in self.config.layer_types:
+            past = cache.get_seq_length() if cache is not None else 0
+            k_pos = torch.cat([self._cached_positions(ctx_positions, past), q_positions], dim=1)
+            sliding_mask = self._sliding(mask, q_positions, k_pos)
+        h = noise_embedding
+        for layer, kind in zip(self.layers, self.config.layer_types):
+            h = layer(h, ctx, rope, sliding_mask if kind == "sliding_attention" else mask, cache)
+        return self.norm(h)
+
+    @staticmethod
+    def _cached_positions(ctx_positions, past):
+        # Context positions are contiguous from 0 in every caller that caches; prepend the cached ones.
+        if past == 0:
+            return ctx_positions
+        start = ctx_positions[:, :1] - past
+        prev = start + torch.arange(past, device=ctx_positions.device)
+        return torch.cat([prev, ctx_positions], dim=1)
+
+    def forward(self, target_hidden, noise_embedding, position_ids, past_key_values=None, use_cache=False):
+        """z-lab's call: position_ids [b, T + B] cover the new context positions then the block."""
+        t = target_hidden.shape[1]
+        cache = past_key_values if (use_cache or past_key_values is not None) else None
+        return self.run(target_hidden, noise_embedding, position_ids[:, :t], position_ids[:, t:], None, cache)
+
+    def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None, block_size=None):
+        """Many blocks of one sequence in one call (training and offline evaluation).
+
+        target_hidden [b, T, K*H] features of positions 0..T-1; block_embeds [b, n*B, H] with block j at
+        rows j*B..j*B+B-1 = [anchor_j, MASK...]; anchors [b, n] absolute anchor positions; valid [b, n] bool.
+        Block j sees context positions strictly before its anchor, its own block bidirectionally, nothing
+        else; invalid (padding) blocks see nothing (their output is zeros before the final norm)."""
+        b, T, _ = target_hidden.shape
+        B = block_size or self.config.block_size
+        n = anchors.shape[1]
+        dev = target_hidden.device
+        offs = torch.arange(B, device=dev)
+        q_pos = (anchors[:, :, None] + offs).reshape(b, n * B)
+        ctx_pos = torch.arange(T, device=dev).expand(b, T)
+        mask = build_block_mask(anchors, T, B, valid)
+        return self.run(target_hidden, block_embeds, ctx_pos, q_pos, mask, None)
+
+
+def build_block_mask(anchors, ctx_len: int, block_size: int, valid=None) -> torch.Tensor:
+    """[b, 1, n*B, T + n*B] bool: context < anchor (strict: the anchor's own state does not exist yet at
+    inference), own block bidirectional, nothing across blocks; invalid blocks see nothing."""
+    b, n = anchors.shape
+    dev = anchors.device
+    B = block_size
+    blk = torch.arange(n, device=dev).repeat_interleave(B)  # block index of each query row
+    ctx_ok = torch.arange(ctx_len, device=dev)[None, None, :] < anchors[:, blk][:, :, None]  # [b, nB, T]
+    same = (blk[:, None] == blk[None, :]).expand(b, -1, -1)  # [b, nB, nB]
+    mask = torch.cat([ctx_ok, same], dim=-1)
+    if valid is not None:
+        mask = mask & valid[:, blk][:, :, None]
+    return mask[:, None]

@@ -1,0 +1,188 @@
+"""DDTree: draft trees from one block-diffusion drafter pass (Ringel & Romano, arXiv:2604.12989).
+
+A drafter pass gives logits[L, V] for the L draft positions of a block. DDTree treats them as a
+product distribution over drafts and keeps the `budget` most probable prefixes as a draft tree;
+the target then accepts the longest root path that matches its own continuation.
+
+Also here: the simpler acceptance measures used for comparison (greedy streak, `paths:K`, `width:K`)
+and the spec parser/dispatcher used by evaluation scripts. Pure tensor code, no model.
+"""
+from __future__ import annotations
+
+import heapq
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+@dataclass
+class Tree:
+    """Draft tree in pop order; node 0 is the root (the last verified token), so arrays are [budget+1]."""
+
+    tokens: Tensor  # [n] long, root holds root_token
+    depths: Tensor  # [n] long, root 0
+    parents: Tensor  # [n] long, root -1; a parent always precedes its children
+    log_probs: Tensor  # [n] float32 prefix log-prob under the drafter, root 0
+    _children: list[dict[int, int]] | None = field(default=None, init=False, repr=False)
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def children(self) -> list[dict[int, int]]:
+        """Per node, token -> child index; cached because the verify walk needs it per step."""
+        if self._children is None:
+            kids: list[dict[int, int]] = [{} for _ in range(len(self))]
+            for i, (t, p) in enumerate(zip(self.tokens.tolist(), self.parents.tolist())):
+                if p >= 0:
+                    kids[p][t] = i
+            self._children = kids
+        return self._children
+
+    def ancestor_mask(self) -> Tensor:
+        """[n, n] bool attention mask for verifying the whole tree in one target pass:
+        node i sees node j iff j is i or one of its ancestors (root included)."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:  # parents come first, so their row is already complete
+                mask[i] |= mask[p]
+        return mask
+
+    def expected_depth(self) -> float:
+        """If the target sampled from the drafter, P(depth >= d) = mass of the depth-d nodes,
+        so E[accepted depth] = sum of all non-root prefix probabilities."""
+        return self.log_probs[1:].double().exp().sum().item()
+
+
+def _topk_logprobs(logits: Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Top-k per position of the float32 log-softmax; only k values per row are materialised."""
+    logits = logits.detach().float()
+    vals, idx = logits.topk(k, dim=-1)  # sorted descending
+    vals = vals - logits.logsumexp(dim=-1, keepdim=True)
+    return vals.tolist(), idx.tolist()
+
+
+def build_tree(logits: Tensor, budget: int, root_token: int = -1) -> Tree:
+    """The `budget` most probable prefixes of the product distribution given by logits[L, V].
+
+    Best-first over per-depth rank tuples: each prefix's score is <= that of its previous sibling
+    (or its parent when it is rank 0), so popping a max-heap that pushes "next sibling" and
+    "first child" yields prefixes in score order and the result is prefix-closed. Any prefix
+    that uses a rank >= budget has >= budget better siblings, so K = min(budget, V) suffices.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"build_tree expects logits [L, V], got shape {tuple(logits.shape)}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    L, V = logits.shape
+    tokens, depths, parents, scores = [root_token], [0], [-1], [0.0]
+    if budget > 0 and L > 0:
+        k = min(budget, V)
+        lp, idx = _topk_logprobs(logits, k)
+        # heap entry: (-score, tiebreak, depth, rank, parent index, parent score)
+        heap = [(-lp[0][0], 0, 1, 0, 0, 0.0)]
+        count = 1
+        while heap and len(tokens) <= budget:
+            neg, _, d, r, par, par_score = heapq.heappop(heap)
+            node = len(tokens)
+            tokens.append(idx[d - 1][r])
+            depths.append(d)
+            parents.append(par)
+            scores.append(-neg)
+            if r + 1 < k:  # next sibling
+                heapq.heappush(heap, (-(par_score + lp[d - 1][r + 1]), count, d, r + 1, par, par_score))
+                count += 1
+            if d < L:  # first child
+                heapq.heappush(heap, (neg - lp[d][0], count, d + 1, 0, node, -neg))
+                count += 1
+    return Tree(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        depths=torch.tensor(depths, dtype=torch.long),
+        parents=torch.tensor(parents, dtype=torch.long),
+        log_probs=torch.tensor(scores, dtype=torch.float32),
+    )
+
+
+def accepted_path(tree: Tree, continuation: Sequence[int] | Tensor) -> list[int]:
+    """Node indices (root excluded) the target accepts; continuation[i] is its token at depth i+1."""
+    if isinstance(continuation, Tensor):
+        continuation = continuation.tolist()
+    kids = tree.children()
+    path, node = [], 0
+    for tok in continuation:
+        node = kids[node].get(tok)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
+def accepted_depth(tree: Tree, continuation: Sequence[int] | Tensor) -> int:
+    return len(accepted_path(tree, continuation))
+
+
+def streak(logits: Tensor, labels: Tensor) -> Tensor:
+    """Greedy (single-chain) acceptance: leading positions with argmax == label. logits [..., L, V],
+    labels [..., L] -> [...] long; label -100 never matches."""
+    hit = logits.argmax(dim=-1) == labels
+    return hit.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def width_streak(logits: Tensor, labels: Tensor, k: int) -> Tensor:
+    """`width:K` upper bound: leading positions whose label is in that position's top-K
+    (a tree holding all K^L combinations). logits [..., L, V], labels [..., L] -> [...] long."""
+    idx = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
+    hit = (idx == labels.unsqueeze(-1)).any(dim=-1)
+    return hit.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def topk_paths(logits: Tensor, k: int) -> list[tuple[list[int], float]]:
+    """The k most probable complete drafts (length L) with log-probs, best first.
+    Width-k beam search is exact here: under a product distribution every top-k complete draft
+    has a top-k prefix, and extending with tokens outside a position's top-k can't help."""
+    L, V = logits.shape
+    kk = min(k, V)
+    lp, idx = _topk_logprobs(logits, kk)
+    beams: list[tuple[float, list[int]]] = [(0.0, [])]
+    for pos in range(L):
+        cand = [(s + lp[pos][r], toks + [idx[pos][r]]) for s, toks in beams for r in range(kk)]
+        cand.sort(key=lambda c: -c[0])  # stable: ties keep beam-then-rank order
+        beams = cand[:k]
+    return [(toks, s) for s, toks in beams]
+
+
+def _leading_matches(draft: Sequence[int], labels: Sequence[int]) -> int:
+    n = 0
+    for a, b in zip(draft, labels):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def paths_streak(logits: Tensor, labels: Tensor, k: int) -> int:
+    """`paths:K`: best accepted depth among the K most probable complete drafts (K independent chains)."""
+    lab = labels.tolist() if isinstance(labels, Tensor) else list(labels)
+    return max(_leading_matches(toks, lab) for toks, _ in topk_paths(logits, k))
+
+
+def parse_tree_spec(spec: str) -> tuple[str, int]:
+    """'budget:8' | 'paths:4' | 'width:4' | '8' (= budget:8) -> (family, K) with K >= 1."""
+    allowed = "expected 'budget:N', 'paths:N', 'width:N' or a bare 'N' (= budget:N), with integer N >= 1"
+    m = re.fullmatch(r"(?:(budget|paths|width):)?([0-9]+)", str(spec).strip())
+    if m is None or int(m.group(2)) < 1:
+        raise ValueError(f"bad tree spec {spec!r}: {allowed}")
+    family, num = m.group(1) or "budget", m.group(2)
+    return family, int(num)
+
+
+def tree_streak(logits: Tensor, labels: Tensor, spec: str) -> float:
+    """Accepted depth of one block (logits [L, V], labels [L], -100 = past sequence end) under `spec`."""
+    family, k = parse_tree_spec(spec)
+    if family == "budget":
+        return float(accepted_depth(build_tree(logits, k), labels))
+    if family == "paths":
+        return float(paths_streak(logits, labels, k))
+    return float(width_streak(logits, labels, k).item())

@@ -1,0 +1,54 @@
+"""`dflashkit target list|prepare|info`."""
+
+from __future__ import annotations
+
+import time
+
+
+def register(sub) -> None:
+    p = sub.add_parser("target", help="list, prepare and inspect target models")
+    tsub = p.add_subparsers(dest="target_command", required=True)
+    tsub.add_parser("list", help="known targets").set_defaults(func=cmd_list)
+    q = tsub.add_parser("prepare", help="install/convert a registry target once (reused afterwards)")
+    q.add_argument("name", nargs="?", default="smollm2-135m")
+    q.add_argument("--force", action="store_true", help="convert again even if prepared")
+    q.set_defaults(func=cmd_prepare)
+    i = tsub.add_parser("info", help="layers, hidden size, mask token, stop tokens, default layer ids")
+    i.add_argument("target", help="registry name or local Hugging Face folder")
+    i.set_defaults(func=cmd_info)
+
+
+def cmd_list(args) -> int:
+    from dflashkit.target.registry import REGISTRY, prepared_dir
+
+    for name, spec in REGISTRY.items():
+        state = "prepared" if (prepared_dir(name) / "dflashkit-target.json").is_file() else "not prepared"
+        print(f"{name:16s} {state:13s} {spec.description}")
+    print("any local Hugging Face folder (Llama, Qwen2, Qwen3, Qwen3.5) is accepted wherever a target is named")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from dflashkit.target.registry import prepare
+
+    t0 = time.time()
+    path = prepare(args.name, force=args.force)
+    print(path)
+    print(f"ready in {time.time() - t0:.1f}s")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from dflashkit.target.model import load_target
+
+    t = load_target(args.target, device="cpu")
+    ident = t.identity()
+    for k, v in ident.items():
+        print(f"{k:16s} {v}")
+    print(f"{'mask token':16s} {t.mask_token_id} ({t.mask_token_source})")
+    print(f"{'stop tokens':16s} {t.stop_token_ids}")
+    print(f"{'hybrid':16s} {t.is_hybrid} (linear-attention layers: {t.layer_types.count('linear_attention')})")
+    print(f"{'thinking mode':16s} {'template has enable_thinking' if t.has_thinking_mode else 'none'}")
+    for k in (1, 3, 5):
+        print(f"{'layer ids K=' + str(k):16s} {t.default_layer_ids(k)}")
+    return 0

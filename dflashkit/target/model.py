@@ -1,0 +1,237 @@
+"""The frozen target: loads offline, exposes what a drafter borrows (embedding, lm_head, layer features).
+
+Index convention (SPEC.md section 2): layer id `l` is the OUTPUT of decoder layer `l`, i.e. HF
+`hidden_states[l + 1]`. Features are captured with forward hooks on the decoder layers themselves, so the
+convention holds by construction and the final norm never leaks into a feature.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import sha256_json
+from dflashkit.target.registry import resolve
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DFlashError(f"--device {device}: CUDA is not available on this machine; use --device cpu or auto")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (no bf16 matrix units: a 16-token forward costs 7x in bf16), bf16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise DFlashError(f"unknown dtype {dtype!r}; use one of {', '.join(table)}")
+    return table[dtype]
+
+
+def default_layer_ids(num_layers: int, num_features: int) -> list[int]:
+    """z-lab's rule: one feature -> the middle layer; else evenly from layer 1 to layer N-3."""
+    if num_features == 1:
+        return [num_layers // 2]
+    return [int(round(1 + i * (num_layers - 4) / (num_features - 1))) for i in range(num_features)]
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # [b, T, V] (or the requested slice)
+    features: torch.Tensor | None  # [b, T, K*H], layers concatenated in the order asked for
+    past_key_values: object
+
+
+class Target:
+    def __init__(self, model, tokenizer, path: Path, name: str):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.path = Path(path)
+        self.name = name
+        cfg = model.config
+        self.config = cfg
+        self.layers = _decoder_layers(model, self.path)
+        self.num_layers = len(self.layers)
+        self.hidden_size = cfg.hidden_size
+        self.embed_tokens = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        self.final_norm = model.model.norm
+        self.vocab_size = self.embed_tokens.weight.shape[0]
+        self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.is_hybrid = any(t == "linear_attention" for t in self.layer_types)
+        self.mask_token_id, self.mask_token_source = choose_mask_token(tokenizer, self.vocab_size)
+        self.stop_token_ids = _stop_tokens(model, tokenizer)
+        self._capture: dict[int, torch.Tensor] | None = None
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_hook(self._hook(i))
+
+    # ---- identity ---------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.config, "architectures", None) or [type(self.model).__name__])[0]
+
+    def identity(self) -> dict:
+        """What a cache or checkpoint records so that a different target is never mixed in silently."""
+        cfg = json.loads((self.path / "config.json").read_text())
+        return {
+            "name": self.name,
+            "path": str(self.path.resolve()),
+            "config_hash": sha256_json(cfg)[:16],
+            "architecture": self.architecture,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "mask_token_id": self.mask_token_id,
+        }
+
+    def default_layer_ids(self, num_features: int) -> list[int]:
+        return default_layer_ids(self.num_layers, num_features)
+
+    def check_layer_ids(self, layer_ids, allow_final: bool = False) -> list[int]:
+        ids = [int(i) for i in layer_ids]
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise DFlashError(f"target layer ids {bad} out of range for {self.name} (layers 0..{self.num_layers - 1})")
+        late = [i for i in ids if i >= self.num_layers - 2]
+        if late and not allow_final:
+            raise DFlashError(
+                f"target layer ids {late} include the last two decoder layers of {self.name} ({self.num_layers} layers): "
+                "they encode the next-token choice and give the drafter a shortcut that fails in use; "
+                f"use e.g. {self.default_layer_ids(len(ids))}, or pass allow_final_layers to override"
+            )
+        return ids
+
+    # ---- text -------------------------------------------------------------------------------------
+    @property
+    def has_thinking_mode(self) -> bool:
+        return "enable_thinking" in (self.tokenizer.chat_template or "")
+
+    def chat_ids(self, messages, enable_thinking: bool = False) -> list[int]:
+        """Prompt ids with the target's chat template; thinking mode is always explicit."""
+        if not self.tokenizer.chat_template:
+            text = "\n".join(m["content"] for m in messages)
+            return self.tokenizer(text)["input_ids"]
+        out = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True, enable_thinking=enable_thinking
+        )
+        return list(out["input_ids"])
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- compute ----------------------------------------------------------------------------------
+    def _hook(self, i: int):
+        def hook(module, args, output):
+            if self._capture is not None and i in self._capture:
+                self._capture[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.no_grad()
+    def forward(self, input_ids, layer_ids=None, past_key_values=None, position_ids=None, attention_mask=None,
+                use_cache: bool = True, logits_to_keep: int = 0, compute_logits: bool = True) -> TargetOutput:
+        """One target forward; `layer_ids` selects the features to capture (None: none)."""
+        self._capture = {int(i): None for i in layer_ids} if layer_ids is not None else None
+        try:
+            if compute_logits:
+                out = self.model(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids,
+                                 attention_mask=attention_mask, use_cache=use_cache, logits_to_keep=logits_to_keep)
+                logits, past = out.logits, out.past_key_values
+            else:
+                out = self.model.model(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids,
+                                       attention_mask=attention_mask, use_cache=use_cache)
+                logits, past = None, out.past_key_values
+            feats = None
+            if layer_ids is not None:
+                feats = torch.cat([self._capture[int(i)] for i in layer_ids], dim=-1)
+        finally:
+            self._capture = None
+        return TargetOutput(logits, feats, past)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def _decoder_layers(model, path) -> torch.nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or getattr(inner, "norm", None) is None:
+        raise DFlashError(
+            f"{path}: architecture {type(model).__name__} has no `model.layers` / `model.norm`, so its layer hidden "
+            "states cannot be captured; use a decoder-only causal LM (Llama, Qwen2, Qwen3, Qwen3.5)"
+        )
+    return layers
+
+
+def _stop_tokens(model, tokenizer) -> list[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(int(i) for i in ids)
+
+
+def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
+    """A mask id that exists in the embedding; it need not be a trained token (SPEC.md section 2).
+
+    Order: the tokenizer's mask token; the first embedding row past the tokenizer (what Qwen3 drafters use:
+    151669); an added special token named mask/reserved/unused; the last added special token that the chat
+    template does not use.
+    """
+    mid = getattr(tokenizer, "mask_token_id", None)
+    if mid is not None and 0 <= mid < vocab_size:
+        return int(mid), f"tokenizer mask token {tokenizer.mask_token!r}"
+    n = len(tokenizer)
+    if n < vocab_size:
+        return n, f"first embedding row past the tokenizer's {n} tokens"
+    added = sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())
+    for tid, tok in added:
+        if re.search(r"mask|reserved|unused", tok.content, re.I) and tid < vocab_size:
+            return int(tid), f"reserved special token {tok.content!r}"
+    template = tokenizer.chat_template or ""
+    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    for tid, tok in reversed(added):
+        if tok.special and tid not in used and tok.content not in template and tid < vocab_size:
+            return int(tid), f"unused special token {tok.content!r}"
+    raise DFlashError("the target has no mask token, no spare embedding row and no unused special token; pass a mask id explicitly")
+
+
+def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = "auto", dtype=None) -> Target:
+    """Load a registry target or a local Hugging Face folder, offline, frozen."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    name, path = resolve(name_or_path)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
+    except (OSError, ValueError, KeyError) as e:
+        raise DFlashError(f"{path}: cannot load as a causal LM ({str(e).splitlines()[0]})") from e
+    return Target(model.to(dev), tokenizer, path, name)

