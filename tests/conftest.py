@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny random targets (built once per session) and the real SmolLM2 target."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """kind -> folder of a tiny random target (llama, qwen3, qwen3_5)."""
+    from dflashkit.target.fixtures import KINDS, make_tiny_target
+
+    root = tmp_path_factory.mktemp("targets")
+    return {k: make_tiny_target(k, root / k) for k in KINDS}
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tiny_dirs):
+    from dflashkit.target.model import load_target
+
+    return {k: load_target(p, device="cpu") for k, p in tiny_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded default, prepared once per machine (about 20 s the first time)."""
+    from dflashkit.target.model import load_target
+
+    torch.manual_seed(0)
+    return load_target("smollm2-135m", device="cpu")
