@@ -1,0 +1,45 @@
+"""The target's lm_head as the drafter uses it, optionally restricted to a draft vocabulary.
+
+On a CPU the vocabulary projection dominates drafter cost (49,152 rows for SmolLM2); proposing only tokens
+of a subset stays lossless because the target verifies every token (EAGLE-3 ships a token map for the same
+reason). The subset is part of a dflashkit checkpoint's contract (`draft_vocab`); a z-lab export has none
+and drafts over the full vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DraftHead:
+    def __init__(self, lm_head_weight: torch.Tensor, vocab_ids=None):
+        self.vocab_ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long, device=lm_head_weight.device)
+        self.weight = lm_head_weight if self.vocab_ids is None else lm_head_weight[self.vocab_ids]
+        self.full_size = lm_head_weight.shape[0]
+        if self.vocab_ids is not None:
+            self._index = torch.full((self.full_size,), -100, dtype=torch.long, device=lm_head_weight.device)
+            self._index[self.vocab_ids] = torch.arange(len(self.vocab_ids), device=lm_head_weight.device)
+
+    @classmethod
+    def for_drafter(cls, target, drafter) -> "DraftHead":
+        vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab")
+        return cls(target.lm_head.weight, vocab)
+
+    @property
+    def size(self) -> int:
+        return self.weight.shape[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V'] in float32 (argmax and log-softmax need the precision)."""
+        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight).float()
+
+    def to_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the (sub)vocabulary -> target token ids."""
+        return idx if self.vocab_ids is None else self.vocab_ids[idx]
+
+    def to_index(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> indices into the subvocabulary; -100 for tokens outside it (and for -100)."""
+        if self.vocab_ids is None:
+            return tokens
+        safe = tokens.clamp(min=0)
+        return torch.where(tokens < 0, tokens, self._index[safe])

@@ -1,0 +1,82 @@
+"""Tables and plots shared by eval, compare, bench and the demo report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflashkit.fileio import atomic_path
+
+
+def fmt(v, digits: int = 3) -> str:
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return "" if v is None else str(v)
+
+
+def markdown_table(headers: list[str], rows: list[list], digits: int = 3) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(fmt(c, digits) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    return plt, fig, ax
+
+
+def _save(plt, fig, path) -> Path:
+    path = Path(path)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return path
+
+
+def line_plot(path, series: dict[str, tuple[list, list]], title: str, xlabel: str, ylabel: str, ylim=None) -> Path:
+    """One line per named series of (x, y)."""
+    plt, fig, ax = _figure()
+    for name, (x, y) in series.items():
+        ax.plot(x, y, marker="o", markersize=3, label=name)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
+    return _save(plt, fig, path)
+
+
+def bar_plot(path, groups: dict[str, dict[str, float]], title: str, ylabel: str) -> Path:
+    """Grouped bars: groups[category][series] = value."""
+    plt, fig, ax = _figure()
+    cats = list(groups)
+    names = list(dict.fromkeys(n for g in groups.values() for n in g))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        xs = [c + i * width for c in range(len(cats))]
+        ax.bar(xs, [groups[c].get(name, 0.0) for c in cats], width=width, label=name)
+    ax.set_xticks([c + width * (len(names) - 1) / 2 for c in range(len(cats))], cats, rotation=20, ha="right")
+    ax.set(title=title, ylabel=ylabel)
+    ax.grid(alpha=0.3, axis="y")
+    if len(names) > 1:
+        ax.legend()
+    return _save(plt, fig, path)
+
+
+def hist_plot(path, series: dict[str, list[float]], title: str, xlabel: str, start: int = 0) -> Path:
+    """Side-by-side histograms given as per-bin fractions or counts, bins start, start+1, ..."""
+    plt, fig, ax = _figure()
+    width = 0.8 / max(1, len(series))
+    for i, (name, vals) in enumerate(series.items()):
+        ax.bar([start + j + i * width for j in range(len(vals))], vals, width=width, label=name)
+    ax.set(title=title, xlabel=xlabel, ylabel="fraction")
+    ax.grid(alpha=0.3, axis="y")
+    if len(series) > 1:
+        ax.legend()
+    return _save(plt, fig, path)
