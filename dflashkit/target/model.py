@@ -118,7 +118,7 @@ class Target:
             raise DFlashError(
                 f"target layer ids {late} include the last two decoder layers of {self.name} ({self.num_layers} layers): "
                 "they encode the next-token choice and give the drafter a shortcut that fails in use; "
-                f"use e.g. {self.default_layer_ids(len(ids))}, or pass allow_final_layers to override"
+                f"use e.g. {self.default_layer_ids(len(ids))}, or pass --allow-final-layers (allow_final_layers=True) to override"
             )
         return ids
 

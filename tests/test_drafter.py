@@ -1,0 +1,267 @@
+"""The drafter against a plain-loop reference, its caches, masks and checkpoint formats."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflashkit.drafter import DFlashDrafter, DrafterConfig
+from dflashkit.drafter.checkpoint import check_feature_layers, load_drafter, new_drafter, save_drafter
+from dflashkit.errors import DFlashError
+
+
+def make_drafter(layers=2, K=3, H=64, heads=4, kv=2, B=8, sliding=None, seed=0):
+    torch.manual_seed(seed)
+    types = ["full_attention"] * layers
+    if sliding:
+        types = ["sliding_attention"] * layers
+    cfg = DrafterConfig(hidden_size=H, num_attention_heads=heads, num_key_value_heads=kv, head_dim=H // heads,
+                        intermediate_size=2 * H, num_hidden_layers=layers, target_layer_ids=list(range(1, K + 1)),
+                        num_target_layers=6, mask_token_id=259, vocab_size=272, block_size=B, rope_theta=10000.0,
+                        layer_types=types, sliding_window=sliding)
+    d = DFlashDrafter(cfg)
+    with torch.no_grad():  # non-trivial norm weights so a missed norm shows up
+        for name, p in d.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return d
+
+
+# ---- a straightforward reference: plain loops over heads and positions ------------------------------
+def ref_rms(x, w, eps):
+    return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+
+
+def ref_rope(x, pos, theta):
+    d = x.shape[-1]
+    out = torch.empty_like(x)
+    for i in range(d // 2):
+        ang = pos * theta ** (-2 * i / d)
+        c, s = math.cos(ang), math.sin(ang)
+        out[i] = x[i] * c - x[i + d // 2] * s
+        out[i + d // 2] = x[i + d // 2] * c + x[i] * s
+    return out
+
+
+def reference_forward(d, target_hidden, noise, ctx_pos, blk_pos, visible):
+    """target_hidden [T, K*H], noise [B, H]; visible(q, key_index) -> bool over keys [ctx..., block...]."""
+    c = d.config
+    eps, hd = c.rms_norm_eps, c.head_dim
+    ctx = ref_rms(target_hidden @ d.fc.weight.T, d.hidden_norm.weight, eps)
+    h = noise.clone()
+    keys_pos = list(ctx_pos) + list(blk_pos)
+    for layer in d.layers:
+        a = layer.self_attn
+        x = ref_rms(h, layer.input_layernorm.weight, eps)
+        src = torch.cat([ctx, x])  # keys/values come from context AND block; queries from the block only
+        out = torch.zeros(len(blk_pos), c.num_attention_heads * hd)
+        for head in range(c.num_attention_heads):
+            kvh = head // (c.num_attention_heads // c.num_key_value_heads)
+            for qi in range(len(blk_pos)):
+                q = (x[qi] @ a.q_proj.weight.T)[head * hd:(head + 1) * hd]
+                q = ref_rope(ref_rms(q, a.q_norm.weight, eps), blk_pos[qi], c.rope_theta)
+                scores, vals = [], []
+                for ki in range(len(src)):
+                    if not visible(qi, ki):
+                        continue
+                    k = (src[ki] @ a.k_proj.weight.T)[kvh * hd:(kvh + 1) * hd]
+                    k = ref_rope(ref_rms(k, a.k_norm.weight, eps), keys_pos[ki], c.rope_theta)
+                    scores.append(float(q @ k) / math.sqrt(hd))
+                    vals.append((src[ki] @ a.v_proj.weight.T)[kvh * hd:(kvh + 1) * hd])
+                w = torch.softmax(torch.tensor(scores), 0)
+                out[qi, head * hd:(head + 1) * hd] = sum(wi * v for wi, v in zip(w, vals))
+        h = h + out @ a.o_proj.weight.T
+        m = layer.mlp
+        y = ref_rms(h, layer.post_attention_layernorm.weight, eps)
+        h = h + (torch.nn.functional.silu(y @ m.gate_proj.weight.T) * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    return ref_rms(h, d.norm.weight, eps)
+
+
+@pytest.mark.parametrize("sliding", [None, 12])
+def test_module_matches_plain_loop_reference(sliding):
+    d = make_drafter(sliding=sliding)
+    T, B, H = 9, 8, 64
+    feats = torch.randn(1, T, 3 * H)
+    noise = torch.randn(1, B, H)
+    pos = torch.arange(T + B)[None]
+    keys = list(range(T)) + list(range(T, T + B))
+
+    def visible(qi, ki):  # non-causal; a sliding window limits how far back a query looks
+        return sliding is None or (T + qi) - keys[ki] < sliding
+
+    with torch.no_grad():
+        got = d(feats, noise, pos)[0]
+        want = reference_forward(d, feats[0], noise[0], list(range(T)), list(range(T, T + B)), visible)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if sliding:
+        full = make_drafter(sliding=None)
+        full.load_state_dict(d.state_dict())
+        with torch.no_grad():
+            assert not torch.allclose(full(feats, noise, pos)[0], got, atol=1e-4)
+
+
+def test_multi_block_mask_matches_reference_with_strict_context():
+    d = make_drafter()
+    T, B, H = 20, 8, 64
+    feats = torch.randn(1, T, 3 * H)
+    anchors = torch.tensor([[4, 11, 17]])
+    emb = torch.randn(1, 3 * B, H)
+    with torch.no_grad():
+        got = d.forward_blocks(feats, emb, anchors)
+        for j, a in enumerate(anchors[0].tolist()):
+            blk = list(range(a, a + B))
+            want = reference_forward(d, feats[0, :a], emb[0, j * B:(j + 1) * B], list(range(a)), blk, lambda q, k: True)
+            torch.testing.assert_close(got[0, j * B:(j + 1) * B], want, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_blocks_equal_each_block_alone_and_padding_is_inert():
+    d = make_drafter()
+    T, B, H = 30, 8, 64
+    feats = torch.randn(2, T, 3 * H)
+    anchors = torch.tensor([[3, 9, 20, 0], [5, 12, 22, 25]])
+    valid = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    emb = torch.randn(2, 4 * B, H)
+    with torch.no_grad():
+        got = d.forward_blocks(feats, emb, anchors, valid)
+        for b in range(2):
+            for j in range(4):
+                if not valid[b, j]:
+                    continue
+                a = int(anchors[b, j])
+                alone = d(feats[b:b + 1, :a], emb[b:b + 1, j * B:(j + 1) * B], torch.arange(a + B)[None])
+                torch.testing.assert_close(got[b:b + 1, j * B:(j + 1) * B], alone, atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(got).all()
+        # changing the padding block's inputs changes nothing else
+        emb2 = emb.clone()
+        emb2[0, 3 * B:] += 5
+        got2 = d.forward_blocks(feats, emb2, anchors, valid)
+        torch.testing.assert_close(got2[0, :3 * B], got[0, :3 * B], atol=0, rtol=0)
+
+
+def test_mask_is_applied_and_no_dependence_after_anchor():
+    d = make_drafter()
+    T, B, H = 24, 8, 64
+    feats = torch.randn(1, T, 3 * H)
+    anchors = torch.tensor([[10]])
+    emb = torch.randn(1, B, H)
+    with torch.no_grad():
+        base = d.forward_blocks(feats, emb, anchors)
+        later = feats.clone()
+        later[:, 10:] = torch.randn_like(later[:, 10:])  # the anchor's own position and everything after it
+        torch.testing.assert_close(d.forward_blocks(later, emb, anchors), base, atol=0, rtol=0)
+        earlier = feats.clone()
+        earlier[:, 9] += 1.0  # the last visible context position must matter
+        assert not torch.allclose(d.forward_blocks(earlier, emb, anchors), base)
+        # an inclusive mask (<= anchor) would see position 10: check that a different anchor does see it
+        assert not torch.allclose(d.forward_blocks(later, emb, torch.tensor([[11]])), d.forward_blocks(feats, emb, torch.tensor([[11]])))
+
+
+def test_cached_forward_equals_uncached():
+    d = make_drafter()
+    B, H = 8, 64
+    feats = torch.randn(1, 40, 3 * H)
+    cache = d.new_cache()
+    seen = 0
+    with torch.no_grad():
+        for end in (7, 8, 19, 23, 40):  # context grows by uneven chunks, as accepted tokens do online
+            emb = torch.randn(1, B, H)
+            new = feats[:, seen:end]
+            pos = torch.cat([torch.arange(seen, end), torch.arange(end, end + B)])[None]
+            cached = d(new, emb, pos, past_key_values=cache)
+            full = d(feats[:, :end], emb, torch.arange(end + B)[None])
+            torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
+            seen = end
+            assert cache.get_seq_length() == end  # block K/V never stay in the cache
+        cache.crop(19)
+        assert cache.get_seq_length() == 19
+
+
+def test_save_load_round_trip_both_formats(tmp_path, tiny_targets):
+    t = tiny_targets["qwen3"]
+    d = new_drafter(t, num_layers=2, target_layer_ids=[1, 2, 3])
+    feats, emb = torch.randn(1, 6, 3 * 64), torch.randn(1, 16, 64)
+    pos = torch.arange(22)[None]
+    for fmt in ("zlab", "dflashkit"):
+        out = save_drafter(d, tmp_path / fmt, format=fmt, target_identity=t.identity())
+        back = load_drafter(out, target=t)
+        with torch.no_grad():
+            torch.testing.assert_close(back(feats, emb, pos), d(feats, emb, pos))
+        assert back.load_report[0] == "Detected fc input: 192 = 3 target layers x 64"
+        assert back.load_report[-1] == "Loaded 25 tensors"
+        assert (back.contract is not None) == (fmt == "dflashkit")
+    cfg = json.loads((tmp_path / "zlab" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [1, 2, 3]
+    names = set(load_file(tmp_path / "zlab" / "model.safetensors"))
+    assert "fc.weight" in names and "layers.0.self_attn.q_norm.weight" in names and not any("embed" in n for n in names)
+
+
+def test_zlab_variants_block_size_location_rope_parameters_and_skipped_tensors(tmp_path, tiny_targets):
+    t = tiny_targets["qwen3"]
+    d = new_drafter(t, num_layers=2, target_layer_ids=[1, 2, 3], block_size=10)
+    path = save_drafter(d, tmp_path / "z", format="zlab")
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["block_size"]  # newer checkpoints keep it only inside dflash_config
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    (path / "config.json").write_text(json.dumps(cfg))
+    state = load_file(path / "model.safetensors")
+    state["verifier_norm.weight"] = torch.ones(64)
+    save_file(state, path / "model.safetensors")
+    back = load_drafter(path, target=t)
+    assert back.config.block_size == 10 and back.config.rope_theta == d.config.rope_theta
+    assert back.load_report[-1] == "Loaded 25 tensors, skipped 1: verifier_norm.weight"
+    with pytest.raises(DFlashError, match="unknown tensors"):
+        load_drafter(path, strict=True)
+
+
+def test_bad_checkpoints_fail_with_one_clear_error(tmp_path, tiny_targets):
+    t = tiny_targets["qwen3"]
+    d = new_drafter(t, num_layers=2, target_layer_ids=[1, 2, 3])
+    good = save_drafter(d, tmp_path / "good", format="zlab")
+
+    def variant(name, edit_cfg=None, edit_state=None):
+        p = save_drafter(d, tmp_path / name, format="zlab")
+        if edit_cfg:
+            cfg = json.loads((p / "config.json").read_text())
+            edit_cfg(cfg)
+            (p / "config.json").write_text(json.dumps(cfg))
+        if edit_state:
+            s = load_file(p / "model.safetensors")
+            edit_state(s)
+            save_file(s, p / "model.safetensors")
+        return p
+
+    with pytest.raises(DFlashError, match="hidden size 64"):
+        load_drafter(variant("h", edit_cfg=lambda c: c.update(hidden_size=96),
+                             edit_state=lambda s: s.update({"fc.weight": torch.zeros(96, 288)})), target=t)
+    with pytest.raises(DFlashError, match=r"fc.weight expects 3"):
+        load_drafter(variant("ids", edit_cfg=lambda c: c["dflash_config"].update(target_layer_ids=[1, 2])))
+    with pytest.raises(DFlashError, match=r"layers.0.self_attn.q_proj.weight has shape"):
+        load_drafter(variant("shape", edit_state=lambda s: s.update({"layers.0.self_attn.q_proj.weight": torch.zeros(8, 64)})))
+    with pytest.raises(DFlashError, match="NaN"):
+        load_drafter(variant("nan", edit_state=lambda s: s["norm.weight"].__setitem__(0, float("nan"))))
+    with pytest.raises(DFlashError, match="outside target"):
+        load_drafter(variant("mask", edit_cfg=lambda c: c["dflash_config"].update(mask_token_id=5000)), target=t)
+    with pytest.raises(DFlashError, match="missing tensors"):
+        load_drafter(variant("miss", edit_state=lambda s: s.pop("norm.weight")))
+    assert load_drafter(tmp_path / "miss", allow_missing=True).load_report[-1].startswith("Loaded 24 tensors, MISSING 1")
+    (tmp_path / "trunc").mkdir()
+    (tmp_path / "trunc" / "config.json").write_text((good / "config.json").read_text())
+    (tmp_path / "trunc" / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(DFlashError, match="truncated or corrupt"):
+        load_drafter(tmp_path / "trunc")
+    with pytest.raises(DFlashError, match="config.json: missing"):
+        load_drafter(tmp_path / "h" / "..")
+
+
+def test_fc_expecting_five_layers_against_three_offered():
+    d = make_drafter(K=5)
+    with pytest.raises(DFlashError, match=r"drafter expects 5 target layers .* offers 3 layers"):
+        check_feature_layers(d.config, [1, 2, 3], "cache runs/x")
+    assert check_feature_layers(d.config, [5, 4, 3, 2, 1], "cache") == [4, 3, 2, 1, 0]
+
+
+def test_new_drafter_refuses_shortcut_layers(tiny_targets):
+    with pytest.raises(DFlashError, match="last two decoder layers"):
+        new_drafter(tiny_targets["llama"], num_layers=1, target_layer_ids=[5])

