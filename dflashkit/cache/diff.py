@@ -1,0 +1,130 @@
+"""Compare two caches layer by layer: settles "fla vs torch", "fp32 vs bf16" or "sdpa vs eager" in one command.
+
+Only prompts whose token sequences are identical in both caches are compared (features of different tokens
+say nothing about a backend); every skipped prompt is named with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflashkit.errors import DFlashError
+
+SETTINGS_SHOWN = ("dtype", "device", "attention", "linear_attention", "max_new_tokens", "enable_thinking",
+                  "target_config_hash", "layer_ids")
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    n = min(len(a), len(b))
+    neq = (a[:n] != b[:n]).nonzero()
+    if len(neq):
+        p = int(neq[0])
+        return f"token sequences differ from position {p} ({int(a[p])} vs {int(b[p])})"
+    return f"token sequences differ in length ({len(a)} vs {len(b)} tokens)"
+
+
+def layer_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Per-token cosine (mean, min) and element-wise |a-b| (mean, max), relative error ||a-b|| / ||a||, in float64.
+
+    a, b: [T, H] features of the same tokens.
+    """
+    a, b = a.double(), b.double()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-12)
+    d = (a - b).abs()
+    return {"cos_sum": float(cos.sum()), "cos_min": float(cos.min()), "abs_sum": float(d.sum()), "abs_max": float(d.max()),
+            "sq_diff": float((d * d).sum()), "sq_a": float((a * a).sum()), "tokens": a.shape[0], "elements": a.numel()}
+
+
+def _merge(acc: dict | None, s: dict) -> dict:
+    if acc is None:
+        return dict(s)
+    out = {k: acc[k] + s[k] for k in ("cos_sum", "abs_sum", "sq_diff", "sq_a", "tokens", "elements")}
+    out["cos_min"] = min(acc["cos_min"], s["cos_min"])
+    out["abs_max"] = max(acc["abs_max"], s["abs_max"])
+    return out
+
+
+def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -> dict:
+    """Per-layer statistics over the tokens of the prompts both caches hold with identical tokens.
+
+    Returns {"a", "b", "settings_differ", "layers": {l: {cos_mean, cos_min, mean_abs, max_abs, rel_err, tokens}},
+    "compared", "skipped": {id: reason}, "only_in_a", "only_in_b", "layers_only_in_a", "layers_only_in_b",
+    "min_cosine", "below": [layers whose worst-token cosine is under min_cosine]}.
+    """
+    from tqdm import tqdm
+
+    from dflashkit.cache.store import open_cache
+
+    ca, cb = open_cache(a), open_cache(b)
+    if ca.hidden_size != cb.hidden_size:
+        raise DFlashError(f"caches {a} (hidden size {ca.hidden_size}) and {b} (hidden size {cb.hidden_size}) hold "
+                          "features of different targets; compare caches of the same target")
+    sa, sb = ca.manifest.get("settings", {}), cb.manifest.get("settings", {})
+    settings_differ = {k: (sa.get(k), sb.get(k)) for k in SETTINGS_SHOWN if sa.get(k) != sb.get(k)}
+    layers = [l for l in ca.layer_ids if l in cb.layer_ids]
+    if not layers:
+        raise DFlashError(f"caches {a} (layers {ca.layer_ids}) and {b} (layers {cb.layer_ids}) share no layer")
+    shared = [p for p in ca.prompt_ids if p in set(cb.prompt_ids)]
+    skipped, compared, acc = {}, [], {l: None for l in layers}
+    for pid in tqdm(shared, desc="diff", unit="prompt", disable=not progress, leave=False):
+        ra, rb = ca.record(pid), cb.record(pid)
+        if not torch.equal(ra.tokens, rb.tokens):
+            skipped[pid] = _first_difference(ra.tokens, rb.tokens)
+            continue
+        fa, fb = ra.features(layers), rb.features(layers)
+        H = ca.hidden_size
+        for k, l in enumerate(layers):
+            acc[l] = _merge(acc[l], layer_stats(fa[:, k * H:(k + 1) * H], fb[:, k * H:(k + 1) * H]))
+        compared.append(pid)
+    if not compared:
+        why = "; ".join(f"{p}: {r}" for p, r in list(skipped.items())[:5]) or "no prompt id in common"
+        raise DFlashError(
+            f"caches {a} and {b} share no prompt with identical tokens ({why}); extract the second one with "
+            f"`--completions-from {a}` so that both hold features of the same tokens"
+        )
+    per_layer = {}
+    for l in layers:
+        s = acc[l]
+        per_layer[l] = {"cos_mean": s["cos_sum"] / s["tokens"], "cos_min": s["cos_min"],
+                        "mean_abs": s["abs_sum"] / s["elements"], "max_abs": s["abs_max"],
+                        "rel_err": (s["sq_diff"] / max(s["sq_a"], 1e-300)) ** 0.5, "tokens": s["tokens"]}
+    below = [] if min_cosine is None else [l for l in layers if per_layer[l]["cos_min"] < min_cosine]
+    return {
+        "a": str(a), "b": str(b), "settings_differ": settings_differ, "layers": per_layer,
+        "compared": compared, "skipped": skipped,
+        "only_in_a": [p for p in ca.prompt_ids if p not in set(cb.prompt_ids)],
+        "only_in_b": [p for p in cb.prompt_ids if p not in set(ca.prompt_ids)],
+        "layers_only_in_a": [l for l in ca.layer_ids if l not in layers],
+        "layers_only_in_b": [l for l in cb.layer_ids if l not in layers],
+        "min_cosine": min_cosine, "below": below,
+    }
+
+
+def format_diff(r: dict) -> str:
+    """Markdown report of diff_caches' result."""
+    from dflashkit.report import markdown_table
+
+    lines = [f"# cache diff: {r['a']} vs {r['b']}", ""]
+    if r["settings_differ"]:
+        lines.append("settings that differ: " + "; ".join(f"{k} {va!r} vs {vb!r}" for k, (va, vb) in r["settings_differ"].items()))
+    else:
+        lines.append("settings that differ: none recorded")
+    ntok = next(iter(r["layers"].values()))["tokens"]
+    lines.append(f"compared {len(r['compared'])} prompts, {ntok} tokens per layer")
+    for label, ids in (("skipped", r["skipped"]), ("only in A", r["only_in_a"]), ("only in B", r["only_in_b"])):
+        if ids:
+            body = "; ".join(f"{p} ({why})" for p, why in ids.items()) if isinstance(ids, dict) else ", ".join(ids)
+            lines.append(f"{label} ({len(ids)}): {body}")
+    for label, ls in (("layers only in A", r["layers_only_in_a"]), ("layers only in B", r["layers_only_in_b"])):
+        if ls:
+            lines.append(f"{label}: {ls}")
+    lines.append("")
+    rows = [[l, f"{s['cos_mean']:.6f}", f"{s['cos_min']:.6f}", f"{s['mean_abs']:.3e}", f"{s['max_abs']:.3e}",
+             f"{s['rel_err']:.3e}"] for l, s in r["layers"].items()]
+    lines.append(markdown_table(["layer", "cos mean", "cos min", "mean |a-b|", "max |a-b|", "rel err"], rows))
+    lines.append("rel err = ||A - B|| / ||A|| over all compared tokens; cosine per token.")
+    if r["min_cosine"] is not None:
+        verdict = (f"FAIL: layers {r['below']} have a token with cosine below {r['min_cosine']}" if r["below"]
+                   else f"PASS: every token's cosine >= {r['min_cosine']} on every layer")
+        lines.append(verdict)
+    return "\n".join(lines) + "\n"

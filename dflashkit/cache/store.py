@@ -1,0 +1,374 @@
+"""The on-disk cache: manifest.json, completions.json and one safetensors file per prompt.
+
+A prompt file holds `tokens` [T] (prompt + completion ids) and `layer_{l}` [T, H] for every stored layer id
+l (the OUTPUT of decoder layer l, SPEC.md section 2), plus metadata (prompt id, prompt length). Files are
+written atomically, so a file that exists is complete; the manifest lists each file with its sha256 and
+says whether the extraction finished. Reading is strict: a cache holding fewer prompts than asked for, or
+other layers, or another target, is an error unless the caller explicitly accepts a shortfall.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import sha256_json
+
+FORMAT = "dflashkit-cache/1"
+MANIFEST, COMPLETIONS = "manifest.json", "completions.json"
+SHARD_THRESHOLD = 2000  # caches with more prompts than this put their files in shard folders
+SHARD_SIZE = 1000  # prompts per shard folder
+
+
+def record_name(index: int, pid: str, sharded: bool) -> str:
+    """Relative file name of prompt number `index` (suite order); readable, and unique whatever the id."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", pid)[:48].strip("._") or "prompt"
+    name = f"{index:06d}-{safe}.safetensors"
+    return f"shard-{index // SHARD_SIZE:04d}/{name}" if sharded else name
+
+
+def read_manifest(path) -> dict:
+    path = Path(path)
+    f = path / MANIFEST
+    if not f.is_file():
+        hint = " (it does not exist)" if not path.exists() else ""
+        raise DFlashError(f"{path}: not a dflashkit cache, no {MANIFEST}{hint}; create one with `dflashkit extract --out {path}`")
+    try:
+        m = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{f}: invalid JSON ({e}); the manifest is corrupt: re-extract the cache") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise DFlashError(f"{f}: field 'format' is {m.get('format') if isinstance(m, dict) else None!r}, expected {FORMAT!r}; "
+                          "this is not a cache written by this version of dflashkit")
+    return m
+
+
+def read_header(file: Path, layer_ids, hidden_size: int) -> dict:
+    """Open one prompt file and check its tensors' names and shapes; returns its metadata and length."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata() or {}
+            keys = set(f.keys())
+            want = {"tokens"} | {f"layer_{l}" for l in layer_ids}
+            if not want <= keys:
+                raise DFlashError(f"{file}: missing tensors {sorted(want - keys)}; the file does not match the manifest's "
+                                  "layer ids: run `dflashkit cache verify` and re-extract")
+            T = f.get_slice("tokens").get_shape()[0]
+            for l in layer_ids:
+                shape = list(f.get_slice(f"layer_{l}").get_shape())
+                if shape != [T, hidden_size]:
+                    raise DFlashError(f"{file}: layer_{l} has shape {shape}, expected [{T}, {hidden_size}]")
+    except DFlashError:
+        raise
+    except Exception as e:  # safetensors raises several types for truncated or corrupt headers
+        raise DFlashError(f"{file}: cannot read ({str(e).splitlines()[0]}); the file is truncated or corrupt: "
+                          "run `dflashkit cache verify` and rerun the extraction to replace it") from e
+    return {"id": meta.get("prompt_id"), "prompt_len": int(meta.get("prompt_len", -1)), "num_tokens": int(T)}
+
+
+class CacheRecord:
+    """One prompt of a cache: its tokens and, on request, the features of chosen layers."""
+
+    def __init__(self, cache: "Cache", entry: dict):
+        self.id: str = entry["id"]
+        self.prompt_len: int = int(entry["prompt_len"])
+        self.num_tokens: int = int(entry["num_tokens"])
+        self.file: Path = cache.path / entry["file"]
+        self._cache = cache
+        self._tokens = None
+
+    def _read(self, names: list[str]) -> list[torch.Tensor]:
+        try:
+            with safe_open(str(self.file), framework="pt") as f:
+                out = [f.get_tensor(n) for n in names]
+        except FileNotFoundError as e:
+            raise DFlashError(f"{self.file}: missing, though {self._cache.path / MANIFEST} lists it; "
+                              "run `dflashkit cache verify` and re-extract") from e
+        except Exception as e:
+            raise DFlashError(f"{self.file}: cannot read ({str(e).splitlines()[0]}); the file is truncated or corrupt: "
+                              "run `dflashkit cache verify` and rerun the extraction") from e
+        if out[0].shape[0] != self.num_tokens:
+            raise DFlashError(f"{self.file}: holds {out[0].shape[0]} positions but the manifest says {self.num_tokens}; "
+                              "run `dflashkit cache verify`")
+        return out
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """LongTensor [T]: prompt ids followed by the target's greedy completion."""
+        if self._tokens is None:
+            self._tokens = self._read(["tokens"])[0].long()
+        return self._tokens
+
+    def features(self, layer_ids=None) -> torch.Tensor:
+        """float32 [T, K*H]: row p holds the features of position p, layers concatenated in the given order."""
+        ids = self._cache.selected_layer_ids if layer_ids is None else [int(l) for l in layer_ids]
+        self._cache.check_layers(ids)
+        return torch.cat([t.float() for t in self._read([f"layer_{l}" for l in ids])], dim=-1)
+
+    def __repr__(self) -> str:
+        return f"CacheRecord({self.id!r}, prompt_len={self.prompt_len}, tokens={self.num_tokens})"
+
+
+class Cache:
+    """An opened cache restricted to the selected prompts; iterate for CacheRecords in suite order."""
+
+    def __init__(self, path, manifest: dict, entries: list[dict], shortfall: dict | None, selected_layer_ids):
+        self.path = Path(path)
+        self.manifest = manifest
+        self.manifest_hash = sha256_json(manifest)
+        self.layer_ids: list[int] = list(manifest["layer_ids"])
+        self.selected_layer_ids: list[int] = list(selected_layer_ids)
+        self.target: dict = manifest["target"]
+        self.hidden_size: int = int(manifest["target"]["hidden_size"])
+        self.complete: bool = manifest.get("status") == "complete"
+        self.shortfall = shortfall
+        self._entries = {e["id"]: e for e in entries}
+        self.prompt_ids: list[str] = [e["id"] for e in entries]
+
+    def check_layers(self, layer_ids) -> None:
+        missing = [l for l in layer_ids if l not in self.layer_ids]
+        if missing:
+            raise DFlashError(
+                f"cache {self.path} holds target layers {self.layer_ids} but layers {missing} were asked for "
+                f"(requested {list(layer_ids)}); extract a cache with `--layers {','.join(map(str, layer_ids))}` "
+                "or use a drafter trained on the cached layers"
+            )
+
+    def record(self, pid: str) -> CacheRecord:
+        if pid not in self._entries:
+            raise DFlashError(f"cache {self.path}: no prompt {pid!r} among the {len(self)} selected prompts")
+        return CacheRecord(self, self._entries[pid])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(e["num_tokens"]) for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def __iter__(self) -> Iterator[CacheRecord]:
+        return (CacheRecord(self, self._entries[pid]) for pid in self.prompt_ids)
+
+    def __repr__(self) -> str:
+        short = f", shortfall {self.shortfall['present']}/{self.shortfall['requested']}" if self.shortfall else ""
+        return f"Cache({str(self.path)!r}, {len(self)} prompts, layers {self.selected_layer_ids}{short})"
+
+
+def _list(ids, n: int = 5) -> str:
+    ids = list(ids)
+    return ", ".join(ids[:n]) + (f", ... ({len(ids) - n} more)" if len(ids) > n else "")
+
+
+def nearby_caches(path, target: dict | None = None) -> list[tuple[Path, dict]]:
+    """Sibling caches in the parent folder, the most prompts first: where the right cache often is."""
+    path = Path(path)
+    parent = path.parent
+    found = []
+    try:
+        siblings = sorted(parent.iterdir())
+    except OSError:
+        return []
+    for d in siblings:
+        if d.name == path.name or not (d / MANIFEST).is_file():
+            continue
+        try:
+            m = read_manifest(d)
+        except DFlashError:
+            continue
+        found.append((parent / d.name, m))
+    return sorted(found, key=lambda dm: -len(dm[1].get("prompts", [])) if dm[1].get("status") == "complete" else 1)
+
+
+def describe_nearby(path, target: dict) -> str:
+    parts = []
+    for d, m in nearby_caches(path)[:5]:
+        t = m.get("target", {})
+        same = "same target" if t.get("config_hash") == target.get("config_hash") else f"target {t.get('name')}"
+        if m.get("status") == "complete":
+            parts.append(f"{d} ({len(m.get('prompts', []))} prompts, {same})")
+        else:
+            n = sum(1 for _ in Path(d).rglob("*.safetensors"))
+            parts.append(f"{d} ({n} of {m['suite']['num_prompts']} prompts so far, {same}, incomplete)")
+    return "; caches nearby: " + ", ".join(parts) if parts else "; no other caches in " + str(Path(path).parent)
+
+
+def scan_entries(path, manifest: dict) -> list[dict]:
+    """Entries of an unfinished cache, read from the files it holds so far (no hashes): suite order."""
+    path = Path(path)
+    out = []
+    for i, pid in enumerate(manifest["suite"]["prompt_ids"]):
+        rel = record_name(i, pid, manifest["layout"]["sharded"])
+        f = path / rel
+        if f.is_file():
+            head = read_header(f, manifest["layer_ids"], manifest["target"]["hidden_size"])
+            out.append({"id": pid, "file": rel, "prompt_len": head["prompt_len"], "num_tokens": head["num_tokens"]})
+    return out
+
+
+def check_target(path, manifest: dict, expect: dict) -> None:
+    have = manifest["target"]
+    if expect.get("hidden_size") is not None and int(expect["hidden_size"]) != int(have["hidden_size"]):
+        raise DFlashError(
+            f"cache {path} holds hidden size {have['hidden_size']} (target {have.get('name')}) but the target in use has "
+            f"hidden size {expect['hidden_size']} ({expect.get('name')}); extract a cache with `--target {expect.get('name')}`"
+        )
+    for key in ("config_hash", "architecture", "num_layers"):
+        if expect.get(key) is not None and have.get(key) is not None and expect[key] != have[key]:
+            raise DFlashError(
+                f"cache {path} was extracted from target {have.get('name')} ({key} {have[key]}), not from the target in "
+                f"use {expect.get('name')} ({key} {expect[key]}); its features would be misread: extract a cache with "
+                f"`dflashkit extract --target {expect.get('path') or expect.get('name')}`"
+            )
+
+
+def open_cache(path, num_prompts: int | None = None, allow_partial: bool = False, expect_target: dict | None = None,
+               layer_ids=None) -> Cache:
+    """Open a cache for reading, strictly.
+
+    num_prompts: the first N prompts in suite order (None: all the suite's prompts). Fewer present than
+    requested, or an unfinished extraction, raises unless allow_partial; then `.shortfall` records it.
+    expect_target: the identity dict of the target in use; a different config or hidden size raises.
+    layer_ids: the layers a drafter needs (its target_layer_ids); any missing one raises, and
+    `record.features()` returns these, in this order.
+    """
+    path = Path(path)
+    m = read_manifest(path)
+    if expect_target is not None:
+        check_target(path, m, expect_target)
+    selected = list(m["layer_ids"]) if layer_ids is None else [int(l) for l in layer_ids]
+    suite_ids = list(m["suite"]["prompt_ids"])
+    complete = m.get("status") == "complete"
+    entries = m["prompts"] if complete else scan_entries(path, m)
+    if num_prompts is not None and (isinstance(num_prompts, bool) or int(num_prompts) < 1):
+        raise DFlashError(f"num_prompts must be a positive number, got {num_prompts!r}")
+    requested = len(suite_ids) if num_prompts is None else int(num_prompts)
+    wanted = suite_ids[:requested]
+    have = {e["id"]: e for e in entries}
+    chosen = [have[p] for p in wanted if p in have]
+    shortfall = None
+    if len(chosen) < requested:
+        present = [e["id"] for e in chosen]
+        missing = [p for p in wanted if p not in have]
+        # missing: ids known to be absent (a cache of a smaller suite does not know the others' ids)
+        shortfall = {"requested": requested, "present": len(chosen), "missing": missing,
+                     "missing_count": requested - len(chosen), "present_ids": present, "complete": complete}
+        if not allow_partial:
+            why = "" if complete else (f" (the extraction stopped after {len(entries)} of the suite's {len(suite_ids)} "
+                                       "prompts: rerun the same `dflashkit extract` command to resume it)")
+            raise DFlashError(
+                f"cache {path} has {len(chosen)} of the {requested} requested prompts ({_list(present) or 'none'}){why}"
+                f"{describe_nearby(path, m['target'])}; pass allow_partial=True (--allow-partial) to proceed with "
+                f"{len(chosen)}, or point at a cache that holds all {requested}"
+            )
+    cache = Cache(path, m, chosen, shortfall, selected)
+    cache.check_layers(selected)
+    for e in chosen:
+        if not (path / e["file"]).is_file():
+            raise DFlashError(f"{path / e['file']}: missing, though {path / MANIFEST} lists it; the cache was modified "
+                              "after extraction: run `dflashkit cache verify` and re-extract")
+    return cache
+
+
+def cache_size(path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def find_caches(roots) -> list[Path]:
+    """Every folder holding a manifest.json under the given roots (shard folders are not descended)."""
+    out = []
+    for root in roots:
+        root = Path(root)
+        if (root / MANIFEST).is_file():
+            out.append(root)
+            continue
+        for d, subdirs, files in os.walk(root):
+            if MANIFEST in files:
+                out.append(Path(d))
+                subdirs[:] = []
+            else:
+                subdirs[:] = sorted(s for s in subdirs if not s.startswith("."))
+    return out
+
+
+def verify_cache(path, progress: bool = False) -> tuple[list[str], dict]:
+    """Check every file against the manifest: presence, sha256, tensor names and shapes, tokens against
+    completions.json, and no unlisted files. Returns (problems, summary); no problems means sound."""
+    from dflashkit.fileio import sha256_file
+
+    path = Path(path)
+    m = read_manifest(path)
+    problems: list[str] = []
+    complete = m.get("status") == "complete"
+    if not complete:
+        problems.append(f"{path / MANIFEST}: status is {m.get('status')!r}: the extraction did not finish; rerun the same "
+                        "`dflashkit extract` command to resume it")
+    suite_ids = list(m["suite"]["prompt_ids"])
+    entries = m.get("prompts", []) if complete else []
+    if complete:
+        ids = [e["id"] for e in entries]
+        if ids != suite_ids:
+            problems.append(f"{path / MANIFEST}: lists {len(ids)} prompt entries but its suite has {len(suite_ids)} prompts "
+                            f"(missing: {_list([p for p in suite_ids if p not in set(ids)]) or 'none'})")
+    else:  # check whatever files the unfinished run left, without hashes
+        for i, pid in enumerate(suite_ids):
+            rel = record_name(i, pid, m["layout"]["sharded"])
+            if (path / rel).is_file():
+                entries.append({"id": pid, "file": rel, "prompt_len": None, "num_tokens": None, "sha256": None})
+    comps = {}
+    cf = path / COMPLETIONS
+    if complete:
+        try:
+            comps = {c["id"]: c for c in json.loads(cf.read_text())}
+        except FileNotFoundError:
+            problems.append(f"{cf}: missing; the manifest says the extraction finished")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            problems.append(f"{cf}: unreadable ({e})")
+    listed = set()
+    tokens = 0
+    from tqdm import tqdm
+
+    for e in tqdm(entries, desc="verify", unit="file", disable=not progress, leave=False):
+        f = path / e["file"]
+        listed.add(f.resolve())
+        if not f.is_file():
+            problems.append(f"{f}: missing (listed for prompt {e['id']!r})")
+            continue
+        if e.get("bytes") is not None and f.stat().st_size != e["bytes"]:
+            problems.append(f"{f}: {f.stat().st_size} bytes, the manifest says {e['bytes']}: truncated or replaced")
+        if e.get("sha256") and sha256_file(f) != e["sha256"]:
+            problems.append(f"{f}: sha256 differs from the manifest: the file is corrupt or was changed")
+        try:
+            head = read_header(f, m["layer_ids"], m["target"]["hidden_size"])
+        except DFlashError as err:
+            problems.append(str(err))
+            continue
+        for key in ("id", "prompt_len", "num_tokens"):
+            if e.get(key) is not None and head[key] != e[key]:
+                problems.append(f"{f}: {key} is {head[key]!r} in the file but {e[key]!r} in the manifest")
+        tokens += head["num_tokens"]
+        c = comps.get(e["id"])
+        if complete and c is None and comps:
+            problems.append(f"{cf}: no entry for prompt {e['id']!r}")
+        elif c is not None:
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    toks = sf.get_tensor("tokens").tolist()
+            except Exception as err:
+                problems.append(f"{f}: cannot read tokens ({str(err).splitlines()[0]})")
+                continue
+            if toks != c["prompt_ids"] + c["completion_ids"]:
+                problems.append(f"{f}: tokens differ from prompt + completion ids in {cf} for {e['id']!r}")
+    for f in sorted(path.rglob("*.safetensors")):
+        if f.resolve() not in listed:
+            problems.append(f"{f}: not listed in {path / MANIFEST}" + ("" if complete else " under the expected name"))
+    if complete and m.get("totals", {}).get("tokens") not in (None, tokens) and not any("missing" in p for p in problems):
+        problems.append(f"{path / MANIFEST}: totals.tokens is {m['totals']['tokens']} but the files hold {tokens}")
+    summary = {"prompts": len(entries), "tokens": tokens, "complete": complete, "suite_prompts": len(suite_ids)}
+    return problems, summary

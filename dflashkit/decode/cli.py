@@ -1,0 +1,135 @@
+"""`dflashkit generate` and `dflashkit bench`: thin recipes over dflashkit.decode."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from dflashkit.errors import DFlashError
+
+
+def register(sub) -> None:
+    g = sub.add_parser("generate", help="decode with a drafter (ar, chain, ddtree, prompt-lookup); lossless")
+    _common(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message")
+    src.add_argument("--prompts", help="a built-in suite (coding-10, train-mix) or a JSONL file")
+    g.add_argument("--method", default="chain", help="ar | chain | ddtree | ddtree-N | prompt-lookup (default chain)")
+    g.add_argument("--budget", type=int, default=8, help="DDTree nodes per round, root excluded (default 8)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--json", action="store_true", help="print ids, text, accepted length per round and timings as JSON")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="all decoding methods on the same prompts: tau, tokens/s, speedup, time split")
+    _common(b)
+    b.add_argument("--prompts", default="coding-10", help="a built-in suite or a JSONL file (default coding-10)")
+    b.add_argument("--methods", default=None, help="comma list (default ar,chain,ddtree-4,ddtree-8,ddtree-16,prompt-lookup)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
+    b.set_defaults(func=cmd_bench)
+
+
+def _common(p) -> None:
+    p.add_argument("--target", default="smollm2-135m", help="registry name or local Hugging Face folder")
+    p.add_argument("--drafter", help="drafter folder (z-lab or dflashkit format); not needed for ar / prompt-lookup")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts of the suite")
+    p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the drafter's)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; above 0 samples, still lossless")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+
+
+def _check(args) -> None:
+    if args.max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if args.temperature < 0:
+        raise DFlashError(f"--temperature {args.temperature}: must be 0 (greedy) or positive")
+    if args.block_size is not None and args.block_size < 2:
+        raise DFlashError(f"--block-size {args.block_size}: must be at least 2 (the anchor plus one draft)")
+    if getattr(args, "budget", 1) < 1:
+        raise DFlashError(f"--budget {args.budget}: a DDTree needs at least 1 node")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise DFlashError(f"--num-prompts {args.num_prompts}: must be at least 1")
+
+
+def _load(args, need_drafter: bool):
+    from dflashkit.target.model import load_target
+
+    target = load_target(args.target, device=args.device)
+    drafter = None
+    if args.drafter:
+        from dflashkit.drafter.checkpoint import load_drafter
+
+        drafter = load_drafter(args.drafter, target=target, device=target.device, dtype=target.dtype)
+    elif need_drafter:
+        raise DFlashError("--drafter is required for chain and ddtree methods; pass a drafter folder, or use "
+                          "--method ar / prompt-lookup")
+    return target, drafter
+
+
+def _prompts(args, target) -> list[tuple[str, list[int]]]:
+    if getattr(args, "prompt", None) is not None:
+        return [("prompt", target.chat_ids([{"role": "user", "content": args.prompt}]))]
+    from dflashkit.prompts import load_prompts
+
+    try:
+        suite = load_prompts(args.prompts)
+    except ValueError as e:
+        raise DFlashError(f"--prompts: {e}") from None
+    if args.num_prompts is not None:
+        if args.num_prompts > len(suite):
+            raise DFlashError(f"--num-prompts {args.num_prompts}: {suite.name} holds only {len(suite)} prompts")
+        suite = suite.subset(args.num_prompts)
+    return [(item.id, target.chat_ids(item.messages)) for item in suite.items]
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from dflashkit.decode.speculative import DFlashProposer, generate, parse_method
+
+    _check(args)
+    try:
+        kind, _ = parse_method(args.method)
+    except ValueError as e:
+        raise DFlashError(f"--method: {e}") from None
+    target, drafter = _load(args, need_drafter=kind in ("chain", "ddtree"))
+    proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
+    records = []
+    for i, (pid, ids) in enumerate(_prompts(args, target)):
+        gen = torch.Generator(device=target.device).manual_seed(args.seed + i)
+        torch.manual_seed(args.seed + i)
+        g = generate(target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, generator=gen)
+        rec = {"id": pid, "method": g.method, "prompt_tokens": len(ids), "tokens": g.tokens,
+               "text": target.decode(g.tokens), "accepted": g.accepted, "tau": g.tau if g.accepted else None,
+               "tokens_per_s": len(g.tokens) / g.times["total"], "times": g.times}
+        records.append(rec)
+        if not args.json:
+            tau = f"tau {g.tau:.2f}, " if g.accepted else ""
+            print(f"== {pid} [{g.method}] {len(g.tokens)} tokens, {tau}{rec['tokens_per_s']:.1f} tokens/s")
+            print(rec["text"])
+    if args.json:
+        json.dump(records, sys.stdout, indent=1)
+        print()
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from dflashkit.decode.bench import DEFAULT_METHODS, bench_markdown, parse_methods, run_bench, write_bench
+    from dflashkit.decode.speculative import parse_method
+
+    _check(args)
+    methods = parse_methods(args.methods or DEFAULT_METHODS)
+    needs = any(parse_method(m)[0] in ("chain", "ddtree") for m in methods)
+    target, drafter = _load(args, need_drafter=needs)
+    prompts = _prompts(args, target)
+    result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
+                       block_size=args.block_size, temperature=args.temperature, seed=args.seed)
+    paths = write_bench(result, args.out)
+    print(bench_markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    if result["mismatches"]:
+        raise DFlashError(f"{len(result['mismatches'])} speculative outputs differ from plain decoding at temperature 0 "
+                          f"(see {paths[1]}); decoding is not lossless here: this is a bug, please report it")
+    return 0

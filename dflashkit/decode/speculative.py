@@ -1,0 +1,403 @@
+"""Online speculative decoding against the live target: plain (ar), chain and DDTree, lossless at any temperature.
+
+Each loop reads top to bottom (SPEC.md sections 4-5): prefill with the target's layer features; then rounds of
+draft (one drafter pass) -> verify (one target forward) -> accept (the longest draft the target itself would have
+produced) -> commit (keep only the accepted positions in the target cache; their features become the drafter's
+next context). "The target's choice" is its argmax at temperature 0 and its own sample from softmax(logits / T)
+otherwise; accepting a greedy draft iff it equals that sample keeps the output distribution exactly the target's.
+
+Hybrid targets (Qwen3.5 linear-attention layers) keep recurrent and conv states that cannot be cropped: the loop
+snapshots them before verifying, restores them afterwards and re-runs the target over the accepted tokens. That
+costs one extra target forward over tau tokens per round (skipped when a chain round accepts the whole block).
+A recurrent layer cannot read a flattened tree either, so on hybrid targets DDTree verifies every root-to-leaf
+path as its own batch row.
+
+The drafter enters through a small `Proposer` interface, so tests can inject an oracle.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Protocol
+
+import torch
+
+from dflashkit.evaluate.ddtree import Tree, build_tree
+
+
+# ---- results and timing ---------------------------------------------------------------------------------
+
+@dataclass
+class Generation:
+    method: str
+    tokens: list[int]  # new tokens, cut exactly where plain decoding stops (stop token kept, or max_new_tokens)
+    accepted: list[int]  # per round: accepted drafts + 1 (the bonus), as verified, before any cut
+    times: dict[str, float] = field(default_factory=dict)  # seconds: prefill, draft, verify, other, total
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+
+class Timer:
+    """Wall time per named section; synchronizes CUDA so asynchronous kernels land in the right section.
+    The loops time only forwards: prefill and verify (target), draft (drafter); `other` is the rest of the
+    round (sampling, tree building, masks, cache cropping, bookkeeping)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.times: dict[str, float] = defaultdict(float)
+        self.t0 = perf_counter()
+
+    @contextmanager
+    def __call__(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t = perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times[name] += perf_counter() - t
+
+    def finish(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = {k: self.times.get(k, 0.0) for k in ("prefill", "draft", "verify")}
+        out["total"] = perf_counter() - self.t0
+        out["other"] = max(0.0, out["total"] - out["prefill"] - out["draft"] - out["verify"])
+        return out
+
+
+# ---- the drafter, behind a small interface ----------------------------------------------------------------
+
+class Proposer(Protocol):
+    block_size: int  # B: the anchor plus B-1 drafts
+    layer_ids: list[int] | None  # target layer features the proposer reads
+
+    def reset(self, prompt_ids: list[int]) -> None: ...
+
+    def propose(self, features: torch.Tensor, anchor: torch.Tensor, start: int) -> torch.Tensor:
+        """features [1, n, K*H] of the n newly committed positions start-n..start-1; anchor [1] the bonus token
+        at position `start`. Returns float32 logits [B-1, V'] for positions start+1..start+B-1."""
+        ...
+
+    def to_tokens(self, idx: torch.Tensor) -> torch.Tensor: ...
+
+
+class DFlashProposer:
+    """A DFlash drafter: block [anchor, MASK x (B-1)] through the drafter, logits through its DraftHead.
+    Its cache holds context K/V only, so each call passes just the newly committed features."""
+
+    def __init__(self, target, drafter, block_size: int | None = None):
+        from dflashkit.drafter.head import DraftHead
+
+        self.target, self.drafter = target, drafter
+        self.head = DraftHead.for_drafter(target, drafter)
+        self.block_size = int(block_size or drafter.config.block_size)
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        dev = target.device
+        self.mask_ids = torch.full((self.block_size - 1,), drafter.config.mask_token_id, dtype=torch.long, device=dev)
+        self.dtype = drafter.fc.weight.dtype
+        self.cache = None
+
+    def reset(self, prompt_ids) -> None:
+        self.cache = self.drafter.new_cache()
+
+    @torch.no_grad()
+    def propose(self, features, anchor, start: int) -> torch.Tensor:
+        n = features.shape[1]
+        block = self.target.embed_tokens(torch.cat([anchor, self.mask_ids]))[None].to(self.dtype)  # [1, B, H]
+        positions = torch.arange(start - n, start + self.block_size, device=block.device)[None]  # context, block
+        h = self.drafter(features.to(self.dtype), block, positions, past_key_values=self.cache, use_cache=True)
+        return self.head.logits(h[0, 1:])  # [B-1, V']
+
+    def to_tokens(self, idx):
+        return self.head.to_tokens(idx)
+
+
+# ---- small pieces the loops share ---------------------------------------------------------------------------
+
+def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's choice per row of logits [n, V] -> [n]: argmax at T=0, else a sample of softmax(logits/T)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def emit(out: list[int], new: list[int], stops: set[int], max_new_tokens: int) -> bool:
+    """Append tokens one by one as plain decoding would; True once a stop token or max_new_tokens ends it."""
+    for t in new:
+        out.append(t)
+        if t in stops or len(out) >= max_new_tokens:
+            return True
+    return False
+
+
+def new_cache(target):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=target.config)
+
+
+def _attention_layers(cache):
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+
+
+def _linear_layers(cache):
+    return [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of every attention layer (linear-attention states are restored instead),
+    and batch row 0 only (a hybrid tree verify expands the cache to one row per path)."""
+    for layer in _attention_layers(cache):
+        layer.keys, layer.values = layer.keys[:1, :, :length], layer.values[:1, :, :length]
+
+
+def compact_cache(cache, start: int, keep: torch.Tensor) -> None:
+    """Keep positions < start plus the tree slots start + keep (the accepted path, in order): the kept slots
+    move down to start..start+len(keep)-1 (only the tail is copied), then the rest is cropped off."""
+    for layer in _attention_layers(cache):
+        for t in (layer.keys, layer.values):
+            t[:, :, start : start + len(keep)] = t.index_select(2, start + keep)
+    crop_cache(cache, start + len(keep))
+
+
+def save_linear_states(cache) -> list:
+    """Clones of every linear-attention layer's conv and recurrent states (they are updated in place)."""
+    saved = []
+    for layer in _linear_layers(cache):
+        saved.append(({i: None if s is None else s.clone() for i, s in layer.conv_states.items()},
+                      {i: None if s is None else s.clone() for i, s in layer.recurrent_states.items()},
+                      dict(layer.has_previous_state)))
+    return saved
+
+
+def load_linear_states(cache, saved) -> None:
+    for layer, (conv, rec, prev) in zip(_linear_layers(cache), saved):
+        layer.conv_states = {i: None if s is None else s.clone() for i, s in conv.items()}
+        layer.recurrent_states = {i: None if s is None else s.clone() for i, s in rec.items()}
+        layer.has_previous_state = dict(prev)
+
+
+def rerun(target, cache, saved, tokens: torch.Tensor, start: int, layer_ids):
+    """Hybrid commit: roll the cache back to `start` and run the accepted tokens [n] again. Returns features."""
+    crop_cache(cache, start)
+    load_linear_states(cache, saved)
+    pos = (start + torch.arange(len(tokens), device=tokens.device))[None]
+    out = target.forward(tokens[None], layer_ids=layer_ids, past_key_values=cache, position_ids=pos,
+                         compute_logits=False)
+    return out.features
+
+
+def _stops(target, stop_ids) -> set[int]:
+    return set(target.stop_token_ids if stop_ids is None else stop_ids)
+
+
+# ---- the loops ------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
+                generator: torch.Generator | None = None, stop_ids=None) -> Generation:
+    """Plain decoding, one target forward per token: the baseline every speedup is measured against."""
+    timer, stops, dev = Timer(target.device), _stops(target, stop_ids), target.device
+    cache = new_cache(target)
+    with timer("prefill"):
+        out = target.forward(torch.tensor([prompt_ids], device=dev), past_key_values=cache, logits_to_keep=1)
+    token = choose(out.logits[0, -1:], temperature, generator)  # [1]
+    tokens: list[int] = []
+    done = emit(tokens, token.tolist(), stops, max_new_tokens)
+    pos, accepted = len(prompt_ids), []
+    while not done:
+        with timer("verify"):
+            out = target.forward(token[None], past_key_values=cache, position_ids=torch.tensor([[pos]], device=dev))
+        token = choose(out.logits[0, -1:], temperature, generator)
+        accepted.append(1)
+        pos += 1
+        done = emit(tokens, token.tolist(), stops, max_new_tokens)
+    return Generation("ar", tokens, accepted, timer.finish())
+
+
+@torch.no_grad()
+def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
+                   temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
+    """Chain speculative decoding (SPEC.md section 4): one drafter pass and one target forward over B tokens per round."""
+    timer, stops, dev = Timer(target.device), _stops(target, stop_ids), target.device
+    B, layer_ids = proposer.block_size, proposer.layer_ids
+    offsets = torch.arange(B, device=dev)
+    cache = new_cache(target)
+    with timer("prefill"):
+        out = target.forward(torch.tensor([prompt_ids], device=dev), layer_ids=layer_ids, past_key_values=cache,
+                             logits_to_keep=1)
+    bonus = choose(out.logits[0, -1:], temperature, generator)  # [1] first new token, not yet run
+    tokens: list[int] = []
+    done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
+    proposer.reset(prompt_ids)
+    feats, start, accepted = out.features, len(prompt_ids), []  # start: position of the bonus token
+    while not done:
+        with timer("draft"):
+            logits = proposer.propose(feats, bonus, start)  # [B-1, V']
+        block = torch.cat([bonus, proposer.to_tokens(logits.argmax(-1))])  # [B]: the bonus, then B-1 drafts
+        saved = save_linear_states(cache) if target.is_hybrid else None
+        with timer("verify"):
+            out = target.forward(block[None], layer_ids=layer_ids, past_key_values=cache,
+                                 position_ids=(start + offsets)[None])
+        posterior = choose(out.logits[0], temperature, generator)  # [B]: target's token after block[:i+1]
+        a = int((block[1:] == posterior[:-1]).cumprod(0).sum())  # accepted drafts
+        feats = out.features[:, : a + 1]
+        if saved is None:
+            crop_cache(cache, start + a + 1)
+        elif a < B - 1:  # a recurrent state cannot be cropped: restore it and re-run the accepted tokens
+            with timer("verify"):
+                feats = rerun(target, cache, saved, block[: a + 1], start, layer_ids)
+        accepted.append(a + 1)
+        bonus, start = posterior[a : a + 1], start + a + 1
+        done = emit(tokens, block[1 : a + 1].tolist() + bonus.tolist(), stops, max_new_tokens)
+    return Generation("chain", tokens, accepted, timer.finish())
+
+
+def draft_tree(logits: torch.Tensor, budget: int, root: torch.Tensor, to_tokens) -> Tree:
+    """build_tree over the drafter's [L, V'] logits, with node tokens mapped to target ids and the bonus as root."""
+    tree = build_tree(logits, budget)
+    tokens = torch.cat([root.cpu(), to_tokens(tree.tokens[1:].to(logits.device)).cpu()])
+    return Tree(tokens=tokens, depths=tree.depths, parents=tree.parents, log_probs=tree.log_probs)
+
+
+def tree_attention_mask(tree: Tree, past: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, n, past + n] additive mask: every cached position visible, then the node's ancestors and itself."""
+    allowed = torch.cat([torch.ones(len(tree), past, dtype=torch.bool), tree.ancestor_mask()], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].to(device)
+
+
+def walk(tree: Tree, choice: list[int]) -> list[int]:
+    """Follow the target's choice from the root while it is a child; node indices of the accepted path."""
+    kids, node, path = tree.children(), 0, []
+    while (child := kids[node].get(choice[node])) is not None:
+        path.append(child)
+        node = child
+    return path
+
+
+def verify_tree_by_paths(target, cache, tree: Tree, start: int):
+    """Hybrid targets: one batch row per root-to-leaf path (a recurrent layer reads one sequence at a time).
+    Returns the target's logits at every node [n, V]. The cache comes back expanded; the caller restores it."""
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    has_child = set(p for p in parents if p >= 0)
+    rows = []
+    for leaf in [i for i in range(len(tree)) if i not in has_child]:
+        row = [leaf]
+        while parents[row[-1]] >= 0:
+            row.append(parents[row[-1]])
+        rows.append(row[::-1])
+    width = max(len(r) for r in rows)
+    grid = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows])  # node index per slot; right padding
+    row_of = torch.zeros(len(tree), dtype=torch.long)
+    for r, row in enumerate(rows):
+        row_of[row] = r
+    n, dev = len(rows), target.device
+    for layer in _attention_layers(cache):
+        layer.keys, layer.values = layer.keys.expand(n, -1, -1, -1), layer.values.expand(n, -1, -1, -1)
+    rows_of = lambda states: {i: None if s is None else s.repeat(n, *[1] * (s.dim() - 1)) for i, s in states.items()}
+    for layer in _linear_layers(cache):
+        layer.conv_states, layer.recurrent_states = rows_of(layer.conv_states), rows_of(layer.recurrent_states)
+    pos = (start + torch.arange(width, device=dev)).expand(n, -1)
+    out = target.forward(tree.tokens[grid].to(dev), past_key_values=cache, position_ids=pos)
+    return out.logits[row_of.to(dev), torch.tensor(depths, device=dev)]
+
+
+@torch.no_grad()
+def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: int = 8, max_new_tokens: int = 256,
+                    temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
+    """DDTree (SPEC.md section 5): the `budget` most probable drafts of one drafter pass, verified in one target
+    forward over root + nodes (position start + depth, ancestor-only mask); the walk picks the accepted path."""
+    timer, stops, dev = Timer(target.device), _stops(target, stop_ids), target.device
+    layer_ids = proposer.layer_ids
+    cache = new_cache(target)
+    with timer("prefill"):
+        out = target.forward(torch.tensor([prompt_ids], device=dev), layer_ids=layer_ids, past_key_values=cache,
+                             logits_to_keep=1)
+    bonus = choose(out.logits[0, -1:], temperature, generator)
+    tokens: list[int] = []
+    done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
+    proposer.reset(prompt_ids)
+    feats, start, accepted = out.features, len(prompt_ids), []
+    while not done:
+        with timer("draft"):
+            logits = proposer.propose(feats, bonus, start)  # [B-1, V']
+        tree = draft_tree(logits, budget, bonus, proposer.to_tokens)
+        saved = save_linear_states(cache) if target.is_hybrid else None
+        if saved is None:
+            mask = tree_attention_mask(tree, start, target.dtype, dev)
+            with timer("verify"):
+                out = target.forward(tree.tokens[None].to(dev), layer_ids=layer_ids, past_key_values=cache,
+                                     position_ids=(start + tree.depths)[None].to(dev), attention_mask=mask)
+            node_logits = out.logits[0]  # [n, V]
+        else:
+            with timer("verify"):
+                node_logits = verify_tree_by_paths(target, cache, tree, start)
+        choice = choose(node_logits, temperature, generator)  # [n]: the target's token after each node
+        path = walk(tree, choice.tolist())
+        keep = torch.tensor([0] + path, device=dev)  # root (the bonus) + accepted nodes
+        if saved is None:
+            compact_cache(cache, start, keep)
+            feats = out.features[:, keep]
+        else:
+            with timer("verify"):
+                feats = rerun(target, cache, saved, tree.tokens.to(dev)[keep], start, layer_ids)
+        accepted.append(len(path) + 1)
+        bonus, start = choice[keep[-1:]], start + len(path) + 1
+        done = emit(tokens, tree.tokens[path].tolist() + bonus.tolist(), stops, max_new_tokens)
+    return Generation(f"ddtree-{budget}", tokens, accepted, timer.finish())
+
+
+@torch.no_grad()
+def generate_prompt_lookup(target, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
+                           num_tokens: int = 10, stop_ids=None) -> Generation:
+    """transformers' own prompt-lookup decoding, the peer a user would otherwise pick (total time only)."""
+    stops = sorted(_stops(target, stop_ids))
+    timer = Timer(target.device)
+    pad = target.tokenizer.pad_token_id
+    pad = pad if pad is not None else (stops[0] if stops else 0)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None) if temperature > 0 else \
+        dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+    ids = torch.tensor([prompt_ids], device=target.device)
+    out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                prompt_lookup_num_tokens=num_tokens, eos_token_id=stops or None, pad_token_id=pad,
+                                **sampling)
+    tokens: list[int] = []
+    emit(tokens, out[0, len(prompt_ids):].tolist(), set(stops), max_new_tokens)
+    return Generation(f"prompt-lookup-{num_tokens}", tokens, [], timer.finish())
+
+
+def parse_method(name: str) -> tuple[str, int | None]:
+    """'ar' | 'chain' | 'ddtree' | 'ddtree-N' | 'prompt-lookup' | 'prompt-lookup-N' -> (kind, N or None)."""
+    m = re.fullmatch(r"(ar|chain|ddtree|prompt-lookup)(?:-([0-9]+))?", name.strip())
+    if m is None or (m.group(2) is not None and m.group(1) in ("ar", "chain")) or m.group(2) == "0":
+        raise ValueError(f"unknown method {name!r}; use ar, chain, ddtree, ddtree-N (budget N), prompt-lookup or "
+                         "prompt-lookup-N (N lookup tokens)")
+    return m.group(1), None if m.group(2) is None else int(m.group(2))
+
+
+def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
+             max_new_tokens: int = 256, temperature: float = 0.0, generator=None, stop_ids=None) -> Generation:
+    """One entry point for every method name of `parse_method`; `budget` applies to a bare 'ddtree'."""
+    kind, n = parse_method(method)
+    if kind == "ar":
+        return generate_ar(target, prompt_ids, max_new_tokens, temperature, generator, stop_ids)
+    if kind == "prompt-lookup":
+        return generate_prompt_lookup(target, prompt_ids, max_new_tokens, temperature, n or 10, stop_ids)
+    if proposer is None:
+        raise ValueError(f"method {method!r} needs a drafter")
+    if kind == "chain":
+        return generate_chain(target, proposer, prompt_ids, max_new_tokens, temperature, generator, stop_ids)
+    return generate_ddtree(target, proposer, prompt_ids, n or budget, max_new_tokens, temperature, generator, stop_ids)

@@ -1,0 +1,331 @@
+"""Online speculative decoding: lossless against plain greedy decoding, oracle acceptance, sampling distribution."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dflashkit.decode.bench import check_lossless, parse_methods, run_bench, write_bench
+from dflashkit.decode.speculative import DFlashProposer, generate
+from dflashkit.drafter.checkpoint import new_drafter, save_drafter
+from dflashkit.errors import DFlashError
+
+KINDS = ("llama", "qwen3", "qwen3_5")
+TEXTS = ["hello world", "def add(a, b):", "Write a haiku about the sea, then explain it."]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning threads make
+    these tests 10-50x slower; restore the setting afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def greedy_reference(target, ids, n, stops=()):
+    """Plain greedy decoding written out: full recompute each step, no cache."""
+    seq, out = list(ids), []
+    for _ in range(n):
+        t = int(target.model(torch.tensor([seq])).logits[0, -1].argmax())
+        out.append(t)
+        seq.append(t)
+        if t in stops:
+            break
+    return out
+
+
+class Oracle:
+    """A drafter stand-in that proposes the target's own continuation `sequence` (prompt + greedy completion).
+
+    `wrong` positions get a planted mistake: a wrong token first and the right one second, so chain stops
+    there while DDTree finds the right token as a sibling. Every call's context features are recorded."""
+
+    def __init__(self, sequence, block_size, vocab, wrong=(), layer_ids=(1,)):
+        self.seq, self.block_size, self.vocab, self.wrong = list(sequence), block_size, vocab, set(wrong)
+        self.layer_ids = list(layer_ids)
+        self.calls = []
+
+    def reset(self, prompt_ids):
+        self.calls = []
+
+    def propose(self, features, anchor, start):
+        self.calls.append((start, features.clone()))
+        logits = torch.zeros(self.block_size - 1, self.vocab)
+        for j in range(1, self.block_size):
+            p = start + j
+            want = self.seq[p] if p < len(self.seq) else 0
+            if p in self.wrong:
+                logits[j - 1, (want + 1) % self.vocab] = 20.0
+                logits[j - 1, want] = 19.0
+            else:
+                logits[j - 1, want] = 20.0
+        return logits
+
+    def to_tokens(self, idx):
+        return idx
+
+
+def check_feature_stream(target, oracle, ids, tokens):
+    """The features handed to the drafter each round equal the target's features of exactly the newly committed
+    positions (prompt first, then each round's accepted tokens): what a full forward computes."""
+    full = target.forward(torch.tensor([ids + tokens]), layer_ids=oracle.layer_ids).features[0]
+    prev = 0
+    for start, feats in oracle.calls:
+        assert feats.shape[1] == start - prev, (start, prev, feats.shape)
+        torch.testing.assert_close(feats[0], full[prev:start], atol=2e-4, rtol=1e-3)
+        prev = start
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_targets):
+    torch.manual_seed(0)
+    return {k: new_drafter(t, num_layers=1, block_size=6).eval() for k, t in tiny_targets.items()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lossless_greedy_on_tiny_targets(tiny_targets, drafters, kind):
+    """T=0: chain and DDTree equal plain greedy decoding token for token, with a random drafter and with an
+    oracle that makes planted mistakes (partial blocks, accepted paths through non-first siblings)."""
+    target = tiny_targets[kind]
+    random_drafter = DFlashProposer(target, drafters[kind])
+    for i, text in enumerate(TEXTS):
+        ids = target.chat_ids([{"role": "user", "content": text}])
+        ref = greedy_reference(target, ids, 20, set(target.stop_token_ids))
+        seq = ids + ref + greedy_reference(target, ids + ref, 8)
+        oracle = Oracle(seq, 6, target.vocab_size, wrong={len(ids) + k for k in (3, 5, 9, 10, 16)})
+        for method in ("ar", "chain", "ddtree-3", "ddtree-12"):
+            if method in ("chain", "ddtree-12") and i < 2:
+                assert generate(target, ids, method, random_drafter, max_new_tokens=20).tokens == ref, (kind, text, method)
+            g = generate(target, ids, method, oracle, max_new_tokens=20)
+            assert g.tokens == ref, (kind, text, method)
+            if method != "ar":
+                check_feature_stream(target, oracle, ids, g.tokens)
+        if kind == "llama":
+            assert generate(target, ids, "prompt-lookup", max_new_tokens=20).tokens == ref
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oracle_acceptance(tiny_targets, kind):
+    """An oracle drafter: chain commits full blocks (tau = B); DDTree reaches depth min(budget, B-1) + 1."""
+    target = tiny_targets[kind]
+    ids = target.chat_ids([{"role": "user", "content": TEXTS[1]}])
+    B = 6
+    ref = greedy_reference(target, ids, 1 + 3 * B + B)
+    oracle = Oracle(ids + ref, B, target.vocab_size)
+    g = generate(target, ids, "chain", oracle, max_new_tokens=1 + 3 * B)
+    assert g.accepted == [B, B, B] and g.tokens == ref[: 1 + 3 * B]
+    for budget in (1, 2, 4, 5, 16):
+        depth = min(budget, B - 1) + 1
+        g = generate(target, ids, "ddtree", oracle, budget=budget, max_new_tokens=1 + 3 * depth)
+        assert g.accepted == [depth] * 3, (budget, g.accepted)
+        assert g.tokens == ref[: 1 + 3 * depth]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_max_new_tokens_and_stop_token_mid_block(tiny_targets, monkeypatch, kind):
+    """Cut exactly where plain decoding stops, when the cut falls inside an accepted block."""
+    target = tiny_targets[kind]
+    ids = target.chat_ids([{"role": "user", "content": TEXTS[0]}])
+    B = 6
+    ref = greedy_reference(target, ids, 30)
+    oracle = Oracle(ids + ref + [0] * B, B, target.vocab_size)
+    for method in ("chain", "ddtree-8"):
+        g = generate(target, ids, method, oracle, max_new_tokens=1 + B + 3)  # round 2 accepts B, 3 are kept
+        assert g.tokens == ref[: 1 + B + 3] and g.accepted == [B, B]
+    # a stop token first produced in the middle of round 2's block
+    k = next(k for k in range(B + 2, 2 * B) if ref[k] not in ref[:k])
+    monkeypatch.setattr(target, "stop_token_ids", [ref[k]])
+    want = greedy_reference(target, ids, 30, {ref[k]})
+    assert want == ref[: k + 1]
+    for method in ("ar", "chain", "ddtree-8"):
+        g = generate(target, ids, method, oracle, max_new_tokens=30)
+        assert g.tokens == want, method
+
+
+def chi_square(counts: dict, probs: torch.Tensor, n: int) -> tuple[float, float]:
+    """Pearson statistic over bins of expected count >= 5 plus one pooled bin for the rest, and its critical
+    value at p = 1e-4 (Wilson-Hilferty approximation of the chi-square quantile)."""
+    big = [t for t in range(len(probs)) if probs[t] * n >= 5]
+    obs = [counts.get(t, 0) for t in big] + [n - sum(counts.get(t, 0) for t in big)]
+    exp = [float(probs[t]) * n for t in big] + [n * (1.0 - float(probs[big].sum()))]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 1e-9)
+    dof = len([e for e in exp if e > 1e-9]) - 1
+    crit = dof * (1 - 2 / (9 * dof) + 3.72 * math.sqrt(2 / (9 * dof))) ** 3
+    return stat, crit
+
+
+def test_sampling_matches_target_softmax(tiny_targets):
+    """T>0: the first and second new tokens over many seeded runs follow the target's own distribution. The
+    second token is the first one the verify step decides; the oracle's greedy drafts get accepted often, so a
+    loop that accepted drafts too easily would over-produce them."""
+    target = tiny_targets["llama"]
+    T, n, B = 0.2, 250, 4
+    ids = target.chat_ids([{"role": "user", "content": "def f(x):"}])
+    ref = greedy_reference(target, ids, 8)
+    oracle = Oracle(ids + ref, B, target.vocab_size)
+    with torch.no_grad():
+        p1 = torch.softmax(target.model(torch.tensor([ids])).logits[0, -1] / T, -1)
+        first = torch.arange(target.vocab_size)[:, None]
+        both = torch.cat([torch.tensor([ids]).expand(target.vocab_size, -1), first], dim=1)
+        p2_given = torch.softmax(target.model(both).logits[:, -1] / T, -1)  # [V first tokens, V]
+        p2 = p1 @ p2_given
+    # the test has power: a loop that accepted a draft when it is the target's argmax (not its sample) fails it
+    greedy_accept = p2_given.clone()
+    greedy_accept[:, ref[1]] = 0
+    greedy_accept[p2_given.argmax(-1) == ref[1], :] = 0
+    greedy_accept[p2_given.argmax(-1) == ref[1], ref[1]] = 1
+    greedy_accept = p1 @ (greedy_accept / greedy_accept.sum(-1, keepdim=True))
+    fake = torch.multinomial(greedy_accept, n, replacement=True, generator=torch.Generator().manual_seed(1)).tolist()
+    stat, crit = chi_square({t: fake.count(t) for t in set(fake)}, p2, n)
+    assert stat > crit, (stat, crit)
+    for method in ("chain", "ddtree-4"):
+        gen = torch.Generator().manual_seed(0)
+        runs = [generate(target, ids, method, oracle, max_new_tokens=2, temperature=T, generator=gen) for _ in range(n)]
+        assert sum(r.accepted[0] > 1 for r in runs) > n // 10, "the test needs accepted drafts to mean anything"
+        for pos, probs in ((0, p1), (1, p2)):
+            toks = [r.tokens[pos] for r in runs]
+            stat, crit = chi_square({t: toks.count(t) for t in set(toks)}, probs, n)
+            assert stat < crit, (method, pos, stat, crit)
+
+
+def test_smollm2_coding_prompts_lossless(smollm2):
+    """The real target on two coding prompts: chain and DDTree equal plain greedy decoding."""
+    from dflashkit.prompts import load_prompts
+    from dflashkit.target.generation import iter_generate_greedy
+
+    target = smollm2
+    torch.manual_seed(0)
+    drafter = DFlashProposer(target, new_drafter(target, num_layers=1, block_size=8).eval())
+    suite = load_prompts("coding-10").items[:2]
+    for item in suite:
+        ids = target.chat_ids(item.messages)
+        ref = dict(iter_generate_greedy(target, [ids], 10, batch_size=1))[0]
+        seq = ids + ref + [0] * 8
+        oracle = Oracle(seq, 8, target.vocab_size, wrong={len(ids) + 3, len(ids) + 8}, layer_ids=(1, 15))
+        if item is suite[0]:
+            assert generate(target, ids, "chain", drafter, max_new_tokens=10).tokens == ref
+        for method in ("chain", "ddtree-4"):
+            g = generate(target, ids, method, oracle, max_new_tokens=10)
+            assert g.tokens == ref, (item.id, method)
+            assert g.tau > 2
+        check_feature_stream(target, oracle, ids, g.tokens)
+
+
+def test_bench_reports_and_flags_mismatches(tiny_targets, drafters, tmp_path, monkeypatch):
+    target = tiny_targets["qwen3"]
+    ids = [(t, target.chat_ids([{"role": "user", "content": t}])) for t in TEXTS[:2]]
+    methods = parse_methods("chain,ddtree-4,prompt-lookup")
+    assert methods == ["ar", "chain", "ddtree-4", "prompt-lookup"]
+    res = run_bench(target, drafters["qwen3"], ids, methods, max_new_tokens=12, progress=False)
+    assert res["mismatches"] == []
+    for m, s in res["methods"].items():
+        assert s["new_tokens"] == sum(len(r["tokens"]) for r in res["runs"] if r["method"] == m)
+        if m in ("chain", "ddtree-4"):
+            assert abs(sum(s["accepted_hist"]) - 1) < 1e-9
+            r = s["ms_per_round"]
+            t_ar = res["methods"]["ar"]["ms_per_round"]["total"]
+            assert s["ceiling"] == pytest.approx(s["tau"] * t_ar / (r["draft"] + r["verify"]))
+            assert abs(sum(s["split"].values()) - 1) < 1e-6
+    files = write_bench(res, tmp_path / "bench")
+    assert {p.name for p in files} == {"results.json", "report.md", "speedup.png", "accepted.png"}
+    assert json.loads((tmp_path / "bench" / "results.json").read_text())["config"]["methods"] == methods
+    # a speculative output that differs from plain decoding is a loud failure
+    import dflashkit.decode.bench as bench
+
+    real = bench.generate
+
+    def broken(target, ids, method, *a, **k):
+        g = real(target, ids, method, *a, **k)
+        if method == "chain":
+            g.tokens[-1] = (g.tokens[-1] + 1) % target.vocab_size
+        return g
+
+    monkeypatch.setattr(bench, "generate", broken)
+    res = run_bench(target, drafters["qwen3"], ids, ["ar", "chain"], max_new_tokens=6, progress=False, warmup=False)
+    assert [(x["method"], x["first_difference"]) for x in res["mismatches"]] == [("chain", 5), ("chain", 5)]
+    assert "LOSSLESS CHECK FAILED" in bench.bench_markdown(res)
+    assert check_lossless([{"prompt": "a", "method": "ar", "tokens": [1, 2]},
+                           {"prompt": "a", "method": "x", "tokens": [1, 2, 3]}])[0]["first_difference"] == 2
+
+
+def test_cli_generate_json_and_errors(tiny_dirs, tiny_targets, drafters, tmp_path, capsys):
+    from dflashkit.cli import main
+
+    target = tiny_targets["qwen3"]
+    save_drafter(drafters["qwen3"], tmp_path / "d", target_identity=target.identity())
+    base = ["generate", "--target", str(tiny_dirs["qwen3"]), "--prompt", "hello", "--max-new-tokens", "9"]
+    assert main(base + ["--drafter", str(tmp_path / "d"), "--method", "ddtree", "--budget", "4", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)[0]
+    ids = target.chat_ids([{"role": "user", "content": "hello"}])
+    assert rec["tokens"] == greedy_reference(target, ids, 9, set(target.stop_token_ids))
+    assert rec["method"] == "ddtree-4" and sum(rec["accepted"]) >= len(rec["tokens"]) - 1
+    assert set(rec["times"]) == {"prefill", "draft", "verify", "other", "total"}
+    assert main(base + ["--method", "chain"]) == 2
+    assert "--drafter is required" in capsys.readouterr().err
+    assert main(base + ["--method", "beam"]) == 2
+    assert "unknown method 'beam'" in capsys.readouterr().err
+    assert main(["generate", "--target", str(tiny_dirs["qwen3"]), "--prompts", str(tmp_path / "none.jsonl"),
+                 "--method", "ar"]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
+    with pytest.raises(DFlashError, match="names a method twice"):
+        parse_methods("chain,chain")
+
+
+def overfit(drafter, target, cache, steps=20):
+    """A few Adam steps on the cache's own blocks: a drafter that is right often but not always, so that the
+    walk's rounds differ in length (a random drafter would give tau 1 everywhere and test nothing)."""
+    from dflashkit.drafter.head import DraftHead
+
+    head = DraftHead.for_drafter(target, drafter)
+    B, mask = drafter.config.block_size, drafter.config.mask_token_id
+    data = []
+    for rec in cache:
+        tokens, feats = rec.tokens, rec.features(drafter.config.target_layer_ids)
+        anchors = torch.arange(rec.prompt_len, rec.num_tokens - B + 1)
+        block = torch.full((len(anchors), B), mask)
+        block[:, 0] = tokens[anchors]
+        labels = tokens[anchors[:, None] + torch.arange(1, B)]
+        data.append((feats[None], target.embed_tokens(block.view(-1))[None], anchors[None], labels))
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for _ in range(steps):
+        for feats, emb, anchors, labels in data:
+            h = drafter.forward_blocks(feats, emb, anchors).view(*labels.shape[:1], -1, emb.shape[-1])[:, 1:]
+            loss = torch.nn.functional.cross_entropy(head.logits(h).flatten(0, 1), labels.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return drafter.eval()
+
+
+def test_online_chain_tau_equals_offline_walk(tiny_targets, tmp_path):
+    """Online chain decoding at T=0 accepts, round by round, what the offline evaluator's walk predicts from the
+    cached target states (SPEC.md section 6), for every round whose block has all its labels in the cache."""
+    from dflashkit.cache import extract, open_cache
+    from dflashkit.evaluate.offline import evaluate
+    from dflashkit.prompts import load_prompts
+
+    target = tiny_targets["qwen3"]
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "def add(a, b):"}\n{"id": "b", "prompt": "hello world"}\n')
+    torch.manual_seed(0)
+    drafter = new_drafter(target, num_layers=1, block_size=4)
+    path = extract(target, load_prompts(tmp_path / "p.jsonl"), tmp_path / "cache",
+                   layer_ids=drafter.config.target_layer_ids, max_new_tokens=40, progress=False)
+    cache = open_cache(path, expect_target=target.identity())
+    overfit(drafter, target, cache)
+    offline = evaluate(drafter, target, cache, anchors="walk")
+    B, seen = drafter.config.block_size, []
+    for rec, summary in zip(cache, offline["per_prompt"]):
+        prompt, completion = rec.tokens[: rec.prompt_len].tolist(), rec.tokens[rec.prompt_len:].tolist()
+        g = generate(target, prompt, "chain", DFlashProposer(target, drafter), max_new_tokens=len(completion))
+        assert g.tokens == completion
+        full = sum(b["n_labels"] == B - 1 for b in offline["blocks"] if b["prompt"] == rec.id)
+        assert full >= 5
+        assert g.accepted[:full] == summary["accepted"][:full], rec.id
+        seen += g.accepted[:full]
+    assert len(set(seen)) >= 3, f"rounds should differ in length to test anything: {seen}"
