@@ -56,12 +56,17 @@ class Tree:
         return self.log_probs[1:].double().exp().sum().item()
 
 
-def _topk_logprobs(logits: Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-    """Top-k per position of the float32 log-softmax; only k values per row are materialised."""
+def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k of the float32 log-softmax over the last axis, sorted descending: logits [..., V] ->
+    (log-probs [..., k], token indices [..., k]); only k values per row are materialised."""
     logits = logits.detach().float()
-    vals, idx = logits.topk(k, dim=-1)  # sorted descending
-    vals = vals - logits.logsumexp(dim=-1, keepdim=True)
-    return vals.tolist(), idx.tolist()
+    vals, idx = logits.topk(k, dim=-1)
+    return vals - logits.logsumexp(dim=-1, keepdim=True), idx
+
+
+def _topk_logprobs(logits: Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    lp, idx = top_logprobs(logits, k)
+    return lp.tolist(), idx.tolist()
 
 
 def build_tree(logits: Tensor, budget: int, root_token: int = -1) -> Tree:
@@ -76,11 +81,19 @@ def build_tree(logits: Tensor, budget: int, root_token: int = -1) -> Tree:
         raise ValueError(f"build_tree expects logits [L, V], got shape {tuple(logits.shape)}")
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    L, V = logits.shape
+    lp, idx = _topk_logprobs(logits, min(budget, logits.shape[1]))
+    return build_tree_topk(lp, idx, budget, root_token)
+
+
+def build_tree_topk(logprobs, token_ids, budget: int, root_token: int = -1) -> Tree:
+    """build_tree from each position's top log-probs and token ids (lists or tensors [L, k], sorted
+    descending, k >= min(budget, V)), so that one top-k serves many blocks and budgets."""
+    lp = logprobs.tolist() if isinstance(logprobs, Tensor) else logprobs
+    idx = token_ids.tolist() if isinstance(token_ids, Tensor) else token_ids
+    L = len(lp)
     tokens, depths, parents, scores = [root_token], [0], [-1], [0.0]
     if budget > 0 and L > 0:
-        k = min(budget, V)
-        lp, idx = _topk_logprobs(logits, k)
+        k = min(budget, len(lp[0]))
         # heap entry: (-score, tiebreak, depth, rank, parent index, parent score)
         heap = [(-lp[0][0], 0, 1, 0, 0, 0.0)]
         count = 1
