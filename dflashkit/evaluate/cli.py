@@ -1,0 +1,67 @@
+"""`dflashkit eval` (a drafter on cached target states) and `dflashkit compare` (runs side by side)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="score a drafter offline on cached target states (streak, DDTree, per position)")
+    p.add_argument("--drafter", required=True, help="drafter checkpoint folder (dflashkit or z-lab format)")
+    p.add_argument("--cache", required=True, help="cache folder written by `dflashkit extract`")
+    p.add_argument("--target", help="target model (default: the one named in the cache manifest)")
+    p.add_argument("--num-prompts", type=int, help="the first N prompts of the cache (default: all)")
+    p.add_argument("--allow-partial", action="store_true", help="proceed when the cache holds fewer prompts than asked")
+    p.add_argument("--max-blocks", type=int, help="at most N blocks per prompt (default: all)")
+    p.add_argument("--trees", default="budget:4,budget:8",
+                   help="comma-separated tree specs: budget:B (DDTree, shown as ddsB), paths:K, width:K")
+    p.add_argument("--anchors", choices=["stride", "walk"], default="stride",
+                   help="stride: every block_size tokens (comparable across drafters); walk: next = anchor + streak + 1")
+    p.add_argument("--run-dir", help="output folder (default: runs/eval-DRAFTER-CACHE-TIME)")
+    p.add_argument("--show-matches", action="store_true", help="print each block's match string")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--force", action="store_true", help="replace an existing run folder")
+    p.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("compare", help="eval runs side by side per prompt and overall, with differences and ratios")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run folders; the first is the reference for ratios")
+    c.add_argument("--out", help="output folder for tables and plots (default: beside the first run)")
+    c.add_argument("--force", action="store_true",
+                   help="compare runs with different caches, prompts, anchors or block settings (the table says so)")
+    c.set_defaults(func=cmd_compare)
+
+
+def cmd_eval(args) -> int:
+    from tqdm import tqdm
+
+    from dflashkit.cache import open_cache
+    from dflashkit.errors import DFlashError
+    from dflashkit.evaluate import offline
+    from dflashkit.target.model import load_target
+
+    trees = offline.parse_trees(args.trees)  # bad settings fail before anything loads
+    offline.check_mode(args.anchors, args.max_blocks)
+    ckpt = Path(args.drafter)
+    run_dir = Path(args.run_dir or f"runs/eval-{ckpt.resolve().name}-{Path(args.cache).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if run_dir.exists() and any(run_dir.iterdir()) and not args.force:
+        raise DFlashError(f"--run-dir {run_dir} exists and is not empty; choose another name or pass --force to replace it")
+
+    cache = open_cache(args.cache, num_prompts=args.num_prompts, allow_partial=args.allow_partial)
+    target_ref = args.target or cache.target.get("path") or cache.target.get("name")
+    if not args.target and not Path(str(target_ref)).exists():
+        target_ref = cache.target.get("name")  # the registry name, when the recorded folder has moved
+    target = load_target(target_ref, device=args.device)
+    offline.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,
+                     show_matches=args.show_matches, say=tqdm.write)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from dflashkit.evaluate.compare import compare_runs, default_out
+
+    out = Path(args.out) if args.out else default_out(args.runs)
+    res = compare_runs(args.runs, out=out, force=args.force)
+    print(res["markdown"])
+    print(f"written to {out}")
+    return 0

@@ -1,0 +1,151 @@
+"""Eval runs side by side: per prompt and overall, with differences and ratios against the first run.
+
+Offline numbers only compare when the runs saw the same cache, the same prompts, the same anchor schedule and
+the same block settings (SPEC.md section 6); anything else is refused unless forced, and a forced table says
+in its first line what differs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflashkit.errors import DFlashError
+from dflashkit.evaluate.offline import tree_label, write_plots
+
+# what must agree, and how to read it from results.json
+MUST_MATCH = {
+    "cache (manifest hash)": lambda r: r["cache"]["manifest_hash"],
+    "prompts": lambda r: r["cache"]["prompt_ids"],
+    "anchors": lambda r: r["settings"]["anchors"],
+    "block size": lambda r: r["settings"]["block_size"],
+    "max blocks per prompt": lambda r: r["settings"]["max_blocks"],
+}
+
+
+def load_run(path) -> dict:
+    f = Path(path) / "results.json"
+    if not f.is_file():
+        raise DFlashError(f"{path}: no results.json; pass a run folder written by `dflashkit eval`")
+    try:
+        r = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{f}: invalid JSON ({e}); rerun the evaluation") from e
+    if r.get("format") != "dflashkit-eval/1":
+        raise DFlashError(f"{f}: field 'format' is {r.get('format')!r}, expected 'dflashkit-eval/1'; not a dflashkit eval run")
+    return r
+
+
+def _names(paths) -> list[str]:
+    names = [Path(p).resolve().name for p in paths]
+    if len(set(names)) < len(names):
+        names = [f"{i + 1}:{n}" for i, n in enumerate(names)]
+    return names
+
+
+def default_out(run_dirs) -> Path:
+    return Path(run_dirs[0]).resolve().parent / ("compare-" + "-vs-".join(Path(p).resolve().name for p in run_dirs))
+
+
+def _short(v) -> str:
+    if isinstance(v, list):
+        return f"{len(v)} prompts [{', '.join(map(str, v[:3]))}{', ...' if len(v) > 3 else ''}]"
+    if isinstance(v, str) and len(v) > 16:
+        return v[:12]
+    return str(v)
+
+
+def differences(runs: list[dict], names: list[str]) -> list[str]:
+    out = []
+    for key, get in MUST_MATCH.items():
+        vals = [get(r) for r in runs]
+        if any(v != vals[0] for v in vals[1:]):
+            out.append(f"{key}: " + ", ".join(f"{n} {_short(v)}" for n, v in zip(names, vals)))
+    return out
+
+
+def _ratio(a, ref):
+    return None if a is None or not ref else a / ref
+
+
+def _diff(a, ref):
+    return None if a is None or ref is None else a - ref
+
+
+def compare_runs(run_dirs, out=None, force: bool = False) -> dict:
+    """Compare eval run folders; the first is the reference (differences are run - ref, ratios run / ref).
+    Writes compare.md, compare.json and overlaid plots to `out` when given. Returns the comparison as a dict
+    (markdown in "markdown")."""
+    from dflashkit.report import bar_plot, markdown_table
+
+    if len(run_dirs) < 2:
+        raise DFlashError("compare needs at least two run folders")
+    runs = [load_run(p) for p in run_dirs]
+    names = _names(run_dirs)
+    ref = names[0]
+    diffs = differences(runs, names)
+    if diffs and not force:
+        raise DFlashError("runs are not comparable (" + "; ".join(diffs) + "): offline numbers only compare on the same "
+                          "cache, prompts, anchors and block settings; rerun eval with matching settings or pass --force")
+    trees = [t for t in runs[0]["settings"]["trees"] if all(t in r["settings"]["trees"] for r in runs[1:])]
+    metrics = ["streak", "tau", "pos1_acc"] + trees
+    label = {"streak": "streak", "tau": "tau", "pos1_acc": "pos1", **{t: tree_label(t) for t in trees}}
+
+    overall = {m: {n: r["overall"].get(m) for n, r in zip(names, runs)} for m in metrics}
+    expected = {t: {n: r["overall"]["expected"].get(t) for n, r in zip(names, runs)} for t in trees if t.startswith("budget:")}
+    prompts = list(dict.fromkeys(p["id"] for r in runs for p in r["per_prompt"]))
+    by_prompt = [{p["id"]: p for p in r["per_prompt"]} for r in runs]
+    per_prompt = {m: {pid: {n: bp.get(pid, {}).get(m) for n, bp in zip(names, by_prompt)} for pid in prompts}
+                  for m in ["streak"] + trees}
+    others = names[1:]
+    ratios = {m: {n: _ratio(overall[m][n], overall[m][ref]) for n in others} for m in metrics}
+    deltas = {m: {n: _diff(overall[m][n], overall[m][ref]) for n in others} for m in metrics}
+
+    md = ["# Drafter comparison", ""]
+    if diffs:
+        md += [f"**NOT COMPARABLE (compared with --force)**: the runs differ in {'; '.join(diffs)}.", ""]
+    md += [f"Reference: `{ref}`; differences are run - reference, ratios run / reference.", ""]
+    for n, p, r in zip(names, run_dirs, runs):
+        o = r["overall"]
+        md.append(f"- `{n}`: {p} ({o['prompts']} prompts, {o['blocks']} blocks, {r['settings']['anchors']} anchors, "
+                  f"block {r['settings']['block_size']}; drafter {r['drafter']['path']})")
+    md += ["", "## Overall", ""]
+    heads = ["metric"] + names + [h for n in others for h in (f"{n} - {ref}", f"{n} / {ref}")]
+    rows = []
+    for m in metrics:
+        rows.append([label[m]] + [overall[m][n] for n in names] + [x for n in others for x in (deltas[m][n], ratios[m][n])])
+        if m in expected:
+            e = expected[m]
+            rows.append([f"{label[m]} expected"] + [e[n] for n in names]
+                        + [x for n in others for x in (_diff(e[n], e[ref]), _ratio(e[n], e[ref]))])
+    md.append(markdown_table(heads, rows))
+    md += [f"{label[m]}: {n} / {ref} = {ratios[m][n]:.2f}" for m in metrics for n in others if ratios[m][n] is not None]
+    for m in ["streak"] + trees:
+        md += ["", f"## Per prompt: {label[m]}", ""]
+        rows = []
+        for pid in prompts:
+            v = per_prompt[m][pid]
+            rows.append([pid] + [v[n] for n in names]
+                        + [x for n in others for x in (_diff(v[n], v[ref]), _ratio(v[n], v[ref]))])
+        md.append(markdown_table(["prompt"] + heads[1:], rows))
+    markdown = "\n".join(md) + "\n"
+
+    res = {"runs": [{"name": n, "path": str(Path(p).resolve())} for n, p in zip(names, run_dirs)], "reference": ref,
+           "forced": bool(diffs), "differences": diffs, "metrics": metrics, "overall": overall, "expected": expected,
+           "per_prompt": per_prompt, "differences_vs_reference": deltas, "ratios": ratios, "markdown": markdown,
+           "files": []}
+    if out is not None:
+        from dflashkit.fileio import atomic_dir, write_json, write_text
+
+        out = Path(out)
+        with atomic_dir(out) as tmp:
+            files = write_plots(tmp, dict(zip(names, runs)))
+            for m in ["streak"] + trees:
+                f = f"{label[m]}_by_prompt.png"
+                bar_plot(tmp / f, {pid: {n: v or 0.0 for n, v in per_prompt[m][pid].items()} for pid in prompts},
+                         f"{label[m]} per prompt" + (" (NOT COMPARABLE)" if diffs else ""), label[m])
+                files.append(f)
+            res["files"] = ["compare.md", "compare.json"] + files
+            write_text(tmp / "compare.md", markdown)
+            write_json(tmp / "compare.json", {k: v for k, v in res.items() if k != "markdown"})
+    return res
