@@ -1,0 +1,16 @@
+"""Drafter training: the paper's recipe (SPEC.md section 7) with guards against silent failures.
+
+    from dflashkit.train import load_config, train
+    summary = train(load_config("configs/smollm2-cpu.yaml", ["steps=100"]))
+"""
+
+from dflashkit.train.config import TrainConfig, default_gamma, load_config
+
+
+def train(cfg, target=None, source=None, on_step=None):
+    from dflashkit.train.loop import train as _train
+
+    return _train(cfg, target=target, source=source, on_step=on_step)
+
+
+__all__ = ["TrainConfig", "default_gamma", "load_config", "train"]

@@ -1,0 +1,102 @@
+"""Training checkpoints: a drafter folder in the dflashkit format plus `train_state.pt`, written atomically.
+
+Layout of a run folder:
+    checkpoints/step-00000200/   config.json, model.safetensors, dflashkit.json (loadable with load_drafter)
+                                 + train_state.pt (optimizer, scheduler, step, epoch, data position, RNG states)
+    latest.json                  {"step", "checkpoint", "finished", "reason"}: what a rerun resumes from
+    best/ + best.json            the drafter with the highest offline tau on the eval cache so far
+The resume contract (layer ids, block size, mask id, gamma, loss, draft vocabulary, target identity) is stored
+with the state; a rerun whose settings change any of them is refused instead of silently training a different
+drafter on top of the old weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import atomic_dir, write_json
+
+STATE_FILE = "train_state.pt"
+CONTRACT_KEYS = ("target_layer_ids", "block_size", "mask_token_id", "gamma", "loss", "draft_vocab_setting",
+                 "num_layers", "target")
+
+
+def resume_contract(drafter, cfg, gamma: float, target_identity: dict) -> dict:
+    c = drafter.config
+    return {
+        "target_layer_ids": list(c.target_layer_ids),
+        "block_size": c.block_size,
+        "mask_token_id": c.mask_token_id,
+        "gamma": gamma,
+        "loss": cfg.loss,
+        "draft_vocab_setting": cfg.draft_vocab,
+        "num_layers": c.num_hidden_layers,
+        "target": {k: v for k, v in target_identity.items() if k != "path"},
+    }
+
+
+def check_resume_contract(saved: dict, now: dict, where) -> None:
+    for key in CONTRACT_KEYS:
+        if saved.get(key) != now.get(key):
+            raise DFlashError(
+                f"{where}: the run was trained with {key}={saved.get(key)!r} but the settings now say {now.get(key)!r}; "
+                f"set {key} back to resume, or start a new run (another `out`, or resume=false to start over)")
+
+
+def step_dirs(run: Path) -> list[Path]:
+    found = [(int(m.group(1)), p) for p in (run / "checkpoints").glob("step-*") if (m := re.fullmatch(r"step-(\d+)", p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run) -> Path | None:
+    """The checkpoint a rerun continues from: latest.json's, else the highest complete step folder."""
+    run = Path(run)
+    f = run / "latest.json"
+    if f.is_file():
+        p = run / json.loads(f.read_text())["checkpoint"]
+        if (p / STATE_FILE).is_file():
+            return p
+    done = [p for p in step_dirs(run) if (p / STATE_FILE).is_file()]
+    return done[-1] if done else None
+
+
+def save_checkpoint(run, drafter, state: dict, contract_extra: dict, keep_last: int, finished: bool,
+                    reason: str) -> Path:
+    """Write checkpoints/step-N atomically (drafter folder + train_state.pt), point latest.json at it, prune."""
+    from dflashkit.drafter.checkpoint import save_drafter
+
+    run = Path(run)
+    path = run / "checkpoints" / f"step-{state['step']:08d}"
+    with atomic_dir(path) as tmp:
+        save_drafter(drafter, tmp, format="dflashkit", **contract_extra, trained_steps=state["step"],
+                     finished=finished, stop_reason=reason)
+        torch.save(state, tmp / STATE_FILE)
+    write_json(run / "latest.json", {"step": state["step"], "checkpoint": str(path.relative_to(run)),
+                                     "finished": finished, "reason": reason})
+    for old in step_dirs(run)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def load_train_state(ckpt) -> dict:
+    f = Path(ckpt) / STATE_FILE
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or foreign file
+        raise DFlashError(f"{f}: cannot read the training state ({e}); delete this checkpoint folder to resume from an "
+                          "earlier one, or set resume=false") from e
+
+
+def save_best(run, drafter, metrics: dict, step: int, contract_extra: dict) -> Path:
+    from dflashkit.drafter.checkpoint import save_drafter
+
+    run = Path(run)
+    save_drafter(drafter, run / "best", format="dflashkit", **contract_extra, trained_steps=step, eval=metrics)
+    write_json(run / "best.json", {"step": step, "metrics": metrics})
+    return run / "best"

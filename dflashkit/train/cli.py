@@ -1,0 +1,86 @@
+"""`dflashkit train`, `dflashkit data generate`, `dflashkit export`.
+
+Multi-GPU / multi-node: the same command under torchrun, e.g.
+    torchrun --nproc_per_node 8 -m dflashkit.cli train --config configs/paper.yaml distributed=fsdp
+"""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter (YAML config + key=value overrides; torchrun for multi-GPU)")
+    p.add_argument("--config", help="YAML file of settings (see configs/); defaults apply to keys it omits")
+    p.add_argument("--print-config", action="store_true", help="print every setting with its value and exit")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override settings, e.g. lr=3e-4 steps=100")
+    p.set_defaults(func=cmd_train)
+
+    d = sub.add_parser("data", help="training data: regenerate responses with the target")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    g = dsub.add_parser("generate", help="greedy target responses to a prompt suite -> sequences JSONL (resumable)")
+    g.add_argument("--target", default="smollm2-135m", help="registry name or local Hugging Face folder")
+    g.add_argument("--prompts", required=True, help="built-in suite (e.g. train-mix) or a prompts JSONL")
+    g.add_argument("--out", required=True, help="sequences JSONL to write (appended batch by batch; a rerun resumes)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
+    g.add_argument("--device", default="auto")
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("export", help="write a trained drafter in z-lab's folder format (what vLLM/SGLang load)")
+    e.add_argument("--drafter", required=True, help="a drafter folder, a checkpoint, or a training run folder (its latest)")
+    e.add_argument("--out", required=True, help="output folder")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight dtype (hub drafters: bfloat16)")
+    e.set_defaults(func=cmd_export)
+
+
+def cmd_train(args) -> int:
+    from dflashkit.train.config import format_config, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(format_config(cfg), end="")
+        return 0
+    from dflashkit.train.loop import train
+
+    summary = train(cfg)
+    if summary["finished"] or summary["stop_reason"].startswith("max_minutes"):
+        return 0  # a time budget is a planned stop; the checkpoint and summary say it is unfinished
+    return 130  # Ctrl-C / SIGTERM: saved, and a rerun resumes
+
+
+def cmd_generate(args) -> int:
+    from dflashkit.errors import DFlashError
+    from dflashkit.target.model import load_target
+    from dflashkit.train.data import generate_sequences, read_sequences
+
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise DFlashError("--max-new-tokens and --batch-size must be at least 1")
+    target = load_target(args.target, device=args.device)
+    out = generate_sequences(target, args.prompts, args.out, args.max_new_tokens, args.batch_size, args.num_prompts)
+    _, recs = read_sequences(out)
+    tokens = sum(len(r["completion_ids"]) for r in recs)
+    stopped = sum(bool(r.get("stopped")) for r in recs)
+    print(f"{out}: {len(recs)} sequences, {tokens} response tokens, {stopped} ended with a stop token")
+    return 0
+
+
+def cmd_export(args) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from dflashkit.drafter.checkpoint import load_drafter, save_drafter
+
+    src = Path(args.drafter)
+    if (src / "latest.json").is_file():
+        src = src / json.loads((src / "latest.json").read_text())["checkpoint"]
+    drafter = load_drafter(src)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    out = save_drafter(drafter, args.out, format="zlab", dtype=dtype)
+    print(f"{out}: z-lab format ({args.dtype}) from {src}")
+    vocab = (drafter.contract or {}).get("draft_vocab")
+    if vocab:
+        print(f"note: trained with a {len(vocab)}-token draft vocabulary; the z-lab format has no token map, so "
+              "engines draft over the full vocabulary (still lossless, but tokens outside the subset were never trained)")
+    return 0

@@ -1,0 +1,138 @@
+"""The drafter's training loss over blocks (SPEC.md section 7), with the lm_head applied in chunks.
+
+Labels: slot k (1..B-1) of the block anchored at position a predicts token a+k; slot 0 (the anchor itself) and
+slots past the end of the sequence carry no loss. Slot k weighs w_k = exp(-(k-1)/gamma).
+
+- `ce`: hard cross-entropy against token a+k over the draft vocabulary. A label outside the draft vocabulary
+  cannot be proposed, so its slot gets no loss; such slots are counted (`oov`) and logged.
+- `kl`: KL(p || q), p = the target's distribution at position a+k-1 (the logits that predict token a+k),
+  q = the drafter's at slot k, both over the draft vocabulary (p renormalised over it). p comes from the
+  target's last decoder layer through its final norm and lm_head, so it is the target's own next-token
+  distribution, computed from clean (never noised) states.
+
+Normalisation, both losses: loss = sum_slots w_k * l_slot / sum_slots w_k, the sums running over every
+supervised slot of the optimiser step (all micro-batches, all processes), so neither the loss nor the gradient
+depends on how a global batch is split into micro-batches or processes. Frameworks differ here by up to the number
+of slots, which is why learning rates transfer only with matched normalisation.
+
+Memory: logits for thousands of slots x 49K vocabulary do not fit, and autograd would keep every chunk's
+softmax. `ChunkedHeadLoss` computes loss and d(loss)/d(hidden) chunk by chunk in the forward pass and keeps only
+the [N, H] gradient; the lm_head is frozen, so nothing else is needed in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LOGIT_ELEMENTS = 1 << 25  # at most 32M logits (128 MB in float32) per chunk, a few such buffers alive at once
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[B] float32: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """sum_i row_w[i] * loss_i over rows, logits = hidden @ weight.T computed `chunk` rows at a time (fewer
+    when chunk x vocabulary would exceed LOGIT_ELEMENTS).
+
+    hidden [N, H]; weight [V, H] (frozen); labels [N] indices into V, -100 = no label; row_w [N] float32;
+    target [N, H] final-normed target states for `kl` (None for `ce`). Returns (loss scalar, correct [N] bool:
+    argmax == label)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, row_w, target, chunk: int, kind: str):
+        need_grad = ctx.needs_input_grad[0]
+        n = hidden.shape[0]
+        chunk = max(1, min(chunk, LOGIT_ELEMENTS // weight.shape[0]))  # bounded whatever the vocabulary
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+        grad = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                logits = F.linear(hidden[s:e].to(weight.dtype), weight).float()  # [c, V]
+                logq = logits.log_softmax(-1)
+                lab = labels[s:e]
+                w = row_w[s:e]
+                correct[s:e] = logits.argmax(-1) == lab
+                if kind == "ce":
+                    ok = lab >= 0
+                    safe = lab.clamp(min=0)
+                    nll = -logq.gather(1, safe[:, None])[:, 0]
+                    total += (w * torch.where(ok, nll, 0.0)).sum()
+                    if need_grad:
+                        d = logq.exp()
+                        d[torch.arange(e - s, device=d.device), safe] -= 1.0
+                        d *= (w * ok)[:, None]
+                else:
+                    logp = F.linear(target[s:e].to(weight.dtype), weight).float().log_softmax(-1)
+                    p = logp.exp()
+                    total += (w * (p * (logp - logq)).sum(-1)).sum()
+                    if need_grad:
+                        d = (logq.exp() - p) * w[:, None]
+                if need_grad:
+                    grad[s:e] = (d.to(weight.dtype) @ weight).float()
+        ctx.save_for_backward(grad if need_grad else torch.empty(0))
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, g_total, g_correct):
+        (grad,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        return (grad * g_total).to(ctx.hidden_dtype), None, None, None, None, None, None
+
+
+def block_targets(labels: torch.Tensor, head, slot_w: torch.Tensor, kind: str):
+    """Per-slot supervision from labels [b, n, B] (token ids, -100 = no loss).
+
+    Returns (rows [b, n, B] bool: slots that carry a label, index [b, n, B] into the draft vocabulary (-100 outside),
+    weight [b, n, B] float32: w_k where the slot is supervised, else 0)."""
+    rows = labels >= 0
+    index = head.to_index(labels)
+    w = slot_w.to(labels.device)[None, None, :].expand(labels.shape)
+    supervised = rows & (index >= 0) if kind == "ce" else rows
+    return rows, index, torch.where(supervised, w, 0.0)
+
+
+def step_weight(labels: torch.Tensor, head, slot_w: torch.Tensor, kind: str) -> float:
+    """The normaliser contribution of one micro-batch: sum of w_k over its supervised slots."""
+    return float(block_targets(labels, head, slot_w, kind)[2].sum())
+
+
+def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidden=None, anchors=None,
+               chunk: int = 2048):
+    """hidden [b, n*B, H] drafter outputs (final-normed); labels [b, n, B]; norm = the step's total weight.
+
+    target_hidden [b, T, H] (kl only): the target's final-normed last-layer states; slot k of the block at anchor
+    a reads row a+k-1. Returns (loss contribution = sum w_k l_k / norm, stats dict of summed counts)."""
+    b, n, B = labels.shape
+    rows, index, weight = block_targets(labels, head, slot_w, kind)
+    flat = rows.reshape(-1)
+    h = hidden.reshape(b * n * B, -1)[flat]
+    slot = torch.arange(B, device=labels.device).expand(b, n, B).reshape(-1)[flat]
+    target = None
+    if kind == "kl":
+        pos = anchors[:, :, None] + torch.arange(B, device=labels.device) - 1  # [b, n, B]
+        bi = torch.arange(b, device=labels.device)[:, None, None].expand(b, n, B)
+        target = target_hidden[bi.reshape(-1)[flat], pos.reshape(-1)[flat].clamp(min=0)]
+    w = weight.reshape(-1)[flat]
+    loss, correct = ChunkedHeadLoss.apply(h, head.weight, index.reshape(-1)[flat], w / norm, target, chunk, kind)
+    first = slot == 1
+    stats = {
+        "weight": float(w.sum()),
+        "slots": int(flat.sum()),
+        "oov": int((index.reshape(-1)[flat] < 0).sum()),
+        "pos1": int(first.sum()),
+        "pos1_correct": int(correct[first].sum()),
+        "correct": int(correct.sum()),
+    }
+    return loss, stats
+
