@@ -62,6 +62,8 @@ class TrainConfig:
     epochs: float = _f(6, "passes over the data (ignored when `steps` is set)")
     steps: int | None = _f(None, "optimiser steps (overrides epochs)")
     max_minutes: float | None = _f(None, "stop cleanly with a checkpoint after this many minutes of this run")
+    schedule_minutes: float | None = _f(None, "fit warmup + cosine into this many minutes: the schedule follows "
+                                              "max(step/steps, elapsed/schedule_minutes), for time-boxed runs")
     # runtime
     device: str = _f("auto", "auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)")
     dtype: str = _f("auto", "auto: float32 on CPU, bfloat16 autocast on CUDA; or float32 | bfloat16")
@@ -114,6 +116,8 @@ class TrainConfig:
             bad("warmup_ratio", "must be in [0, 1)")
         if self.gamma is not None and not self.gamma > 0:
             bad("gamma", "must be positive")
+        if self.schedule_minutes is not None and not self.schedule_minutes > 0:
+            bad("schedule_minutes", "must be positive (or null)")
         if self.noise_std < 0:
             bad("noise_std", "must be >= 0")
         if len(self.betas) != 2:

@@ -137,6 +137,14 @@ def plain_drafter(drafter_cfg, model_state: dict, vocab):
     return copy.float().eval()
 
 
+def lr_at(frac: float, warmup_ratio: float, min_ratio: float) -> float:
+    """The same warmup + cosine shape as lr_lambda, as a function of training progress in [0, 1]."""
+    if frac < warmup_ratio:
+        return max(frac / warmup_ratio, 1e-3)
+    t = (frac - warmup_ratio) / max(1e-9, 1 - warmup_ratio)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
 def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
     warm = max(1, round(warmup_ratio * total)) if warmup_ratio > 0 else 0
 
@@ -424,7 +432,12 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
                                       st["correct"], int(batch.valid.sum()), int(batch.lengths.sum())], dtype=torch.float64)
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
             gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
-            lr = sched.get_last_lr()[0]
+            if cfg.schedule_minutes:  # time-boxed: progress is whichever budget is spent faster (rank 0's clock)
+                frac = max(step / total, (elapsed_before + time.time() - t0) / (60 * cfg.schedule_minutes))
+                frac = all_sum(torch.tensor([frac if d.master else 0.0], dtype=torch.float64), d).item()
+                for group in opt.param_groups:
+                    group["lr"] = cfg.lr * lr_at(min(1.0, frac), cfg.warmup_ratio, cfg.min_lr_ratio)
+            lr = opt.param_groups[0]["lr"]
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)

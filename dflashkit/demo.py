@@ -1,0 +1,355 @@
+"""`dflashkit demo`: the whole pipeline on the embedded default target, sized for a laptop CPU.
+
+prepare target -> regenerate training data -> extract the coding-10 eval cache -> train (time-boxed) ->
+offline eval (stride + walk; trained vs untrained vs first checkpoint) -> online bench -> report.md.
+Every stage records a fingerprint of its inputs and outputs under `<out>/stages/`: a rerun skips a stage whose
+inputs are unchanged and whose outputs still hash the same, rebuilds one whose outputs were corrupted, and
+resumes one that was interrupted (data generation, extraction and training resume where they stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import sha256_file, sha256_json, write_json, write_text
+
+# Training settings sized for 2 CPU cores (SPEC.md section 10): a narrow draft vocabulary (the lm_head
+# projection dominates CPU training), a small drafter, many anchors per sequence.
+TRAIN_DEFAULTS = {
+    "num_layers": 2,
+    "target_layer_ids": [1, 8, 14, 20, 27],
+    "block_size": 16,
+    "draft_vocab": "auto",
+    "anchors_per_seq": 64,
+    "batch_size": 4,
+    "lr": 6e-4,
+    "epochs": 100,
+    "save_every": 100,
+    "keep_last": 2,
+    "loss": "ce",
+}
+
+
+@dataclass
+class DemoConfig:
+    out: str = "runs/demo"
+    target: str = "smollm2-135m"
+    device: str = "auto"
+    minutes: float = 15.0  # training budget
+    train_prompts: int | None = 400  # of the built-in train-mix suite
+    train_max_new_tokens: int = 192
+    gen_batch_size: int = 32
+    eval_suite: str = "coding-10"
+    eval_prompts: int | None = None
+    eval_max_new_tokens: int = 256
+    bench_prompts: int | None = None
+    bench_max_new_tokens: int = 256
+    bench_methods: str = "ar,chain,ddtree-8,prompt-lookup"
+    train: dict = field(default_factory=dict)  # overrides of TRAIN_DEFAULTS (e.g. steps for a smoke run)
+    progress: bool = True
+
+
+# ---- stage bookkeeping -----------------------------------------------------------------------------------
+def fingerprint(paths: list[Path]) -> str:
+    """Content hash of files and folders (symlinks skipped); '' when something is missing."""
+    rows = []
+    for p in paths:
+        if not p.exists():
+            return ""
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+        rows += [(str(f.relative_to(p.parent)), sha256_file(f)) for f in files]
+    return sha256_json(rows)
+
+
+class Stages:
+    def __init__(self, root: Path, total: int, fresh: bool, console):
+        self.root, self.total, self.console = root, total, console
+        self.dir = root / "stages"
+        if fresh and root.exists():
+            shutil.rmtree(root)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.n = 0
+        self.timings: dict[str, dict] = {}
+
+    def run(self, name: str, inputs: dict, outputs: list[Path], fn, estimate_s: float, remaining_s: float) -> str:
+        """Run `fn()` unless a stamp says the same inputs already produced these exact outputs."""
+        self.n += 1
+        stamp_file = self.dir / f"{name}.json"
+        key = sha256_json(inputs)
+        stamp = json.loads(stamp_file.read_text()) if stamp_file.is_file() else {}
+        if stamp.get("inputs") == key and stamp.get("done"):
+            if fingerprint(outputs) == stamp.get("outputs"):
+                self.console.print(f"[dim][{self.n}/{self.total}] {name}: unchanged, skipped[/dim]")
+                self.timings[name] = {"seconds": 0.0, "skipped": True}
+                return stamp["outputs"]
+            self.console.print(f"[yellow][{self.n}/{self.total}] {name}: outputs changed or corrupted since they were "
+                               "written; rebuilding[/yellow]")
+            stamp = {}
+        if stamp.get("inputs") != key:  # new inputs: start clean; same inputs, not done: resume
+            for p in outputs:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        write_json(stamp_file, {"inputs": key, "done": False})
+        self.console.rule(f"[bold][{self.n}/{self.total}] {name}[/bold]  (about {_mins(estimate_s)} for this stage, "
+                          f"{_mins(remaining_s)} left in the demo)")
+        t0 = time.time()
+        fn()
+        digest = fingerprint(outputs)
+        if not digest:
+            raise DFlashError(f"demo stage {name} did not write {', '.join(str(p) for p in outputs if not p.exists())}")
+        write_json(stamp_file, {"inputs": key, "done": True, "outputs": digest, "seconds": time.time() - t0})
+        self.timings[name] = {"seconds": time.time() - t0, "skipped": False}
+        return digest
+
+
+def _mins(s: float) -> str:
+    return f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
+
+
+# ---- the pipeline ----------------------------------------------------------------------------------------
+def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
+    from rich.console import Console
+
+    from dflashkit.cache import extract, open_cache
+    from dflashkit.prompts import load_prompts
+    from dflashkit.target.model import load_target, pick_device
+    from dflashkit.target.registry import REGISTRY, prepare
+
+    console = Console()
+    root = Path(cfg.out)
+    st = Stages(root, 7, fresh, console)
+    device = pick_device(cfg.device)
+    console.print(f"dflashkit demo: target {cfg.target} on [bold]{device}[/bold], training budget {cfg.minutes:g} min, "
+                  f"output {root}")
+    train_cfg = {**TRAIN_DEFAULTS, **cfg.train}
+    gen_tokens = (cfg.train_prompts or 664) * cfg.train_max_new_tokens * 0.8
+    est = {"data": gen_tokens / (140 if device.type == "cpu" else 2000), "cache": 90, "train": cfg.minutes * 60 + 30,
+           "eval": 90, "bench": 10 * 256 * 0.075 * 2.6 if device.type == "cpu" else 60, "report": 5}
+
+    def left(after: str) -> float:
+        names = list(est)
+        return sum(est[n] for n in names[names.index(after):] if not st.timings.get(n, {}).get("skipped"))
+
+    # 1. target (the registry caches the converted folder itself)
+    t0 = time.time()
+    console.rule(f"[bold][1/7] target[/bold]")
+    if cfg.target in REGISTRY:
+        prepare(cfg.target)
+    target = load_target(cfg.target, device=cfg.device)
+    st.n = 1
+    st.timings["target"] = {"seconds": time.time() - t0, "skipped": False}
+    ident = target.identity()
+    tid = {k: v for k, v in ident.items() if k != "path"}
+
+    # 2. training data: the target's own greedy answers to the built-in training prompts, with the features of
+    # the drafter's layers captured once (batched), so training never runs the target in its loop
+    layer_ids = train_cfg.get("target_layer_ids") or target.default_layer_ids(train_cfg["num_layers"])
+    data_dir = root / "cache" / "train"
+    train_suite = load_prompts("train-mix")
+    if cfg.train_prompts:
+        train_suite = train_suite.subset(cfg.train_prompts)
+    data_inputs = {"target": tid, "suite": train_suite.content_hash, "layers": layer_ids,
+                   "max_new_tokens": cfg.train_max_new_tokens}
+
+    def make_data():
+        extract(target, train_suite, data_dir, layer_ids=layer_ids, max_new_tokens=cfg.train_max_new_tokens,
+                batch_size=cfg.gen_batch_size, progress=cfg.progress)
+
+    data_fp = st.run("data", data_inputs, [data_dir], make_data, est["data"], left("data"))
+
+    # 3. the eval cache: coding-10 completions and features of the drafter's layers
+    cache_dir = root / "cache" / cfg.eval_suite
+    suite = load_prompts(cfg.eval_suite)
+    if cfg.eval_prompts:
+        suite = suite.subset(cfg.eval_prompts)
+    cache_inputs = {"target": tid, "suite": suite.content_hash, "layers": layer_ids, "max_new_tokens": cfg.eval_max_new_tokens}
+
+    def make_cache():
+        extract(target, suite, cache_dir, layer_ids=layer_ids, max_new_tokens=cfg.eval_max_new_tokens,
+                batch_size=len(suite), progress=cfg.progress)
+
+    cache_fp = st.run("cache", cache_inputs, [cache_dir], make_cache, est["cache"], left("cache"))
+
+    # 4. training, time-boxed; an interrupted run resumes from its last checkpoint
+    train_dir = root / "train"
+    first_dir = root / "drafters" / "first-checkpoint"
+    untrained_dir = root / "drafters" / "untrained"
+    train_inputs = {"data": data_fp, "cache": cache_fp, "train": train_cfg, "minutes": cfg.minutes, "device": str(device),
+                    "schedule": "time-fitted cosine"}
+
+    def make_train():
+        from dflashkit.drafter.checkpoint import save_drafter
+        from dflashkit.train import train
+        from dflashkit.train.config import load_config
+
+        overrides = {**train_cfg, "target": cfg.target, "data": str(data_dir), "out": str(train_dir),
+                     "max_minutes": cfg.minutes, "schedule_minutes": cfg.minutes, "device": cfg.device, "eval_cache": str(cache_dir),
+                     "progress": cfg.progress}
+        if "steps" in cfg.train:
+            overrides.pop("epochs", None)
+        tc = load_config(None, overrides)
+        first_step = min(tc.save_every, cfg.train.get("steps") or tc.save_every)
+        summary = train(tc, target=target)
+        if not summary["finished"] and not str(summary["stop_reason"]).startswith("max_minutes"):
+            raise DFlashError(f"training stopped early ({summary['stop_reason']}) at step {summary['steps']}; "
+                              "rerun `dflashkit demo` to resume from its last checkpoint")
+        # the untrained reference: the same architecture, vocabulary and seed, before any step
+        from dflashkit.drafter.checkpoint import load_drafter
+
+        final = load_drafter(summary["checkpoint"])
+        import torch
+
+        torch.manual_seed(tc.seed)
+        from dflashkit.drafter import DFlashDrafter
+
+        fresh_d = DFlashDrafter(final.config)
+        save_drafter(fresh_d, untrained_dir, format="dflashkit", target_identity=ident,
+                     **{k: v for k, v in (final.contract or {}).items() if k not in ("format", "target_layer_ids",
+                        "block_size", "mask_token_id", "hidden_size", "num_target_layers", "target")})
+        first = sorted((train_dir / "checkpoints").glob("step-*"))
+        keep = train_dir / "first.json"
+        src = json.loads(keep.read_text())["checkpoint"] if keep.is_file() else (str(first[0]) if first else summary["checkpoint"])
+        shutil.rmtree(first_dir, ignore_errors=True)
+        shutil.copytree(src, first_dir, ignore=shutil.ignore_patterns("train_state.pt"))
+        write_json(train_dir / "demo-train.json", {"summary_checkpoint": summary["checkpoint"], "first_step": first_step})
+
+    train_fp = st.run("train", train_inputs, [train_dir, root / "drafters"], make_train, est["train"], left("train"))
+    final_ckpt = json.loads((train_dir / "demo-train.json").read_text())["summary_checkpoint"]
+
+    # 5. offline evaluation: trained vs untrained vs first checkpoint, stride and walk anchors
+    eval_dir = root / "eval"
+    drafters = {"trained": Path(final_ckpt), "first-checkpoint": first_dir, "untrained": untrained_dir}
+
+    def make_eval():
+        from dflashkit.evaluate.compare import compare_runs
+        from dflashkit.evaluate.offline import run_eval
+
+        cache = open_cache(cache_dir, expect_target=ident)
+        log = (lambda line: None) if not cfg.progress else console.print
+        for anchors in ("stride", "walk"):
+            for name, path in drafters.items():
+                run_eval(path, target, cache, eval_dir / f"{name}-{anchors}", anchors=anchors,
+                         trees=("budget:4", "budget:8", "budget:16"), progress=cfg.progress, say=log)
+            compare_runs([eval_dir / f"{n}-{anchors}" for n in drafters], out=eval_dir / f"compare-{anchors}")
+
+    eval_fp = st.run("eval", {"train": train_fp, "cache": cache_fp}, [eval_dir], make_eval, est["eval"], left("eval"))
+
+    # 6. online speculative decoding against the live target
+    bench_dir = root / "bench"
+    bench_suite = load_prompts(cfg.eval_suite)
+    if cfg.bench_prompts:
+        bench_suite = bench_suite.subset(cfg.bench_prompts)
+
+    def make_bench():
+        from dflashkit.decode.bench import parse_methods, run_bench, write_bench
+        from dflashkit.drafter.checkpoint import load_drafter
+
+        d = load_drafter(final_ckpt, target=target, device=target.device, dtype=target.dtype)
+        prompts = [(it.id, target.chat_ids(it.messages)) for it in bench_suite.items]
+        result = run_bench(target, d, prompts, parse_methods(cfg.bench_methods), max_new_tokens=cfg.bench_max_new_tokens,
+                           progress=cfg.progress)
+        write_bench(result, bench_dir)
+
+    bench_inputs = {"train": train_fp, "suite": bench_suite.content_hash, "methods": cfg.bench_methods,
+                    "max_new_tokens": cfg.bench_max_new_tokens, "device": str(device)}
+    st.run("bench", bench_inputs, [bench_dir], make_bench, est["bench"], left("bench"))
+
+    # 7. the report (always rewritten: it is cheap and carries this run's timings)
+    st.n = 6
+    report = write_report(root, cfg, device, st.timings)
+    console.rule("[bold][7/7] report[/bold]")
+    for line in report["console"]:
+        console.print(line)
+    console.print(f"report: {root / 'report.md'}")
+    return report
+
+
+# ---- report ----------------------------------------------------------------------------------------------
+BAR = {"chain_tau": 2.5, "best_speedup": 1.3}
+
+
+def _load(p: Path) -> dict:
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def write_report(root: Path, cfg: DemoConfig, device, timings: dict) -> dict:
+    from dflashkit.report import markdown_table
+
+    train = _load(root / "train" / "summary.json")
+    bench = _load(root / "bench" / "results.json")
+    lines = [f"# dflashkit demo report", "",
+             f"Target `{cfg.target}` on `{device}`; training budget {cfg.minutes:g} min; eval suite `{cfg.eval_suite}`.", ""]
+    # offline
+    rows = []
+    for anchors in ("stride", "walk"):
+        for name in ("trained", "first-checkpoint", "untrained"):
+            r = _load(root / "eval" / f"{name}-{anchors}" / "results.json").get("overall", {})
+            if r:
+                rows.append([anchors, name, r.get("prompts"), r.get("blocks"), r.get("streak"), r.get("tau"),
+                             r.get("pos1_acc"), r.get("budget:4"), r.get("budget:8"), r.get("budget:16")])
+    lines += ["## Offline evaluation (eval cache, temperature 0)", "",
+              "dds4/dds8/dds16 = DDTree node-budget trees budget:4/8/16 (the paper's tree, SPEC.md section 5).", "",
+              markdown_table(["anchors", "drafter", "prompts", "blocks", "streak", "tau", "pos-1 acc", "dds4", "dds8", "dds16"], rows),
+              "![per-position acceptance](eval/compare-stride/pos_acc.png)", ""]
+    # online
+    methods = bench.get("methods", {})
+    brow = []
+    for m, s in methods.items():
+        brow.append([m, s.get("tau"), s.get("tokens_per_s"), s.get("speedup_vs_ar"), s.get("speedup_vs_prompt_lookup"),
+                     s.get("ceiling")])
+    lines += ["## Online speculative decoding (live target, temperature 0)", "",
+              markdown_table(["method", "tau", "tokens/s", "speedup vs AR", "vs prompt-lookup", "ceiling"], brow),
+              f"Lossless check: {'every output equals plain greedy decoding' if bench and not bench.get('mismatches') else 'FAILED or not run'}.", "",
+              "![speedup](bench/speedup.png)", ""]
+    # quality bar
+    chain = methods.get("chain", {}).get("tau") or 0.0
+    dd8 = methods.get("ddtree-8", {}).get("tau") or 0.0
+    spec = {m: s for m, s in methods.items() if m not in ("ar", "prompt-lookup")}
+    best = max(spec.items(), key=lambda kv: kv[1].get("speedup_vs_ar") or 0, default=(None, {}))
+    best_speed = best[1].get("speedup_vs_ar") or 0.0
+    pl_speed = methods.get("prompt-lookup", {}).get("speedup_vs_ar") or 0.0
+    checks = [
+        ["online chain tau >= 2.5", chain, "met" if chain >= BAR["chain_tau"] else f"missed by {BAR['chain_tau'] - chain:.2f}"],
+        ["DDTree-8 tau > chain tau", dd8, "met" if dd8 > chain else f"missed by {chain - dd8:.2f}"],
+        [f"best speedup >= 1.3x ({best[0]})", best_speed, "met" if best_speed >= BAR["best_speedup"] else f"missed by {BAR['best_speedup'] - best_speed:.2f}x"],
+        ["best speedup ahead of prompt-lookup", pl_speed, "met" if best_speed > pl_speed else f"behind by {pl_speed - best_speed:.2f}x"],
+    ]
+    lines += ["## Quality bar", "", markdown_table(["criterion", "measured", "status"], checks)]
+    if train:
+        lines += ["## Training", "", f"{train.get('steps')} steps in {train.get('elapsed_s', 0) / 60:.1f} min, loss "
+                  f"`{train.get('loss_name')}`, draft vocabulary {train.get('draft_vocab_size') or 'full'}; "
+                  f"stopped: {train.get('stop_reason')}.", "", "![loss](train/loss.png)", ""]
+    lines += ["## Stage timings", "", markdown_table(["stage", "seconds", "skipped"],
+              [[k, v["seconds"], v["skipped"]] for k, v in timings.items()])]
+    write_text(root / "report.md", "\n".join(lines) + "\n")
+    write_json(root / "report.json", {"checks": checks, "timings": timings, "config": asdict(cfg)})
+    console = [f"chain tau {chain:.2f}, ddtree-8 tau {dd8:.2f}, best speedup {best_speed:.2f}x ({best[0]}), "
+               f"prompt-lookup {pl_speed:.2f}x"] + [f"  {c[0]}: {c[2]}" for c in checks]
+    return {"checks": checks, "console": console}
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="the whole pipeline on the embedded default target (what `make demo` runs)")
+    p.add_argument("--minutes", type=float, default=15.0, help="training budget in minutes (default 15)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--train-prompts", type=int, default=400)
+    p.add_argument("--eval-prompts", type=int, default=None)
+    p.add_argument("--bench-prompts", type=int, default=None)
+    p.add_argument("--bench-max-new-tokens", type=int, default=256)
+    p.add_argument("--fresh", action="store_true", help="discard every cached stage and start over")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args) -> int:
+    cfg = DemoConfig(out=args.out, target=args.target, device=args.device, minutes=args.minutes,
+                     train_prompts=args.train_prompts, eval_prompts=args.eval_prompts, bench_prompts=args.bench_prompts,
+                     bench_max_new_tokens=args.bench_max_new_tokens)
+    run_demo(cfg, fresh=args.fresh)
+    return 0

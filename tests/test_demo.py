@@ -1,0 +1,57 @@
+"""The demo pipeline in reduced form on a tiny fixture: every stage writes its outputs, a rerun skips the
+cached stages, and a corrupted intermediate file is detected and rebuilt."""
+
+import json
+
+import pytest
+
+from dflashkit.demo import DemoConfig, run_demo
+
+
+@pytest.fixture(scope="module")
+def demo_run(tiny_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    cfg = DemoConfig(out=str(out), target=str(tiny_dirs["llama"]), device="cpu", minutes=5, train_prompts=6,
+                     train_max_new_tokens=24, gen_batch_size=6, eval_prompts=2, eval_max_new_tokens=24,
+                     bench_prompts=2, bench_max_new_tokens=20, progress=False,
+                     train={"steps": 3, "target_layer_ids": [1, 2, 3], "save_every": 2, "anchors_per_seq": 8,
+                            "batch_size": 2})
+    report = run_demo(cfg)
+    return cfg, out, report
+
+
+def stamps(out):
+    return {p.stem: json.loads(p.read_text()) for p in (out / "stages").glob("*.json")}
+
+
+def test_every_stage_writes_its_outputs(demo_run):
+    cfg, out, report = demo_run
+    for rel in ["cache/train/manifest.json", "cache/coding-10/manifest.json", "train/summary.json", "drafters/untrained/config.json",
+                "drafters/first-checkpoint/model.safetensors", "eval/trained-stride/results.json",
+                "eval/untrained-walk/results.json", "eval/compare-stride", "bench/results.json", "report.md"]:
+        assert (out / rel).exists(), rel
+    text = (out / "report.md").read_text()
+    assert "## Quality bar" in text and "chain tau" in text
+    bench = json.loads((out / "bench/results.json").read_text())
+    assert not bench["mismatches"]
+    assert set(bench["methods"]) == {"ar", "chain", "ddtree-8", "prompt-lookup"}
+    assert all(s["done"] for s in stamps(out).values())
+
+
+def test_rerun_skips_cached_stages_and_rebuilds_a_corrupted_one(demo_run, capsys):
+    cfg, out, _ = demo_run
+    before = stamps(out)
+    run_demo(cfg)
+    after = stamps(out)
+    assert after == before  # nothing rebuilt: same inputs, same outputs
+    assert "unchanged, skipped" in capsys.readouterr().out
+    # corrupt one prompt file of the eval cache: the cache stage and everything downstream rebuild
+    victim = sorted((out / "cache" / "coding-10").glob("*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    run_demo(cfg)
+    assert "corrupted" in capsys.readouterr().out
+    from dflashkit.cache.store import verify_cache
+
+    problems, _ = verify_cache(out / "cache" / "coding-10")
+    assert problems == []
+    assert all(s["done"] for s in stamps(out).values())
