@@ -192,8 +192,17 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
         if "steps" in cfg.train:
             overrides.pop("epochs", None)
         tc = load_config(None, overrides)
-        first_step = min(tc.save_every, cfg.train.get("steps") or tc.save_every)
-        summary = train(tc, target=target)
+        first_step = tc.save_every
+
+        def keep_first(step, row):
+            # the periodic checkpoint of step `first_step` exists once the next step runs; copy it before pruning
+            src = train_dir / "checkpoints" / f"step-{first_step:08d}"
+            if step == first_step + 1 and src.is_dir() and not first_dir.exists():
+                shutil.copytree(src, first_dir, ignore=shutil.ignore_patterns("train_state.pt"))
+
+        if not (train_dir / "latest.json").is_file():  # a fresh run (not a resume): forget an old first checkpoint
+            shutil.rmtree(first_dir, ignore_errors=True)
+        summary = train(tc, target=target, on_step=keep_first)
         if not summary["finished"] and not str(summary["stop_reason"]).startswith("max_minutes"):
             raise DFlashError(f"training stopped early ({summary['stop_reason']}) at step {summary['steps']}; "
                               "rerun `dflashkit demo` to resume from its last checkpoint")
@@ -210,11 +219,10 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
         save_drafter(fresh_d, untrained_dir, format="dflashkit", target_identity=ident,
                      **{k: v for k, v in (final.contract or {}).items() if k not in ("format", "target_layer_ids",
                         "block_size", "mask_token_id", "hidden_size", "num_target_layers", "target")})
-        first = sorted((train_dir / "checkpoints").glob("step-*"))
-        keep = train_dir / "first.json"
-        src = json.loads(keep.read_text())["checkpoint"] if keep.is_file() else (str(first[0]) if first else summary["checkpoint"])
-        shutil.rmtree(first_dir, ignore_errors=True)
-        shutil.copytree(src, first_dir, ignore=shutil.ignore_patterns("train_state.pt"))
+        if not first_dir.exists():  # the run ended before its first periodic checkpoint: use the earliest one left
+            first = sorted((train_dir / "checkpoints").glob("step-*"))
+            src = first[0] if first else Path(summary["checkpoint"])
+            shutil.copytree(src, first_dir, ignore=shutil.ignore_patterns("train_state.pt"))
         write_json(train_dir / "demo-train.json", {"summary_checkpoint": summary["checkpoint"], "first_step": first_step})
 
     train_fp = st.run("train", train_inputs, [train_dir, root / "drafters"], make_train, est["train"], left("train"))

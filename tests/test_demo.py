@@ -30,6 +30,8 @@ def test_every_stage_writes_its_outputs(demo_run):
                 "drafters/first-checkpoint/model.safetensors", "eval/trained-stride/results.json",
                 "eval/untrained-walk/results.json", "eval/compare-stride", "bench/results.json", "report.md"]:
         assert (out / rel).exists(), rel
+    first = json.loads((out / "drafters/first-checkpoint/dflashkit.json").read_text())
+    assert first["trained_steps"] == 2  # the first periodic checkpoint, not the final one (step 3)
     text = (out / "report.md").read_text()
     assert "## Quality bar" in text and "chain tau" in text
     bench = json.loads((out / "bench/results.json").read_text())
