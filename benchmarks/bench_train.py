@@ -3,7 +3,8 @@ offline features (what a cache gives) vs online (the target runs in the loop), i
 
     python benchmarks/bench_train.py [--steps 3] [--rounds 2] [--num-prompts 16] [--max-new-tokens 160] [--smoke-steps 200]
 
-Data: SmolLM2's greedy responses to the first --num-prompts train-mix prompts (batched generation), features of
+Data: SmolLM2's greedy responses to the first --num-prompts train-mix prompts (`dflashkit data generate`, kept in
+--out and reused by a rerun), features of
 layers [1, 8, 14, 20, 27] computed once. Settings: SPEC.md section 10's calibration (block 16, 32 anchors per
 sequence, 4 sequences per step, gamma-7 CE, AdamW). Each configuration runs through `dflashkit.train.train`: one
 warm-up step, then --steps timed steps, in --rounds rounds that interleave the configurations (the machine is
@@ -29,12 +30,10 @@ from pathlib import Path
 import torch
 
 from dflashkit.fileio import write_json, write_text
-from dflashkit.prompts import load_prompts
 from dflashkit.report import markdown_table
-from dflashkit.target.generation import iter_generate_greedy
 from dflashkit.target.model import load_target
 from dflashkit.train.config import load_config
-from dflashkit.train.data import MemorySource, Sequence
+from dflashkit.train.data import MemorySource, OnlineSource, Sequence, generate_sequences
 from dflashkit.train.loop import train
 
 LAYERS = [1, 8, 14, 20, 27]
@@ -79,35 +78,34 @@ def main(argv=None) -> int:
     p.add_argument("--num-layers", type=int, default=5)
     p.add_argument("--skip-online", action="store_true")
     p.add_argument("--smoke-steps", type=int, default=200, help="steps of the one-completion overfit (0: skip it)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice); on a shared "
+                   "machine 1 thread is far more stable than 2 threads that wait on each other")
     p.add_argument("--out", default="runs/bench-train")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     target = load_target(args.target, device="cpu")
     print(f"target {target.name} ({target.dtype}), {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}",
           flush=True)
-    suite = load_prompts("train-mix").subset(args.num_prompts)
-    prompts = [target.chat_ids(it.messages) for it in suite.items]
-    t0 = time.perf_counter()
-    comps = dict(iter_generate_greedy(target, prompts, args.max_new_tokens, batch_size=args.num_prompts))
+    out_dir = Path(args.out)
+    t0 = time.perf_counter()  # `data generate` itself: resumable, so a rerun reuses the responses
+    seq_file = generate_sequences(target, "train-mix", out_dir / "seqs.jsonl", args.max_new_tokens,
+                                  batch_size=args.num_prompts, num_prompts=args.num_prompts, progress=False)
     gen_s = time.perf_counter() - t0
-    seqs = [Sequence(it.id, torch.tensor(prompts[i] + comps[i]), len(prompts[i])) for i, it in enumerate(suite.items)]
+    seqs = OnlineSource(seq_file, target, args.num_prompts, 4096).seqs
     t0 = time.perf_counter()
     feats = [target.forward(s.tokens[None], layer_ids=LAYERS, use_cache=False, compute_logits=False).features[0]
              for s in seqs]
     feat_s = time.perf_counter() - t0
     resp = sum(s.length - s.prompt_len for s in seqs)
-    print(f"data: {len(seqs)} sequences, {resp} response tokens generated in {gen_s:.0f}s, features in {feat_s:.0f}s",
+    print(f"data: {len(seqs)} sequences, {resp} response tokens ({seq_file}, {gen_s:.0f}s), features in {feat_s:.0f}s",
           flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-train-"))
     seen = sorted({t for s in seqs for t in s.tokens[s.prompt_len:].tolist()})
     fill = [i for i in range(target.vocab_size) if i not in set(seen)][: max(0, DRAFT_VOCAB - len(seen))]
     (tmp / "vocab.json").write_text(json.dumps(sorted(seen + fill)))
-    seq_file = tmp / "seqs.jsonl"
-    header = {"format": "dflashkit-sequences/1", "target": target.identity()}
-    seq_file.write_text("".join(json.dumps(r) + "\n" for r in [header] + [
-        {"id": s.id, "prompt_ids": s.tokens[: s.prompt_len].tolist(), "completion_ids": s.tokens[s.prompt_len:].tolist()}
-        for s in seqs]))
 
     runs = [("offline", "full vocabulary (49,152)", "none"),
             ("offline", f"draft vocabulary ({DRAFT_VOCAB})", str(tmp / "vocab.json")),
@@ -120,7 +118,8 @@ def main(argv=None) -> int:
             cfg = load_config(None, dict(
                 target=args.target, out=str(tmp / f"run{k}-{rnd}"), num_layers=args.num_layers, target_layer_ids=LAYERS,
                 block_size=16, anchors_per_seq=32, batch_size=4, steps=args.steps + 1, draft_vocab=vocab,
-                progress=False, save_every=10_000, data=str(seq_file) if mode == "online" else ""))
+                progress=False, save_every=10_000, data=str(seq_file) if mode == "online" else "",
+                num_sequences=args.num_prompts if mode == "online" else None))
             src = MemorySource(seqs, feats, LAYERS) if mode == "offline" else None
             out = train(cfg, target=target, source=src)
             if not out["finished"]:  # Ctrl-C/SIGTERM stopped the run cleanly: stop the benchmark too
@@ -146,7 +145,6 @@ def main(argv=None) -> int:
     rows = [[r["mode"], r["vocabulary"], r["seconds_per_step"], r["blocks_per_s"], r["tokens_per_s"],
              full / r["seconds_per_step"]] for r in results]
     table = markdown_table(["features", "lm_head", "s/step", "blocks/s", "target tokens/s", "speed vs full"], rows, 2)
-    out_dir = Path(args.out)
     meta = {"target": target.name, "threads": torch.get_num_threads(), "load_avg_end": os.getloadavg()[0],
             "num_layers": args.num_layers, "layer_ids": LAYERS, "block_size": 16, "anchors_per_seq": 32,
             "sequences_per_step": 4, "data": {"sequences": len(seqs), "response_tokens": resp,

@@ -96,7 +96,8 @@ def test_config_file_overrides_and_errors(tmp_path, capsys):
     f = tmp_path / "c.yaml"
     f.write_text("lr: 1.0e-3\nblock_size: 8\ntarget_layer_ids: [1, 2]\ndraft_vocab: 300\n")
     cfg = load_config(f, ["lr=2e-3", "loss=kl", "steps=5"])
-    assert (cfg.lr, cfg.block_size, cfg.target_layer_ids, cfg.loss, cfg.steps, cfg.draft_vocab) == (2e-3, 8, [1, 2], "kl", 5, 300)
+    got = (cfg.lr, cfg.block_size, cfg.target_layer_ids, cfg.loss, cfg.steps, cfg.draft_vocab)
+    assert got == (2e-3, 8, [1, 2], "kl", 5, 300)
     assert cfg.epochs == 6 and cfg.warmup_ratio == 0.04 and cfg.grad_clip == 1.0  # untouched defaults
     with pytest.raises(DFlashError, match=r"unknown setting 'lerning_rate'"):
         load_config(None, ["lerning_rate=1"])
@@ -400,6 +401,24 @@ def test_cache_source_periodic_eval_best_and_kl_needs_the_last_layer(llama, tmp_
     assert out["finished"] and load_drafter(out["checkpoint"], target=llama).config.target_layer_ids == LAYERS
 
 
+def test_bfloat16_autocast_trains(llama, data, tmp_path):
+    out = train(cfg_for(tmp_path, dtype="bfloat16", steps=3), target=llama, source=source(data))
+    assert out["finished"] and all(0 < x < 20 for x in out["losses"])
+    assert load_file(Path(out["checkpoint"]) / "model.safetensors")["fc.weight"].dtype == torch.float32
+
+
+def test_learning_rate_schedule_by_steps_and_by_time(llama, data, tmp_path):
+    out = train(cfg_for(tmp_path, "steps", steps=50, lr=1e-3, warmup_ratio=0.04), target=llama, source=source(data))
+    lrs = [r["lr"] for r in out["history"]]
+    assert lrs[:3] == [5e-4, 1e-3, 1e-3]  # linear warmup over 2 steps, then cosine from the peak
+    assert abs(lrs[26] - 5e-4) < 1e-5 and lrs[-1] < 2e-6 and all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    # time-boxed: far more steps than fit, yet the cosine reaches its floor when the minutes run out
+    out = train(cfg_for(tmp_path, "time", steps=100_000, schedule_minutes=0.01, max_minutes=0.02), target=llama,
+                source=source(data))
+    lrs = [r["lr"] for r in out["history"]]
+    assert "max_minutes" in out["stop_reason"] and lrs[0] < 0.5 * max(lrs) and max(lrs) > 2e-3 and lrs[-1] == 0.0
+
+
 # ---- data generation, online training, export -------------------------------------------------------------
 
 def test_data_generate_resumes_and_feeds_online_training(tiny_dirs, llama, tmp_path, capsys):
@@ -416,7 +435,8 @@ def test_data_generate_resumes_and_feeds_online_training(tiny_dirs, llama, tmp_p
         f.write('{"id": "p9", "prompt_ids": [1, 2')  # a run killed mid-write
     assert main(args) == 0
     header, recs = read_sequences(out)
-    assert sorted(r["id"] for r in recs) == [f"p{i}" for i in range(5)] and header["target"]["config_hash"] == llama.identity()["config_hash"]
+    assert sorted(r["id"] for r in recs) == [f"p{i}" for i in range(5)]
+    assert header["target"]["config_hash"] == llama.identity()["config_hash"]
     ids = [llama.chat_ids([{"role": "user", "content": f"write function {i} " * (1 + i % 3)}]) for i in range(5)]
     ref = dict(iter_generate_greedy(llama, ids, 10, batch_size=1))
     for r in recs:

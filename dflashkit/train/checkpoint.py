@@ -2,7 +2,8 @@
 
 Layout of a run folder:
     checkpoints/step-00000200/   config.json, model.safetensors, dflashkit.json (loadable with load_drafter)
-                                 + train_state.pt (optimizer, scheduler, step, epoch, data position, RNG states)
+                                 + train_state.pt (optimizer, step, epoch, data position, training time, RNG
+                                 states; the learning rate is a function of step and time, so that is its state)
     latest.json                  {"step", "checkpoint", "finished", "reason"}: what a rerun resumes from
     best/ + best.json            the drafter with the highest offline tau on the eval cache so far
 The resume contract (layer ids, block size, mask id, gamma, loss, draft vocabulary, target identity) is stored

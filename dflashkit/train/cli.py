@@ -29,7 +29,8 @@ def register(sub) -> None:
     e = sub.add_parser("export", help="write a trained drafter in z-lab's folder format (what vLLM/SGLang load)")
     e.add_argument("--drafter", required=True, help="a drafter folder, a checkpoint, or a training run folder (its latest)")
     e.add_argument("--out", required=True, help="output folder")
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight dtype (hub drafters: bfloat16)")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="weight dtype (hub drafters: bfloat16)")
     e.set_defaults(func=cmd_export)
 
 

@@ -46,7 +46,8 @@ class TrainConfig:
     anchors_per_seq: int = _f(512, "anchors sampled per sequence among response positions, re-sampled every epoch")
     loss: str = _f("ce", "ce: hard cross-entropy on the next tokens; kl: KL(target || drafter) over the draft "
                          "vocabulary (needs the target's last layer: online data, or a cache that stores it)")
-    gamma: float | None = _f(None, "slot k weighs exp(-(k-1)/gamma) (null: 7 for B=16, 5 for B=10, 4 for B=8, else min(7, B/2))")
+    gamma: float | None = _f(None, "slot k weighs exp(-(k-1)/gamma) (null: 7 for B=16, 5 for B=10, 4 for B=8, "
+                                   "else min(7, B/2))")
     noise_std: float = _f(0.0, "Gaussian noise on the drafter's input features, relative to their RMS; labels "
                                "and target logits are never touched")
     head_chunk: int = _f(2048, "rows per lm_head chunk in the loss (fewer when rows x vocabulary > 32M): bounds memory")
@@ -61,9 +62,11 @@ class TrainConfig:
     grad_accum: int = _f(1, "micro-batches per optimiser step; global batch = batch_size x grad_accum x processes")
     epochs: float = _f(6, "passes over the data (ignored when `steps` is set)")
     steps: int | None = _f(None, "optimiser steps (overrides epochs)")
-    max_minutes: float | None = _f(None, "stop cleanly with a checkpoint after this many minutes of this run")
+    max_minutes: float | None = _f(None, "stop cleanly with a checkpoint once the run has trained this many minutes "
+                                         "(counted across resumes: raise it to continue a run that reached it)")
     schedule_minutes: float | None = _f(None, "fit warmup + cosine into this many minutes: the schedule follows "
-                                              "max(step/steps, elapsed/schedule_minutes), for time-boxed runs")
+                                              "max(step/steps, elapsed/schedule_minutes), for time-boxed runs (the "
+                                              "rate then depends on the clock, so a resume no longer repeats exactly)")
     # runtime
     device: str = _f("auto", "auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)")
     dtype: str = _f("auto", "auto: float32 on CPU, bfloat16 autocast on CUDA; or float32 | bfloat16")

@@ -249,21 +249,26 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
-def open_source(data: str, target, num_sequences: int | None, max_len: int):
-    """A cache folder (manifest.json) or a sequences JSONL."""
-    p = Path(data) if data else None
-    if p is None:
+def data_kind(data: str) -> str:
+    """'cache' (a folder with manifest.json) or 'online' (a sequences JSONL); checked before the target loads."""
+    if not data:
         raise DFlashError("train config: data is empty; set data to a cache folder (`dflashkit extract`) or a "
                           "sequences JSONL (`dflashkit data generate`)")
+    p = Path(data)
     if p.is_dir():
         if not (p / "manifest.json").is_file():
             raise DFlashError(f"data={p}: a folder without manifest.json is not a cache; write one with `dflashkit extract`")
-        src = CacheSource(p, target, num_sequences, max_len)
-    elif p.is_file():
-        src = OnlineSource(p, target, num_sequences, max_len)
-    else:
-        raise DFlashError(f"data={p}: no such file or folder; pass a cache folder or a sequences JSONL")
-    return src
+        return "cache"
+    if p.is_file():
+        return "online"
+    raise DFlashError(f"data={p}: no such file or folder; pass a cache folder or a sequences JSONL")
+
+
+def open_source(data: str, target, num_sequences: int | None, max_len: int):
+    """A cache folder (manifest.json) or a sequences JSONL."""
+    kind = data_kind(data)
+    cls = CacheSource if kind == "cache" else OnlineSource
+    return cls(data, target, num_sequences, max_len)
 
 
 def usable(seqs: list[Sequence]) -> list[int]:

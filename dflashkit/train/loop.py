@@ -33,8 +33,8 @@ from dflashkit.errors import DFlashError
 from dflashkit.train.checkpoint import (check_resume_contract, latest_checkpoint, load_train_state, resume_contract,
                                         save_best, save_checkpoint)
 from dflashkit.train.config import TrainConfig, default_gamma
-from dflashkit.train.data import (add_noise, build_batch, draft_vocabulary, epoch_order, open_source, sample_anchors,
-                                  usable, mix_seed)
+from dflashkit.train.data import (add_noise, build_batch, data_kind, draft_vocabulary, epoch_order, mix_seed,
+                                  open_source, sample_anchors, usable)
 from dflashkit.train.loss import block_loss, slot_weights, step_weight
 
 METRIC_COLUMNS = ["step", "epoch", "loss", "loss_name", "pos1_acc", "slot_acc", "lr", "grad_norm", "blocks",
@@ -137,23 +137,13 @@ def plain_drafter(drafter_cfg, model_state: dict, vocab):
     return copy.float().eval()
 
 
-def lr_at(frac: float, warmup_ratio: float, min_ratio: float) -> float:
-    """The same warmup + cosine shape as lr_lambda, as a function of training progress in [0, 1]."""
-    if frac < warmup_ratio:
-        return max(frac / warmup_ratio, 1e-3)
-    t = (frac - warmup_ratio) / max(1e-9, 1 - warmup_ratio)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-
-def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
-    warm = max(1, round(warmup_ratio * total)) if warmup_ratio > 0 else 0
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        t = (step - warm) / max(1, total - warm)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-    return f
+def lr_at(start: float, end: float, warmup_ratio: float, min_ratio: float) -> float:
+    """Learning-rate factor of a step covering schedule progress [start, end] (fractions in 0..1): linear warmup
+    over the first warmup_ratio, then cosine down to min_ratio."""
+    if warmup_ratio > 0 and end <= warmup_ratio:
+        return end / warmup_ratio
+    t = min(1.0, max(0.0, (start - warmup_ratio) / max(1e-9, 1 - warmup_ratio)))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
 class StopFlag:
@@ -274,6 +264,8 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
     log = print if d.master else (lambda *a, **k: None)
 
     # ---- the target and the data --------------------------------------------------------------------------
+    if source is None:
+        data_kind(cfg.data)  # a wrong path fails now, not after the target has loaded
     if target is None:
         target = load_target(cfg.target, device=str(d.device))
     identity = target.identity()
@@ -332,7 +324,6 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
     slot_w = slot_weights(B, gamma).to(d.device)
     model = wrap(drafter, cfg, d)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     start, elapsed_before, best = 0, 0.0, None
     if state:
         from safetensors.torch import load_file
@@ -341,12 +332,12 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
         weights = {f"drafter.{k}": v for k, v in load_file(ckpt / "model.safetensors").items()}
         set_state_dict(model, opt, model_state_dict=weights, optim_state_dict=state["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
-        sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         start, elapsed_before, best = state["step"], state["elapsed_s"], state.get("best")
     dtype = pick_dtype(cfg.dtype, d.device)
-    autocast = (torch.autocast(d.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext)
+    def autocast():  # bf16 on CUDA: master weights and the loss stay float32
+        return torch.autocast(d.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     extra = dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab, train_config=cfg.to_dict())
 
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -357,7 +348,8 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
         f"draft vocabulary {'full ' + str(target.vocab_size) if vocab is None else len(vocab)} ({cfg.draft_vocab})")
     log(f"loss     {cfg.loss}, gamma {gamma:g}: sum_k w_k*l_k / sum_k w_k over the global batch's supervised slots")
     log(f"steps    {total} ({steps_per_epoch}/epoch), global batch {G} sequences x <= {cfg.anchors_per_seq} anchors, "
-        f"{d.world} process(es) on {d.device} ({cfg.distributed if d.world > 1 else 'single'}), {str(dtype).removeprefix('torch.')}")
+        f"{d.world} process(es) on {d.device} ({cfg.distributed if d.world > 1 else 'single'}), "
+        f"{str(dtype).removeprefix('torch.')}")
     if state:
         log(f"resume   from {ckpt} at step {start}")
 
@@ -366,7 +358,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
         path = None
         if d.master:
             train_state = {"step": step, "epoch": step // steps_per_epoch, "position": step % steps_per_epoch,
-                           "optimizer": osd, "scheduler": sched.state_dict(), "contract": contract,
+                           "optimizer": osd, "contract": contract,
                            "draft_vocab": vocab, "config": cfg.to_dict(), "elapsed_s": elapsed_before + (time.time() - t0),
                            "best": best, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
             path = save_checkpoint(run, plain_drafter(drafter.config, msd, vocab), train_state, extra, cfg.keep_last,
@@ -398,7 +390,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
     bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not (d.master and cfg.progress),
                dynamic_ncols=True)
     t0 = time.time()
-    step, history, reason, order_cache = start, [], "", {}
+    step, history, reason, order_cache, last_dt = start, [], "", {}, 0.0
     mine = slice(d.rank * cfg.batch_size * cfg.grad_accum, (d.rank + 1) * cfg.batch_size * cfg.grad_accum)
     with StopFlag() as stop:
         while step < total:
@@ -419,7 +411,8 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
                 last_micro = m == cfg.grad_accum - 1
                 if d.world > 1 and cfg.distributed == "fsdp":
                     model.set_requires_gradient_sync(last_micro)
-                sync = model.no_sync() if (d.world > 1 and cfg.distributed == "ddp" and not last_micro) else contextlib.nullcontext()
+                ddp_accumulating = d.world > 1 and cfg.distributed == "ddp" and not last_micro
+                sync = model.no_sync() if ddp_accumulating else contextlib.nullcontext()
                 feats, embeds, last_states = micro_inputs(source, mb, batch, target, layer_ids, need_last,
                                                           cfg.noise_std, [mix_seed(cfg.seed, epoch, i, 3) for i in mb])
                 with sync:
@@ -432,21 +425,25 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
                                       st["correct"], int(batch.valid.sum()), int(batch.lengths.sum())], dtype=torch.float64)
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
             gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
-            if cfg.schedule_minutes:  # time-boxed: progress is whichever budget is spent faster (rank 0's clock)
-                frac = max(step / total, (elapsed_before + time.time() - t0) / (60 * cfg.schedule_minutes))
-                frac = all_sum(torch.tensor([frac if d.master else 0.0], dtype=torch.float64), d).item()
-                for group in opt.param_groups:
-                    group["lr"] = cfg.lr * lr_at(min(1.0, frac), cfg.warmup_ratio, cfg.min_lr_ratio)
-            lr = opt.param_groups[0]["lr"]
+            # the schedule: progress in steps, or (schedule_minutes) whichever of steps and time runs out first
+            span = torch.tensor([step / total, (step + 1) / total], dtype=torch.float64)
+            if cfg.schedule_minutes:  # rank 0's clock, shared so that every process uses the same rate
+                now = elapsed_before + time.time() - t0
+                clock = torch.tensor([now, now + last_dt], dtype=torch.float64) / (60 * cfg.schedule_minutes)
+                span = torch.maximum(span, clock)
+                span = all_sum(span if d.master else torch.zeros(2, dtype=torch.float64), d)
+            lr = cfg.lr * lr_at(float(span[0]), float(span[1]), cfg.warmup_ratio, cfg.min_lr_ratio)
+            for group in opt.param_groups:
+                group["lr"] = lr
             opt.step()
-            sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
 
             sums = all_sum(sums, d)
-            dt = time.perf_counter() - tick
+            dt = last_dt = time.perf_counter() - tick
             row = {"step": step, "epoch": epoch, "loss": sums[0].item(), "loss_name": cfg.loss,
-                   "pos1_acc": sums[5].item() / max(1.0, sums[4].item()), "slot_acc": sums[6].item() / max(1.0, sums[2].item()),
+                   "pos1_acc": sums[5].item() / max(1.0, sums[4].item()),
+                   "slot_acc": sums[6].item() / max(1.0, sums[2].item()),
                    "lr": lr, "grad_norm": gnorm, "blocks": int(sums[7]), "tokens": int(sums[8]),
                    "oov_frac": sums[3].item() / max(1.0, sums[2].item()), "blocks_per_s": sums[7].item() / dt,
                    "tokens_per_s": sums[8].item() / dt, "elapsed_s": elapsed_before + time.time() - t0}
@@ -459,7 +456,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
             if on_step is not None:
                 on_step(step, row)
             # a stop request must be agreed by every process, or the next collective would hang
-            over_time = cfg.max_minutes is not None and time.time() - t0 > 60 * cfg.max_minutes
+            over_time = cfg.max_minutes is not None and elapsed_before + time.time() - t0 > 60 * cfg.max_minutes
             flags = all_sum(torch.tensor([float(stop.reason is not None), float(over_time)], dtype=torch.float64), d)
             if flags[0] > 0:
                 reason = stop.reason or "interrupted on another process"
