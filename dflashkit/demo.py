@@ -136,7 +136,7 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
 
     # 1. target (the registry caches the converted folder itself)
     t0 = time.time()
-    console.rule(f"[bold][1/7] target[/bold]")
+    console.rule("[bold][1/7] target[/bold]")
     if cfg.target in REGISTRY:
         prepare(cfg.target)
     target = load_target(cfg.target, device=cfg.device)
@@ -244,7 +244,7 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
                          trees=("budget:4", "budget:8", "budget:16"), progress=cfg.progress, say=log)
             compare_runs([eval_dir / f"{n}-{anchors}" for n in drafters], out=eval_dir / f"compare-{anchors}")
 
-    eval_fp = st.run("eval", {"train": train_fp, "cache": cache_fp}, [eval_dir], make_eval, est["eval"], left("eval"))
+    st.run("eval", {"train": train_fp, "cache": cache_fp}, [eval_dir], make_eval, est["eval"], left("eval"))
 
     # 6. online speculative decoding against the live target
     bench_dir = root / "bench"
@@ -289,7 +289,7 @@ def write_report(root: Path, cfg: DemoConfig, device, timings: dict) -> dict:
 
     train = _load(root / "train" / "summary.json")
     bench = _load(root / "bench" / "results.json")
-    lines = [f"# dflashkit demo report", "",
+    lines = ["# dflashkit demo report", "",
              f"Target `{cfg.target}` on `{device}`; training budget {cfg.minutes:g} min; eval suite `{cfg.eval_suite}`.", ""]
     # offline
     rows = []

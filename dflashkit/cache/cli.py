@@ -63,18 +63,10 @@ def _layers(spec: str):
 
 def cmd_extract(args) -> int:
     from dflashkit.cache.extraction import extract
-    from dflashkit.errors import DFlashError
-    from dflashkit.prompts import load_prompts
+    from dflashkit.prompts import select_prompts
     from dflashkit.target.model import load_target
 
-    try:
-        suite = load_prompts(args.prompts)
-    except ValueError as e:
-        raise DFlashError(f"--prompts: {e}") from e
-    if args.num_prompts is not None:
-        if args.num_prompts > len(suite):
-            raise DFlashError(f"--num-prompts {args.num_prompts}: suite {suite.name} has only {len(suite)} prompts")
-        suite = suite.subset(args.num_prompts)
+    suite = select_prompts(args.prompts, args.num_prompts)
     device = args.device
     if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch

@@ -70,16 +70,9 @@ def _load(args, need_drafter: bool):
 def _prompts(args, target) -> list[tuple[str, list[int]]]:
     if getattr(args, "prompt", None) is not None:
         return [("prompt", target.chat_ids([{"role": "user", "content": args.prompt}]))]
-    from dflashkit.prompts import load_prompts
+    from dflashkit.prompts import select_prompts
 
-    try:
-        suite = load_prompts(args.prompts)
-    except ValueError as e:
-        raise DFlashError(f"--prompts: {e}") from None
-    if args.num_prompts is not None:
-        if args.num_prompts > len(suite):
-            raise DFlashError(f"--num-prompts {args.num_prompts}: {suite.name} holds only {len(suite)} prompts")
-        suite = suite.subset(args.num_prompts)
+    suite = select_prompts(args.prompts, args.num_prompts)
     return [(item.id, target.chat_ids(item.messages)) for item in suite.items]
 
 

@@ -448,7 +448,7 @@ def header_lines(drafter_info: dict, load_report: list[str], target_ident: dict,
     ]
 
 
-def save_run(run_dir, result: dict, log_lines: list[str], drafter_path) -> "Path":
+def save_run(run_dir, result: dict, log_lines: list[str], drafter_path):
     """Write the run folder atomically: results.json, summary.md, eval.log, plots, and a `drafter` symlink
     to the checkpoint (a reference, not a copy; results.json holds its path and sha256)."""
     import os

@@ -154,3 +154,18 @@ def load_prompts(spec: str | os.PathLike) -> PromptSuite:
         name = spec_str
     items = _parse_lines(text, source)
     return PromptSuite(name=name, items=items, content_hash=_content_hash(items))
+
+
+def select_prompts(spec: str, num_prompts: int | None = None) -> PromptSuite:
+    """What a CLI's `--prompts SPEC [--num-prompts N]` means: the suite, or its first N items; one clear error."""
+    from dflashkit.errors import DFlashError
+
+    try:
+        suite = load_prompts(spec)
+    except ValueError as e:
+        raise DFlashError(f"--prompts: {e}") from None
+    if num_prompts is not None:
+        if num_prompts > len(suite):
+            raise DFlashError(f"--num-prompts {num_prompts}: suite {suite.name} holds only {len(suite)} prompts")
+        suite = suite.subset(num_prompts)
+    return suite
