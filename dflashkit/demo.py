@@ -182,7 +182,10 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
                     "schedule": "time-fitted cosine"}
 
     def make_train():
-        from dflashkit.drafter.checkpoint import save_drafter
+        import torch
+
+        from dflashkit.drafter import DFlashDrafter
+        from dflashkit.drafter.checkpoint import contract, load_drafter, save_drafter
         from dflashkit.train import train
         from dflashkit.train.config import load_config
 
@@ -206,19 +209,13 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
         if not summary["finished"] and not str(summary["stop_reason"]).startswith("max_minutes"):
             raise DFlashError(f"training stopped early ({summary['stop_reason']}) at step {summary['steps']}; "
                               "rerun `dflashkit demo` to resume from its last checkpoint")
-        # the untrained reference: the same architecture, vocabulary and seed, before any step
-        from dflashkit.drafter.checkpoint import load_drafter
-
+        # the untrained reference: the same architecture, draft vocabulary and seed, before any step
         final = load_drafter(summary["checkpoint"])
-        import torch
-
         torch.manual_seed(tc.seed)
-        from dflashkit.drafter import DFlashDrafter
-
         fresh_d = DFlashDrafter(final.config)
+        own = contract(fresh_d)  # keys save_drafter derives itself; carry over only the training extras
         save_drafter(fresh_d, untrained_dir, format="dflashkit", target_identity=ident,
-                     **{k: v for k, v in (final.contract or {}).items() if k not in ("format", "target_layer_ids",
-                        "block_size", "mask_token_id", "hidden_size", "num_target_layers", "target")})
+                     **{k: v for k, v in (final.contract or {}).items() if k not in own})
         if not first_dir.exists():  # the run ended before its first periodic checkpoint: use the earliest one left
             first = sorted((train_dir / "checkpoints").glob("step-*"))
             src = first[0] if first else Path(summary["checkpoint"])

@@ -50,6 +50,16 @@ def _umask() -> int:
     return mask
 
 
+def read_json(path, fix: str = ""):
+    """Parse a JSON file; a corrupt one is a DFlashError naming the file and, if given, the fix."""
+    from dflashkit.errors import DFlashError
+
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{path}: invalid JSON ({e}){'; ' + fix if fix else ''}") from e
+
+
 def write_json(path, obj) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")

@@ -34,3 +34,13 @@ def smollm2():
 
     torch.manual_seed(0)
     return load_target("smollm2-135m", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning threads make
+    the tests 10-50x slower; modules opt in with pytestmark and the setting is restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -17,14 +17,7 @@ KINDS = ("llama", "qwen3", "qwen3_5")
 TEXTS = ["hello world", "def add(a, b):", "Write a haiku about the sea, then explain it."]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning threads make
-    these tests 10-50x slower; restore the setting afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def greedy_reference(target, ids, n, stops=()):

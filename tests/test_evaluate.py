@@ -31,14 +31,7 @@ LAYERS = [1, 3]  # z-lab's rule for 2 features of a 6-layer target
 TREES = ["budget:4", "budget:8", "paths:3", "width:3"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine every parallel region can wait
-    a scheduler slice for its second thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import sha256_json
+from dflashkit.fileio import read_json, sha256_json
 
 FORMAT = "dflashkit-cache/1"
 MANIFEST, COMPLETIONS = "manifest.json", "completions.json"
@@ -40,10 +40,7 @@ def read_manifest(path) -> dict:
     if not f.is_file():
         hint = " (it does not exist)" if not path.exists() else ""
         raise DFlashError(f"{path}: not a dflashkit cache, no {MANIFEST}{hint}; create one with `dflashkit extract --out {path}`")
-    try:
-        m = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{f}: invalid JSON ({e}); the manifest is corrupt: re-extract the cache") from e
+    m = read_json(f, "the manifest is corrupt: re-extract the cache")
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise DFlashError(f"{f}: field 'format' is {m.get('format') if isinstance(m, dict) else None!r}, expected {FORMAT!r}; "
                           "this is not a cache written by this version of dflashkit")

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import atomic_dir, write_json
+from dflashkit.fileio import atomic_dir, read_json, write_json
 
 CONTRACT_FILE = "dflashkit.json"
 FORMATS = ("zlab", "dflashkit")
@@ -66,10 +66,7 @@ def load_drafter(path, target=None, allow_missing: bool = False, strict: bool = 
     for f in (cfg_file, weights):
         if not f.is_file():
             raise DFlashError(f"{f}: missing; a drafter folder holds config.json and model.safetensors")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{cfg_file}: invalid JSON ({e})") from e
+    raw = read_json(cfg_file)
     try:
         state = load_file(weights)
     except Exception as e:  # safetensors raises several types for truncated or corrupt files

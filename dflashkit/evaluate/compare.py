@@ -7,11 +7,11 @@ in its first line what differs.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
 from dflashkit.evaluate.offline import tree_label, write_plots
+from dflashkit.fileio import read_json
 
 # what must agree, and how to read it from results.json
 MUST_MATCH = {
@@ -27,10 +27,7 @@ def load_run(path) -> dict:
     f = Path(path) / "results.json"
     if not f.is_file():
         raise DFlashError(f"{path}: no results.json; pass a run folder written by `dflashkit eval`")
-    try:
-        r = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{f}: invalid JSON ({e}); rerun the evaluation") from e
+    r = read_json(f, "rerun the evaluation")
     if r.get("format") != "dflashkit-eval/1":
         raise DFlashError(f"{f}: field 'format' is {r.get('format')!r}, expected 'dflashkit-eval/1'; not a dflashkit eval run")
     return r

@@ -171,15 +171,11 @@ class StopFlag:
 
 def open_eval_cache(cfg: TrainConfig, target, layer_ids):
     """The eval cache, opened (and checked against the target and layer ids) before any training happens;
-    None when no eval cache is set or the offline evaluator is not installed."""
+    None when no eval cache is set."""
     if not cfg.eval_cache:
         return None
-    try:
-        from dflashkit.cache import open_cache
-        from dflashkit.evaluate.offline import evaluate  # noqa: F401
-    except ImportError:
-        print("eval     disabled: dflashkit.evaluate.offline is not available")
-        return None
+    from dflashkit.cache import open_cache
+
     return open_cache(cfg.eval_cache, num_prompts=cfg.eval_prompts, expect_target=target.identity(), layer_ids=layer_ids)
 
 
