@@ -72,7 +72,7 @@ def source(data, **kw):
 
 def cfg_for(tmp_path, name="run", **kw) -> TrainConfig:
     base = dict(out=str(tmp_path / name), num_layers=1, target_layer_ids=LAYERS, block_size=8, batch_size=2,
-                anchors_per_seq=8, steps=6, lr=3e-3, progress=False, save_every=1000)
+                anchors_per_seq=8, steps=6, lr=3e-3, progress=False, save_every=1000, dtype="float32")
     base.update(kw)
     return load_config(None, base)
 
@@ -489,7 +489,7 @@ def test_torchrun_ddp_and_fsdp_match_a_single_process(tiny_dirs, llama, tmp_path
     conf = tmp_path / "c.yaml"
     conf.write_text(yaml.safe_dump(dict(target=str(tiny_dirs["llama"]), data=str(seqs), num_layers=1,
                                         target_layer_ids=LAYERS, block_size=8, anchors_per_seq=8, steps=4, lr=3e-3,
-                                        noise_std=0.1, progress=False)))
+                                        noise_std=0.1, progress=False, dtype="float32")))
     single = train(load_config(conf, [f"out={tmp_path}/single", "batch_size=4"]), target=llama)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -526,3 +526,16 @@ def test_smollm2_kl_training_steps_with_a_draft_vocabulary(smollm2, tmp_path):
     res = train(cfg_for(tmp_path, target_layer_ids=ids, block_size=16, anchors_per_seq=16, steps=4, loss="kl",
                         lr=1e-3), target=t, source=src)
     assert res["finished"] and res["draft_vocab_size"] < 200 and res["losses"][-1] < res["losses"][0]
+
+
+def test_auto_dtype_uses_bf16_autocast_only_on_cpus_with_native_bf16(monkeypatch):
+    from dflashkit.train import loop
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loop, "cpu_has_bf16_matmul", lambda: True)
+    assert loop.autocast_dtype("auto", cpu) == torch.bfloat16
+    assert loop.autocast_dtype("float32", cpu) == torch.float32
+    monkeypatch.setattr(loop, "cpu_has_bf16_matmul", lambda: False)
+    assert loop.autocast_dtype("auto", cpu) == torch.float32
+    assert loop.autocast_dtype("bf16", cpu) == torch.bfloat16
+    assert loop.autocast_dtype("auto", torch.device("cuda")) == torch.bfloat16

@@ -69,7 +69,8 @@ class TrainConfig:
                                               "rate then depends on the clock, so a resume no longer repeats exactly)")
     # runtime
     device: str = _f("auto", "auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)")
-    dtype: str = _f("auto", "auto: float32 on CPU, bfloat16 autocast on CUDA; or float32 | bfloat16")
+    dtype: str = _f("auto", "auto: bfloat16 autocast on CUDA and on CPUs with bf16 matrix instructions (avx512_bf16/amx), "
+                            "else float32; or float32 | bfloat16")
     distributed: str = _f("ddp", "under torchrun: ddp | fsdp (FSDP2 fully_shard)")
     seed: int = _f(0, "seeds the weights, the data order, the anchors and the noise")
     # outputs

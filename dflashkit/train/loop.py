@@ -246,13 +246,32 @@ def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bo
     return feats, embeds, last_states
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Native bf16 dot products (Zen 4, Sapphire Rapids and later): autocast then runs the drafter's matmuls
+    ~2.5x faster than float32; without them bf16 is emulated and slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The training compute dtype (master weights and the loss stay float32)."""
+    from dflashkit.target.model import pick_dtype
+
+    if name == "auto" and device.type == "cpu":
+        return torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
+    return pick_dtype(name, device)
+
+
 def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
     """Train a drafter as configured; returns a summary (also written to `out`/summary.json).
 
     target/source: pass already-loaded objects (tests, notebooks); on_step(step, row) is called after every step."""
     from dflashkit.drafter.checkpoint import load_drafter, new_drafter
     from dflashkit.drafter.head import DraftHead
-    from dflashkit.target.model import load_target, pick_dtype
+    from dflashkit.target.model import load_target
 
     cfg.check()
     d = init_distributed(cfg)
@@ -331,7 +350,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         start, elapsed_before, best = state["step"], state["elapsed_s"], state.get("best")
-    dtype = pick_dtype(cfg.dtype, d.device)
+    dtype = autocast_dtype(cfg.dtype, d.device)
     def autocast():  # bf16 on CUDA: master weights and the loss stay float32
         return torch.autocast(d.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     extra = dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab, train_config=cfg.to_dict())
