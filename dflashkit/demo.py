@@ -240,6 +240,7 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
                 run_eval(path, target, cache, eval_dir / f"{name}-{anchors}", anchors=anchors,
                          trees=("budget:4", "budget:8"), progress=cfg.progress, say=log)
             compare_runs([eval_dir / f"{n}-{anchors}" for n in drafters], out=eval_dir / f"compare-{anchors}")
+        write_json(eval_dir / "limits.json", data_limits(final_ckpt, data_dir, cache))
 
     st.run("eval", {"train": train_fp, "cache": cache_fp}, [eval_dir], make_eval, est["eval"], left("eval"))
 
@@ -324,6 +325,7 @@ def write_report(root: Path, cfg: DemoConfig, device, timings: dict) -> dict:
         ["best speedup ahead of prompt-lookup", pl_speed, "met" if best_speed > pl_speed else f"behind by {pl_speed - best_speed:.2f}x"],
     ]
     lines += ["## Quality bar", "", markdown_table(["criterion", "measured", "status"], checks)]
+    lines += ["## What limits it", "", *limits_lines(root, methods), ""]
     if train:
         lines += ["## Training", "", f"{train.get('steps')} steps in {train.get('elapsed_s', 0) / 60:.1f} min, loss "
                   f"`{train.get('loss_name')}`, draft vocabulary {train.get('draft_vocab_size') or 'full'}; "
@@ -335,6 +337,64 @@ def write_report(root: Path, cfg: DemoConfig, device, timings: dict) -> dict:
     console = [f"chain tau {chain:.2f}, ddtree-8 tau {dd8:.2f}, best speedup {best_speed:.2f}x ({best[0]}), "
                f"prompt-lookup {pl_speed:.2f}x"] + [f"  {c[0]}: {c[2]}" for c in checks]
     return {"checks": checks, "console": console}
+
+
+def data_limits(final_ckpt, data_dir: Path, cache) -> dict:
+    """Facts about the data the drafter saw, against the eval cache: how many response tokens, and how much of
+    the eval completions its draft vocabulary can express at all (a token outside it is never drafted)."""
+    from dflashkit.cache import open_cache
+    from dflashkit.drafter.checkpoint import load_drafter
+
+    vocab = (load_drafter(final_ckpt).contract or {}).get("draft_vocab")
+    train = open_cache(data_dir)
+    train_tokens = sum(r.num_tokens - r.prompt_len for r in train)
+    seen = set()
+    for r in train:
+        seen.update(r.tokens[r.prompt_len:].tolist())
+    eval_tokens = [t for r in cache for t in r.tokens[r.prompt_len + 1:].tolist()]  # labels: tokens after the anchor
+    inside = set(vocab) if vocab else None
+    return {"train_sequences": len(train), "train_response_tokens": train_tokens, "train_distinct_tokens": len(seen),
+            "draft_vocab": len(vocab) if vocab else None, "eval_label_tokens": len(eval_tokens),
+            "eval_in_draft_vocab": (sum(t in inside for t in eval_tokens) / len(eval_tokens)) if inside and eval_tokens else 1.0,
+            "eval_seen_in_training": sum(t in seen for t in eval_tokens) / max(1, len(eval_tokens))}
+
+
+def limits_lines(root: Path, methods: dict) -> list[str]:
+    """The measurements that say why the bar is or is not reached: fit vs held-out (data), first checkpoint vs
+    final (training time), vocabulary coverage, and what a verify costs against a plain step (break-even tau)."""
+    out = []
+    metrics = root / "train" / "metrics.csv"
+    ev = {n: _load(root / "eval" / f"{n}-stride" / "results.json").get("overall", {}) for n in ("trained", "first-checkpoint")}
+    if metrics.is_file():
+        import csv
+
+        rows = list(csv.DictReader(metrics.open()))
+        tail = rows[-max(1, len(rows) // 10):]
+        fit = sum(float(r["pos1_acc"]) for r in tail) / len(tail)
+        blocks = sum(int(r["blocks"]) for r in rows)
+        held = ev["trained"].get("pos1_acc")
+        out.append(f"- Data: position-1 accuracy {fit:.3f} on the training data (last {len(tail)} steps) against "
+                   f"{held if held is None else f'{held:.3f}'} on the held-out eval cache; a wide gap means the drafter "
+                   "is bound by the amount and reach of its data, not by its training time.")
+        first, last = ev["first-checkpoint"].get("tau"), ev["trained"].get("tau")
+        if first and last:
+            out.append(f"- Training time: {len(rows)} steps, {blocks:,} blocks; offline stride tau {first:.3f} at the first "
+                       f"checkpoint -> {last:.3f} at the end.")
+    lim = _load(root / "eval" / "limits.json")
+    if lim:
+        cover = f"{100 * lim['eval_in_draft_vocab']:.1f}%"
+        out.append(f"- Vocabulary: {lim['train_response_tokens']:,} response tokens from {lim['train_sequences']} prompts, "
+                   f"{lim['train_distinct_tokens']:,} distinct; the draft vocabulary ({lim['draft_vocab'] or 'full'}) covers "
+                   f"{cover} of the eval completions' tokens ({100 * lim['eval_seen_in_training']:.1f}% occur in the training data).")
+    ar = methods.get("ar", {}).get("ms_per_round", {}) or {}
+    for m in ("chain", "ddtree-8"):
+        ms = methods.get(m, {}).get("ms_per_round") or {}
+        if ar.get("total") and ms.get("total"):
+            even = ms["total"] / ar["total"]
+            out.append(f"- Cost of a round ({m}): {ms['total']:.0f} ms (draft {ms['draft']:.0f}, verify {ms['verify']:.0f}) "
+                       f"against {ar['total']:.0f} ms per plain token: break-even at tau {even:.2f}, 1.3x needs tau "
+                       f"{1.3 * even:.2f}.")
+    return out or ["(nothing measured yet)"]
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------------

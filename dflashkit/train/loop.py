@@ -402,8 +402,9 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
         run.mkdir(parents=True, exist_ok=True)
     from tqdm import tqdm
 
-    bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not (d.master and cfg.progress),
-               dynamic_ncols=True)
+    timed = bool(cfg.max_minutes)  # a time-boxed run: the bar counts seconds, so its ETA is the real one
+    bar = tqdm(total=round(60 * cfg.max_minutes) if timed else total, initial=round(elapsed_before) if timed else start,
+               desc="train", unit="s" if timed else "step", disable=not (d.master and cfg.progress), dynamic_ncols=True)
     t0 = time.time()
     step, history, reason, order_cache, last_dt = start, [], "", {}, 0.0
     mine = slice(d.rank * cfg.batch_size * cfg.grad_accum, (d.rank + 1) * cfg.batch_size * cfg.grad_accum)
@@ -465,9 +466,9 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
             history.append(row)
             if d.master:
                 metrics.step(row)
-                bar.set_postfix_str(f"{cfg.loss} {row['loss']:.3f} acc1 {row['pos1_acc']:.3f} "
-                                    f"{row['tokens_per_s']:.0f} tok/s {row['blocks_per_s']:.0f} blk/s", refresh=False)
-                bar.update(1)
+                bar.set_postfix_str(f"step {step}/{total} {cfg.loss} {row['loss']:.3f} acc1 {row['pos1_acc']:.3f} "
+                                    f"{row['blocks_per_s']:.0f} blk/s", refresh=False)
+                bar.update(min(round(row["elapsed_s"]), bar.total) - bar.n if timed else 1)
             if on_step is not None:
                 on_step(step, row)
             # a stop request must be agreed by every process, or the next collective would hang
