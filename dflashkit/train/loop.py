@@ -404,7 +404,8 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
 
     timed = bool(cfg.max_minutes)  # a time-boxed run: the bar counts seconds, so its ETA is the real one
     bar = tqdm(total=round(60 * cfg.max_minutes) if timed else total, initial=round(elapsed_before) if timed else start,
-               desc="train", unit="s" if timed else "step", disable=not (d.master and cfg.progress), dynamic_ncols=True)
+               desc="train", unit="s" if timed else "step", disable=not (d.master and cfg.progress), dynamic_ncols=True,
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]" if timed else None)
     t0 = time.time()
     step, history, reason, order_cache, last_dt = start, [], "", {}, 0.0
     mine = slice(d.rank * cfg.batch_size * cfg.grad_accum, (d.rank + 1) * cfg.batch_size * cfg.grad_accum)
