@@ -89,7 +89,7 @@ class Stages:
         if stamp.get("inputs") == key and stamp.get("done"):
             if fingerprint(outputs) == stamp.get("outputs"):
                 self.console.print(f"[dim][{self.n}/{self.total}] {name}: unchanged, skipped[/dim]")
-                self.timings[name] = {"seconds": 0.0, "skipped": True}
+                self.timings[name] = {"seconds": stamp.get("seconds", 0.0), "skipped": True}  # when it was built
                 return stamp["outputs"]
             self.console.print(f"[yellow][{self.n}/{self.total}] {name}: outputs changed or corrupted since they were "
                                "written; rebuilding[/yellow]")
@@ -337,7 +337,8 @@ def write_report(root: Path, cfg: DemoConfig, device, timings: dict) -> dict:
         lines += ["## Training", "", f"{train.get('steps')} steps in {train.get('elapsed_s', 0) / 60:.1f} min, loss "
                   f"`{train.get('loss_name')}`, draft vocabulary {train.get('draft_vocab_size') or 'full'}; "
                   f"stopped: {train.get('stop_reason')}.", "", "![loss](train/loss.png)", ""]
-    lines += ["## Stage timings", "", markdown_table(["stage", "seconds", "skipped"],
+    lines += ["## Stage timings", "", "Seconds each stage took when it was built (a skipped stage reused that output).", "",
+              markdown_table(["stage", "seconds", "skipped"],
               [[k, v["seconds"], v["skipped"]] for k, v in timings.items()])]
     write_text(root / "report.md", "\n".join(lines) + "\n")
     write_json(root / "report.json", {"checks": checks, "timings": timings, "config": asdict(cfg)})
