@@ -59,9 +59,9 @@ def run(drafter, head, embed, seqs, B, max_blocks, label):
     states = [drafter.forward_blocks(f[None, : a[-1]], embed(torch.tensor([[int(tok[x])] + [mask] * (B - 1) for x in a])
                                                             .reshape(-1))[None], torch.tensor(a)[None])[0].view(len(a), B, -1)
               for (tok, f, _), a in zip(seqs, anchors)]
-    _, ts = timed(lambda: [score_block(head.logits(h[j, 1:]), lab[j], head.to_index(lab[j]), TREES)
+    _, ts = timed(lambda: [score_block(lg[j], lab[j], head.to_index(lab[j]), TREES)
                            for (tok, _, _), a, h in zip(seqs, anchors, states)
-                           for lab in [_labels(tok, a, B)] for j in range(len(a))])
+                           for lab, lg in [(_labels(tok, a, B), head.logits(h[:, 1:]))] for j in range(len(a))])
     key = lambda r: [r[k] for k in ("anchor", "streak", "matches", "trees", "curve")]  # exact integers
     same = sum(key(x) == key(y) for bs, ls in zip(batched, loop) for x, y in zip(bs, ls))
     print(f"[{label}] {len(seqs)} prompts, {n} blocks, trees {'+'.join(TREES)}")
