@@ -355,9 +355,9 @@ def data_limits(final_ckpt, data_dir: Path, cache) -> dict:
 
     vocab = (load_drafter(final_ckpt).contract or {}).get("draft_vocab")
     train = open_cache(data_dir)
-    train_tokens = sum(r.num_tokens - r.prompt_len for r in train)
-    seen = set()
+    train_tokens, seen = 0, set()
     for r in train:
+        train_tokens += r.num_tokens - r.prompt_len
         seen.update(r.tokens[r.prompt_len:].tolist())
     eval_tokens = [t for r in cache for t in r.tokens[r.prompt_len + 1:].tolist()]  # labels: tokens after the anchor
     inside = set(vocab) if vocab else None

@@ -54,16 +54,14 @@ class PromptSuite:
 
     def subset(self, n: int) -> "PromptSuite":
         """The first ``n`` items (all of them if ``n`` exceeds the suite size)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"subset size must be a non-negative integer, got {n!r}")
+        _check_size(n)
         items = self.items[:n]
         return PromptSuite(name=self.name, items=items, content_hash=_content_hash(items))
 
     def nearest(self, reference: "PromptSuite", n: int) -> "PromptSuite":
         """The ``n`` items closest to ``reference``'s topic (TF-IDF cosine to its centroid), in this suite's
         order: on-domain training data for a drafter that will be judged on ``reference``."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"subset size must be a non-negative integer, got {n!r}")
+        _check_size(n)
         docs = [_words(it) for it in self.items]
         df = Counter(w for d in docs for w in set(d))
 
@@ -83,6 +81,11 @@ class PromptSuite:
 
     def __len__(self) -> int:
         return len(self.items)
+
+
+def _check_size(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"subset size must be a non-negative integer, got {n!r}")
 
 
 def _words(item: PromptItem) -> list[str]:

@@ -351,7 +351,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
         random.setstate(state["rng"]["python"])
         start, elapsed_before, best = state["step"], state["elapsed_s"], state.get("best")
     dtype = autocast_dtype(cfg.dtype, d.device)
-    def autocast():  # bf16 on CUDA: master weights and the loss stay float32
+    def autocast():  # bf16 where autocast_dtype chose it: master weights and the loss stay float32
         return torch.autocast(d.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     extra = dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab, train_config=cfg.to_dict())
 
