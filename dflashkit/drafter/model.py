@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.errors import DFlashError
 
 
 class RMSNorm(nn.Module):
@@ -105,9 +106,7 @@ class Attention(nn.Module):
         if self.n_kv != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        if mask is not None:  # rows that may see nothing (padding blocks) output zeros, not NaN
-            out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(*h.shape[:2], -1))
 
 
@@ -164,6 +163,8 @@ class DFlashDrafter(nn.Module):
 
     def _sliding(self, mask, q_pos, k_pos):
         """Restrict `mask` to keys within sliding_window of each query (sliding_attention layers)."""
+        if isinstance(mask, (ChunkedBlocks, FlexBlocks)):
+            return mask.windowed(self.config.sliding_window)
         near = (q_pos[:, :, None] - k_pos[:, None, :]) < self.config.sliding_window
         near = near[:, None]
         return near if mask is None else mask & near
@@ -201,34 +202,192 @@ class DFlashDrafter(nn.Module):
         cache = past_key_values if (use_cache or past_key_values is not None) else None
         return self.run(target_hidden, noise_embedding, position_ids[:, :t], position_ids[:, t:], None, cache)
 
-    def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None, block_size=None):
+    def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None, block_size=None, attention="auto"):
         """Many blocks of one sequence in one call (training and offline evaluation).
 
         target_hidden [b, T, K*H] features of positions 0..T-1; block_embeds [b, n*B, H] with block j at
         rows j*B..j*B+B-1 = [anchor_j, MASK...]; anchors [b, n] absolute anchor positions; valid [b, n] bool.
         Block j sees context positions strictly before its anchor, its own block bidirectionally, nothing
-        else; invalid (padding) blocks see nothing (their output is zeros before the final norm)."""
+        else; a padding block (valid False) sees only its own slots, so no row is ever empty (an empty row is
+        NaN in some kernels, forward or backward). Returns [b, n*B, H].
+
+        attention: how the block-sparse pattern is computed (all give the same result, see build_block_mask):
+        dense (the whole [n*B, T+n*B] mask: the reference), chunked (blocks sorted by anchor, CHUNK_BLOCKS at a
+        time, each chunk over the context up to its last anchor: ~1/6 of the dense work at 512 anchors x 3K
+        tokens, memory bounded by the chunk), flex (FlexAttention with a BlockMask: CUDA; no backward on CPU),
+        auto (flex on CUDA, chunked elsewhere)."""
         b, T, _ = target_hidden.shape
         B = block_size or self.config.block_size
         n = anchors.shape[1]
+        if block_embeds.shape[:2] != (b, n * B):
+            raise DFlashError(f"forward_blocks: block_embeds {tuple(block_embeds.shape)} does not hold {n} blocks of "
+                              f"{B} rows for a batch of {b} (expected [{b}, {n * B}, H])")
+        valid = torch.ones_like(anchors, dtype=torch.bool) if valid is None else valid.bool()
+        kind = pick_attention(attention, target_hidden.device)
         dev = target_hidden.device
         offs = torch.arange(B, device=dev)
-        q_pos = (anchors[:, :, None] + offs).reshape(b, n * B)
         ctx_pos = torch.arange(T, device=dev).expand(b, T)
-        mask = build_block_mask(anchors, T, B, valid)
-        return self.run(target_hidden, block_embeds, ctx_pos, q_pos, mask, None)
+        order = None
+        if kind == "chunked":  # sort blocks by anchor so that each chunk needs only a short context
+            order = anchors.masked_fill(~valid, 0).argsort(dim=1, stable=True)
+            anchors, valid = anchors.gather(1, order), valid.gather(1, order)
+            block_embeds = block_embeds.gather(1, _rows(order, B)[..., None].expand(-1, -1, block_embeds.shape[-1]))
+        q_pos = (anchors[:, :, None] + offs).reshape(b, n * B)
+        if kind == "dense":
+            mask = build_block_mask(anchors, T, B, valid)
+        elif kind == "chunked":
+            mask = ChunkedBlocks(anchors, valid, T, B)
+        else:
+            mask = FlexBlocks(anchors, valid, T, B)
+        out = self.run(target_hidden, block_embeds, ctx_pos, q_pos, mask, None)
+        if order is not None:  # back to the caller's block order
+            out = out.gather(1, _rows(order.argsort(dim=1), B)[..., None].expand(-1, -1, out.shape[-1]))
+        return out
 
 
 def build_block_mask(anchors, ctx_len: int, block_size: int, valid=None) -> torch.Tensor:
-    """[b, 1, n*B, T + n*B] bool: context < anchor (strict: the anchor's own state does not exist yet at
-    inference), own block bidirectional, nothing across blocks; invalid blocks see nothing."""
+    """[b, 1, n*B, T + n*B] bool (True = may attend): context < anchor (strict: the anchor's own state does not
+    exist yet at inference), own block bidirectional, nothing across blocks; a padding block's rows see only
+    their own slot (a row that sees nothing is NaN in some kernels). The one definition of who sees what: the
+    dense path uses it whole, the chunked path per chunk, and the flex path's mask_mod is tested against it."""
     b, n = anchors.shape
     dev = anchors.device
     B = block_size
     blk = torch.arange(n, device=dev).repeat_interleave(B)  # block index of each query row
     ctx_ok = torch.arange(ctx_len, device=dev)[None, None, :] < anchors[:, blk][:, :, None]  # [b, nB, T]
     same = (blk[:, None] == blk[None, :]).expand(b, -1, -1)  # [b, nB, nB]
-    mask = torch.cat([ctx_ok, same], dim=-1)
     if valid is not None:
-        mask = mask & valid[:, blk][:, :, None]
-    return mask[:, None]
+        ok = valid[:, blk][:, :, None]  # [b, nB, 1]
+        ctx_ok = ctx_ok & ok
+        same = same & (ok | torch.eye(n * B, dtype=torch.bool, device=dev))
+    return torch.cat([ctx_ok, same], dim=-1)[:, None]
+
+
+# ---- block-sparse attention for forward_blocks ------------------------------------------------------------
+
+ATTENTION_KINDS = ("auto", "flex", "chunked", "dense")
+CHUNK_BLOCKS = 32  # blocks per chunk: at 512 anchors x 3K tokens ~1/6 of the dense work, ~70 MB of scores a chunk
+
+
+def pick_attention(name: str, device: torch.device) -> str:
+    """auto -> flex on CUDA (when this torch has it), chunked elsewhere; checks the name."""
+    if name not in ATTENTION_KINDS:
+        raise DFlashError(f"attention={name!r} is not one of: {', '.join(ATTENTION_KINDS)}")
+    if name == "auto":
+        return "flex" if device.type == "cuda" and _has_flex() else "chunked"
+    if name == "flex" and not _has_flex():
+        raise DFlashError(f"attention=flex needs torch.nn.attention.flex_attention (torch {torch.__version__} lacks "
+                          "it); use attention=chunked")
+    return name
+
+
+def _has_flex() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def attend(q, k, v, mask):
+    """q [b, h, Q, d], k/v [b, h, S, d] -> [b, h, Q, d]. mask: None (every key visible), a bool [b, 1, Q, S]
+    (True = may attend; every row must see a key) or a block-sparse plan from forward_blocks."""
+    if mask is None or isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return mask(q, k, v)
+
+
+def _rows(order, B: int):
+    """[b, n] block order -> [b, n*B] row order (each block's B rows stay together)."""
+    return (order[:, :, None] * B + torch.arange(B, device=order.device)).flatten(1)
+
+
+def _window_mask(anchors, ctx_len: int, B: int, window: int) -> torch.Tensor:
+    """[b, 1, n*B, ctx_len + n*B]: key within `window` positions before each block query (sliding layers)."""
+    b, n = anchors.shape
+    q_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).flatten(1)
+    k_pos = torch.cat([torch.arange(ctx_len, device=anchors.device).expand(b, -1), q_pos], dim=1)
+    return ((q_pos[:, :, None] - k_pos[:, None, :]) < window)[:, None]
+
+
+class ChunkedBlocks:
+    """forward_blocks' attention without the dense mask: blocks (sorted by anchor) CHUNK_BLOCKS at a time; a chunk
+    attends to context [0, L) with L = its last anchor + 1, plus its own blocks' rows, under build_block_mask of
+    its blocks. Work ~ sum over chunks of (L + chunk rows) instead of n*B x (T + n*B); one plan serves all layers.
+
+    anchors/valid [b, n] (sorted along n for the savings; any order is correct); keys k [b, h, T + n*B, d]."""
+
+    def __init__(self, anchors, valid, ctx_len: int, B: int, chunk: int | None = None, window: int | None = None):
+        chunk = chunk or CHUNK_BLOCKS
+        self.T, self.B = ctx_len, B
+        self.parts = []  # (first row, last row, L, mask [b, 1, rows, L + rows])
+        live = anchors.masked_fill(~valid, 0)
+        for s in range(0, anchors.shape[1], chunk):
+            a, ok = anchors[:, s:s + chunk], valid[:, s:s + chunk]
+            L = min(ctx_len, int(live[:, s:s + chunk].max()) + 1)
+            m = build_block_mask(a, L, B, ok)
+            if window is not None:
+                m = m & _window_mask(a, L, B, window)
+            self.parts.append((s * B, (s + a.shape[1]) * B, L, m))
+        self._args = (anchors, valid, ctx_len, B, chunk)
+
+    def windowed(self, window: int) -> "ChunkedBlocks":
+        return ChunkedBlocks(*self._args, window=window)
+
+    def __call__(self, q, k, v):
+        T, outs = self.T, []
+        for r0, r1, L, m in self.parts:
+            kc = torch.cat([k[:, :, :L], k[:, :, T + r0:T + r1]], dim=2)
+            vc = torch.cat([v[:, :, :L], v[:, :, T + r0:T + r1]], dim=2)
+            outs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], kc, vc, attn_mask=m))
+        return torch.cat(outs, dim=2)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q):
+    """torch.compile'd flex_attention on CUDA (the eager one materializes every score); eager elsewhere."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not q.is_cuda:
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+class FlexBlocks:
+    """forward_blocks' attention as FlexAttention with a BlockMask: only the (128 x 128) tiles that hold a visible
+    key are computed. mask_mod encodes build_block_mask (context < anchor, own block, a padding row its own slot).
+
+    anchors/valid [b, n]; keys k [b, h, T + n*B, d]."""
+
+    def __init__(self, anchors, valid, ctx_len: int, B: int, window: int | None = None):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        T, (b, n) = ctx_len, anchors.shape
+        self._args = (anchors, valid, ctx_len, B)
+
+        def mask_mod(bi, h, q, kv):
+            blk = q // B
+            a, ok = anchors[bi, blk], valid[bi, blk]
+            ctx = (kv < T) & (kv < a) & ok
+            if window is not None:
+                ctx = ctx & (a + q % B - kv < window)
+            own = (kv >= T) & ((kv - T) // B == blk) & (ok | (kv - T == q))
+            return ctx | own
+
+        self.mask_mod = mask_mod
+        self.block_mask = create_block_mask(mask_mod, b, None, n * B, T + n * B, device=anchors.device)
+
+    def windowed(self, window: int) -> "FlexBlocks":
+        return FlexBlocks(*self._args, window=window)
+
+    def __call__(self, q, k, v):
+        if torch.is_grad_enabled() and not q.is_cuda and q.requires_grad:
+            raise DFlashError("attention=flex: FlexAttention has no backward on CPU; train with attention=chunked "
+                              "(or auto)")
+        dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else v.dtype
+        return _flex_attention(q)(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=self.block_mask)

@@ -72,6 +72,9 @@ class TrainConfig:
     dtype: str = _f("auto", "auto: bfloat16 autocast on CUDA and on CPUs with bf16 matrix instructions (avx512_bf16/amx), "
                             "else float32; or float32 | bfloat16")
     distributed: str = _f("ddp", "under torchrun: ddp | fsdp (FSDP2 fully_shard)")
+    attention: str = _f("auto", "block-sparse attention of the training blocks: auto (flex on CUDA, else chunked) | "
+                                "flex (FlexAttention BlockMask, CUDA) | chunked (anchor-sorted chunks, any device) | "
+                                "dense (the full mask: the reference, slow at 512 anchors)")
     seed: int = _f(0, "seeds the weights, the data order, the anchors and the noise")
     # outputs
     out: str = _f("runs/train", "run folder: checkpoints, metrics.csv, summary")
@@ -96,6 +99,8 @@ class TrainConfig:
             bad("distributed", "is not one of: ddp, fsdp")
         if self.dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16"):
             bad("dtype", "is not one of: auto, float32, bfloat16")
+        if self.attention not in ("auto", "flex", "chunked", "dense"):
+            bad("attention", "is not one of: auto, flex, chunked, dense")
         if self.eval_anchors not in ("stride", "walk"):
             bad("eval_anchors", "is not one of: stride, walk")
         if isinstance(self.draft_vocab, str) and self.draft_vocab.isdigit():

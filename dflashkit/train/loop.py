@@ -38,7 +38,7 @@ from dflashkit.train.data import (add_noise, build_batch, data_kind, draft_vocab
 from dflashkit.train.loss import block_loss, slot_weights, step_weight
 
 METRIC_COLUMNS = ["step", "epoch", "loss", "loss_name", "pos1_acc", "slot_acc", "lr", "grad_norm", "blocks",
-                  "tokens", "oov_frac", "blocks_per_s", "tokens_per_s", "elapsed_s"]
+                  "tokens", "oov_frac", "blocks_per_s", "tokens_per_s", "elapsed_s", "peak_mem_gib"]
 
 
 @dataclass
@@ -92,16 +92,16 @@ def barrier(d: Dist) -> None:
 class BlockModel(nn.Module):
     """The drafter with forward = forward_blocks, so DDP/FSDP hooks see the training call."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, attention: str = "auto"):
         super().__init__()
-        self.drafter = drafter
+        self.drafter, self.attention = drafter, attention
 
     def forward(self, features, block_embeds, anchors, valid):
-        return self.drafter.forward_blocks(features, block_embeds, anchors, valid)
+        return self.drafter.forward_blocks(features, block_embeds, anchors, valid, attention=self.attention)
 
 
 def wrap(drafter, cfg: TrainConfig, d: Dist) -> nn.Module:
-    model = BlockModel(drafter)
+    model = BlockModel(drafter, cfg.attention)
     if d.world == 1:
         return model
     if cfg.distributed == "fsdp":
@@ -364,7 +364,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
     log(f"loss     {cfg.loss}, gamma {gamma:g}: sum_k w_k*l_k / sum_k w_k over the global batch's supervised slots")
     log(f"steps    {total} ({steps_per_epoch}/epoch), global batch {G} sequences x <= {cfg.anchors_per_seq} anchors, "
         f"{d.world} process(es) on {d.device} ({cfg.distributed if d.world > 1 else 'single'}), "
-        f"{str(dtype).removeprefix('torch.')}")
+        f"{str(dtype).removeprefix('torch.')}, attention {cfg.attention}")
     if state:
         log(f"resume   from {ckpt} at step {start}")
 
@@ -416,6 +416,8 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
             if epoch not in order_cache:
                 order_cache = {epoch: epoch_order(len(pool), epoch, cfg.seed)}
             chosen = [pool[j] for j in order_cache[epoch][pos * G:(pos + 1) * G]][mine]
+            if source.kind == "online":  # bucket by length: the target pads each micro-batch to its longest sequence
+                chosen.sort(key=lambda i: seqs[i].length)
             micro = [chosen[m * cfg.batch_size:(m + 1) * cfg.batch_size] for m in range(cfg.grad_accum)]
             batches = [build_batch([seqs[i] for i in mb],
                                    [sample_anchors(seqs[i], cfg.anchors_per_seq, epoch, cfg.seed, i) for i in mb],
@@ -463,7 +465,8 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
                    "slot_acc": sums[6].item() / max(1.0, sums[2].item()),
                    "lr": lr, "grad_norm": gnorm, "blocks": int(sums[7]), "tokens": int(sums[8]),
                    "oov_frac": sums[3].item() / max(1.0, sums[2].item()), "blocks_per_s": sums[7].item() / dt,
-                   "tokens_per_s": sums[8].item() / dt, "elapsed_s": elapsed_before + time.time() - t0}
+                   "tokens_per_s": sums[8].item() / dt, "elapsed_s": elapsed_before + time.time() - t0,
+                   "peak_mem_gib": torch.cuda.max_memory_allocated(d.device) / 2**30 if d.device.type == "cuda" else None}
             history.append(row)
             if d.master:
                 metrics.step(row)
