@@ -45,7 +45,15 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
+    before = None
     try:
+        if hasattr(args, "threads"):  # commands that run models take --threads (dflashkit.threads)
+            import torch
+
+            from dflashkit.threads import apply_threads
+
+            before = torch.get_num_threads()
+            apply_threads(args)
         return args.func(args) or 0
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -53,6 +61,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted; completed work is saved and a rerun resumes", file=sys.stderr)
         return 130
+    finally:
+        if before is not None:  # an in-process caller (tests, notebooks) gets its own setting back
+            import torch
+
+            torch.set_num_threads(before)
 
 
 if __name__ == "__main__":

@@ -208,7 +208,11 @@ def test_partial_coverage_is_an_error_naming_nearby_caches(runs, tiny_targets):
     msg = str(e.value)
     assert msg.startswith(f"cache {a} has 3 of the 10 requested prompts (fizzbuzz, binary_search, linked_list_reverse); "
                           f"caches nearby: {b} (10 prompts, same target), {c} (2 prompts, target qwen3)")
-    assert "allow_partial=True (--allow-partial)" in msg
+    # the Python API names its own argument only; the CLI names its flag only (issue 14, item 7)
+    assert "pass allow_partial=True to proceed" in msg and "--allow-partial" not in msg
+    with pytest.raises(DFlashError) as e:
+        open_cache(a, num_prompts=10, partial_hint="--allow-partial")
+    assert "pass --allow-partial to proceed" in str(e.value) and "allow_partial=True" not in str(e.value)
     d = runs / "d"  # an unfinished extraction beside them is listed as such
     with pytest.raises(KeyboardInterrupt):
         extract(tiny_targets["llama"], CODING.subset(4), d, layer_ids=LAYERS, max_new_tokens=4, progress=False,
@@ -230,7 +234,8 @@ def test_mismatches_are_errors(runs, tiny_targets):
     b = runs / "b"
     with pytest.raises(DFlashError, match=r"holds target layers \[1, 2, 3\] but layers \[4\] were asked for"):
         open_cache(b, layer_ids=[1, 4])
-    with pytest.raises(DFlashError, match=r"extracted from target llama \(config_hash .*not from the target in use qwen3"):
+    with pytest.raises(DFlashError, match=r"cache .*b was made with target llama \(weights [0-9a-f]{16}, config .*not with "
+                                          r"the target in use qwen3 .*extract a cache with this target"):
         open_cache(b, expect_target=tiny_targets["qwen3"].identity())
     with pytest.raises(DFlashError, match="holds hidden size 64 .* has hidden size 576"):
         open_cache(b, expect_target={**tiny_targets["llama"].identity(), "hidden_size": 576})

@@ -186,6 +186,7 @@ def test_sampling_matches_target_softmax(tiny_targets):
             assert stat < crit, (method, pos, stat, crit)
 
 
+@pytest.mark.slow
 def test_smollm2_coding_prompts_lossless(smollm2):
     """The real target on two coding prompts: chain and DDTree equal plain greedy decoding."""
     from dflashkit.prompts import load_prompts

@@ -250,10 +250,10 @@ def test_cheating_drafter_scores_everything_and_random_drafter_near_zero(tiny_ta
             assert r["trees"] == {"budget:4": min(4, n), "budget:8": min(7, n), "paths:3": min(7, n), "width:3": min(7, n)}
         full = [r for r in recs if r["n_labels"] == B - 1]
         assert aggregate(full, B, TREES)["streak"] == B - 1
-    if True:
-        recs = evaluate_sequence(real, head, t.embed_tokens, tokens, feats, 20, trees=TREES)
-        agg = aggregate(recs, B, TREES)
-        assert agg["blocks"] == 15 and agg["streak"] < 0.1 and agg["pos1_acc"] < 0.1 and agg["budget:8"] < 0.3
+    # the untrained drafter, on the same blocks, is at chance
+    recs = evaluate_sequence(real, head, t.embed_tokens, tokens, feats, 20, trees=TREES)
+    agg = aggregate(recs, B, TREES)
+    assert agg["blocks"] == 15 and agg["streak"] < 0.1 and agg["pos1_acc"] < 0.1 and agg["budget:8"] < 0.3
 
 
 def test_aggregate_hand_checked():

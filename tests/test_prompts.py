@@ -38,8 +38,15 @@ def _user_text(item: PromptItem) -> str:
 # ---------------------------------------------------------------- built-ins
 
 
-def test_builtin_names():
-    assert BUILTIN_SUITES == ("coding-10", "train-mix")
+def test_builtin_names_are_the_shipped_suites_and_load():
+    import dflashkit.prompts as prompts_pkg
+    from pathlib import Path
+
+    shipped = sorted(f.stem for f in Path(prompts_pkg.__file__).parent.glob("*.jsonl"))
+    assert sorted(BUILTIN_SUITES) == shipped and "coding-10" in shipped  # every file is reachable by name
+    for name in BUILTIN_SUITES:
+        suite = load_prompts(name)
+        assert suite.name == name and len(suite.ids()) > 0
 
 
 def test_coding10_ids():

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from dflashkit.threads import add_threads_option
+
 
 def register(sub) -> None:
     p = sub.add_parser("extract", help="generate the target's completions and cache its hidden states (resumable)")
@@ -26,6 +28,7 @@ def register(sub) -> None:
                    help="reuse another cache's completions instead of generating (compare backends on the same tokens)")
     p.add_argument("--allow-final-layers", action="store_true", help="permit the last two decoder layers")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_threads_option(p)
     p.set_defaults(func=cmd_extract)
 
     c = sub.add_parser("cache", help="list, inspect, verify and compare caches of target hidden states")

@@ -67,6 +67,7 @@ def _settings(target, suite, layer_ids, max_new_tokens, backend, enable_thinking
     """What a rerun into the same folder must match (batch size and world size may change)."""
     return {
         "target_config_hash": target.identity()["config_hash"],
+        "target_weights_hash": target.identity()["weights_hash"],
         "layer_ids": list(layer_ids),
         "dtype": str(target.dtype).removeprefix("torch."),
         "device": target.device.type,

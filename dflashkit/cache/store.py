@@ -187,7 +187,8 @@ def describe_nearby(path, target: dict) -> str:
     parts = []
     for d, m in nearby_caches(path)[:5]:
         t = m.get("target", {})
-        same = "same target" if t.get("config_hash") == target.get("config_hash") else f"target {t.get('name')}"
+        same = "same target" if all(t.get(k) == target.get(k) for k in ("config_hash", "weights_hash")) \
+            else f"target {t.get('name')}"
         if m.get("status") == "complete":
             parts.append(f"{d} ({len(m.get('prompts', []))} prompts, {same})")
         else:
@@ -210,30 +211,32 @@ def scan_entries(path, manifest: dict) -> list[dict]:
 
 
 def check_target(path, manifest: dict, expect: dict) -> None:
+    """Refuse a cache extracted from another target: other weights (a fine-tune of the same base model
+    included), config, architecture, layers or hidden size would all make its features misread."""
+    from dflashkit.target.model import check_same_target
+
     have = manifest["target"]
     if expect.get("hidden_size") is not None and int(expect["hidden_size"]) != int(have["hidden_size"]):
         raise DFlashError(
             f"cache {path} holds hidden size {have['hidden_size']} (target {have.get('name')}) but the target in use has "
             f"hidden size {expect['hidden_size']} ({expect.get('name')}); extract a cache with `--target {expect.get('name')}`"
         )
-    for key in ("config_hash", "architecture", "num_layers"):
-        if expect.get(key) is not None and have.get(key) is not None and expect[key] != have[key]:
-            raise DFlashError(
-                f"cache {path} was extracted from target {have.get('name')} ({key} {have[key]}), not from the target in "
-                f"use {expect.get('name')} ({key} {expect[key]}); its features would be misread: extract a cache with "
-                f"`dflashkit extract --target {expect.get('path') or expect.get('name')}`"
-            )
+    check_same_target(have, expect, f"cache {path}",
+                      "its features would be misread: extract a cache with this target "
+                      f"(`dflashkit extract --target {expect.get('path') or expect.get('name')}`), or use the cache's "
+                      f"own target ({have.get('path') or have.get('name')})")
 
 
 def open_cache(path, num_prompts: int | None = None, allow_partial: bool = False, expect_target: dict | None = None,
-               layer_ids=None) -> Cache:
+               layer_ids=None, partial_hint: str = "allow_partial=True") -> Cache:
     """Open a cache for reading, strictly.
 
     num_prompts: the first N prompts in suite order (None: all the suite's prompts). Fewer present than
     requested, or an unfinished extraction, raises unless allow_partial; then `.shortfall` records it.
-    expect_target: the identity dict of the target in use; a different config or hidden size raises.
+    expect_target: the identity dict of the target in use; different weights, config or hidden size raise.
     layer_ids: the layers a drafter needs (its target_layer_ids); any missing one raises, and
     `record.features()` returns these, in this order.
+    partial_hint: how the caller's user accepts a shortfall, named in the error (a CLI passes "--allow-partial").
     """
     path = Path(path)
     m = read_manifest(path)
@@ -261,7 +264,7 @@ def open_cache(path, num_prompts: int | None = None, allow_partial: bool = False
                                        "prompts: rerun the same `dflashkit extract` command to resume it)")
             raise DFlashError(
                 f"cache {path} has {len(chosen)} of the {requested} requested prompts ({_list(present) or 'none'}){why}"
-                f"{describe_nearby(path, m['target'])}; pass allow_partial=True (--allow-partial) to proceed with "
+                f"{describe_nearby(path, m['target'])}; pass {partial_hint} to proceed with "
                 f"{len(chosen)}, or point at a cache that holds all {requested}"
             )
     cache = Cache(path, m, chosen, shortfall, selected)

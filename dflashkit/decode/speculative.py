@@ -143,9 +143,25 @@ def emit(out: list[int], new: list[int], stops: set[int], max_new_tokens: int) -
 
 
 def new_cache(target):
+    """The target's KV cache for an online loop. Sliding-window attention layers are refused: their cache keeps
+    only the last window of tokens and its own length counter, so cropping a rejected draft off (crop_cache,
+    compact_cache) would corrupt them and silently change the output."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=target.config)
+    cache = DynamicCache(config=target.config)
+    sliding = [i for i, layer in enumerate(cache.layers) if "Sliding" in type(layer).__name__ or "Chunked" in type(layer).__name__]
+    if sliding:
+        from dflashkit.errors import DFlashError
+
+        window = getattr(target.config.get_text_config(decoder=True), "sliding_window", None)
+        raise DFlashError(
+            f"target {target.name} has sliding-window attention (window {window}) on layers {sliding}: online speculative "
+            "decoding cannot roll back their caches, so the online loops (ar, chain, DDTree) refuse it. Offline extraction and "
+            "evaluation still work; for online decoding use a copy of the target with sliding windows off "
+            "(config.json: use_sliding_window false, or no sliding_attention in layer_types), which is exact for "
+            "prompts and outputs shorter than the window"
+        )
+    return cache
 
 
 def _attention_layers(cache):

@@ -57,8 +57,11 @@ def read_contract(path) -> dict | None:
 
 
 def load_drafter(path, target=None, allow_missing: bool = False, strict: bool = False, device="cpu",
-                 dtype: torch.dtype | None = torch.float32) -> DFlashDrafter:
-    """Load either format; `drafter.load_report` lists what was detected, loaded and skipped."""
+                 dtype: torch.dtype | None = torch.float32, same_target: bool = True) -> DFlashDrafter:
+    """Load either format; `drafter.load_report` lists what was detected, loaded and skipped.
+
+    With a `target`, a dflashkit-format drafter whose contract records another target (other weights, e.g. a
+    fine-tune of the same base, or another config) is refused; same_target=False accepts it (a warm start)."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     if not path.is_dir():
@@ -93,6 +96,12 @@ def load_drafter(path, target=None, allow_missing: bool = False, strict: bool = 
                 raise DFlashError(f"{path / CONTRACT_FILE}: {key}={con.get(key)} disagrees with config.json ({getattr(cfg, key)})")
     if target is not None:
         check_against_target(cfg, target, str(cfg_file))
+        if con and con.get("target") and same_target:
+            from dflashkit.target.model import check_same_target
+
+            check_same_target(con["target"], target.identity(), f"drafter {path} (its {CONTRACT_FILE})",
+                              "use it with the target it was trained for, or train a drafter for this target "
+                              "(a warm start from it: same_target=False)")
         if not cfg.vocab_size:
             cfg.vocab_size = target.vocab_size
     drafter = DFlashDrafter(cfg)

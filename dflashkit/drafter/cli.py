@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dflashkit.threads import add_threads_option
+
 
 def _ints(s: str | None):
     return None if not s else [int(x) for x in s.split(",")]
@@ -13,6 +15,7 @@ def register(sub) -> None:
     i = dsub.add_parser("info", help="config, parameter count, expected target and the load report")
     i.add_argument("path")
     i.add_argument("--target", help="also check the drafter against this target")
+    add_threads_option(i)
     i.set_defaults(func=cmd_info)
     n = dsub.add_parser("init", help="write a fresh randomly initialised drafter for a target")
     n.add_argument("--target", default="smollm2-135m")
@@ -23,6 +26,7 @@ def register(sub) -> None:
     n.add_argument("--allow-final-layers", action="store_true", help="permit feeding the last two target layers")
     n.add_argument("--seed", type=int, default=0)
     n.add_argument("--out", required=True)
+    add_threads_option(n)
     n.set_defaults(func=cmd_init)
 
 
@@ -50,7 +54,8 @@ def cmd_info(args) -> int:
     con = d.contract
     if con:
         tgt = con.get("target") or {}
-        print(f"expected target  {tgt.get('name')} ({tgt.get('architecture')}, config {tgt.get('config_hash')}) {tgt.get('path', '')}")
+        print(f"expected target  {tgt.get('name')} ({tgt.get('architecture')}, weights {tgt.get('weights_hash') or 'not recorded'}, "
+              f"config {tgt.get('config_hash')}) {tgt.get('path', '')}")
         for key in ("loss", "gamma", "step"):
             if key in con:
                 print(f"{key:16s} {con[key]}")

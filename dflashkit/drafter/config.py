@@ -105,7 +105,26 @@ class DrafterConfig:
         mask = dfc.get("mask_token_id", cfg.get("mask_token_id"))
         if mask is None:
             raise DFlashError(f"{source}: dflash_config.mask_token_id is missing; add the mask id the drafter was trained with")
+        if cfg.get("attention_bias"):
+            raise DFlashError(f"{source}: attention_bias is true, but the drafter's q/k/v/o projections have no bias "
+                              "(z-lab's released drafters: attention_bias false); loading it would drop the biases, so "
+                              "it is refused: convert the checkpoint without biases, or set attention_bias false if "
+                              "its bias tensors are all zero")
         heads = cfg["num_attention_heads"]
+        layer_types = list(cfg.get("layer_types") or [])[: cfg["num_hidden_layers"]]
+        window = cfg.get("sliding_window")
+        if cfg.get("use_sliding_window") is False and "sliding_attention" in layer_types:
+            # transformers' Qwen3Config drops the window when use_sliding_window is false: every layer sees all
+            notes.append("use_sliding_window is false: layer_types' sliding_attention layers attend fully, as in transformers")
+            layer_types = ["full_attention"] * len(layer_types)
+        if not layer_types:  # transformers' Qwen3 rule: sliding on layers >= max_window_layers when use_sliding_window
+            use = bool(cfg.get("use_sliding_window")) and window is not None
+            first = cfg.get("max_window_layers", cfg["num_hidden_layers"])
+            layer_types = ["sliding_attention" if use and i >= first else "full_attention"
+                           for i in range(cfg["num_hidden_layers"])]
+            if "sliding_attention" in layer_types:
+                notes.append(f"layer_types missing: derived sliding attention (window {window}) on layers "
+                             f"{first}..{cfg['num_hidden_layers'] - 1} from use_sliding_window and max_window_layers")
         conf = cls(
             hidden_size=cfg["hidden_size"],
             num_attention_heads=heads,
@@ -122,8 +141,8 @@ class DrafterConfig:
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            layer_types=list(cfg.get("layer_types") or [])[: cfg["num_hidden_layers"]],
-            sliding_window=cfg.get("sliding_window") if "sliding_attention" in (cfg.get("layer_types") or []) else None,
+            layer_types=layer_types,
+            sliding_window=window if "sliding_attention" in layer_types else None,
         )
         if n_target is None:
             notes.append(f"num_target_layers missing: assuming {conf.num_target_layers}")

@@ -30,20 +30,42 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
-    """Default RoPE frequencies; scaled variants come from transformers' own rope table."""
+def rope_init(cfg: DrafterConfig) -> dict:
+    """RoPE as transformers builds it for this config: {"inv_freq", "attention_scaling", "long_inv_freq",
+    "original_max"}. yarn and longrope scale cos/sin by `attention_scaling` (1.0 for the other types);
+    longrope switches to `long_inv_freq` when a forward reaches past `original_max` positions, as transformers'
+    rotary embedding does. "dynamic" RoPE (recomputed from the running length) is refused."""
+    from dflashkit.errors import DFlashError
+
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    out = {"attention_scaling": 1.0, "long_inv_freq": None, "original_max": None}
     if kind == "default":
-        return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        out["inv_freq"] = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        return out
+    if "dynamic" in kind:
+        raise DFlashError(f"rope_scaling {scaling}: dynamic RoPE (frequencies recomputed as the sequence grows) is not "
+                          "supported by the drafter; use a fixed scaling (linear, yarn, llama3, longrope) or default RoPE")
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise DFlashError(f"rope_scaling {scaling}: unknown rope_type {kind!r}; known: default, "
+                          f"{', '.join(k for k in ROPE_INIT_FUNCTIONS if 'dynamic' not in k)}")
     hf = Qwen3Config(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
                      max_position_embeddings=cfg.max_position_embeddings,
                      rope_parameters={"rope_theta": cfg.rope_theta, **scaling, "rope_type": kind})
-    inv_freq, _ = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
-    return inv_freq.float()
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+    out.update(inv_freq=inv_freq.float(), attention_scaling=float(scale))
+    if kind == "longrope":
+        original = int(hf.rope_parameters["original_max_position_embeddings"])
+        out.update(long_inv_freq=ROPE_INIT_FUNCTIONS[kind](hf, "cpu", seq_len=original + 1)[0].float(), original_max=original)
+    return out
+
+
+def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
+    """The RoPE frequencies (see rope_init for the attention scaling that goes with them)."""
+    return rope_init(cfg)["inv_freq"]
 
 
 def rotate_half(x):
@@ -143,7 +165,11 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        rope = rope_init(cfg)
+        self.register_buffer("inv_freq", rope["inv_freq"], persistent=False)
+        self.register_buffer("long_inv_freq", rope["long_inv_freq"], persistent=False)  # longrope only
+        self.rope_scaling_factor = rope["attention_scaling"]  # yarn / longrope scale cos and sin, as transformers does
+        self.rope_original_max = rope["original_max"]
         self.load_report: list[str] = []
         self.apply(self._init)
 
@@ -155,11 +181,17 @@ class DFlashDrafter(nn.Module):
     def new_cache(self) -> DrafterCache:
         return DrafterCache(len(self.layers))
 
-    def _rope(self, positions):
-        freqs = positions[..., None].float() * self.inv_freq
+    def _rope(self, positions, seq_len: int | None = None):
+        """cos/sin of absolute positions, times the rope type's attention scaling (as transformers applies it);
+        longrope uses its long frequencies when the forward reaches past the original context (seq_len)."""
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None:
+            n = seq_len if seq_len is not None else int(positions.max()) + 1
+            inv_freq = self.long_inv_freq if n > self.rope_original_max else self.inv_freq
+        freqs = positions[..., None].float() * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         dtype = self.fc.weight.dtype
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self.rope_scaling_factor).to(dtype), (emb.sin() * self.rope_scaling_factor).to(dtype)
 
     def _sliding(self, mask, q_pos, k_pos):
         """Restrict `mask` to keys within sliding_window of each query (sliding_attention layers)."""
@@ -174,8 +206,9 @@ class DFlashDrafter(nn.Module):
         ctx_positions [b, T]; q_positions [b, Q]; mask [b, 1, Q, T_total + Q] bool (True = may attend) or None
         for full visibility. Returns final-normed block states [b, Q, H]."""
         ctx = self.hidden_norm(self.fc(target_hidden))
-        cos_c, sin_c = self._rope(ctx_positions)
-        cos_q, sin_q = self._rope(q_positions)
+        n = int(q_positions.max()) + 1 if self.long_inv_freq is not None else None  # one frequency set per forward
+        cos_c, sin_c = self._rope(ctx_positions, n)
+        cos_q, sin_q = self._rope(q_positions, n)
         rope = (cos_c, sin_c, cos_q, sin_q)
         sliding_mask = None
         if "sliding_attention" in self.config.layer_types:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from dflashkit.threads import add_threads_option
+
 
 def register(sub) -> None:
     p = sub.add_parser("eval", help="score a drafter offline on cached target states (streak, DDTree, per position)")
@@ -22,6 +24,7 @@ def register(sub) -> None:
     p.add_argument("--show-matches", action="store_true", help="print each block's match string")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--force", action="store_true", help="replace an existing run folder")
+    add_threads_option(p)
     p.set_defaults(func=cmd_eval)
 
     c = sub.add_parser("compare", help="eval runs side by side per prompt and overall, with differences and ratios")
@@ -36,6 +39,7 @@ def cmd_eval(args) -> int:
     from tqdm import tqdm
 
     from dflashkit.cache import open_cache
+    from dflashkit.cache.store import check_target
     from dflashkit.errors import DFlashError
     from dflashkit.evaluate import offline
     from dflashkit.target.model import load_target
@@ -47,11 +51,13 @@ def cmd_eval(args) -> int:
     if run_dir.exists() and any(run_dir.iterdir()) and not args.force:
         raise DFlashError(f"--run-dir {run_dir} exists and is not empty; choose another name or pass --force to replace it")
 
-    cache = open_cache(args.cache, num_prompts=args.num_prompts, allow_partial=args.allow_partial)
+    cache = open_cache(args.cache, num_prompts=args.num_prompts, allow_partial=args.allow_partial,
+                       partial_hint="--allow-partial")
     target_ref = args.target or cache.target.get("path") or cache.target.get("name")
     if not args.target and not Path(str(target_ref)).exists():
         target_ref = cache.target.get("name")  # the registry name, when the recorded folder has moved
     target = load_target(target_ref, device=args.device)
+    check_target(cache.path, cache.manifest, target.identity())  # weights included: a fine-tune is another target
     offline.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,
                      show_matches=args.show_matches, say=tqdm.write)
     return 0

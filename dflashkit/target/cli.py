@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import time
+
+from dflashkit.threads import add_threads_option
 
 
 def register(sub) -> None:
@@ -12,9 +15,11 @@ def register(sub) -> None:
     q = tsub.add_parser("prepare", help="install/convert a registry target once (reused afterwards)")
     q.add_argument("name", nargs="?", default="smollm2-135m")
     q.add_argument("--force", action="store_true", help="convert again even if prepared")
+    add_threads_option(q)
     q.set_defaults(func=cmd_prepare)
     i = tsub.add_parser("info", help="layers, hidden size, mask token, stop tokens, default layer ids")
     i.add_argument("target", help="registry name or local Hugging Face folder")
+    add_threads_option(i)
     i.set_defaults(func=cmd_info)
 
 
@@ -33,8 +38,8 @@ def cmd_prepare(args) -> int:
 
     t0 = time.time()
     path = prepare(args.name, force=args.force)
-    print(path)
-    print(f"ready in {time.time() - t0:.1f}s")
+    print(path)  # stdout holds only the path, so scripts can capture it; status goes to stderr
+    print(f"ready in {time.time() - t0:.1f}s", file=sys.stderr)
     return 0
 
 

@@ -7,6 +7,7 @@ convention holds by construction and the final norm never leaks into a feature.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import sha256_json
+from dflashkit.fileio import home, read_json, sha256_file, sha256_json, write_json
 from dflashkit.target.registry import resolve
 
 
@@ -75,6 +76,7 @@ class Target:
         self.mask_token_id, self.mask_token_source = choose_mask_token(tokenizer, self.vocab_size)
         self.stop_token_ids = _stop_tokens(model, tokenizer)
         self._capture: dict[int, torch.Tensor] | None = None
+        self._weights_hash: str | None = None
         for i, layer in enumerate(self.layers):
             layer.register_forward_hook(self._hook(i))
 
@@ -92,11 +94,18 @@ class Target:
         return (getattr(self.config, "architectures", None) or [type(self.model).__name__])[0]
 
     def identity(self) -> dict:
-        """What a cache or checkpoint records so that a different target is never mixed in silently."""
+        """What a cache or checkpoint records so that a different target is never mixed in silently.
+
+        A plain JSON-able dict. `weights_hash` is a content hash of the weight files (two fine-tunes of one
+        base model share `config_hash` but not `weights_hash`); it is computed once per process and
+        remembered on disk by (path, size, mtime), so later loads cost milliseconds."""
         cfg = json.loads((self.path / "config.json").read_text())
+        if self._weights_hash is None:
+            self._weights_hash = weights_hash(self.path) or state_dict_hash(self.model)
         return {
             "name": self.name,
             "path": str(self.path.resolve()),
+            "weights_hash": self._weights_hash,
             "config_hash": sha256_json(cfg)[:16],
             "architecture": self.architecture,
             "num_layers": self.num_layers,
@@ -170,6 +179,84 @@ class Target:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+# ---- identity: the weights, not only the config ---------------------------------------------------------
+
+IDENTITY_KEYS = ("weights_hash", "config_hash", "architecture", "num_layers", "hidden_size", "vocab_size")
+
+
+def weight_files(path) -> list[Path]:
+    """The files transformers loads the weights from: the safetensors files, else the torch pickles."""
+    path = Path(path)
+    found = sorted(path.glob("*.safetensors"))
+    return found or sorted(p for pat in ("*.bin", "*.pt", "*.pth") for p in path.glob(pat))
+
+
+def _memo_file(folder: Path) -> Path:
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]
+    return home() / "weight-hashes" / f"{key}.json"
+
+
+def weights_hash(path) -> str | None:
+    """Content hash (16 hex) of a folder's weight files; None when it has none.
+
+    Each file's sha256 is remembered under $DFLASHKIT_HOME/weight-hashes by (name, size, mtime), so only a new
+    or changed file is read again (SmolLM2's 540 MB: about a second once, milliseconds afterwards)."""
+    path = Path(path)
+    files = weight_files(path)
+    if not files:
+        return None
+    memo_path = _memo_file(path)
+    try:
+        memo = read_json(memo_path) if memo_path.is_file() else {}
+    except (DFlashError, OSError):
+        memo = {}
+    known = memo.get("files", {}) if isinstance(memo, dict) and memo.get("folder") == str(path.resolve()) else {}
+    entries, changed = {}, False
+    for f in files:
+        st = f.stat()
+        e = known.get(f.name)
+        if not (isinstance(e, dict) and e.get("size") == st.st_size and e.get("mtime_ns") == st.st_mtime_ns and e.get("sha256")):
+            e, changed = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(f)}, True
+        entries[f.name] = e
+    if changed or set(known) != set(entries):
+        try:
+            write_json(memo_path, {"folder": str(path.resolve()), "files": entries})
+        except OSError:  # a read-only home only costs the hash again next time
+            pass
+    return sha256_json({name: e["sha256"] for name, e in entries.items()})[:16]
+
+
+def state_dict_hash(model) -> str:
+    """Content hash of in-memory weights, for a target whose folder holds no weight files."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def describe_identity(ident: dict | None) -> str:
+    ident = ident or {}
+    where = f", {ident['path']}" if ident.get("path") else ""
+    return (f"{ident.get('name')} (weights {ident.get('weights_hash') or 'not recorded'}, "
+            f"config {ident.get('config_hash')}{where})")
+
+
+def identity_mismatch(recorded: dict | None, current: dict) -> list[str]:
+    """The identity fields on which two targets differ; a field either side lacks (older records) is skipped."""
+    recorded = recorded or {}
+    return [k for k in IDENTITY_KEYS
+            if recorded.get(k) is not None and current.get(k) is not None and recorded[k] != current[k]]
+
+
+def check_same_target(recorded: dict | None, current: dict, what: str, fix: str) -> None:
+    """Refuse when `what` (a cache, a drafter, data) was made with another target than the one in use."""
+    diff = identity_mismatch(recorded, current)
+    if diff:
+        raise DFlashError(f"{what} was made with target {describe_identity(recorded)}, not with the target in use "
+                          f"{describe_identity(current)} (they differ in {', '.join(diff)}); {fix}")
 
 
 def _decoder_layers(model, path) -> torch.nn.ModuleList:

@@ -6,12 +6,15 @@ Multi-GPU / multi-node: the same command under torchrun, e.g.
 
 from __future__ import annotations
 
+from dflashkit.threads import add_threads_option
+
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a drafter (YAML config + key=value overrides; torchrun for multi-GPU)")
     p.add_argument("--config", help="YAML file of settings (see configs/); defaults apply to keys it omits")
     p.add_argument("--print-config", action="store_true", help="print every setting with its value and exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override settings, e.g. lr=3e-4 steps=100")
+    add_threads_option(p)
     p.set_defaults(func=cmd_train)
 
     d = sub.add_parser("data", help="training data: regenerate responses with the target")
@@ -24,6 +27,7 @@ def register(sub) -> None:
     g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
     g.add_argument("--device", default="auto")
+    add_threads_option(g)
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("export", help="write a trained drafter in z-lab's folder format (what vLLM/SGLang load)")

@@ -1,0 +1,304 @@
+"""Issue 14: integrity gaps that could silently give a wrong number (target identity, RoPE scaling,
+sliding-window targets, z-lab config loading, threads, test hygiene, user-facing text)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflashkit.cache import extract, open_cache
+from dflashkit.cli import build_parser, main
+from dflashkit.drafter.checkpoint import load_drafter, new_drafter, save_drafter
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.errors import DFlashError
+from dflashkit.prompts import load_prompts
+from dflashkit.target import model as target_model
+from dflashkit.target.fixtures import make_tiny_target
+from dflashkit.target.model import load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TESTS = Path(__file__).parent
+
+
+# ---- 1. target identity covers the weights ---------------------------------------------------------------
+
+def _copy_with_one_weight_changed(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    state = load_file(f)
+    name = sorted(k for k in state if k.endswith("mlp.down_proj.weight"))[0]
+    state[name] = state[name].clone()
+    state[name][0, 0] += 0.5
+    save_file(state, f, metadata={"format": "pt"})
+    return dst
+
+
+def test_identity_covers_the_weights_and_a_cache_of_one_is_refused_for_the_other(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+    a_dir = make_tiny_target("llama", tmp_path / "base")
+    b_dir = _copy_with_one_weight_changed(a_dir, tmp_path / "finetune")
+    a, b = load_target(a_dir, device="cpu"), load_target(b_dir, device="cpu")
+    ia, ib = a.identity(), b.identity()
+    assert json.loads(json.dumps(ia)) == ia  # a plain JSON-able dict (the demo fingerprints it)
+    assert ia["config_hash"] == ib["config_hash"] and ia["weights_hash"] != ib["weights_hash"]
+    assert {k: v for k, v in ia.items() if k not in ("path", "name", "weights_hash")} == \
+        {k: v for k, v in ib.items() if k not in ("path", "name", "weights_hash")}
+
+    cache = extract(a, load_prompts("coding-10").subset(1), tmp_path / "cache", layer_ids=[1, 2], max_new_tokens=3,
+                    progress=False)
+    assert json.loads((cache / "manifest.json").read_text())["target"]["weights_hash"] == ia["weights_hash"]
+    with pytest.raises(DFlashError) as e:
+        open_cache(cache, expect_target=ib)
+    msg = str(e.value)
+    assert ia["weights_hash"] in msg and ib["weights_hash"] in msg and "differ in weights_hash" in msg
+    assert "dflashkit extract --target" in msg
+    assert len(open_cache(cache, expect_target=ia)) == 1
+    # the eval CLI loads the target the user names and refuses it the same way
+    code = main(["eval", "--drafter", str(tmp_path / "nope"), "--cache", str(cache), "--target", str(b_dir),
+                 "--run-dir", str(tmp_path / "ev")])
+    assert code == 2 and "differ in weights_hash" in capsys.readouterr().err
+
+    # a drafter's contract records the identity; another target with the same shape is refused
+    torch.manual_seed(0)
+    save_drafter(new_drafter(a, num_layers=1, target_layer_ids=[1, 2], block_size=4), tmp_path / "d", target_identity=ia)
+    assert load_drafter(tmp_path / "d", target=a).config.target_layer_ids == [1, 2]
+    with pytest.raises(DFlashError, match=rf"drafter .*made with target base \(weights {ia['weights_hash']}.*"
+                                          rf"target in use finetune \(weights {ib['weights_hash']}"):
+        load_drafter(tmp_path / "d", target=b)
+    assert load_drafter(tmp_path / "d", target=b, same_target=False).config.block_size == 4  # a deliberate warm start
+
+
+def test_weights_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+    folder = make_tiny_target("llama", tmp_path / "t")
+    first = target_model.weights_hash(folder)
+    assert list((tmp_path / "home" / "weight-hashes").glob("*.json"))
+
+    def no_read(path, *a, **k):
+        raise AssertionError(f"{path} was hashed again")
+
+    monkeypatch.setattr(target_model, "sha256_file", no_read)
+    assert target_model.weights_hash(folder) == first  # a second call reads no weights
+    # a changed file (size or mtime) is hashed again
+    monkeypatch.undo()
+    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+    _copy_with_one_weight_changed(folder, tmp_path / "u")
+    shutil.copy2(tmp_path / "u" / "model.safetensors", folder / "model.safetensors")
+    assert target_model.weights_hash(folder) != first
+
+
+# ---- 2. RoPE scaling matches transformers ----------------------------------------------------------------
+
+ROPES = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 4096,
+                 "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]},
+}
+
+
+def _drafter_cfg(rope_scaling, **kw) -> DrafterConfig:
+    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                num_hidden_layers=1, target_layer_ids=[1], num_target_layers=6, mask_token_id=3, vocab_size=272,
+                rope_theta=1_000_000.0, rope_scaling=rope_scaling, max_position_embeddings=32768)
+    base.update(kw)
+    return DrafterConfig(**base)
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_rope_equals_transformers_rotary_embedding(kind):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    cfg = _drafter_cfg(ROPES[kind])
+    d = DFlashDrafter(cfg)
+    hf = Qwen3Config(**cfg.to_zlab())  # what z-lab's model builds from the exported config.json
+    ref = Qwen3RotaryEmbedding(hf)
+    for top in (300, 20000):  # longrope switches to its long factors past 4096 positions
+        pos = torch.arange(top - 40, top)[None]
+        want_cos, want_sin = ref(torch.zeros(1, dtype=torch.float32), pos)
+        cos, sin = d._rope(pos)
+        assert (cos - want_cos).abs().max() < 1e-6 and (sin - want_sin).abs().max() < 1e-6, kind
+    if kind == "yarn":  # the attention factor is applied: cos^2 + sin^2 is its square, not 1
+        assert abs(float((cos ** 2 + sin ** 2).mean()) - ref.attention_scaling ** 2) < 1e-5 and ref.attention_scaling > 1.1
+
+
+def test_dynamic_rope_is_refused():
+    with pytest.raises(DFlashError, match="dynamic RoPE"):
+        DFlashDrafter(_drafter_cfg({"rope_type": "dynamic", "factor": 2.0}))
+
+
+# ---- 3. sliding-window targets: online loops refuse them, extraction stays -----------------------------------
+
+@pytest.fixture(scope="module")
+def sliding_target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sliding")
+    folder = make_tiny_target("qwen3", root / "qwen3-sw")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    cfg.pop("layer_types", None)  # derived by transformers: sliding on layers 2..5
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return load_target(folder, device="cpu")
+
+
+@pytest.mark.parametrize("method", ["chain", "ddtree"])
+def test_sliding_window_target_is_refused_by_online_decoding(sliding_target, method):
+    from dflashkit.decode.speculative import DFlashProposer, generate
+
+    t = sliding_target
+    assert t.config.layer_types.count("sliding_attention") == 4
+    torch.manual_seed(0)
+    proposer = DFlashProposer(t, new_drafter(t, num_layers=1, target_layer_ids=[1], block_size=4))
+    ids = t.chat_ids([{"role": "user", "content": "def f(x): return x + 1"}])
+    with pytest.raises(DFlashError, match=r"target qwen3-sw has sliding-window attention \(window 8\) on layers "
+                                          r"\[2, 3, 4, 5\].*Offline extraction and evaluation still work"):
+        generate(t, ids, method, proposer, max_new_tokens=12)
+
+
+def test_sliding_window_target_still_extracts(sliding_target, tmp_path):
+    out = extract(sliding_target, load_prompts("coding-10").subset(1), tmp_path / "c", layer_ids=[1, 2],
+                  max_new_tokens=3, progress=False)
+    assert len(open_cache(out, expect_target=sliding_target.identity())) == 1
+
+
+# ---- 4. z-lab config loading --------------------------------------------------------------------------------
+
+def _zlab(**kw) -> dict:
+    cfg = _drafter_cfg(None, num_hidden_layers=3).to_zlab()
+    cfg.update(kw)
+    return cfg
+
+
+def test_missing_layer_types_are_derived_as_transformers_does():
+    from transformers import Qwen3Config
+
+    for kw in (dict(use_sliding_window=True, sliding_window=64, max_window_layers=1),
+               dict(use_sliding_window=False, sliding_window=64, max_window_layers=1),
+               dict(use_sliding_window=True, sliding_window=64, max_window_layers=5)):
+        raw = _zlab(**kw)
+        raw.pop("layer_types")
+        cfg, notes = DrafterConfig.from_zlab(raw)
+        hf = Qwen3Config(**raw)
+        assert cfg.layer_types == hf.layer_types, kw
+        assert cfg.sliding_window == (hf.sliding_window if "sliding_attention" in hf.layer_types else None)
+    assert cfg.layer_types == ["full_attention"] * 3
+    raw = _zlab(use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    raw.pop("layer_types")
+    cfg, notes = DrafterConfig.from_zlab(raw)
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"] and cfg.sliding_window == 64
+    assert any("layer_types missing" in n for n in notes)
+
+
+def test_attention_bias_is_refused_not_skipped():
+    with pytest.raises(DFlashError, match="attention_bias is true.*refused"):
+        DrafterConfig.from_zlab(_zlab(attention_bias=True))
+    assert DrafterConfig.from_zlab(_zlab(attention_bias=False))[0].hidden_size == 64
+
+
+# ---- 5. threads ---------------------------------------------------------------------------------------------
+
+MODEL_COMMANDS = [["extract", "--prompts", "coding-10", "--out", "x"], ["eval", "--drafter", "d", "--cache", "c"],
+                  ["train"], ["data", "generate", "--prompts", "p", "--out", "o"], ["target", "info", "t"],
+                  ["target", "prepare"], ["drafter", "init", "--out", "o"], ["drafter", "info", "d"]]
+
+
+@pytest.mark.parametrize("argv", MODEL_COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_model_commands_take_threads(argv):
+    assert build_parser().parse_args(argv + ["--threads", "3"]).threads == 3
+    assert build_parser().parse_args(argv).threads is None
+
+
+def test_default_threads(monkeypatch):
+    from dflashkit import threads
+
+    monkeypatch.setattr(threads, "physical_cores", lambda: 8)
+    for var in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert threads.default_threads() == 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.default_threads() == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: cores divided by its processes (it sets OMP to 1 itself)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert threads.default_threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert threads.default_threads() == 1
+
+
+def test_threads_option_is_applied_and_restored(monkeypatch):
+    from dflashkit import threads
+
+    seen = []
+    monkeypatch.setattr("dflashkit.target.cli.cmd_info", lambda args: seen.append(torch.get_num_threads()) or 0)
+    before = torch.get_num_threads()
+    assert main(["target", "info", "x", "--threads", "2"]) == 0
+    assert seen == [2] and torch.get_num_threads() == before  # in-process callers get their setting back
+    assert main(["target", "info", "x"]) == 0
+    assert seen[-1] <= before  # the default never raises a count the caller lowered
+    assert threads.physical_cores() >= 1
+    with pytest.raises(DFlashError, match="--threads 0"):
+        threads.apply_threads(0)
+
+
+# ---- 6. test hygiene ----------------------------------------------------------------------------------------
+
+def _marks(fn: ast.FunctionDef) -> set[str]:
+    out = set()
+    for dec in fn.decorator_list:
+        node = dec.func if isinstance(dec, ast.Call) else dec
+        if isinstance(node, ast.Attribute):
+            out.add(node.attr)
+    return out
+
+
+def test_every_smollm2_test_is_marked_slow():
+    unmarked = []
+    for f in sorted(TESTS.glob("test_*.py")):
+        tree = ast.parse(f.read_text())
+        module_slow = any("slow" in ast.unparse(n) for n in tree.body
+                          if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets))
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_"):
+                loads = any(isinstance(c, ast.Call) and getattr(c.func, "id", getattr(c.func, "attr", "")) == "load_target"
+                            and c.args and getattr(c.args[0], "value", None) == "smollm2-135m" for c in ast.walk(fn))
+                uses = "smollm2" in [a.arg for a in fn.args.args] or loads
+                if uses and "slow" not in _marks(fn) and not module_slow:
+                    unmarked.append(f"{f.name}::{fn.name}")
+    assert not unmarked, f"tests load the real SmolLM2 without @pytest.mark.slow: {unmarked}"
+
+
+def test_make_test_fast_skips_the_slow_tests():
+    make = (TESTS.parent / "Makefile").read_text()
+    fast = make[make.index("\ntest-fast:"):].split("\n\n")[0]
+    assert '-m "not slow"' in fast
+    full = make[make.index("\ntest:"):].split("\n\n")[0]
+    assert "not slow" not in full
+
+
+# ---- 7. user-facing text ------------------------------------------------------------------------------------
+
+def test_target_prepare_prints_only_the_path_on_stdout(monkeypatch, capsys, tmp_path):
+    from dflashkit.target import registry
+
+    monkeypatch.setattr(registry, "prepare", lambda name, force=False: tmp_path / name)
+    assert main(["target", "prepare", "smollm2-135m"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{tmp_path / 'smollm2-135m'}\n" and "ready in" in err
+
+
+def test_eval_cli_names_its_flag_not_the_python_argument(tmp_path, tiny_targets, capsys):
+    cache = extract(tiny_targets["llama"], load_prompts("coding-10").subset(1), tmp_path / "c", layer_ids=[1, 2],
+                    max_new_tokens=2, progress=False)
+    assert main(["eval", "--drafter", str(tmp_path / "d"), "--cache", str(cache), "--num-prompts", "3",
+                 "--run-dir", str(tmp_path / "ev")]) == 2
+    err = capsys.readouterr().err
+    assert "pass --allow-partial to proceed" in err and "allow_partial=True" not in err
