@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from dflashkit.evaluate.ddtree import (
+from dflashkit.tree import (
     Tree,
     accepted_depth,
     accepted_path,

@@ -14,7 +14,7 @@ from dflashkit.drafter.checkpoint import new_drafter, save_drafter
 from dflashkit.drafter.head import DraftHead
 from dflashkit.errors import DFlashError
 from dflashkit.evaluate.compare import compare_runs
-from dflashkit.evaluate.ddtree import accepted_depth, build_tree, streak as ddtree_streak, tree_streak
+from dflashkit.tree import accepted_depth, build_tree, streak as ddtree_streak, tree_streak
 from dflashkit.evaluate.offline import (
     CURVE_BUDGETS,
     aggregate,

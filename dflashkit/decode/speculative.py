@@ -26,7 +26,8 @@ from typing import Protocol
 
 import torch
 
-from dflashkit.evaluate.ddtree import Tree, build_tree
+from dflashkit.target.invariant import make_row_invariant
+from dflashkit.tree import Tree, accepted_path, add_branch, attention_mask, build_tree, prune_by_cost, walk
 
 
 # ---- results and timing ---------------------------------------------------------------------------------
@@ -219,13 +220,20 @@ def _stops(target, stop_ids) -> set[int]:
     return set(target.stop_token_ids if stop_ids is None else stop_ids)
 
 
+def _begin(target, stop_ids):
+    """Every loop starts here: row-invariant kernels in bf16 (else plain and speculative decoding part ways on
+    rounding, see target/invariant.py), a timer, the stop set and the device."""
+    make_row_invariant(target.model)
+    return Timer(target.device), _stops(target, stop_ids), target.device
+
+
 # ---- the loops ------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
 def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
                 generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """Plain decoding, one target forward per token: the baseline every speedup is measured against."""
-    timer, stops, dev = Timer(target.device), _stops(target, stop_ids), target.device
+    timer, stops, dev = _begin(target, stop_ids)
     cache = new_cache(target)
     with timer("prefill"):
         out = target.forward(torch.tensor([prompt_ids], device=dev), past_key_values=cache, logits_to_keep=1)
@@ -247,7 +255,7 @@ def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
 def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                    temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """Chain speculative decoding (SPEC.md section 4): one drafter pass and one target forward over B tokens per round."""
-    timer, stops, dev = Timer(target.device), _stops(target, stop_ids), target.device
+    timer, stops, dev = _begin(target, stop_ids)
     B, layer_ids = proposer.block_size, proposer.layer_ids
     offsets = torch.arange(B, device=dev)
     cache = new_cache(target)
@@ -288,22 +296,6 @@ def draft_tree(logits: torch.Tensor, budget: int, root: torch.Tensor, to_tokens)
     return Tree(tokens=tokens, depths=tree.depths, parents=tree.parents, log_probs=tree.log_probs)
 
 
-def tree_attention_mask(tree: Tree, past: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[1, 1, n, past + n] additive mask: every cached position visible, then the node's ancestors and itself."""
-    allowed = torch.cat([torch.ones(len(tree), past, dtype=torch.bool), tree.ancestor_mask()], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].to(device)
-
-
-def walk(tree: Tree, choice: list[int]) -> list[int]:
-    """Follow the target's choice from the root while it is a child; node indices of the accepted path."""
-    kids, node, path = tree.children(), 0, []
-    while (child := kids[node].get(choice[node])) is not None:
-        path.append(child)
-        node = child
-    return path
-
-
 def verify_tree_by_paths(target, cache, tree: Tree, start: int):
     """Hybrid targets: one batch row per root-to-leaf path (a recurrent layer reads one sequence at a time).
     Returns the target's logits at every node [n, V]. The cache comes back expanded; the caller restores it."""
@@ -331,13 +323,68 @@ def verify_tree_by_paths(target, cache, tree: Tree, start: int):
     return out.logits[row_of.to(dev), torch.tensor(depths, device=dev)]
 
 
+class TreeDrafts:
+    """What one round verifies: the drafter's DDTree (`budget` nodes), the n-gram continuation as an extra branch,
+    or both merged; with a cost curve, the tree is cut to the nodes that maximize expected tokens per second
+    (`budget` is then the most the drafter offers)."""
+
+    def __init__(self, drafter: Proposer | None = None, budget: int = 0, ngram=None, cost=None):
+        self.drafter, self.budget, self.ngram, self.cost = drafter, budget, ngram, cost
+        self.layer_ids = drafter.layer_ids if drafter is not None else None
+        self.fixed = 0.0  # seconds a round costs besides the verify forward (running mean, set by the loop)
+        self.branch: tuple[list[int], int] | None = None  # this round's n-gram proposal and its matched length
+
+    def reset(self, prompt_ids) -> None:
+        if self.drafter is not None:
+            self.drafter.reset(prompt_ids)
+        if self.ngram is not None:
+            self.ngram.reset(prompt_ids)
+
+    def propose(self, features, bonus: torch.Tensor, start: int, timer) -> Tree:
+        if self.drafter is not None:
+            with timer("draft"):
+                logits = self.drafter.propose(features, bonus, start)
+            tree = draft_tree(logits, self.budget, bonus, self.drafter.to_tokens)
+        else:
+            tree = Tree(bonus.cpu(), torch.zeros(1, dtype=torch.long), torch.tensor([-1]), torch.zeros(1))
+        probs = tree.log_probs.double().exp().tolist()
+        self.branch = None
+        if self.ngram is not None:
+            self.ngram.extend(bonus.tolist())
+            cont, match = self.ngram.propose()
+            if cont:
+                tree, nodes = add_branch(tree, cont, log_prob=float("-inf"))
+                probs += [0.0] * (len(tree) - len(probs))
+                for node, q in zip(nodes, self.ngram.probs(match, len(cont))):
+                    probs[node] = 1 - (1 - probs[node]) * (1 - q)  # two independent proposers agree on it
+                self.branch = (cont, match)
+        if self.cost is not None:
+            tree = prune_by_cost(tree, probs, self.cost, self.fixed)
+            if self.branch is not None:  # what survived of the branch is what the target gets to test
+                self.branch = (self.branch[0][: len(accepted_path(tree, self.branch[0]))], self.branch[1])
+        return tree
+
+    def observe(self, new: list[int], bonus: int) -> None:
+        """Learn from the round: how much of the n-gram proposal the target accepted (`new`, the accepted drafts),
+        and the committed tokens for the next lookup (the bonus joins the lookup when the next round proposes)."""
+        if self.ngram is None:
+            return
+        if self.branch is not None and self.branch[0]:
+            cont, match = self.branch
+            depth = next((i for i, (a, b) in enumerate(zip(cont, new)) if a != b), min(len(cont), len(new)))
+            self.ngram.observe(match, len(cont), depth)
+        self.ngram.extend(new)
+
+
 @torch.no_grad()
-def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: int = 8, max_new_tokens: int = 256,
-                    temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
-    """DDTree (SPEC.md section 5): the `budget` most probable drafts of one drafter pass, verified in one target
-    forward over root + nodes (position start + depth, ancestor-only mask); the walk picks the accepted path."""
-    timer, stops, dev = Timer(target.device), _stops(target, stop_ids), target.device
-    layer_ids = proposer.layer_ids
+def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tokens: int = 256,
+                  temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None,
+                  method: str = "tree") -> Generation:
+    """Tree verification (SPEC.md section 5): whatever tree the round proposes (DDTree nodes, an n-gram branch,
+    both) is verified in one target forward over root + nodes (position start + depth, ancestor-only mask); the
+    walk picks the accepted path, and only that path stays in the target cache."""
+    timer, stops, dev = _begin(target, stop_ids)
+    layer_ids = drafts.layer_ids
     cache = new_cache(target)
     with timer("prefill"):
         out = target.forward(torch.tensor([prompt_ids], device=dev), layer_ids=layer_ids, past_key_values=cache,
@@ -345,15 +392,14 @@ def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: i
     bonus = choose(out.logits[0, -1:], temperature, generator)
     tokens: list[int] = []
     done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
-    proposer.reset(prompt_ids)
+    drafts.reset(prompt_ids)
     feats, start, accepted = out.features, len(prompt_ids), []
     while not done:
-        with timer("draft"):
-            logits = proposer.propose(feats, bonus, start)  # [B-1, V']
-        tree = draft_tree(logits, budget, bonus, proposer.to_tokens)
+        t_round, t_verify = perf_counter(), timer.times["verify"]
+        tree = drafts.propose(feats, bonus, start, timer)
         saved = save_linear_states(cache) if target.is_hybrid else None
         if saved is None:
-            mask = tree_attention_mask(tree, start, target.dtype, dev)
+            mask = attention_mask(tree, start, target.dtype, dev)
             with timer("verify"):
                 out = target.forward(tree.tokens[None].to(dev), layer_ids=layer_ids, past_key_values=cache,
                                      position_ids=(start + tree.depths)[None].to(dev), attention_mask=mask)
@@ -366,54 +412,97 @@ def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: i
         keep = torch.tensor([0] + path, device=dev)  # root (the bonus) + accepted nodes
         if saved is None:
             compact_cache(cache, start, keep)
-            feats = out.features[:, keep]
+            feats = out.features[:, keep] if layer_ids is not None else None
         else:
             with timer("verify"):
                 feats = rerun(target, cache, saved, tree.tokens.to(dev)[keep], start, layer_ids)
         accepted.append(len(path) + 1)
+        new = tree.tokens[path].tolist()
         bonus, start = choice[keep[-1:]], start + len(path) + 1
-        done = emit(tokens, tree.tokens[path].tolist() + bonus.tolist(), stops, max_new_tokens)
-    return Generation(f"ddtree-{budget}", tokens, accepted, timer.finish())
+        drafts.observe(new, int(bonus))
+        done = emit(tokens, new + bonus.tolist(), stops, max_new_tokens)
+        spent = perf_counter() - t_round - (timer.times["verify"] - t_verify)
+        drafts.fixed = spent if len(accepted) == 1 else 0.9 * drafts.fixed + 0.1 * spent
+    return Generation(method, tokens, accepted, timer.finish())
+
+
+def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: int = 8, max_new_tokens: int = 256,
+                    temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
+    """DDTree (SPEC.md section 5): the `budget` most probable drafts of one drafter pass, verified in one forward."""
+    return generate_tree(target, TreeDrafts(proposer, budget), prompt_ids, max_new_tokens, temperature, generator,
+                         stop_ids, method=f"ddtree-{budget}")
 
 
 @torch.no_grad()
-def generate_prompt_lookup(target, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
-                           num_tokens: int = 10, stop_ids=None) -> Generation:
-    """transformers' own prompt-lookup decoding, the peer a user would otherwise pick (total time only)."""
-    stops = sorted(_stops(target, stop_ids))
-    timer = Timer(target.device)
+def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
+                lookup_tokens: int | None = None, stop_ids=None) -> Generation:
+    """transformers' own `generate`: greedy/sampled (the second baseline) or its prompt-lookup decoding (the peer a
+    user would otherwise pick); end-to-end time only."""
+    timer, stops, _ = _begin(target, stop_ids)
+    stops = sorted(stops)
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else (stops[0] if stops else 0)
     sampling = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None) if temperature > 0 else \
         dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+    if lookup_tokens:
+        sampling["prompt_lookup_num_tokens"] = lookup_tokens
     ids = torch.tensor([prompt_ids], device=target.device)
     out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                prompt_lookup_num_tokens=num_tokens, eos_token_id=stops or None, pad_token_id=pad,
-                                **sampling)
+                                eos_token_id=stops or None, pad_token_id=pad, **sampling)
     tokens: list[int] = []
     emit(tokens, out[0, len(prompt_ids):].tolist(), set(stops), max_new_tokens)
-    return Generation(f"prompt-lookup-{num_tokens}", tokens, [], timer.finish())
+    return Generation(f"prompt-lookup-{lookup_tokens}" if lookup_tokens else "hf-generate", tokens, [], timer.finish())
 
 
-def parse_method(name: str) -> tuple[str, int | None]:
-    """'ar' | 'chain' | 'ddtree' | 'ddtree-N' | 'prompt-lookup' | 'prompt-lookup-N' -> (kind, N or None)."""
-    m = re.fullmatch(r"(ar|chain|ddtree|prompt-lookup)(?:-([0-9]+))?", name.strip())
-    if m is None or (m.group(2) is not None and m.group(1) in ("ar", "chain")) or m.group(2) == "0":
-        raise ValueError(f"unknown method {name!r}; use ar, chain, ddtree, ddtree-N (budget N), prompt-lookup or "
-                         "prompt-lookup-N (N lookup tokens)")
-    return m.group(1), None if m.group(2) is None else int(m.group(2))
+AUTO_BUDGET = 32  # the most drafter nodes a cost-aware tree considers
+METHODS_HELP = ("ar, chain, ddtree, ddtree-N (budget N), ddtree-auto, ngram, hybrid, hybrid-N, hybrid-auto, "
+                "prompt-lookup, prompt-lookup-N (N lookup tokens) or hf-generate")
+
+
+def parse_method(name: str) -> tuple[str, int | str | None]:
+    """A method name -> (kind, N, 'auto' or None); see METHODS_HELP."""
+    m = re.fullmatch(r"(ar|chain|ddtree|ngram|hybrid|prompt-lookup|hf-generate)(?:-([0-9]+|auto))?", name.strip())
+    sized = {"ddtree": r"[0-9]+|auto", "hybrid": r"[0-9]+|auto", "prompt-lookup": r"[0-9]+"}
+    if m is None or m.group(2) == "0" or (m.group(2) is not None and
+                                          not re.fullmatch(sized.get(m.group(1), "(?!)"), m.group(2))):
+        raise ValueError(f"unknown method {name!r}; use {METHODS_HELP}")
+    n = m.group(2)
+    return m.group(1), None if n is None else (n if n == "auto" else int(n))
+
+
+def needs_drafter(method: str) -> bool:
+    return parse_method(method)[0] in ("chain", "ddtree", "hybrid")
+
+
+def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=None, ngram=None) -> TreeDrafts:
+    """The round proposer of a tree method: ddtree[-N|-auto], ngram, hybrid[-N|-auto]. `ngram` may be a shared
+    NgramLookup (its acceptance statistics then carry over between prompts); `cost` is required for -auto."""
+    from dflashkit.decode.ngram import NgramLookup
+
+    kind, n = parse_method(method)
+    auto = n == "auto"
+    if auto and cost is None:
+        raise ValueError(f"method {method!r} needs the target's cost curve (decode.cost.measure_cost_curve)")
+    lookup = (ngram or NgramLookup()) if kind in ("ngram", "hybrid") else None
+    drafter = proposer if kind in ("ddtree", "hybrid") else None
+    size = AUTO_BUDGET if auto else (n or budget)
+    return TreeDrafts(drafter, size if drafter is not None else 0, lookup, cost if auto else None)
 
 
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
-             max_new_tokens: int = 256, temperature: float = 0.0, generator=None, stop_ids=None) -> Generation:
-    """One entry point for every method name of `parse_method`; `budget` applies to a bare 'ddtree'."""
+             max_new_tokens: int = 256, temperature: float = 0.0, generator=None, stop_ids=None, cost=None,
+             ngram=None) -> Generation:
+    """One entry point for every method name of `parse_method`; `budget` applies to a bare 'ddtree' or 'hybrid'."""
     kind, n = parse_method(method)
     if kind == "ar":
         return generate_ar(target, prompt_ids, max_new_tokens, temperature, generator, stop_ids)
-    if kind == "prompt-lookup":
-        return generate_prompt_lookup(target, prompt_ids, max_new_tokens, temperature, n or 10, stop_ids)
-    if proposer is None:
+    if kind in ("prompt-lookup", "hf-generate"):
+        return generate_hf(target, prompt_ids, max_new_tokens, temperature, (n or 10) if kind == "prompt-lookup"
+                           else None, stop_ids)
+    if needs_drafter(method) and proposer is None:
         raise ValueError(f"method {method!r} needs a drafter")
     if kind == "chain":
         return generate_chain(target, proposer, prompt_ids, max_new_tokens, temperature, generator, stop_ids)
-    return generate_ddtree(target, proposer, prompt_ids, n or budget, max_new_tokens, temperature, generator, stop_ids)
+    name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
+    return generate_tree(target, tree_drafts(method, proposer, budget, cost, ngram), prompt_ids, max_new_tokens,
+                         temperature, generator, stop_ids, method=name)

@@ -3,7 +3,7 @@
 For an anchor position a in the completion: context = target features of positions < a, block =
 [token_a, MASK x (B-1)] at positions a..a+B-1, labels = tokens a+1..a+B-1 (-100 past the end). A block is
 scored by its greedy `streak` (leading slots whose argmax equals the label; tau = streak + 1 online) and by
-one accepted depth per requested draft-tree family (ddtree.py): `budget:B` (the paper's DDTree, shown as
+one accepted depth per requested draft-tree family (dflashkit/tree.py): `budget:B` (the paper's DDTree, shown as
 ddsB), `paths:K` and `width:K`.
 
 Anchor schedules: `stride` (a = prompt_len, prompt_len + B, ...: the same blocks for every drafter, so runs
@@ -20,7 +20,7 @@ import time
 import torch
 
 from dflashkit.errors import DFlashError
-from dflashkit.evaluate.ddtree import (accepted_path, build_tree_topk, parse_tree_spec, paths_streak, top_logprobs,
+from dflashkit.tree import (accepted_path, build_tree_topk, parse_tree_spec, paths_streak, top_logprobs,
                                        width_streak)
 
 ANCHOR_MODES = ("stride", "walk")

@@ -1,8 +1,10 @@
-"""DDTree: draft trees from one block-diffusion drafter pass (Ringel & Romano, arXiv:2604.12989).
+"""Draft trees, shared by offline evaluation and online decoding: DDTree (Ringel & Romano, arXiv:2604.12989),
+extra branches (n-gram continuations), the verify mask, the accepted-path walk and cost-aware pruning.
 
 A drafter pass gives logits[L, V] for the L draft positions of a block. DDTree treats them as a
 product distribution over drafts and keeps the `budget` most probable prefixes as a draft tree;
-the target then accepts the longest root path that matches its own continuation.
+the target then accepts the longest root path that matches its own continuation. One target forward
+verifies any prefix-closed tree, whoever proposed its branches, so other proposers merge into the same tree.
 
 Also here: the simpler acceptance measures used for comparison (greedy streak, `paths:K`, `width:K`)
 and the spec parser/dispatcher used by evaluation scripts. Pure tensor code, no model.
@@ -54,6 +56,75 @@ class Tree:
         """If the target sampled from the drafter, P(depth >= d) = mass of the depth-d nodes,
         so E[accepted depth] = sum of all non-root prefix probabilities."""
         return self.log_probs[1:].double().exp().sum().item()
+
+
+def attention_mask(tree: Tree, past: int, dtype: torch.dtype, device) -> Tensor:
+    """[1, 1, n, past + n] additive mask for one verify forward: every cached position visible, then the node's
+    ancestors and itself."""
+    allowed = torch.cat([torch.ones(len(tree), past, dtype=torch.bool), tree.ancestor_mask()], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].to(device)
+
+
+def walk(tree: Tree, choice: Sequence[int]) -> list[int]:
+    """Online acceptance: follow the target's choice at each node (choice[i] = its token after node i) from the
+    root while that token is a child; returns the accepted node indices, root excluded."""
+    kids, node, path = tree.children(), 0, []
+    while (child := kids[node].get(choice[node])) is not None:
+        path.append(child)
+        node = child
+    return path
+
+
+def add_branch(tree: Tree, branch: Sequence[int], log_prob: float = 0.0) -> tuple[Tree, list[int]]:
+    """The tree plus a root path `branch` (e.g. an n-gram continuation), its shared prefix merged with existing
+    nodes. Returns the new tree and the node index of every branch token (existing or appended). New nodes get
+    `log_prob` (they do not come from the drafter's distribution)."""
+    tokens, depths, parents, lps = (tree.tokens.tolist(), tree.depths.tolist(), tree.parents.tolist(),
+                                    tree.log_probs.tolist())
+    kids = [dict(k) for k in tree.children()]
+    node, nodes = 0, []
+    for tok in branch:
+        child = kids[node].get(int(tok))
+        if child is None:
+            child = len(tokens)
+            tokens.append(int(tok)), depths.append(depths[node] + 1), parents.append(node), lps.append(log_prob)
+            kids[node][int(tok)] = child
+            kids.append({})
+        nodes.append(child)
+        node = child
+    return Tree(torch.tensor(tokens), torch.tensor(depths), torch.tensor(parents),
+                torch.tensor(lps, dtype=torch.float32)), nodes
+
+
+def subtree(tree: Tree, keep: Sequence[int]) -> Tree:
+    """The nodes `keep` (root included, prefix-closed, any order) renumbered in tree order."""
+    keep = sorted(set(keep) | {0})
+    new = {old: i for i, old in enumerate(keep)}
+    parents = [-1] + [new[p] for p in tree.parents[keep[1:]].tolist()]
+    idx = torch.tensor(keep)
+    return Tree(tree.tokens[idx], tree.depths[idx], torch.tensor(parents), tree.log_probs[idx])
+
+
+def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0) -> Tree:
+    """Keep the nodes that maximize expected committed tokens per second: (1 + sum of the kept nodes' acceptance
+    probabilities) / (fixed + cost(nodes + 1)), with cost(n) the time of a target forward over n tokens.
+
+    probs[i] is node i's chance to be accepted (probs[0], the root, is ignored). A node is never likelier than its
+    parent, so taking nodes in descending probability (parents first on ties) keeps every candidate prefix-closed,
+    and the best of the len(tree) candidates is exact for this objective."""
+    p = list(map(float, probs))
+    for i, par in enumerate(tree.parents.tolist()):  # parents precede children: one pass makes p monotone
+        if par > 0:
+            p[i] = min(p[i], p[par])
+    order = sorted(range(1, len(tree)), key=lambda i: (-p[i], tree.depths[i].item(), i))
+    best, best_n, gain = 1.0 / (fixed + cost(1)), 0, 1.0
+    for n, i in enumerate(order, start=1):
+        gain += p[i]
+        rate = gain / (fixed + cost(n + 1))
+        if rate > best:
+            best, best_n = rate, n
+    return subtree(tree, order[:best_n])
 
 
 def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:

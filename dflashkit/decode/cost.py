@@ -1,0 +1,102 @@
+"""What a target forward costs as a function of the tokens it verifies, and the memory-bound floor.
+
+Speculative decoding pays when one forward over n tokens costs much less than n one-token forwards. On a CPU
+or GPU at batch 1 the weights are read once per forward whatever n is, so the curve is flat at first and the
+floor is weight bytes / memory bandwidth. The curve is measured with a realistic KV cache, and methods that
+size their trees by expected tokens per second read it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from bisect import bisect_left
+from dataclasses import dataclass
+from time import perf_counter
+
+import torch
+
+DEFAULT_NS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class CostCurve:
+    ns: list[int]  # tokens per forward, increasing
+    seconds: list[float]  # median time of one forward over n new tokens
+
+    def __call__(self, n: int) -> float:
+        """Seconds for a forward over n tokens: piecewise linear between measured points, linear beyond."""
+        ns, ts = self.ns, self.seconds
+        if n <= ns[0]:
+            return ts[0]
+        i = min(max(bisect_left(ns, n), 1), len(ns) - 1)
+        return ts[i - 1] + (ts[i] - ts[i - 1]) * (n - ns[i - 1]) / (ns[i] - ns[i - 1])
+
+    def ratios(self) -> dict[int, float]:
+        return {n: t / self.seconds[0] for n, t in zip(self.ns, self.seconds)}
+
+    def to_dict(self) -> dict:
+        return {"ns": self.ns, "ms": [1000 * t for t in self.seconds], "ratio": list(self.ratios().values())}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostCurve":
+        return cls(list(d["ns"]), [t / 1000 for t in d["ms"]])
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int = 7, extra: tuple[int, ...] = ()) -> CostCurve:
+    """Median time of one forward over n new tokens after `context` cached tokens, n in ns (+ extra points)."""
+    from dflashkit.decode.speculative import crop_cache, new_cache
+
+    ns = sorted(set(ns) | set(extra))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, context + max(ns)), generator=gen).to(target.device)
+    cache = new_cache(target)
+    target.forward(ids[:, :context], past_key_values=cache, logits_to_keep=1)
+    times = {n: [] for n in ns}
+    for r in range(repeats + 1):  # the first pass warms up every shape
+        for n in ns:
+            _sync(target.device)
+            t = perf_counter()
+            target.forward(ids[:, context : context + n], past_key_values=cache,
+                           position_ids=torch.arange(context, context + n, device=target.device)[None])
+            _sync(target.device)
+            if r:
+                times[n].append(perf_counter() - t)
+            crop_cache(cache, context)
+    return CostCurve(ns, [statistics.median(times[n]) for n in ns])
+
+
+def weight_bytes(model) -> int:
+    """Bytes one forward must read at least once (tied embeddings counted once: the lm_head reads them)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of a streaming read (a sum over a buffer far larger than the caches)."""
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t = perf_counter()
+        x.sum()
+        _sync(device)
+        times.append(perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times[1:])
+
+
+def cost_report(target, curve: CostCurve) -> dict:
+    """The curve plus the memory-bound floor of a one-token forward (weight bytes / measured bandwidth)."""
+    nbytes, bw = weight_bytes(target.model), measure_bandwidth(target.device)
+    floor = nbytes / bw
+    return {**curve.to_dict(), "weight_bytes": nbytes, "bandwidth_gb_s": bw / 1e9, "floor_ms": 1000 * floor,
+            "one_token_vs_floor": curve.seconds[0] / floor}

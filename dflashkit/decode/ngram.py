@@ -1,0 +1,54 @@
+"""n-gram lookup: propose the continuation of the last earlier occurrence of the text's own suffix.
+
+Greedy answers repeat their prompt and themselves (names, signatures, boilerplate), so the tokens that followed
+the last occurrence of the current 3-, 2- or 1-token suffix are often what comes next. Costs microseconds per
+round, needs no model, and its proposals are verified like any draft, so they can never change the output.
+The lookup also learns how often its proposals survive, per matched n-gram length and depth, which is what a
+cost-aware tree needs to price its nodes.
+"""
+
+from __future__ import annotations
+
+
+class NgramLookup:
+    def __init__(self, max_ngram: int = 3, max_tokens: int = 10, prior: tuple[float, float] = (1.0, 2.0)):
+        self.max_ngram, self.max_tokens, self.prior = max_ngram, max_tokens, prior
+        self.stats: dict[tuple[int, int], list[float]] = {}  # (match length, depth) -> [accepted, tried]
+        self.reset([])
+
+    def reset(self, tokens) -> None:
+        """Start a new text (prompt ids); acceptance statistics carry over between texts."""
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end position of its latest occurrence with a successor
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            end = len(self.tokens) - 2  # this position just got a successor
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                self.index[tuple(self.tokens[end - n + 1 : end + 1])] = end
+
+    def propose(self) -> tuple[list[int], int]:
+        """(continuation of up to max_tokens tokens, length of the matched suffix); ([], 0) when nothing matches."""
+        for n in range(min(self.max_ngram, len(self.tokens)), 0, -1):
+            end = self.index.get(tuple(self.tokens[-n:]))
+            if end is not None:
+                return self.tokens[end + 1 : end + 1 + self.max_tokens], n
+        return [], 0
+
+    def probs(self, match: int, length: int) -> list[float]:
+        """Estimated chance that the proposal's first 1..length tokens are all accepted."""
+        out, p = [], 1.0
+        for d in range(1, length + 1):
+            hit, tried = self.stats.get((match, d), (0.0, 0.0))
+            p *= (hit + self.prior[0]) / (tried + self.prior[1])
+            out.append(p)
+        return out
+
+    def observe(self, match: int, length: int, accepted: int) -> None:
+        """A proposal of `length` tokens from a `match`-token suffix had its first `accepted` tokens accepted."""
+        for d in range(1, min(length, accepted + 1) + 1):  # depth d was tried iff depth d-1 was accepted
+            s = self.stats.setdefault((match, d), [0.0, 0.0])
+            s[0] += d <= accepted
+            s[1] += 1

@@ -1,0 +1,72 @@
+"""Row-invariant kernels: a token's logits must not depend on how many tokens share its forward.
+
+Speculative decoding is lossless only if the target's choice for a token is the same whether the token is
+verified alone (plain decoding) or among a block or tree of drafts. On CPU in bfloat16 it is not by default:
+a one-row matmul runs a GEMV kernel whose rounding differs from the GEMM kernel used for 2+ rows, and the fused
+SDPA kernels reduce differently for 1 and n queries. One ulp of bf16 (0.4%) then flips a near-tie a few hundred
+tokens in, and plain and speculative outputs part (measured on SmolLM2: first difference after 135-217 tokens).
+
+`make_row_invariant(model)` removes both sources: every linear layer runs one-row inputs as two identical rows
+(the GEMM kernel; in bf16 on this CPU a two-row forward costs 1.01x a one-row one), and attention is plain
+matmul + float32 softmax + matmul with one-query calls padded the same way. float32 needs none of it (its
+rounding differences are 1e-7 and have not flipped a token in our runs), and there the GEMV kernel is
+much faster, so the function leaves float32 models alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NAME = "row_invariant"  # (a name containing "flash" would be routed to flash-attention kernels)
+
+
+class RowInvariantLinear(nn.Linear):
+    """nn.Linear whose one-row calls use the same kernel as many-row calls."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        two = torch.cat([x.reshape(1, -1)] * 2)
+        return F.linear(two, self.weight, self.bias)[:1].reshape(*x.shape[:-1], -1)
+
+
+def row_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [b, h, q, d], key/value [b, kv_h, T, d]; additive mask [b, 1, q, T] or None -> ([b, q, h, d], None)."""
+    q_len = query.shape[2]
+    if q_len == 1:
+        query = torch.cat([query, query], dim=2)
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask], dim=2)
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[2]]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, value)[:, :, :q_len]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(NAME, row_invariant_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask)  # additive float masks, as the eager path uses
+
+
+def make_row_invariant(model: nn.Module) -> bool:
+    """Switch a low-precision model to row-invariant kernels in place; True if it changed anything. Linear
+    attention (Gated DeltaNet) layers are left as they are: hybrid targets re-run accepted tokens anyway."""
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32 or next(model.parameters()).device.type != "cpu":
+        return False
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = RowInvariantLinear
+    if model.config._attn_implementation != NAME:
+        _register()
+        model.set_attn_implementation(NAME)
+    return True
