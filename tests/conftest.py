@@ -11,6 +11,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True)
+def float32_by_default(monkeypatch, request):
+    """dtype "auto" means bf16 on CPUs with native bf16 dot products: tests pin the float32 answer so that they
+    check the same numbers on every CPU; bf16 tests ask for bfloat16 explicitly."""
+    from dflashkit.target import model
+
+    monkeypatch.setattr(model, "cpu_has_bf16_matmul", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """kind -> folder of a tiny random target (llama, qwen3, qwen3_5)."""
@@ -24,7 +33,7 @@ def tiny_dirs(tmp_path_factory):
 def tiny_targets(tiny_dirs):
     from dflashkit.target.model import load_target
 
-    return {k: load_target(p, device="cpu") for k, p in tiny_dirs.items()}
+    return {k: load_target(p, device="cpu", dtype="float32") for k, p in tiny_dirs.items()}
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +42,7 @@ def smollm2():
     from dflashkit.target.model import load_target
 
     torch.manual_seed(0)
-    return load_target("smollm2-135m", device="cpu")
+    return load_target("smollm2-135m", device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -378,7 +378,7 @@ def test_torchrun_data_parallel_matches_single_process(tmp_path, tiny_dirs, tiny
     out = tmp_path / "dp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dflashkit.cli",
            "extract", "--target", str(tiny_dirs["llama"]), "--prompts", "coding-10", "--num-prompts", "5",
-           "--out", str(out), "--layers", "1,2,3", "--max-new-tokens", "4", "--quiet", "--device", "cpu"]
+           "--out", str(out), "--layers", "1,2,3", "--max-new-tokens", "4", "--quiet", "--device", "cpu", "--dtype", "float32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -213,20 +213,23 @@ def test_smollm2_coding_prompts_lossless(smollm2):
 def test_bench_reports_and_flags_mismatches(tiny_targets, drafters, tmp_path, monkeypatch):
     target = tiny_targets["qwen3"]
     ids = [(t, target.chat_ids([{"role": "user", "content": t}])) for t in TEXTS[:2]]
-    methods = parse_methods("chain,ddtree-4,prompt-lookup")
-    assert methods == ["ar", "chain", "ddtree-4", "prompt-lookup"]
+    methods = parse_methods("chain,ddtree-4,ngram,hybrid-auto,prompt-lookup,hf-generate")
+    assert methods == ["ar", "chain", "ddtree-4", "ngram", "hybrid-auto", "prompt-lookup", "hf-generate"]
     res = run_bench(target, drafters["qwen3"], ids, methods, max_new_tokens=12, progress=False)
     assert res["mismatches"] == []
+    cost = res["cost"]
+    assert cost["ns"] == [1, 2, 4, 8, 9, 16, 32] and cost["ratio"][0] == 1.0 and cost["floor_ms"] > 0
+    assert res["methods"]["hf-generate"]["speedup_vs_hf_generate"] == pytest.approx(1.0)
     for m, s in res["methods"].items():
         assert s["new_tokens"] == sum(len(r["tokens"]) for r in res["runs"] if r["method"] == m)
-        if m in ("chain", "ddtree-4"):
+        if m in ("chain", "ddtree-4", "ngram", "hybrid-auto"):
             assert abs(sum(s["accepted_hist"]) - 1) < 1e-9
             r = s["ms_per_round"]
             t_ar = res["methods"]["ar"]["ms_per_round"]["total"]
             assert s["ceiling"] == pytest.approx(s["tau"] * t_ar / (r["draft"] + r["verify"]))
             assert abs(sum(s["split"].values()) - 1) < 1e-6
     files = write_bench(res, tmp_path / "bench")
-    assert {p.name for p in files} == {"results.json", "report.md", "speedup.png", "accepted.png"}
+    assert {p.name for p in files} == {"results.json", "report.md", "speedup.png", "accepted.png", "cost.png"}
     assert json.loads((tmp_path / "bench" / "results.json").read_text())["config"]["methods"] == methods
     # a speculative output that differs from plain decoding is a loud failure
     import dflashkit.decode.bench as bench

@@ -545,13 +545,14 @@ def test_smollm2_kl_training_steps_with_a_draft_vocabulary(smollm2, tmp_path):
 
 
 def test_auto_dtype_uses_bf16_autocast_only_on_cpus_with_native_bf16(monkeypatch):
+    from dflashkit.target import model as target_model
     from dflashkit.train import loop
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(loop, "cpu_has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(target_model, "cpu_has_bf16_matmul", lambda: True)
     assert loop.autocast_dtype("auto", cpu) == torch.bfloat16
     assert loop.autocast_dtype("float32", cpu) == torch.float32
-    monkeypatch.setattr(loop, "cpu_has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(target_model, "cpu_has_bf16_matmul", lambda: False)
     assert loop.autocast_dtype("auto", cpu) == torch.float32
     assert loop.autocast_dtype("bf16", cpu) == torch.bfloat16
     assert loop.autocast_dtype("auto", torch.device("cuda")) == torch.bfloat16

@@ -19,7 +19,7 @@ def register(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts of the suite")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch (and per capture forward)")
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16 dot products, else float32), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--linear-attention", default="auto", choices=["auto", "torch", "torch-recurrent", "fla"],
                    help="gated-delta-rule backend of hybrid targets (recorded in the manifest)")

@@ -1,10 +1,13 @@
 """`dflashkit bench`: every decoding method on the same prompts in one process, with the gap to the bound.
 
-Methods run after a warm-up, in an order rotated per prompt so that no method always runs first (caches,
-allocator, CPU frequency). Per method: tau, the accepted-length histogram, tokens/s, speedup against plain
-decoding (ar) and against transformers' prompt lookup, where the time goes (draft / verify / other), and the
-ceiling tau * t_ar / (t_draft + t_verify): the decode speedup if nothing but the two forwards cost time.
-At temperature 0 every output must equal plain decoding token for token; a mismatch fails loudly.
+First the target's cost curve (one forward over n = 1..32 new tokens with a realistic KV cache) and the
+memory-bound floor; cost-aware methods (`-auto`) size their trees from that curve. Methods run after a warm-up,
+in an order rotated per prompt so that no method always runs first (caches, allocator, CPU frequency). Per
+method: tau, the accepted-length histogram, tokens/s, speedup against plain decoding (ar, our engine, same
+dtype), against transformers' own greedy `generate` and its prompt lookup, where the time goes (draft /
+verify / other), and the ceiling tau * t_ar / (t_draft + t_verify): the decode speedup if nothing but the
+forwards cost time. At temperature 0 every output must equal plain decoding token for token; a mismatch fails
+loudly.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.decode.speculative import DFlashProposer, generate, parse_method
+from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
+from dflashkit.decode.ngram import NgramLookup
+from dflashkit.decode.methods import DEFAULT_METHODS, needs_drafter, parse_method  # noqa: F401 (re-exported)
+from dflashkit.decode.speculative import DFlashProposer, generate
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 
-DEFAULT_METHODS = "ar,chain,ddtree-4,ddtree-8,ddtree-16,prompt-lookup"
+PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -33,22 +39,31 @@ def parse_methods(spec: str) -> list[str]:
     return ["ar"] + [m for m in names if m != "ar"]
 
 
-def _run(target, proposer, ids, method, max_new_tokens, temperature, seed):
+def _run(target, proposer, ids, method, max_new_tokens, temperature, seed, cost, lookups):
     gen = torch.Generator(device=target.device).manual_seed(seed)
-    torch.manual_seed(seed)  # prompt lookup samples from the global generator
-    return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, temperature=temperature, generator=gen)
+    torch.manual_seed(seed)  # transformers' generate samples from the global generator
+    ngram = lookups.setdefault(method, NgramLookup()) if parse_method(method)[0] in ("ngram", "hybrid") else None
+    return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, temperature=temperature,
+                    generator=gen, cost=cost, ngram=ngram)
 
 
 def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: list[str], max_new_tokens: int = 128,
               block_size: int | None = None, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
-              progress: bool = True) -> dict:
-    """prompts: (id, prompt token ids). Returns {"config", "methods": {name: summary}, "runs": [...], "mismatches"}."""
+              progress: bool = True, cost: CostCurve | None = None) -> dict:
+    """prompts: (id, prompt token ids). Returns {"config", "cost", "methods": {name: summary}, "runs", "mismatches"}.
+    `cost`: a curve measured earlier on this target (else measured here, about 10 s on a CPU)."""
+    from dflashkit.decode.speculative import make_row_invariant
+
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
-    if proposer is None and any(parse_method(m)[0] in ("chain", "ddtree") for m in methods):
-        raise DFlashError("chain and ddtree methods need --drafter")
+    if proposer is None and any(needs_drafter(m) for m in methods):
+        raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
+    make_row_invariant(target.model)  # before the curve, so that it times the kernels the methods use
+    curve = cost or measure_cost_curve(target, extra=(9,))
+    costs = cost_report(target, curve)
+    lookups: dict[str, NgramLookup] = {}  # one per method: n-gram acceptance statistics carry across prompts
     if warmup:
         for m in methods:
-            _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), temperature, seed)
+            _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), temperature, seed, curve, lookups)
     runs = []
     from rich.progress import Progress
 
@@ -58,20 +73,21 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: li
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for m in order:
                 bar.update(task, description=f"{pid} {m}")
-                g = _run(target, proposer, ids, m, max_new_tokens, temperature, seed + i)
+                g = _run(target, proposer, ids, m, max_new_tokens, temperature, seed + i, curve, lookups)
                 runs.append({"prompt": pid, "method": m, "prompt_tokens": len(ids), "tokens": g.tokens,
                              "accepted": g.accepted, "times": g.times})
                 bar.advance(task)
     mismatches = check_lossless(runs) if temperature == 0 else []
     B = proposer.block_size if proposer else None
-    summary = {m: summarize([r for r in runs if r["method"] == m], B if parse_method(m)[0] in ("chain", "ddtree") else None)
-               for m in methods}
+    summary = {m: summarize([r for r in runs if r["method"] == m],
+                            None if m == "ar" or parse_method(m)[0] in PEERS else (B or 1)) for m in methods}
     add_ratios(summary)
     return {
         "config": {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
                    "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
                    "prompts": [p for p, _ in prompts], "max_new_tokens": max_new_tokens, "temperature": temperature,
                    "seed": seed, "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None},
+        "cost": costs,
         "methods": summary,
         "mismatches": mismatches,
         "runs": runs,
@@ -115,13 +131,15 @@ def summarize(runs: list[dict], block_size: int | None = None) -> dict:
 
 
 def add_ratios(summary: dict) -> None:
-    """Speedups against ar and prompt lookup, and the ceiling tau * t_ar / (t_draft + t_verify)."""
+    """Speedups against ar, transformers' generate and prompt lookup, and the ceiling tau * t_ar / (t_draft + t_verify)."""
     ar = summary["ar"]
     pl = next((s for m, s in summary.items() if m.startswith("prompt-lookup")), None)
+    hf = summary.get("hf-generate")
     t_ar = ar["ms_per_round"]["total"] if ar["ms_per_round"] else None
     for m, s in summary.items():
         tps = s["tokens_per_s"]
         s["speedup_vs_ar"] = tps / ar["tokens_per_s"] if tps and ar["tokens_per_s"] else None
+        s["speedup_vs_hf_generate"] = tps / hf["tokens_per_s"] if tps and hf and hf["tokens_per_s"] else None
         s["speedup_vs_prompt_lookup"] = tps / pl["tokens_per_s"] if tps and pl and pl["tokens_per_s"] else None
         s["decode_speedup_vs_ar"] = (s["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
                                      if s["decode_tokens_per_s"] and ar["decode_tokens_per_s"] else None)
@@ -138,19 +156,23 @@ def bench_markdown(result: dict) -> str:
     lines = [f"# Decoding benchmark: {c['target']} on {c['device']} ({c['dtype']})", "",
              f"{len(c['prompts'])} prompts, up to {c['max_new_tokens']} new tokens, temperature {c['temperature']}, "
              f"block size {c['block_size']}; methods run in rotated order per prompt after a warm-up.", ""]
-    headers = ["method", "tau", "tokens/s", "speedup vs ar", "vs prompt-lookup", "decode speedup", "ceiling",
-               "ms/round draft", "verify", "other", "overhead"]
+    lines += cost_markdown(result.get("cost"))
+    headers = ["method", "tau", "tokens/s", "speedup vs ar", "vs hf-generate", "vs prompt-lookup", "decode speedup",
+               "ceiling", "ms/round draft", "verify", "other", "overhead"]
     rows = []
     for m, s in result["methods"].items():
         r = s["ms_per_round"] or {}
-        rows.append([m, s["tau"], s["tokens_per_s"], s["speedup_vs_ar"], s["speedup_vs_prompt_lookup"],
-                     s["decode_speedup_vs_ar"], s["ceiling"], r.get("draft"), r.get("verify"), r.get("other"),
-                     None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"])
-    lines.append(markdown_table(headers, rows, digits=2))
-    lines += ["tau: mean tokens committed per round (accepted drafts + the bonus). decode speedup excludes prefill; "
-              "ceiling = tau * t_ar / (t_draft + t_verify), the decode speedup with zero overhead. overhead = time "
-              "outside drafter and target forwards / decode time. prompt-lookup is transformers' "
-              "`generate(prompt_lookup_num_tokens=...)`, timed end to end.", ""]
+        rows.append([m, s["tau"], s["tokens_per_s"], s["speedup_vs_ar"], s.get("speedup_vs_hf_generate"),
+                     s["speedup_vs_prompt_lookup"], s["decode_speedup_vs_ar"], s["ceiling"], r.get("draft"),
+                     r.get("verify"), r.get("other"), None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"])
+    lines += ["## Methods", "", markdown_table(headers, rows, digits=2)]
+    lines += ["tau: mean tokens committed per round (accepted drafts + the bonus). ar is plain decoding in our engine "
+              "(same dtype and kernels as every method); hf-generate is transformers' greedy `generate` and "
+              "prompt-lookup its `generate(prompt_lookup_num_tokens=...)`, both timed end to end. ngram: continuation "
+              "of the text's own last 1-3 tokens, verified by our tree loop; hybrid-N: DDTree-N of the drafter plus the "
+              "n-gram branch in one verify; -auto: the tree cut per round to the nodes that maximize expected tokens "
+              "per second under the cost curve. decode speedup excludes prefill; ceiling = tau * t_ar / (t_draft + "
+              "t_verify); overhead = time outside drafter and target forwards / decode time.", ""]
     if c["temperature"] == 0:
         if result["mismatches"]:
             lines.append(f"**LOSSLESS CHECK FAILED**: {len(result['mismatches'])} outputs differ from plain decoding:")
@@ -163,9 +185,25 @@ def bench_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cost_markdown(cost: dict | None) -> list[str]:
+    """The cost curve table and the memory-bound floor, as report lines."""
+    from dflashkit.report import markdown_table
+
+    if not cost:
+        return []
+    rows = [[n, ms, r] for n, ms, r in zip(cost["ns"], cost["ms"], cost["ratio"])]
+    return ["## Cost of one target forward", "",
+            "One forward over n new tokens after a 400-token KV cache (median), and its ratio to n = 1: a speculative "
+            "round that verifies n tokens must commit more than that ratio to pay.", "",
+            markdown_table(["n tokens", "ms", "ratio to n=1"], rows, digits=3),
+            f"Memory-bound floor: {cost['weight_bytes'] / 1e6:.0f} MB of weights / {cost['bandwidth_gb_s']:.1f} GB/s "
+            f"measured read bandwidth = {cost['floor_ms']:.1f} ms per forward; a one-token forward takes "
+            f"{cost['one_token_vs_floor']:.2f}x that.", "", "![cost curve](cost.png)", ""]
+
+
 def write_bench(result: dict, out) -> list[Path]:
-    """results.json, report.md, speedup.png and accepted.png under `out`."""
-    from dflashkit.report import bar_plot, hist_plot
+    """results.json, report.md, speedup.png, accepted.png and cost.png under `out`."""
+    from dflashkit.report import bar_plot, hist_plot, line_plot
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,4 +217,10 @@ def write_bench(result: dict, out) -> list[Path]:
     hists = {m: s["accepted_hist"] for m, s in result["methods"].items() if s["accepted_hist"]}
     if hists:
         paths.append(hist_plot(out / "accepted.png", hists, "Tokens committed per round", "tokens per round", start=1))
+    cost = result.get("cost")
+    if cost:
+        paths.append(line_plot(out / "cost.png", {"measured": (cost["ns"], cost["ratio"]),
+                                                 "one forward per token": (cost["ns"], cost["ns"])},
+                               f"Cost of verifying n tokens ({result['config']['target']}, {result['config']['dtype']})",
+                               "tokens in one forward", "time / one-token forward", ylim=(0, max(cost["ratio"]) * 1.5)))
     return paths

@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 import sys
 
+from dflashkit.decode.methods import DEFAULT_METHODS, METHODS_HELP
 from dflashkit.errors import DFlashError
+from dflashkit.threads import add_threads_option
 
 
 def register(sub) -> None:
-    g = sub.add_parser("generate", help="decode with a drafter (ar, chain, ddtree, prompt-lookup); lossless")
+    g = sub.add_parser("generate", help="decode (ar, chain, ddtree, ngram, hybrid, prompt-lookup); lossless")
     _common(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message")
     src.add_argument("--prompts", help="a built-in suite (coding-10, train-mix) or a JSONL file")
-    g.add_argument("--method", default="chain", help="ar | chain | ddtree | ddtree-N | prompt-lookup (default chain)")
-    g.add_argument("--budget", type=int, default=8, help="DDTree nodes per round, root excluded (default 8)")
+    g.add_argument("--method", default="chain", help=f"one of {METHODS_HELP} (default chain)")
+    g.add_argument("--budget", type=int, default=8,
+                   help="drafter tree nodes per round for a bare ddtree or hybrid, root excluded (default 8)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--json", action="store_true", help="print ids, text, accepted length per round and timings as JSON")
     g.set_defaults(func=cmd_generate)
@@ -23,7 +26,7 @@ def register(sub) -> None:
     b = sub.add_parser("bench", help="all decoding methods on the same prompts: tau, tokens/s, speedup, time split")
     _common(b)
     b.add_argument("--prompts", default="coding-10", help="a built-in suite or a JSONL file (default coding-10)")
-    b.add_argument("--methods", default=None, help="comma list (default ar,chain,ddtree-4,ddtree-8,ddtree-16,prompt-lookup)")
+    b.add_argument("--methods", default=None, help=f"comma list (default {DEFAULT_METHODS})")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
     b.set_defaults(func=cmd_bench)
@@ -37,6 +40,9 @@ def _common(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; above 0 samples, still lossless")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
+                   "float32 | bfloat16")
+    add_threads_option(p)
 
 
 def _check(args) -> None:
@@ -55,15 +61,15 @@ def _check(args) -> None:
 def _load(args, need_drafter: bool):
     from dflashkit.target.model import load_target
 
-    target = load_target(args.target, device=args.device)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
     drafter = None
     if args.drafter:
         from dflashkit.drafter.checkpoint import load_drafter
 
         drafter = load_drafter(args.drafter, target=target, device=target.device, dtype=target.dtype)
     elif need_drafter:
-        raise DFlashError("--drafter is required for chain and ddtree methods; pass a drafter folder, or use "
-                          "--method ar / prompt-lookup")
+        raise DFlashError("--drafter is required for chain, ddtree and hybrid methods; pass a drafter folder, or use "
+                          "ar, ngram, prompt-lookup or hf-generate")
     return target, drafter
 
 
@@ -79,21 +85,25 @@ def _prompts(args, target) -> list[tuple[str, list[int]]]:
 def cmd_generate(args) -> int:
     import torch
 
-    from dflashkit.decode.speculative import DFlashProposer, generate, parse_method
+    from dflashkit.decode.cost import measure_cost_curve
+    from dflashkit.decode.ngram import NgramLookup
+    from dflashkit.decode.speculative import DFlashProposer, generate, needs_drafter, parse_method
 
     _check(args)
     try:
-        kind, _ = parse_method(args.method)
+        _, size = parse_method(args.method)
     except ValueError as e:
         raise DFlashError(f"--method: {e}") from None
-    target, drafter = _load(args, need_drafter=kind in ("chain", "ddtree"))
+    target, drafter = _load(args, need_drafter=needs_drafter(args.method))
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
+    cost = measure_cost_curve(target, repeats=3) if size == "auto" else None
+    ngram = NgramLookup()
     records = []
     for i, (pid, ids) in enumerate(_prompts(args, target)):
         gen = torch.Generator(device=target.device).manual_seed(args.seed + i)
         torch.manual_seed(args.seed + i)
         g = generate(target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
-                     temperature=args.temperature, generator=gen)
+                     temperature=args.temperature, generator=gen, cost=cost, ngram=ngram)
         rec = {"id": pid, "method": g.method, "prompt_tokens": len(ids), "tokens": g.tokens,
                "text": target.decode(g.tokens), "accepted": g.accepted, "tau": g.tau if g.accepted else None,
                "tokens_per_s": len(g.tokens) / g.times["total"], "times": g.times}
@@ -109,13 +119,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from dflashkit.decode.bench import DEFAULT_METHODS, bench_markdown, parse_methods, run_bench, write_bench
-    from dflashkit.decode.speculative import parse_method
+    from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench, write_bench
+    from dflashkit.decode.speculative import needs_drafter
 
     _check(args)
     methods = parse_methods(args.methods or DEFAULT_METHODS)
-    needs = any(parse_method(m)[0] in ("chain", "ddtree") for m in methods)
-    target, drafter = _load(args, need_drafter=needs)
+    target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
     prompts = _prompts(args, target)
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, temperature=args.temperature, seed=args.seed)

@@ -17,7 +17,6 @@ The drafter enters through a small `Proposer` interface, so tests can inject an 
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method  # noqa: F401 (re-exported)
 from dflashkit.target.invariant import make_row_invariant
 from dflashkit.tree import Tree, accepted_path, add_branch, attention_mask, build_tree, prune_by_cost, walk
 
@@ -452,26 +452,6 @@ def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
     tokens: list[int] = []
     emit(tokens, out[0, len(prompt_ids):].tolist(), set(stops), max_new_tokens)
     return Generation(f"prompt-lookup-{lookup_tokens}" if lookup_tokens else "hf-generate", tokens, [], timer.finish())
-
-
-AUTO_BUDGET = 32  # the most drafter nodes a cost-aware tree considers
-METHODS_HELP = ("ar, chain, ddtree, ddtree-N (budget N), ddtree-auto, ngram, hybrid, hybrid-N, hybrid-auto, "
-                "prompt-lookup, prompt-lookup-N (N lookup tokens) or hf-generate")
-
-
-def parse_method(name: str) -> tuple[str, int | str | None]:
-    """A method name -> (kind, N, 'auto' or None); see METHODS_HELP."""
-    m = re.fullmatch(r"(ar|chain|ddtree|ngram|hybrid|prompt-lookup|hf-generate)(?:-([0-9]+|auto))?", name.strip())
-    sized = {"ddtree": r"[0-9]+|auto", "hybrid": r"[0-9]+|auto", "prompt-lookup": r"[0-9]+"}
-    if m is None or m.group(2) == "0" or (m.group(2) is not None and
-                                          not re.fullmatch(sized.get(m.group(1), "(?!)"), m.group(2))):
-        raise ValueError(f"unknown method {name!r}; use {METHODS_HELP}")
-    n = m.group(2)
-    return m.group(1), None if n is None else (n if n == "auto" else int(n))
-
-
-def needs_drafter(method: str) -> bool:
-    return parse_method(method)[0] in ("chain", "ddtree", "hybrid")
 
 
 def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=None, ngram=None) -> TreeDrafts:

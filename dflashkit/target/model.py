@@ -29,12 +29,23 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Native bf16 dot products (Zen 4, Sapphire Rapids and later). With them a bf16 forward is faster than float32
+    and nearly flat in the tokens it verifies (SmolLM2, 2 cores: 9 tokens cost 1.2x one token, 1.6x in float32);
+    without them bf16 is emulated and a 16-token forward costs 7x."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """fp32 on CPU (no bf16 matrix units: a 16-token forward costs 7x in bf16), bf16 on CUDA."""
+    """auto: bf16 on CUDA and on CPUs with native bf16 dot products, float32 on other CPUs."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16_matmul() else torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:

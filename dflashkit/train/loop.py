@@ -246,22 +246,10 @@ def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bo
     return feats, embeds, last_states
 
 
-def cpu_has_bf16_matmul() -> bool:
-    """Native bf16 dot products (Zen 4, Sapphire Rapids and later): autocast then runs the drafter's matmuls
-    ~2.5x faster than float32; without them bf16 is emulated and slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
 def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
     """The training compute dtype (master weights and the loss stay float32)."""
     from dflashkit.target.model import pick_dtype
 
-    if name == "auto" and device.type == "cpu":
-        return torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
     return pick_dtype(name, device)
 
 
@@ -282,7 +270,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
     if source is None:
         data_kind(cfg.data)  # a wrong path fails now, not after the target has loaded
     if target is None:
-        target = load_target(cfg.target, device=str(d.device))
+        target = load_target(cfg.target, device=str(d.device), dtype=cfg.dtype)  # frozen: bf16 whenever autocast is
     identity = target.identity()
     ids = cfg.target_layer_ids
     init = load_drafter(cfg.init, target=target) if cfg.init else None

@@ -1,0 +1,28 @@
+"""Method names: what `--method`/`--methods` accept (no torch import, so the CLI parser stays fast)."""
+
+from __future__ import annotations
+
+import re
+
+AUTO_BUDGET = 32  # the most drafter nodes a cost-aware tree considers
+METHODS_HELP = ("ar, chain, ddtree, ddtree-N (budget N), ddtree-auto, ngram, hybrid, hybrid-N, hybrid-auto, "
+                "prompt-lookup, prompt-lookup-N (N lookup tokens) or hf-generate")
+
+
+def parse_method(name: str) -> tuple[str, int | str | None]:
+    """A method name -> (kind, N, 'auto' or None); see METHODS_HELP."""
+    m = re.fullmatch(r"(ar|chain|ddtree|ngram|hybrid|prompt-lookup|hf-generate)(?:-([0-9]+|auto))?", name.strip())
+    sized = {"ddtree": r"[0-9]+|auto", "hybrid": r"[0-9]+|auto", "prompt-lookup": r"[0-9]+"}
+    if m is None or m.group(2) == "0" or (m.group(2) is not None and
+                                          not re.fullmatch(sized.get(m.group(1), "(?!)"), m.group(2))):
+        raise ValueError(f"unknown method {name!r}; use {METHODS_HELP}")
+    n = m.group(2)
+    return m.group(1), None if n is None else (n if n == "auto" else int(n))
+
+
+def needs_drafter(method: str) -> bool:
+    """chain, ddtree and hybrid run the drafter; ar, ngram and transformers' loops do not."""
+    return parse_method(method)[0] in ("chain", "ddtree", "hybrid")
+
+
+DEFAULT_METHODS = "ar,chain,ddtree-8,ddtree-auto,ngram,hybrid-8,hybrid-auto,prompt-lookup,hf-generate"

@@ -1,0 +1,250 @@
+"""The pieces that make decoding fast: n-gram lookup, hybrid trees, cost-aware pruning, row-invariant bf16 kernels,
+the cost curve. Speed itself is measured by `dflashkit bench` / benchmarks/, never here; these tests check that
+each piece is exact (lossless) and does what it claims."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflashkit.decode.cost import CostCurve, measure_cost_curve
+from dflashkit.decode.methods import needs_drafter, parse_method
+from dflashkit.decode.ngram import NgramLookup
+from dflashkit.decode.speculative import TreeDrafts, generate, generate_tree
+from dflashkit.target.invariant import make_row_invariant
+from dflashkit.tree import Tree, accepted_path, add_branch, build_tree, prune_by_cost
+from test_decode import KINDS, Oracle, chi_square, greedy_reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- n-gram lookup -------------------------------------------------------------------------------------------
+
+def brute_lookup(tokens, max_ngram, max_tokens):
+    """The continuation of the latest earlier occurrence of the longest matching suffix, written out."""
+    for n in range(min(max_ngram, len(tokens)), 0, -1):
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):  # an occurrence ending at `end` with a successor
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + max_tokens], n
+    return [], 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ngram_lookup_matches_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 6, (120,), generator=g).tolist()
+    look = NgramLookup(max_ngram=3, max_tokens=5)
+    look.reset(tokens[:10])
+    for i in range(10, len(tokens)):
+        assert look.propose() == brute_lookup(tokens[:i], 3, 5), i
+        look.extend(tokens[i : i + 1])
+
+
+def test_ngram_acceptance_statistics():
+    look = NgramLookup(prior=(1.0, 2.0))
+    assert look.probs(2, 3) == pytest.approx([0.5, 0.25, 0.125])
+    for _ in range(8):
+        look.observe(match=2, length=4, accepted=4)
+    look.observe(match=2, length=4, accepted=1)  # depth 2 tried and failed; depths 3-4 never tried
+    p = look.probs(2, 4)
+    assert p[0] == pytest.approx(10 / 11) and p[1] == pytest.approx(p[0] * 9 / 11)
+    assert p[2] == pytest.approx(p[1] * 9 / 10)
+    assert look.probs(1, 1) == [0.5]  # other match lengths keep their own statistics
+
+
+# ---- trees ---------------------------------------------------------------------------------------------------
+
+def root_paths(tree: Tree) -> list[tuple[int, ...]]:
+    out = []
+    for i in range(1, len(tree)):
+        path, j = [], i
+        while j > 0:
+            path.append(int(tree.tokens[j]))
+            j = int(tree.parents[j])
+        out.append(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_merged_tree_holds_each_branch_exactly_once(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 5, generator=g) * 2
+    tree = build_tree(logits, 10, root_token=99)
+    first = max(root_paths(tree), key=len)  # a branch that is already in the tree
+    for branch in (list(first), list(first[:2]) + [4, 4, 4], [3, 3, 3, 3]):
+        merged, nodes = add_branch(tree, branch)
+        paths = root_paths(merged)
+        assert len(paths) == len(set(paths)), "a prefix appears twice"
+        assert set(root_paths(tree)) <= set(paths)
+        assert set(paths) - set(root_paths(tree)) == {tuple(branch[:k]) for k in range(1, len(branch) + 1)} - set(
+            root_paths(tree))
+        assert accepted_path(merged, branch) == nodes and len(nodes) == len(branch)
+        assert all(int(merged.parents[c]) < c for c in range(1, len(merged)))  # parents precede children
+        assert int(merged.tokens[0]) == 99
+
+
+def test_prune_by_cost_extremes_and_optimum():
+    tree = build_tree(torch.tensor([[3.0, 1.0, 0.0], [2.0, 2.0, 0.0], [4.0, 0.0, 0.0]]), 8)
+    probs = tree.log_probs.double().exp().tolist()
+    expensive = lambda n: 1.0 + 100.0 * (n - 1)  # noqa: E731
+    free = lambda n: 1.0  # noqa: E731
+    assert len(prune_by_cost(tree, probs, expensive)) == 1  # root only: 0 extra nodes
+    assert len(prune_by_cost(tree, probs, free)) == len(tree)  # the full budget
+    linear = lambda n: 1.0 + 0.3 * (n - 1)  # noqa: E731
+    kept = prune_by_cost(tree, probs, linear)
+    # brute force over every prefix-closed subset size in probability order gives the same rate
+    order = sorted(probs[1:], reverse=True)
+    best = max((1 + sum(order[:k])) / linear(k + 1) for k in range(len(order) + 1))
+    got = (1 + sum(kept.log_probs[1:].double().exp().tolist())) / linear(len(kept))
+    assert got == pytest.approx(best)
+    assert set(root_paths(kept)) <= set(root_paths(tree))
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    c = CostCurve([1, 2, 4], [1.0, 1.5, 2.0])
+    assert c(1) == 1.0 and c(3) == pytest.approx(1.75) and c(6) == pytest.approx(2.5)
+    assert CostCurve.from_dict(c.to_dict()).seconds == pytest.approx(c.seconds)
+
+
+def test_measure_cost_curve_runs_on_a_tiny_target(tiny_targets):
+    c = measure_cost_curve(tiny_targets["llama"], ns=(1, 2, 4), context=16, repeats=1)
+    assert c.ns == [1, 2, 4] and all(t > 0 for t in c.seconds)
+
+
+def test_method_names():
+    assert parse_method("hybrid-auto") == ("hybrid", "auto") and parse_method("ngram") == ("ngram", None)
+    assert parse_method("hybrid-12") == ("hybrid", 12) and parse_method("hf-generate") == ("hf-generate", None)
+    for bad in ("ngram-3", "chain-auto", "prompt-lookup-auto", "ar-2", "hybrid-0", "tree"):
+        with pytest.raises(ValueError, match="unknown method"):
+            parse_method(bad)
+    assert needs_drafter("hybrid-8") and not needs_drafter("ngram")
+
+
+# ---- lossless: n-gram and hybrid equal greedy --------------------------------------------------------------
+
+REPEATING = ["def add(a, b): return a + b\ndef add(a, b): return a + b\ndef add(", "one two three one two three one"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ngram_and_hybrid_lossless_greedy(tiny_targets, kind):
+    """T=0: ngram, hybrid (fixed and cost-aware) equal plain greedy token for token; the oracle plants mistakes so
+    that drafter and n-gram branches both get accepted and rejected."""
+    target = tiny_targets[kind]
+    flat = CostCurve([1, 32], [1.0, 1.0])
+    for text in REPEATING:
+        ids = target.chat_ids([{"role": "user", "content": text}])
+        ref = greedy_reference(target, ids, 24, set(target.stop_token_ids))
+        oracle = Oracle(ids + ref + [0] * 8, 6, target.vocab_size, wrong={len(ids) + k for k in (2, 6, 7, 13)})
+        for method in ("ngram", "hybrid-3", "hybrid-auto", "ddtree-auto"):
+            g = generate(target, ids, method, oracle, max_new_tokens=24, cost=flat)
+            assert g.tokens == ref, (kind, text, method)
+            assert sum(g.accepted) >= len(g.tokens) - 1
+
+
+def test_hybrid_adds_the_ngram_branch_to_the_drafter_tree(tiny_targets):
+    """A prompt that repeats the target's own continuation: n-gram alone accepts long runs; a drafter that is
+    always wrong at depth 1 adds nothing, and hybrid still accepts what n-gram accepts (the branch is there)."""
+    target = tiny_targets["llama"]
+    ids0 = target.chat_ids([{"role": "user", "content": "hello"}])
+    ref0 = greedy_reference(target, ids0, 12)
+    ids = ids0 + ref0 + ids0  # the target's greedy answer to ids0 now appears in its prompt
+    ref = greedy_reference(target, ids, 12)
+    wrong = Oracle(ids + ref + [0] * 8, 6, target.vocab_size, wrong=set(range(len(ids), len(ids) + 40)))
+    ng = generate(target, ids, "ngram", max_new_tokens=12)
+    hy = generate(target, ids, "hybrid-2", wrong, max_new_tokens=12)
+    assert ng.tokens == hy.tokens == ref
+    if ref[:12] == ref0[:12]:  # the tiny target repeats itself: the n-gram branch is fully accepted
+        assert max(ng.accepted) > 3 and max(hy.accepted) >= max(ng.accepted)
+
+
+def test_ngram_and_hybrid_sample_the_target_distribution(tiny_targets):
+    """T>0: the first two new tokens follow the target's own distribution under n-gram and hybrid verification."""
+    target = tiny_targets["llama"]
+    T, n, B = 0.2, 250, 4
+    ids = target.chat_ids([{"role": "user", "content": "def f(x): def f(x):"}])
+    ref = greedy_reference(target, ids, 8)
+    oracle = Oracle(ids + ref, B, target.vocab_size)
+    with torch.no_grad():
+        p1 = torch.softmax(target.model(torch.tensor([ids])).logits[0, -1] / T, -1)
+        first = torch.arange(target.vocab_size)[:, None]
+        both = torch.cat([torch.tensor([ids]).expand(target.vocab_size, -1), first], dim=1)
+        p2 = p1 @ torch.softmax(target.model(both).logits[:, -1] / T, -1)
+    for method in ("ngram", "hybrid-3"):
+        gen = torch.Generator().manual_seed(0)
+        runs = [generate(target, ids, method, oracle, max_new_tokens=2, temperature=T, generator=gen) for _ in range(n)]
+        if method == "hybrid-3":
+            assert sum(r.accepted[0] > 1 for r in runs) > n // 10, "the test needs accepted drafts to mean anything"
+        for pos, probs in ((0, p1), (1, p2)):
+            toks = [r.tokens[pos] for r in runs]
+            stat, crit = chi_square({t: toks.count(t) for t in set(toks)}, probs, n)
+            assert stat < crit, (method, pos, stat, crit)
+
+
+# ---- bf16: row-invariant kernels -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_llama(tiny_dirs):
+    from dflashkit.target.model import load_target
+
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16")
+    assert make_row_invariant(t.model)
+    return t
+
+
+def _block_vs_one_by_one(model, cfg) -> int:
+    """How many of 24 tokens get different logits verified in one block than decoded one at a time."""
+    from transformers import DynamicCache
+
+    from dflashkit.decode.speculative import crop_cache
+
+    ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    differ = 0
+    with torch.no_grad():
+        cache = DynamicCache(config=cfg)
+        model(ids[:, :40], past_key_values=cache)
+        block = model(ids[:, 40:], past_key_values=cache, position_ids=torch.arange(40, 64)[None]).logits[0]
+        crop_cache(cache, 40)
+        for i in range(40, 64):
+            one = model(ids[:, i : i + 1], past_key_values=cache, position_ids=torch.tensor([[i]])).logits[0, 0]
+            differ += not torch.equal(one, block[i - 40])
+    return differ
+
+
+def test_row_invariant_kernels_give_each_token_the_same_logits_alone_or_in_a_block():
+    """bf16 at SmolLM2's width (a one-row GEMV rounds differently from the GEMM of a block): plain kernels give
+    different logits for a token verified in a block than decoded alone; row-invariant kernels bit-identical ones."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=2048, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    plain = _block_vs_one_by_one(model, cfg)
+    assert make_row_invariant(model)
+    assert _block_vs_one_by_one(model, cfg) == 0
+    if plain == 0:
+        pytest.skip("this CPU's bf16 kernels are row-invariant already; nothing to compare against")
+
+
+def test_bf16_speculative_equals_bf16_greedy(bf16_llama):
+    t = bf16_llama
+    oracle = Oracle([], 6, t.vocab_size)
+    for text in REPEATING:
+        ids = t.chat_ids([{"role": "user", "content": text}])
+        ref = generate(t, ids, "ar", max_new_tokens=30).tokens
+        oracle.seq = ids + ref + [0] * 8
+        oracle.wrong = {len(ids) + 4}
+        for method in ("ngram", "hybrid-4", "ddtree-8", "chain"):
+            assert generate(t, ids, method, oracle, max_new_tokens=30).tokens == ref, method
+
+
+def test_float32_models_are_left_alone(tiny_targets):
+    assert not make_row_invariant(tiny_targets["qwen3"].model)
+
+
+def test_tree_drafts_without_any_proposer_is_plain_decoding(tiny_targets):
+    t = tiny_targets["qwen3"]
+    ids = t.chat_ids([{"role": "user", "content": "x"}])
+    g = generate_tree(t, TreeDrafts(), ids, max_new_tokens=6)
+    assert g.tokens == greedy_reference(t, ids, 6) and g.accepted == [1] * 5
