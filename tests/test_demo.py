@@ -33,10 +33,23 @@ def test_every_stage_writes_its_outputs(demo_run):
     first = json.loads((out / "drafters/first-checkpoint/dflashkit.json").read_text())
     assert first["trained_steps"] == 2  # the first periodic checkpoint, not the final one (step 3)
     text = (out / "report.md").read_text()
-    assert "## Quality bar" in text and "chain tau" in text
+    assert "## Quality bar" in text and " tau > ngram tau" in text and "## Held-out suite" in text
     bench = json.loads((out / "bench/results.json").read_text())
     assert not bench["mismatches"]
-    assert set(bench["methods"]) == {"ar", "chain", "ddtree-8", "prompt-lookup"}
+    assert set(bench["methods"]) == {"ar", "ngram", "ddtree-8", "hybrid-8", "hybrid-auto", "prompt-lookup", "hf-generate"}
+    holdout = json.loads((out / "bench-holdout/results.json").read_text())
+    assert holdout["config"]["suite"] == "complete-12" and not holdout["mismatches"]
+    assert bench["cost"]["ns"][0] == 1 and "## Cost of one target forward" in text
+
+
+def test_every_image_the_report_links_exists(demo_run):
+    import re
+
+    cfg, out, report = demo_run
+    images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", (out / "report.md").read_text())
+    assert len(images) >= 5
+    missing = [i for i in images if not (out / i).is_file()]
+    assert not missing, missing
     assert all(s["done"] for s in stamps(out).values())
 
 

@@ -185,7 +185,7 @@ def bench_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cost_markdown(cost: dict | None) -> list[str]:
+def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
     """The cost curve table and the memory-bound floor, as report lines."""
     from dflashkit.report import markdown_table
 
@@ -198,7 +198,7 @@ def cost_markdown(cost: dict | None) -> list[str]:
             markdown_table(["n tokens", "ms", "ratio to n=1"], rows, digits=3),
             f"Memory-bound floor: {cost['weight_bytes'] / 1e6:.0f} MB of weights / {cost['bandwidth_gb_s']:.1f} GB/s "
             f"measured read bandwidth = {cost['floor_ms']:.1f} ms per forward; a one-token forward takes "
-            f"{cost['one_token_vs_floor']:.2f}x that.", "", "![cost curve](cost.png)", ""]
+            f"{cost['one_token_vs_floor']:.2f}x that.", "", f"![cost curve]({image})", ""]
 
 
 def write_bench(result: dict, out) -> list[Path]:

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 
 class NgramLookup:
-    def __init__(self, max_ngram: int = 3, max_tokens: int = 10, prior: tuple[float, float] = (1.0, 2.0)):
-        self.max_ngram, self.max_tokens, self.prior = max_ngram, max_tokens, prior
+    def __init__(self, max_ngram: int = 3, max_tokens: int = 10, prior: tuple[float, float] = (1.0, 2.0),
+                 branches: int = 1):
+        self.max_ngram, self.max_tokens, self.prior, self.branches = max_ngram, max_tokens, prior, branches
         self.stats: dict[tuple[int, int], list[float]] = {}  # (match length, depth) -> [accepted, tried]
         self.reset([])
 
     def reset(self, tokens) -> None:
         """Start a new text (prompt ids); acceptance statistics carry over between texts."""
         self.tokens: list[int] = []
-        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end position of its latest occurrence with a successor
+        self.index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> end positions of its occurrences with a successor
         self.extend(tokens)
 
     def extend(self, tokens) -> None:
@@ -27,15 +28,26 @@ class NgramLookup:
             self.tokens.append(int(t))
             end = len(self.tokens) - 2  # this position just got a successor
             for n in range(1, min(self.max_ngram, end + 1) + 1):
-                self.index[tuple(self.tokens[end - n + 1 : end + 1])] = end
+                self.index.setdefault(tuple(self.tokens[end - n + 1 : end + 1]), []).append(end)
 
     def propose(self) -> tuple[list[int], int]:
         """(continuation of up to max_tokens tokens, length of the matched suffix); ([], 0) when nothing matches."""
+        found = self.propose_all(1)
+        return found[0] if found else ([], 0)
+
+    def propose_all(self, k: int | None = None) -> list[tuple[list[int], int]]:
+        """Up to k distinct continuations, longest matched suffix first, then the most recent occurrence first."""
+        k = k or self.branches
+        out, seen = [], set()
         for n in range(min(self.max_ngram, len(self.tokens)), 0, -1):
-            end = self.index.get(tuple(self.tokens[-n:]))
-            if end is not None:
-                return self.tokens[end + 1 : end + 1 + self.max_tokens], n
-        return [], 0
+            for end in reversed(self.index.get(tuple(self.tokens[-n:]), ())):
+                cont = self.tokens[end + 1 : end + 1 + self.max_tokens]
+                if tuple(cont) not in seen:
+                    seen.add(tuple(cont))
+                    out.append((cont, n))
+                    if len(out) == k:
+                        return out
+        return out
 
     def probs(self, match: int, length: int) -> list[float]:
         """Estimated chance that the proposal's first 1..length tokens are all accepted."""

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method  # noqa: F401 (re-exported)
-from dflashkit.target.invariant import make_row_invariant
+from dflashkit.target.invariant import NAME as ROW_INVARIANT, make_row_invariant
 from dflashkit.tree import Tree, accepted_path, add_branch, attention_mask, build_tree, prune_by_cost, walk
 
 
@@ -296,9 +296,12 @@ def draft_tree(logits: torch.Tensor, budget: int, root: torch.Tensor, to_tokens)
     return Tree(tokens=tokens, depths=tree.depths, parents=tree.parents, log_probs=tree.log_probs)
 
 
-def verify_tree_by_paths(target, cache, tree: Tree, start: int):
-    """Hybrid targets: one batch row per root-to-leaf path (a recurrent layer reads one sequence at a time).
-    Returns the target's logits at every node [n, V]. The cache comes back expanded; the caller restores it."""
+def verify_tree_by_paths(target, cache, tree: Tree, start: int, layer_ids=None):
+    """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence at a time) and
+    for branching trees under row-invariant bf16 kernels (a flattened tree interleaves masked keys with visible
+    ones, which changes the order of the softmax and value sums and so the rounding; a path keeps every row's keys
+    exactly as plain decoding sees them). Returns (logits at every node [n, V], the forward's output, the row of
+    every node [n]). The cache comes back expanded; the caller restores or crops it."""
     parents, depths = tree.parents.tolist(), tree.depths.tolist()
     has_child = set(p for p in parents if p >= 0)
     rows = []
@@ -319,8 +322,8 @@ def verify_tree_by_paths(target, cache, tree: Tree, start: int):
     for layer in _linear_layers(cache):
         layer.conv_states, layer.recurrent_states = rows_of(layer.conv_states), rows_of(layer.recurrent_states)
     pos = (start + torch.arange(width, device=dev)).expand(n, -1)
-    out = target.forward(tree.tokens[grid].to(dev), past_key_values=cache, position_ids=pos)
-    return out.logits[row_of.to(dev), torch.tensor(depths, device=dev)]
+    out = target.forward(tree.tokens[grid].to(dev), past_key_values=cache, position_ids=pos, layer_ids=layer_ids)
+    return out.logits[row_of.to(dev), torch.tensor(depths, device=dev)], out, row_of
 
 
 class TreeDrafts:
@@ -332,7 +335,7 @@ class TreeDrafts:
         self.drafter, self.budget, self.ngram, self.cost = drafter, budget, ngram, cost
         self.layer_ids = drafter.layer_ids if drafter is not None else None
         self.fixed = 0.0  # seconds a round costs besides the verify forward (running mean, set by the loop)
-        self.branch: tuple[list[int], int] | None = None  # this round's n-gram proposal and its matched length
+        self.branches: list[tuple[list[int], int]] = []  # this round's verified n-gram proposals, matched lengths
 
     def reset(self, prompt_ids) -> None:
         if self.drafter is not None:
@@ -348,20 +351,19 @@ class TreeDrafts:
         else:
             tree = Tree(bonus.cpu(), torch.zeros(1, dtype=torch.long), torch.tensor([-1]), torch.zeros(1))
         probs = tree.log_probs.double().exp().tolist()
-        self.branch = None
+        self.branches = []
         if self.ngram is not None:
             self.ngram.extend(bonus.tolist())
-            cont, match = self.ngram.propose()
-            if cont:
+            for cont, match in self.ngram.propose_all():
                 tree, nodes = add_branch(tree, cont, log_prob=float("-inf"))
                 probs += [0.0] * (len(tree) - len(probs))
                 for node, q in zip(nodes, self.ngram.probs(match, len(cont))):
-                    probs[node] = 1 - (1 - probs[node]) * (1 - q)  # two independent proposers agree on it
-                self.branch = (cont, match)
+                    probs[node] = 1 - (1 - probs[node]) * (1 - q)  # independent proposers agreeing on a token
+                self.branches.append((cont, match))
         if self.cost is not None:
             tree = prune_by_cost(tree, probs, self.cost, self.fixed)
-            if self.branch is not None:  # what survived of the branch is what the target gets to test
-                self.branch = (self.branch[0][: len(accepted_path(tree, self.branch[0]))], self.branch[1])
+            # what survived of each branch is what the target gets to test
+            self.branches = [(cont[: len(accepted_path(tree, cont))], match) for cont, match in self.branches]
         return tree
 
     def observe(self, new: list[int], bonus: int) -> None:
@@ -369,10 +371,10 @@ class TreeDrafts:
         and the committed tokens for the next lookup (the bonus joins the lookup when the next round proposes)."""
         if self.ngram is None:
             return
-        if self.branch is not None and self.branch[0]:
-            cont, match = self.branch
-            depth = next((i for i, (a, b) in enumerate(zip(cont, new)) if a != b), min(len(cont), len(new)))
-            self.ngram.observe(match, len(cont), depth)
+        for cont, match in self.branches:
+            if cont:
+                depth = next((i for i, (a, b) in enumerate(zip(cont, new)) if a != b), min(len(cont), len(new)))
+                self.ngram.observe(match, len(cont), depth)
         self.ngram.extend(new)
 
 
@@ -393,12 +395,14 @@ def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tok
     tokens: list[int] = []
     done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
     drafts.reset(prompt_ids)
+    invariant = target.model.config._attn_implementation == ROW_INVARIANT
     feats, start, accepted = out.features, len(prompt_ids), []
     while not done:
         t_round, t_verify = perf_counter(), timer.times["verify"]
         tree = drafts.propose(feats, bonus, start, timer)
         saved = save_linear_states(cache) if target.is_hybrid else None
-        if saved is None:
+        by_paths = saved is not None or (invariant and int(tree.depths.max()) < len(tree) - 1)  # branching
+        if not by_paths:
             mask = attention_mask(tree, start, target.dtype, dev)
             with timer("verify"):
                 out = target.forward(tree.tokens[None].to(dev), layer_ids=layer_ids, past_key_values=cache,
@@ -406,13 +410,19 @@ def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tok
             node_logits = out.logits[0]  # [n, V]
         else:
             with timer("verify"):
-                node_logits = verify_tree_by_paths(target, cache, tree, start)
+                node_logits, out, row_of = verify_tree_by_paths(target, cache, tree, start, layer_ids)
         choice = choose(node_logits, temperature, generator)  # [n]: the target's token after each node
         path = walk(tree, choice.tolist())
         keep = torch.tensor([0] + path, device=dev)  # root (the bonus) + accepted nodes
-        if saved is None:
+        if not by_paths:
             compact_cache(cache, start, keep)
             feats = out.features[:, keep] if layer_ids is not None else None
+        elif saved is None:  # the accepted path is a prefix of its last node's row: keep that row only
+            r = int(row_of[keep[-1]])
+            for layer in _attention_layers(cache):
+                layer.keys, layer.values = layer.keys[r : r + 1], layer.values[r : r + 1]
+            crop_cache(cache, start + len(keep))
+            feats = out.features[r : r + 1, : len(keep)] if layer_ids is not None else None
         else:
             with timer("verify"):
                 feats = rerun(target, cache, saved, tree.tokens.to(dev)[keep], start, layer_ids)

@@ -28,7 +28,7 @@ from importlib import resources
 
 __all__ = ["BUILTIN_SUITES", "PromptItem", "PromptSuite", "load_prompts"]
 
-BUILTIN_SUITES = ("coding-10", "train-mix")
+BUILTIN_SUITES = ("coding-10", "train-mix", "complete-12")  # complete-12: evaluation only, never trained on
 
 _EXAMPLE = '{"id": "task-1", "prompt": "..."}'
 
