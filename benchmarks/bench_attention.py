@@ -1,6 +1,6 @@
 """forward_blocks' attention paths at the paper's training shape: dense mask vs chunked (vs flex on CUDA).
 
-    python benchmarks/bench_attention.py [--anchors 512] [--seq-len 3072] [--layers 2] [--repeats 3] [--head]
+    python benchmarks/bench_attention.py [--anchors 512] [--seq-len 3072] [--num-layers 2] [--repeats 3] [--head]
 
 Issue #15's bar: a 2-layer drafter shaped like SmolLM2-135M (hidden 576, 9/3 heads, head dim 64, MLP 1536, 5 target
 layers fed), forward + backward over 512 anchors x block 16 on one 3072-token sequence, float32, the machine's
@@ -33,7 +33,7 @@ def build(args, device):
     torch.manual_seed(0)
     H, K, B = 576, 5, 16
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
-                        num_hidden_layers=args.layers, target_layer_ids=[1, 8, 14, 20, 27], num_target_layers=30,
+                        num_hidden_layers=args.num_layers, target_layer_ids=[1, 8, 14, 20, 27], num_target_layers=30,
                         mask_token_id=0, vocab_size=49152, block_size=B, rope_theta=100000.0)
     drafter = DFlashDrafter(cfg).to(device)
     T, n = args.seq_len, args.anchors
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--head", action="store_true", help="add the full-vocabulary lm_head CE loss (a whole training step)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -105,14 +105,14 @@ def main(argv=None) -> int:
         child(args)
         return 0
     paths = args.paths.split(",") if args.paths else ["dense", "chunked"] + (["flex"] if args.device == "cuda" else [])
-    print(f"{args.layers}-layer drafter (hidden 576, 9/3 heads), {args.anchors} anchors x 16 on {args.seq_len} tokens, "
+    print(f"{args.num_layers}-layer drafter (hidden 576, 9/3 heads), {args.anchors} anchors x 16 on {args.seq_len} tokens, "
           f"forward + backward{' + full-vocabulary CE' if args.head else ''}, float32, {args.device}, "
           f"{torch.get_num_threads()} threads; each path in a fresh process", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in paths:
             cmd = [sys.executable, __file__, "--child", kind, "--save", str(Path(tmp) / f"{kind}.pt"),
-                   "--anchors", str(args.anchors), "--seq-len", str(args.seq_len), "--layers", str(args.layers),
+                   "--anchors", str(args.anchors), "--seq-len", str(args.seq_len), "--num-layers", str(args.num_layers),
                    "--repeats", str(args.repeats), "--device", args.device] + (["--head"] if args.head else [])
             run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
             if run.returncode != 0:

@@ -1,16 +1,27 @@
-"""dflashkit: train, evaluate and compare DFlash block-diffusion speculative drafters."""
+"""dflashkit: train, evaluate and compare DFlash block-diffusion speculative drafters.
+
+    from dflashkit import load_target, new_drafter, load_drafter, save_drafter, DraftHead
+
+Names load lazily, so that `import dflashkit` stays cheap and the CLI starts without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
+_EXPORTS = {
+    "load_target": "dflashkit.target.model",
+    "new_drafter": "dflashkit.drafter.checkpoint",
+    "load_drafter": "dflashkit.drafter.checkpoint",
+    "save_drafter": "dflashkit.drafter.checkpoint",
+    "DraftHead": "dflashkit.drafter.head",
+}
+__all__ = ["__version__", *_EXPORTS]
+
 
 def __getattr__(name):
-    # Lazy, so that `import dflashkit` stays cheap and the CLI starts fast.
-    if name in ("load_drafter", "save_drafter"):
-        from dflashkit.drafter import checkpoint
-
-        return getattr(checkpoint, name)
-    if name in ("load_target",):
-        from dflashkit.target import model
-
-        return getattr(model, name)
-    raise AttributeError(name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dflashkit' has no attribute {name!r}")

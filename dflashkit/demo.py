@@ -401,13 +401,34 @@ def write_report(root: Path, cfg: DemoConfig, device, timings: dict) -> dict:
         lines += ["## Training", "", f"{train.get('steps')} steps in {train.get('elapsed_s', 0) / 60:.1f} min, loss "
                   f"`{train.get('loss_name')}`, draft vocabulary {train.get('draft_vocab_size') or 'full'}; "
                   f"stopped: {train.get('stop_reason')}.", "", "![loss](train/loss.png)", ""]
-    lines += ["## Stage timings", "", "Seconds each stage took when it was built (a skipped stage reused that output).", "",
-              markdown_table(["stage", "seconds", "skipped"],
-              [[k, v["seconds"], v["skipped"]] for k, v in timings.items()])]
+    rates = stage_rates(root, timings, train, bench, holdout)
+    lines += ["## Stage timings", "", "Seconds each stage took when it was built (a skipped stage reused that output), "
+              "and what it produced per second.", "",
+              markdown_table(["stage", "seconds", "skipped", "throughput"],
+              [[k, v["seconds"], v["skipped"], rates.get(k, "")] for k, v in timings.items()])]
     write_text(root / "report.md", "\n".join(lines) + "\n")
     write_json(root / "report.json", {"checks": checks, "timings": timings, "config": asdict(cfg)})
     console = [headline] + [f"  {c[0]}: {c[2]}" for c in checks]
     return {"checks": checks, "console": console}
+
+
+def stage_rates(root: Path, timings: dict, train: dict, bench: dict, holdout: dict) -> dict[str, str]:
+    """Tokens or blocks per second of each stage, from what the stage wrote and how long it took."""
+    out = {}
+    lim = _load(root / "eval" / "limits.json")
+    sec = {k: v["seconds"] for k, v in timings.items() if v.get("seconds")}
+    if lim and sec.get("data"):
+        out["data"] = f"{lim['train_response_tokens'] / sec['data']:.0f} target tokens/s (generated + features captured)"
+    metrics = root / "train" / "metrics.csv"
+    if metrics.is_file() and train.get("elapsed_s"):
+        import csv
+
+        blocks = sum(int(r["blocks"]) for r in csv.DictReader(metrics.open()))
+        out["train"] = f"{blocks / train['elapsed_s']:.0f} drafter blocks/s"
+    n = sum(s.get("new_tokens") or 0 for b in (bench, holdout) for s in b.get("methods", {}).values())
+    if n and sec.get("bench"):
+        out["bench"] = f"{n / sec['bench']:.0f} decoded tokens/s over all methods"
+    return out
 
 
 def data_limits(final_ckpt, data_dir: Path, cache) -> dict:

@@ -106,22 +106,29 @@ def subtree(tree: Tree, keep: Sequence[int]) -> Tree:
     return Tree(tree.tokens[idx], tree.depths[idx], torch.tensor(parents), tree.log_probs[idx])
 
 
-def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0) -> Tree:
+def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, by_paths: bool = False) -> Tree:
     """Keep the nodes that maximize expected committed tokens per second: (1 + sum of the kept nodes' acceptance
-    probabilities) / (fixed + cost(nodes + 1)), with cost(n) the time of a target forward over n tokens.
+    probabilities) / (fixed + cost(tokens)), with cost(n) the time of a target forward over n tokens and tokens the
+    nodes + 1 of a flattened tree, or leaves x (depth + 1) when every root-to-leaf path is its own batch row.
 
     probs[i] is node i's chance to be accepted (probs[0], the root, is ignored). A node is never likelier than its
-    parent, so taking nodes in descending probability (parents first on ties) keeps every candidate prefix-closed,
-    and the best of the len(tree) candidates is exact for this objective."""
+    parent, so taking nodes in descending probability (parents first on ties) keeps every candidate prefix-closed;
+    the best of these len(tree) candidates is exact for the flattened cost and a good greedy choice for paths."""
     p = list(map(float, probs))
-    for i, par in enumerate(tree.parents.tolist()):  # parents precede children: one pass makes p monotone
+    parents = tree.parents.tolist()
+    for i, par in enumerate(parents):  # parents precede children: one pass makes p monotone
         if par > 0:
             p[i] = min(p[i], p[par])
-    order = sorted(range(1, len(tree)), key=lambda i: (-p[i], tree.depths[i].item(), i))
+    depths = tree.depths.tolist()
+    order = sorted(range(1, len(tree)), key=lambda i: (-p[i], depths[i], i))
     best, best_n, gain = 1.0 / (fixed + cost(1)), 0, 1.0
+    has_child, leaves, depth = set(), 1, 0
     for n, i in enumerate(order, start=1):
         gain += p[i]
-        rate = gain / (fixed + cost(n + 1))
+        leaves += parents[i] in has_child  # a second child opens a new path; a first one extends its parent's
+        has_child.add(parents[i])
+        depth = max(depth, depths[i])
+        rate = gain / (fixed + cost(leaves * (depth + 1) if by_paths else n + 1))
         if rate > best:
             best, best_n = rate, n
     return subtree(tree, order[:best_n])

@@ -343,14 +343,17 @@ def test_diff_two_linear_attention_backends(tmp_path, tiny_targets, short_suite,
     assert main(["cache", "diff", str(a), str(b), "--min-cosine", "0.999"]) == 0
     out = capsys.readouterr().out
     assert "settings that differ: linear_attention 'torch' vs 'torch-recurrent'" in out and "PASS" in out
-    assert main(["cache", "diff", str(a), str(b), "--min-cosine", "1.5", "--json", str(tmp_path / "d.json")]) == 1
+    assert main(["cache", "diff", str(a), str(b), "--min-cosine", "1.5", "--out", str(tmp_path / "d.json")]) == 1
     assert json.loads((tmp_path / "d.json").read_text())["below"] == LAYERS
+    capsys.readouterr()
+    assert main(["cache", "diff", str(a), str(b), "--min-cosine", "1.5", "--json"]) == 1  # JSON on stdout
+    assert json.loads(capsys.readouterr().out)["below"] == LAYERS
 
 
 def test_cli_exit_codes(tmp_path, tiny_dirs, runs, capsys):
     out = tmp_path / "cli"
     args = ["extract", "--target", str(tiny_dirs["llama"]), "--prompts", "coding-10", "--num-prompts", "2",
-            "--out", str(out), "--layers", "1,2", "--max-new-tokens", "3", "--quiet"]
+            "--out", str(out), "--target-layers", "1,2", "--max-new-tokens", "3", "--quiet"]
     assert main(args) == 0
     assert main(args) == 0  # complete: nothing to do
     assert main(args[:-2] + ["4", "--quiet"]) == 2  # other settings: refused
@@ -378,7 +381,7 @@ def test_torchrun_data_parallel_matches_single_process(tmp_path, tiny_dirs, tiny
     out = tmp_path / "dp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dflashkit.cli",
            "extract", "--target", str(tiny_dirs["llama"]), "--prompts", "coding-10", "--num-prompts", "5",
-           "--out", str(out), "--layers", "1,2,3", "--max-new-tokens", "4", "--quiet", "--device", "cpu", "--dtype", "float32"]
+           "--out", str(out), "--target-layers", "1,2,3", "--max-new-tokens", "4", "--quiet", "--device", "cpu", "--dtype", "float32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr[-2000:]

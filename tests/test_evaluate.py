@@ -331,12 +331,12 @@ def test_evaluate_on_cache_matches_per_sequence_and_refuses_missing_layers(setup
     assert res["overall"]["blocks"] == len(direct) == sum(p["blocks"] for p in res["per_prompt"])
     assert res["overall"]["prompts"] == 3 and res["overall"]["streak"] == aggregate(direct, B, TREES)["streak"]
     other = new_drafter(t, num_layers=2, target_layer_ids=[1, 2, 0], block_size=B)
-    with pytest.raises(DFlashError, match=r"missing \[0\]: re-extract with --layers 1,2,0"):
+    with pytest.raises(DFlashError, match=r"missing \[0\]: re-extract with --target-layers 1,2,0"):
         evaluate(other, t, cache)
 
 
 def _eval(root, cache, drafter, run, *extra):
-    return main(["eval", "--drafter", str(root / drafter), "--cache", str(cache), "--run-dir", str(root / run), *extra])
+    return main(["eval", "--drafter", str(root / drafter), "--cache", str(cache), "--out", str(root / run), *extra])
 
 
 def test_cli_eval_writes_a_complete_run(setup, capsys):

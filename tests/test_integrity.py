@@ -62,7 +62,7 @@ def test_identity_covers_the_weights_and_a_cache_of_one_is_refused_for_the_other
     assert len(open_cache(cache, expect_target=ia)) == 1
     # the eval CLI loads the target the user names and refuses it the same way
     code = main(["eval", "--drafter", str(tmp_path / "nope"), "--cache", str(cache), "--target", str(b_dir),
-                 "--run-dir", str(tmp_path / "ev")])
+                 "--out", str(tmp_path / "ev")])
     assert code == 2 and "differ in weights_hash" in capsys.readouterr().err
 
     # a drafter's contract records the identity; another target with the same shape is refused
@@ -299,6 +299,6 @@ def test_eval_cli_names_its_flag_not_the_python_argument(tmp_path, tiny_targets,
     cache = extract(tiny_targets["llama"], load_prompts("coding-10").subset(1), tmp_path / "c", layer_ids=[1, 2],
                     max_new_tokens=2, progress=False)
     assert main(["eval", "--drafter", str(tmp_path / "d"), "--cache", str(cache), "--num-prompts", "3",
-                 "--run-dir", str(tmp_path / "ev")]) == 2
+                 "--out", str(tmp_path / "ev")]) == 2
     err = capsys.readouterr().err
     assert "pass --allow-partial to proceed" in err and "allow_partial=True" not in err

@@ -248,3 +248,73 @@ def test_tree_drafts_without_any_proposer_is_plain_decoding(tiny_targets):
     ids = t.chat_ids([{"role": "user", "content": "x"}])
     g = generate_tree(t, TreeDrafts(), ids, max_new_tokens=6)
     assert g.tokens == greedy_reference(t, ids, 6) and g.accepted == [1] * 5
+
+
+def test_prune_by_paths_counts_rows_times_width():
+    """Verified one root-to-leaf path per row, two branches cost 2 x width tokens: a steep curve keeps one branch
+    where the flattened count (nodes + 1) would keep both."""
+    tree = Tree(torch.tensor([9, 1, 2, 3, 4]), torch.tensor([0, 1, 2, 1, 2]), torch.tensor([-1, 0, 1, 0, 3]),
+                torch.zeros(5))
+    probs = [1.0, 0.9, 0.8, 0.5, 0.45]
+    cost = lambda n: 1.0 + 0.5 * max(0, n - 5)  # noqa: E731  (flat up to 5 tokens, then steep)
+    flat = prune_by_cost(tree, probs, cost, by_paths=False)
+    rows = prune_by_cost(tree, probs, cost, by_paths=True)
+    assert len(flat) == 5 and root_paths(rows) == [(1,), (1, 2)]
+
+
+class CountingOracle(Oracle):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.drafts = 0
+
+    def propose(self, features, anchor, start):
+        self.drafts += 1
+        return super().propose(features, anchor, start)
+
+
+def test_hybrid_auto_stops_drafting_when_the_drafter_adds_nothing(tiny_targets):
+    """A drafter that is always wrong while the n-gram branch is always right: the cost-aware hybrid soon lets the
+    drafter sit out most rounds (and the output still equals greedy, so skipped rounds' features reach it later)."""
+    target = tiny_targets["llama"]
+    ids0 = target.chat_ids([{"role": "user", "content": "abc"}])
+    ref0 = greedy_reference(target, ids0, 40)
+    ids = ids0 + ref0 + ids0
+    ref = greedy_reference(target, ids, 40)
+    wrong = CountingOracle(ids + ref + [0] * 8, 6, target.vocab_size, wrong=set(range(len(ids), len(ids) + 60)))
+    cost = CostCurve([1, 64], [1.0, 1.0])
+    g = generate(target, ids, "hybrid-auto", wrong, max_new_tokens=40, cost=cost)
+    assert g.tokens == ref
+    if ref[:30] == ref0[:30]:  # the n-gram branch is right: the drafter should mostly sit out
+        assert wrong.drafts < g.rounds, (wrong.drafts, g.rounds)
+
+
+def wide_bf16_target(tiny_dirs):
+    """SmolLM2's width (where bf16 GEMV and GEMM round differently) on the tiny fixture's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from dflashkit.target.model import Target
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=272, max_position_embeddings=512, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.06)
+    model = model.to(torch.bfloat16)
+    return Target(model, AutoTokenizer.from_pretrained(tiny_dirs["llama"]), tiny_dirs["llama"], "wide-bf16")
+
+
+def test_bf16_branching_trees_equal_bf16_greedy_at_full_width(tiny_dirs):
+    """bf16 at SmolLM2's width: DDTree and hybrid trees (verified one path per row) and n-gram chains equal plain
+    bf16 greedy decoding token for token, with planted drafter mistakes so that siblings get accepted."""
+    t = wide_bf16_target(tiny_dirs)
+    cost = CostCurve([1, 64], [1.0, 1.2])
+    for text in REPEATING:
+        ids = t.chat_ids([{"role": "user", "content": text}])
+        ref = generate(t, ids, "ar", max_new_tokens=40).tokens
+        oracle = Oracle(ids + ref + [0] * 8, 6, t.vocab_size, wrong={len(ids) + k for k in (1, 5, 6, 11, 20)})
+        for method in ("ngram", "ddtree-6", "hybrid-4", "hybrid-auto", "ddtree-auto"):
+            assert generate(t, ids, method, oracle, max_new_tokens=40, cost=cost).tokens == ref, (text, method)

@@ -386,7 +386,7 @@ def test_cache_source_periodic_eval_best_and_kl_needs_the_last_layer(llama, tmp_
     best = json.loads((run / "best.json").read_text())
     assert best["metrics"]["tau"] == max(float(x) for x in read_csv_column(run / "eval.csv", "tau"))
     assert load_drafter(run / "best", target=llama).config.target_layer_ids == LAYERS
-    with pytest.raises(DFlashError, match=r"loss kl needs the target's distribution.*--layers 1,2,3,5"):
+    with pytest.raises(DFlashError, match=r"loss kl needs the target's distribution.*--target-layers 1,2,3,5"):
         train(cfg_for(tmp_path, "kl", data=str(cache), loss="kl"), target=llama)
     # a cache that also stores the last layer serves kl (that layer is never fed to the drafter)
     full = extract(llama, suite, tmp_path / "cache5", layer_ids=LAYERS + [5], max_new_tokens=12, progress=False,
@@ -476,7 +476,7 @@ def load_target_qwen(tiny_dirs):
 
 def test_export_writes_the_zlab_format(llama, data, tmp_path, capsys):
     train(cfg_for(tmp_path, steps=1), target=llama, source=source(data))
-    assert main(["export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "z"), "--dtype", "float32"]) == 0
+    assert main(["drafter", "export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "z"), "--dtype", "float32"]) == 0
     z = tmp_path / "z"
     assert sorted(p.name for p in z.iterdir()) == ["config.json", "model.safetensors"]
     cfg = json.loads((z / "config.json").read_text())

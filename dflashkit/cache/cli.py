@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from dflashkit.target.cli import target_layers_arg
 from dflashkit.threads import add_threads_option
 
 
@@ -15,7 +16,8 @@ def register(sub) -> None:
     p.add_argument("--target", default="smollm2-135m", help="registry name or local Hugging Face folder")
     p.add_argument("--prompts", required=True, help="built-in suite (coding-10, train-mix) or a JSONL file")
     p.add_argument("--out", required=True, help="cache folder (created; an unfinished one is resumed)")
-    p.add_argument("--layers", default="auto", help="auto (5 layers, z-lab rule) or ids like 1,8,14")
+    p.add_argument("--target-layers", type=target_layers_arg, default="auto", metavar="IDS",
+                   help="target layer ids to cache: auto (5 layers, z-lab rule) or ids like 1,8,14")
     p.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts of the suite")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch (and per capture forward)")
@@ -48,20 +50,10 @@ def register(sub) -> None:
     q.add_argument("b")
     q.add_argument("--min-cosine", type=float, default=None,
                    help="exit 1 when any layer has a token whose cosine similarity is below this")
-    q.add_argument("--json", dest="json_out", default=None, metavar="FILE", help="also write the result as JSON")
+    q.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+    q.add_argument("--out", default=None, metavar="FILE", help="also write the result as JSON to FILE")
     q.add_argument("--md", dest="md_out", default=None, metavar="FILE", help="also write the report as Markdown")
     q.set_defaults(func=cmd_diff)
-
-
-def _layers(spec: str):
-    if spec == "auto":
-        return None
-    from dflashkit.errors import DFlashError
-
-    try:
-        return [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise DFlashError(f"--layers {spec!r}: use auto or comma-separated integers such as 1,8,14") from None
 
 
 def cmd_extract(args) -> int:
@@ -77,7 +69,7 @@ def cmd_extract(args) -> int:
         if torch.cuda.is_available():  # one GPU per torchrun rank
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     target = load_target(args.target, device=device, dtype=args.dtype)
-    extract(target, suite, args.out, layer_ids=_layers(args.layers), max_new_tokens=args.max_new_tokens,
+    extract(target, suite, args.out, layer_ids=args.target_layers, max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size, linear_attention=args.linear_attention, progress=not args.quiet,
             enable_thinking=args.thinking, completions_from=args.completions_from,
             allow_final_layers=args.allow_final_layers)
@@ -180,9 +172,13 @@ def cmd_diff(args) -> int:
 
     r = diff_caches(args.a, args.b, min_cosine=args.min_cosine, progress=True)
     text = format_diff(r)
-    print(text, end="")
-    if args.json_out:
-        write_json(args.json_out, {**r, "layers": {str(k): v for k, v in r["layers"].items()}})
+    result = {**r, "layers": {str(k): v for k, v in r["layers"].items()}}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(text, end="")
+    if args.out:
+        write_json(args.out, result)
     if args.md_out:
         write_text(args.md_out, text)
     return 1 if r["below"] else 0

@@ -178,20 +178,11 @@ def _append(fh, rec: dict) -> None:
 
 
 def capture_features(target, seqs: list[list[int]], layer_ids) -> list[dict[int, torch.Tensor]]:
-    """Features of several sequences in one forward (right padding: causal layers never see it).
+    """Features of several sequences in one forward (Target.features: right padding, never seen).
 
     seqs: token id lists; returns per sequence {layer id: [T_i, H] tensor on CPU, target dtype}.
     """
-    T = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T, dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = torch.tensor(s)
-        mask[r, : len(s)] = 1
-    same = all(len(s) == T for s in seqs)
-    out = target.forward(ids.to(target.device), layer_ids=layer_ids, use_cache=False, compute_logits=False,
-                         attention_mask=None if same else mask.to(target.device))
-    feats = out.features.cpu()  # [b, T, K*H]
+    feats = target.features(seqs, layer_ids).cpu()  # [b, T, K*H]
     H = target.hidden_size
     return [{l: feats[r, : len(s), k * H:(k + 1) * H].clone() for k, l in enumerate(layer_ids)}
             for r, s in enumerate(seqs)]
@@ -212,13 +203,13 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
 
 def _valid_existing(file: Path, pid: str, prompt: list[int], layer_ids, hidden: int) -> list[int] | None:
     """Tokens of an existing, readable prompt file that matches this prompt; None if it must be redone."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         head = read_header(file, layer_ids, hidden)
         with safe_open(str(file), framework="pt") as f:
             toks = f.get_tensor("tokens").tolist()
-    except (DFlashError, Exception):
+    except (DFlashError, OSError, SafetensorError):  # read_header turns a corrupt header into a DFlashError
         return None
     if head["id"] != pid or head["prompt_len"] != len(prompt) or toks[: len(prompt)] != prompt:
         return None

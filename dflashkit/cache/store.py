@@ -134,7 +134,7 @@ class Cache:
         if missing:
             raise DFlashError(
                 f"cache {self.path} holds target layers {self.layer_ids} but layers {missing} were asked for "
-                f"(requested {list(layer_ids)}); extract a cache with `--layers {','.join(map(str, layer_ids))}` "
+                f"(requested {list(layer_ids)}); extract a cache with `--target-layers {','.join(map(str, layer_ids))}` "
                 "or use a drafter trained on the cached layers"
             )
 

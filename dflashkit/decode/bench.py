@@ -19,7 +19,7 @@ import torch
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.methods import DEFAULT_METHODS, needs_drafter, parse_method  # noqa: F401 (re-exported)
-from dflashkit.decode.speculative import DFlashProposer, generate
+from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 
@@ -42,7 +42,7 @@ def parse_methods(spec: str) -> list[str]:
 def _run(target, proposer, ids, method, max_new_tokens, temperature, seed, cost, lookups):
     gen = torch.Generator(device=target.device).manual_seed(seed)
     torch.manual_seed(seed)  # transformers' generate samples from the global generator
-    ngram = lookups.setdefault(method, NgramLookup()) if parse_method(method)[0] in ("ngram", "hybrid") else None
+    ngram = lookups.setdefault(method, new_lookup(method)) if parse_method(method)[0] in ("ngram", "hybrid") else None
     return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, temperature=temperature,
                     generator=gen, cost=cost, ngram=ngram)
 

@@ -86,8 +86,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from dflashkit.decode.cost import measure_cost_curve
-    from dflashkit.decode.ngram import NgramLookup
-    from dflashkit.decode.speculative import DFlashProposer, generate, needs_drafter, parse_method
+    from dflashkit.decode.speculative import DFlashProposer, generate, needs_drafter, new_lookup, parse_method
 
     _check(args)
     try:
@@ -97,7 +96,7 @@ def cmd_generate(args) -> int:
     target, drafter = _load(args, need_drafter=needs_drafter(args.method))
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
     cost = measure_cost_curve(target, repeats=3) if size == "auto" else None
-    ngram = NgramLookup()
+    ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
     records = []
     for i, (pid, ids) in enumerate(_prompts(args, target)):
         gen = torch.Generator(device=target.device).manual_seed(args.seed + i)

@@ -327,54 +327,92 @@ def verify_tree_by_paths(target, cache, tree: Tree, start: int, layer_ids=None):
 
 
 class TreeDrafts:
-    """What one round verifies: the drafter's DDTree (`budget` nodes), the n-gram continuation as an extra branch,
-    or both merged; with a cost curve, the tree is cut to the nodes that maximize expected tokens per second
-    (`budget` is then the most the drafter offers)."""
+    """What one round verifies: the drafter's DDTree (`budget` nodes), n-gram continuations as extra branches, or
+    both merged. With a cost curve the tree is cut to the nodes that maximize expected tokens per second (`budget`
+    is then the most the drafter offers), and when both proposers are there the drafter sits out rounds where what
+    it has been adding beyond the n-gram branch does not pay for its forward."""
 
     def __init__(self, drafter: Proposer | None = None, budget: int = 0, ngram=None, cost=None):
         self.drafter, self.budget, self.ngram, self.cost = drafter, budget, ngram, cost
         self.layer_ids = drafter.layer_ids if drafter is not None else None
-        self.fixed = 0.0  # seconds a round costs besides the verify forward (running mean, set by the loop)
+        self.gated = drafter is not None and ngram is not None and cost is not None
+        self.fixed = 0.0  # seconds a round costs besides the verify and draft forwards (running mean, set by the loop)
+        self.by_paths = False  # set by the loop: branching trees are verified one root-to-leaf path per batch row
         self.branches: list[tuple[list[int], int]] = []  # this round's verified n-gram proposals, matched lengths
+        self.t_draft = 0.0  # running mean of one drafter forward
+        self.added: dict[int, list[float]] = {}  # n-gram confidence bucket -> [tokens the drafter added, rounds idle]
+        self.bucket, self.drafted, self.pending = 0, False, None
 
     def reset(self, prompt_ids) -> None:
+        self.pending = None
         if self.drafter is not None:
             self.drafter.reset(prompt_ids)
         if self.ngram is not None:
             self.ngram.reset(prompt_ids)
 
     def propose(self, features, bonus: torch.Tensor, start: int, timer) -> Tree:
-        if self.drafter is not None:
+        found = []
+        if self.ngram is not None:
+            self.ngram.extend(bonus.tolist())
+            found = [(cont, match, self.ngram.probs(match, len(cont))) for cont, match in self.ngram.propose_all()]
+        if self.drafter is not None:  # features of every committed position reach the drafter, drafted or not
+            self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+        self.drafted = self.drafter is not None and self._worth_drafting(found)
+        if self.drafted:
+            t = perf_counter()
             with timer("draft"):
-                logits = self.drafter.propose(features, bonus, start)
+                logits = self.drafter.propose(self.pending, bonus, start)
+            self.t_draft = 0.8 * self.t_draft + 0.2 * (perf_counter() - t) if self.t_draft else perf_counter() - t
+            self.pending = None
             tree = draft_tree(logits, self.budget, bonus, self.drafter.to_tokens)
         else:
             tree = Tree(bonus.cpu(), torch.zeros(1, dtype=torch.long), torch.tensor([-1]), torch.zeros(1))
         probs = tree.log_probs.double().exp().tolist()
-        self.branches = []
-        if self.ngram is not None:
-            self.ngram.extend(bonus.tolist())
-            for cont, match in self.ngram.propose_all():
-                tree, nodes = add_branch(tree, cont, log_prob=float("-inf"))
-                probs += [0.0] * (len(tree) - len(probs))
-                for node, q in zip(nodes, self.ngram.probs(match, len(cont))):
-                    probs[node] = 1 - (1 - probs[node]) * (1 - q)  # independent proposers agreeing on a token
-                self.branches.append((cont, match))
+        for cont, _, qs in found:
+            tree, nodes = add_branch(tree, cont, log_prob=float("-inf"))
+            probs += [0.0] * (len(tree) - len(probs))
+            for node, q in zip(nodes, qs):
+                probs[node] = 1 - (1 - probs[node]) * (1 - q)  # independent proposers agreeing on a token
+        self.branches = [(cont, match) for cont, match, _ in found]
         if self.cost is not None:
-            tree = prune_by_cost(tree, probs, self.cost, self.fixed)
+            tree = prune_by_cost(tree, probs, self.cost, self.fixed + self.drafted * self.t_draft, self.by_paths)
             # what survived of each branch is what the target gets to test
             self.branches = [(cont[: len(accepted_path(tree, cont))], match) for cont, match in self.branches]
         return tree
 
+    def _worth_drafting(self, found) -> bool:
+        """Draft unless, at this n-gram confidence, the tokens the drafter has been adding do not pay for its
+        forward and a few more verified nodes; every eighth idle round drafts anyway to keep the estimate fresh."""
+        if not self.gated:
+            return True
+        q1 = max((qs[0] for _, _, qs in found), default=0.0)
+        self.bucket = 0 if not found else 1 + int(4 * q1)
+        added, idle = self.added.setdefault(self.bucket, [1.0, 0])
+        if idle >= 8 or not self.t_draft:
+            return True
+        ng = max((sum(qs) for _, _, qs in found), default=0.0)
+        n = 1 + max((len(c) for c, _, _ in found), default=0)
+        without = (1 + ng) / (self.fixed + self.cost(n))
+        with_ = (1 + ng + added) / (self.fixed + self.t_draft + self.cost(n + 4))
+        return with_ > without
+
     def observe(self, new: list[int], bonus: int) -> None:
-        """Learn from the round: how much of the n-gram proposal the target accepted (`new`, the accepted drafts),
-        and the committed tokens for the next lookup (the bonus joins the lookup when the next round proposes)."""
+        """Learn from the round (`new`: the accepted drafts): how much of each n-gram proposal the target accepted,
+        what the drafter added beyond it, and the committed tokens for the next lookup."""
         if self.ngram is None:
             return
+        best = 0
         for cont, match in self.branches:
             if cont:
                 depth = next((i for i, (a, b) in enumerate(zip(cont, new)) if a != b), min(len(cont), len(new)))
                 self.ngram.observe(match, len(cont), depth)
+                best = max(best, depth)
+        if self.gated:
+            stat = self.added[self.bucket]
+            if self.drafted:
+                stat[0], stat[1] = 0.8 * stat[0] + 0.2 * (len(new) - best), 0
+            else:
+                stat[1] += 1
         self.ngram.extend(new)
 
 
@@ -396,9 +434,10 @@ def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tok
     done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
     drafts.reset(prompt_ids)
     invariant = target.model.config._attn_implementation == ROW_INVARIANT
+    drafts.by_paths = invariant or target.is_hybrid
     feats, start, accepted = out.features, len(prompt_ids), []
     while not done:
-        t_round, t_verify = perf_counter(), timer.times["verify"]
+        t_round, t_verify, t_draft = perf_counter(), timer.times["verify"], timer.times["draft"]
         tree = drafts.propose(feats, bonus, start, timer)
         saved = save_linear_states(cache) if target.is_hybrid else None
         by_paths = saved is not None or (invariant and int(tree.depths.max()) < len(tree) - 1)  # branching
@@ -431,7 +470,7 @@ def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tok
         bonus, start = choice[keep[-1:]], start + len(path) + 1
         drafts.observe(new, int(bonus))
         done = emit(tokens, new + bonus.tolist(), stops, max_new_tokens)
-        spent = perf_counter() - t_round - (timer.times["verify"] - t_verify)
+        spent = perf_counter() - t_round - (timer.times["verify"] - t_verify) - (timer.times["draft"] - t_draft)
         drafts.fixed = spent if len(accepted) == 1 else 0.9 * drafts.fixed + 0.1 * spent
     return Generation(method, tokens, accepted, timer.finish())
 
@@ -464,16 +503,24 @@ def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
     return Generation(f"prompt-lookup-{lookup_tokens}" if lookup_tokens else "hf-generate", tokens, [], timer.finish())
 
 
+def new_lookup(method: str):
+    """The n-gram lookup a method uses: plain `ngram` proposes one 10-token continuation (what transformers' prompt
+    lookup does); cost-aware trees get longer continuations from two occurrences and keep what pays."""
+    from dflashkit.decode.ngram import NgramLookup
+
+    if parse_method(method)[1] == "auto":
+        return NgramLookup(max_tokens=16, branches=2)
+    return NgramLookup()
+
+
 def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=None, ngram=None) -> TreeDrafts:
     """The round proposer of a tree method: ddtree[-N|-auto], ngram, hybrid[-N|-auto]. `ngram` may be a shared
     NgramLookup (its acceptance statistics then carry over between prompts); `cost` is required for -auto."""
-    from dflashkit.decode.ngram import NgramLookup
-
     kind, n = parse_method(method)
     auto = n == "auto"
     if auto and cost is None:
         raise ValueError(f"method {method!r} needs the target's cost curve (decode.cost.measure_cost_curve)")
-    lookup = (ngram or NgramLookup()) if kind in ("ngram", "hybrid") else None
+    lookup = (ngram or new_lookup(method)) if kind in ("ngram", "hybrid") else None
     drafter = proposer if kind in ("ddtree", "hybrid") else None
     size = AUTO_BUDGET if auto else (n or budget)
     return TreeDrafts(drafter, size if drafter is not None else 0, lookup, cost if auto else None)

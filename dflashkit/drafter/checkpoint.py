@@ -155,7 +155,7 @@ def check_feature_layers(cfg: DrafterConfig, available: list[int], source: str) 
         raise DFlashError(
             f"drafter expects {cfg.num_features} target layers {cfg.target_layer_ids} (fc input "
             f"{cfg.num_features * cfg.hidden_size} = {cfg.num_features} x {cfg.hidden_size}) but {source} offers "
-            f"{len(available)} layers {available}; missing {missing}: re-extract with --layers "
+            f"{len(available)} layers {available}; missing {missing}: re-extract with --target-layers "
             f"{','.join(map(str, cfg.target_layer_ids))}"
         )
     return [available.index(i) for i in cfg.target_layer_ids]

@@ -1,16 +1,13 @@
-"""`dflashkit drafter info|init`."""
+"""`dflashkit drafter info|init|export`."""
 
 from __future__ import annotations
 
+from dflashkit.target.cli import target_layers_arg
 from dflashkit.threads import add_threads_option
 
 
-def _ints(s: str | None):
-    return None if not s else [int(x) for x in s.split(",")]
-
-
 def register(sub) -> None:
-    p = sub.add_parser("drafter", help="inspect or create drafter checkpoints")
+    p = sub.add_parser("drafter", help="inspect, create and export drafter checkpoints")
     dsub = p.add_subparsers(dest="drafter_command", required=True)
     i = dsub.add_parser("info", help="config, parameter count, expected target and the load report")
     i.add_argument("path")
@@ -19,8 +16,9 @@ def register(sub) -> None:
     i.set_defaults(func=cmd_info)
     n = dsub.add_parser("init", help="write a fresh randomly initialised drafter for a target")
     n.add_argument("--target", default="smollm2-135m")
-    n.add_argument("--layers", type=int, default=5, help="drafter decoder layers (released drafters: 5)")
-    n.add_argument("--target-layers", help="comma-separated target layer ids (default: z-lab's rule)")
+    n.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (released drafters: 5)")
+    n.add_argument("--target-layers", type=target_layers_arg, default="auto", metavar="IDS",
+                   help="target layer ids the drafter reads: auto (z-lab's rule for --num-layers) or ids like 1,8,14")
     n.add_argument("--block-size", type=int, default=16)
     n.add_argument("--format", choices=["dflashkit", "zlab"], default="dflashkit")
     n.add_argument("--allow-final-layers", action="store_true", help="permit feeding the last two target layers")
@@ -28,6 +26,12 @@ def register(sub) -> None:
     n.add_argument("--out", required=True)
     add_threads_option(n)
     n.set_defaults(func=cmd_init)
+    e = dsub.add_parser("export", help="write a trained drafter in z-lab's folder format (what vLLM/SGLang load)")
+    e.add_argument("--drafter", required=True, help="a drafter folder, a checkpoint, or a training run folder (its latest)")
+    e.add_argument("--out", required=True, help="output folder")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="weight dtype (hub drafters: bfloat16)")
+    e.set_defaults(func=cmd_export)
 
 
 def cmd_info(args) -> int:
@@ -77,9 +81,31 @@ def cmd_init(args) -> int:
 
     torch.manual_seed(args.seed)
     target = load_target(args.target, device="cpu")
-    d = new_drafter(target, num_layers=args.layers, target_layer_ids=_ints(args.target_layers),
+    d = new_drafter(target, num_layers=args.num_layers, target_layer_ids=args.target_layers,
                     allow_final_layers=args.allow_final_layers, block_size=args.block_size)
     save_drafter(d, args.out, format=args.format, target_identity=target.identity())
     n = sum(p.numel() for p in d.parameters())
-    print(f"wrote {args.out}: {args.layers} layers, {n / 1e6:.2f}M parameters, target layers {d.config.target_layer_ids}")
+    print(f"wrote {args.out}: {args.num_layers} layers, {n / 1e6:.2f}M parameters, target layers {d.config.target_layer_ids}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from dflashkit.drafter.checkpoint import load_drafter, save_drafter
+
+    src = Path(args.drafter)
+    if (src / "latest.json").is_file():  # a training run folder: its latest checkpoint
+        src = src / json.loads((src / "latest.json").read_text())["checkpoint"]
+    drafter = load_drafter(src)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    out = save_drafter(drafter, args.out, format="zlab", dtype=dtype)
+    print(f"{out}: z-lab format ({args.dtype}) from {src}")
+    vocab = (drafter.contract or {}).get("draft_vocab")
+    if vocab:
+        print(f"note: trained with a {len(vocab)}-token draft vocabulary; the z-lab format has no token map, so "
+              "engines draft over the full vocabulary (still lossless, but tokens outside the subset were never trained)")
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from dflashkit.errors import DFlashError
 
@@ -150,14 +150,6 @@ class DrafterConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DrafterConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise DFlashError(f"unknown drafter config keys {sorted(unknown)}; known: {sorted(names)}")
-        return cls(**d)
 
     @classmethod
     def for_target(cls, target, num_layers: int = 5, target_layer_ids=None, block_size: int = 16, **overrides) -> "DrafterConfig":

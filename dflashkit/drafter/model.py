@@ -235,7 +235,7 @@ class DFlashDrafter(nn.Module):
         cache = past_key_values if (use_cache or past_key_values is not None) else None
         return self.run(target_hidden, noise_embedding, position_ids[:, :t], position_ids[:, t:], None, cache)
 
-    def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None, block_size=None, attention="auto"):
+    def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None, attention="auto"):
         """Many blocks of one sequence in one call (training and offline evaluation).
 
         target_hidden [b, T, K*H] features of positions 0..T-1; block_embeds [b, n*B, H] with block j at
@@ -250,7 +250,7 @@ class DFlashDrafter(nn.Module):
         tokens, memory bounded by the chunk), flex (FlexAttention with a BlockMask: CUDA; no backward on CPU),
         auto (flex on CUDA, chunked elsewhere)."""
         b, T, _ = target_hidden.shape
-        B = block_size or self.config.block_size
+        B = self.config.block_size
         n = anchors.shape[1]
         if block_embeds.shape[:2] != (b, n * B):
             raise DFlashError(f"forward_blocks: block_embeds {tuple(block_embeds.shape)} does not hold {n} blocks of "

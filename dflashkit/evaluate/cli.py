@@ -20,7 +20,7 @@ def register(sub) -> None:
                    help="comma-separated tree specs: budget:B (DDTree, shown as ddsB), paths:K, width:K")
     p.add_argument("--anchors", choices=["stride", "walk"], default="stride",
                    help="stride: every block_size tokens (comparable across drafters); walk: next = anchor + streak + 1")
-    p.add_argument("--run-dir", help="output folder (default: runs/eval-DRAFTER-CACHE-TIME)")
+    p.add_argument("--out", help="run folder to write (default: runs/eval-DRAFTER-CACHE-TIME)")
     p.add_argument("--show-matches", action="store_true", help="print each block's match string")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--force", action="store_true", help="replace an existing run folder")
@@ -47,9 +47,9 @@ def cmd_eval(args) -> int:
     trees = offline.parse_trees(args.trees)  # bad settings fail before anything loads
     offline.check_mode(args.anchors, args.max_blocks)
     ckpt = Path(args.drafter)
-    run_dir = Path(args.run_dir or f"runs/eval-{ckpt.resolve().name}-{Path(args.cache).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(args.out or f"runs/eval-{ckpt.resolve().name}-{Path(args.cache).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if run_dir.exists() and any(run_dir.iterdir()) and not args.force:
-        raise DFlashError(f"--run-dir {run_dir} exists and is not empty; choose another name or pass --force to replace it")
+        raise DFlashError(f"--out {run_dir} exists and is not empty; choose another name or pass --force to replace it")
 
     cache = open_cache(args.cache, num_prompts=args.num_prompts, allow_partial=args.allow_partial,
                        partial_hint="--allow-partial")

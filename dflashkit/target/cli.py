@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
 from dflashkit.threads import add_threads_option
+
+
+def target_layers_arg(text: str) -> list[int] | None:
+    """argparse type of `--target-layers`: `auto` (None: z-lab's rule) or comma-separated target layer ids.
+
+    A malformed list is an argparse error (usage line, exit 2), never a traceback."""
+    if text.strip() == "auto":
+        return None
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ids = []
+    if not ids:
+        raise argparse.ArgumentTypeError(f"{text!r}: use auto or comma-separated layer ids such as 1,8,14")
+    return ids
 
 
 def register(sub) -> None:

@@ -8,14 +8,14 @@ import torch
 
 
 @torch.no_grad()
-def iter_generate_greedy(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8,
-                         order: list[int] | None = None) -> Iterator[tuple[int, list[int]]]:
+def iter_generate_greedy(target, prompts: list[list[int]], max_new_tokens: int,
+                         batch_size: int = 8) -> Iterator[tuple[int, list[int]]]:
     """Yield (prompt index, completion ids) batch by batch, so callers can persist as they go.
 
     Prompts are batched by length to waste little on padding; a completion ends with the first stop token
     (kept, since the target produced it) or at max_new_tokens. Output equals batch-size-1 greedy decoding.
     """
-    todo = order if order is not None else sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    todo = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     pad = target.tokenizer.pad_token_id
     if pad is None:
         pad = target.stop_token_ids[0] if target.stop_token_ids else 0

@@ -188,8 +188,19 @@ class Target:
             self._capture = None
         return TargetOutput(logits, feats, past)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def features(self, seqs, layer_ids) -> torch.Tensor:
+        """Features [b, T, K*H] of several token sequences (lists or 1-D tensors) in one forward, on the target's
+        device. Sequences are right-padded to the longest: causal layers never look ahead at the padding, so row
+        r's first len(seqs[r]) positions are that sequence's own features and the rest is padding."""
+        T = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long)
+        mask = torch.zeros(len(seqs), T, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            mask[r, : len(s)] = 1
+        same = all(len(s) == T for s in seqs)
+        return self.forward(ids.to(self.device), layer_ids=layer_ids, use_cache=False, compute_logits=False,
+                            attention_mask=None if same else mask.to(self.device)).features
 
 
 # ---- identity: the weights, not only the config ---------------------------------------------------------

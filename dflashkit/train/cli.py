@@ -1,4 +1,4 @@
-"""`dflashkit train`, `dflashkit data generate`, `dflashkit export`.
+"""`dflashkit train` and `dflashkit data generate` (`dflashkit drafter export` writes a trained drafter for serving).
 
 Multi-GPU / multi-node: the same command under torchrun, e.g.
     torchrun --nproc_per_node 8 -m dflashkit.cli train --config configs/paper.yaml distributed=fsdp
@@ -30,13 +30,6 @@ def register(sub) -> None:
     add_threads_option(g)
     g.set_defaults(func=cmd_generate)
 
-    e = sub.add_parser("export", help="write a trained drafter in z-lab's folder format (what vLLM/SGLang load)")
-    e.add_argument("--drafter", required=True, help="a drafter folder, a checkpoint, or a training run folder (its latest)")
-    e.add_argument("--out", required=True, help="output folder")
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="weight dtype (hub drafters: bfloat16)")
-    e.set_defaults(func=cmd_export)
-
 
 def cmd_train(args) -> int:
     from dflashkit.train.config import format_config, load_config
@@ -66,26 +59,4 @@ def cmd_generate(args) -> int:
     tokens = sum(len(r["completion_ids"]) for r in recs)
     stopped = sum(bool(r.get("stopped")) for r in recs)
     print(f"{out}: {len(recs)} sequences, {tokens} response tokens, {stopped} ended with a stop token")
-    return 0
-
-
-def cmd_export(args) -> int:
-    import json
-    from pathlib import Path
-
-    import torch
-
-    from dflashkit.drafter.checkpoint import load_drafter, save_drafter
-
-    src = Path(args.drafter)
-    if (src / "latest.json").is_file():
-        src = src / json.loads((src / "latest.json").read_text())["checkpoint"]
-    drafter = load_drafter(src)
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    out = save_drafter(drafter, args.out, format="zlab", dtype=dtype)
-    print(f"{out}: z-lab format ({args.dtype}) from {src}")
-    vocab = (drafter.contract or {}).get("draft_vocab")
-    if vocab:
-        print(f"note: trained with a {len(vocab)}-token draft vocabulary; the z-lab format has no token map, so "
-              "engines draft over the full vocabulary (still lossless, but tokens outside the subset were never trained)")
     return 0

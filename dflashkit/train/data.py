@@ -189,13 +189,13 @@ class CacheSource:
             raise DFlashError(
                 f"{self.description}: stores target layers {self.layer_ids} but the drafter reads {list(layer_ids)} "
                 f"(missing {missing}); set target_layer_ids to stored layers or re-extract with "
-                f"--layers {','.join(map(str, layer_ids))}")
+                f"--target-layers {','.join(map(str, layer_ids))}")
         last = target.num_layers - 1
         if need_last and last not in self.layer_ids:
             raise DFlashError(
                 f"{self.description}: loss kl needs the target's distribution, i.e. its last decoder layer {last}, but "
                 f"the cache stores layers {self.layer_ids}; train on a sequences JSONL (`dflashkit data generate`, "
-                f"the target then runs in the loop) or re-extract with --layers {','.join(map(str, [*layer_ids, last]))} "
+                f"the target then runs in the loop) or re-extract with --target-layers {','.join(map(str, [*layer_ids, last]))} "
                 "--allow-final-layers (the last layer then serves only as the target's distribution, never as input)")
 
     def batch(self, idx: list[int], target, layer_ids, need_last: bool):
@@ -231,18 +231,10 @@ class OnlineSource:
         pass  # the target computes whatever layers are asked for
 
     def batch(self, idx: list[int], target, layer_ids, need_last: bool):
-        seqs = [self.seqs[i] for i in idx]
-        T = max(s.length for s in seqs)
-        ids = torch.zeros(len(seqs), T, dtype=torch.long)
-        att = torch.zeros(len(seqs), T, dtype=torch.long)
-        for r, s in enumerate(seqs):  # right padding: a causal target never looks ahead at it
-            ids[r, : s.length] = s.tokens
-            att[r, : s.length] = 1
         want = list(layer_ids) + ([target.num_layers - 1] if need_last else [])
-        out = target.forward(ids.to(target.device), layer_ids=want, attention_mask=att.to(target.device),
-                             use_cache=False, compute_logits=False)
+        feats = target.features([self.seqs[i].tokens for i in idx], want)  # right-padded to the longest
         k = len(layer_ids) * target.hidden_size
-        return out.features[..., :k], (out.features[..., k:] if need_last else None)
+        return feats[..., :k], (feats[..., k:] if need_last else None)
 
 
 def _pad(rows: list[torch.Tensor]) -> torch.Tensor:

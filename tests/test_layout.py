@@ -1,0 +1,63 @@
+"""The package's architecture as a contract (what import-linter's layer contracts check): the stages a user walks
+through are layers, and no module imports a higher layer or a sibling stage of its own layer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dflashkit
+
+ROOT = Path(dflashkit.__file__).parent
+# lower number = lower layer; shared utilities sit at the bottom, the CLI and the demo at the top
+LAYERS = {
+    "errors": 0, "fileio": 1, "threads": 2, "report": 2, "prompts": 2, "tree": 2,
+    "target": 3,
+    "drafter": 4,
+    "cache": 5,
+    "evaluate": 6, "decode": 6,
+    "train": 7,  # evaluates held-out checkpoints while it trains
+    "demo": 8, "cli": 8, "__init__": 8,
+}
+TOP = 8
+
+
+def stage_of(path: Path) -> str:
+    rel = path.relative_to(ROOT).parts
+    return rel[0].removesuffix(".py")
+
+
+def imported_stages(path: Path) -> set[str]:
+    """dflashkit stages a module imports, at any depth (function-level imports included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "dflashkit" and len(parts) > 1:
+                out.add(parts[1])
+    return out
+
+
+def test_every_stage_has_a_layer():
+    stages = {stage_of(p) for p in ROOT.rglob("*.py")}
+    assert stages <= set(LAYERS), f"place {sorted(stages - set(LAYERS))} in LAYERS"
+
+
+def test_no_stage_imports_a_higher_layer_or_a_sibling_stage():
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        own = stage_of(path)
+        for dep in imported_stages(path):
+            if dep != own and LAYERS[dep] >= LAYERS[own] and LAYERS[own] < TOP:
+                bad.append(f"{path.relative_to(ROOT)} imports dflashkit.{dep}")
+    assert not bad, "\n".join(bad)
+
+
+def test_decode_does_not_import_evaluate():
+    for path in (ROOT / "decode").rglob("*.py"):
+        assert "evaluate" not in imported_stages(path), path
