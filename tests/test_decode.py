@@ -152,6 +152,15 @@ def chi_square(counts: dict, probs: torch.Tensor, n: int) -> tuple[float, float]
     return stat, crit
 
 
+@torch.no_grad()
+def first_two_token_distributions(target, ids, T):
+    """The target's softmax(logits / T) for the first new token [V], and for the second given each first [V, V]."""
+    p1 = torch.softmax(target.model(torch.tensor([ids])).logits[0, -1] / T, -1)
+    first = torch.arange(target.vocab_size)[:, None]
+    both = torch.cat([torch.tensor([ids]).expand(target.vocab_size, -1), first], dim=1)
+    return p1, torch.softmax(target.model(both).logits[:, -1] / T, -1)
+
+
 def test_sampling_matches_target_softmax(tiny_targets):
     """T>0: the first and second new tokens over many seeded runs follow the target's own distribution. The
     second token is the first one the verify step decides; the oracle's greedy drafts get accepted often, so a
@@ -161,12 +170,8 @@ def test_sampling_matches_target_softmax(tiny_targets):
     ids = target.chat_ids([{"role": "user", "content": "def f(x):"}])
     ref = greedy_reference(target, ids, 8)
     oracle = Oracle(ids + ref, B, target.vocab_size)
-    with torch.no_grad():
-        p1 = torch.softmax(target.model(torch.tensor([ids])).logits[0, -1] / T, -1)
-        first = torch.arange(target.vocab_size)[:, None]
-        both = torch.cat([torch.tensor([ids]).expand(target.vocab_size, -1), first], dim=1)
-        p2_given = torch.softmax(target.model(both).logits[:, -1] / T, -1)  # [V first tokens, V]
-        p2 = p1 @ p2_given
+    p1, p2_given = first_two_token_distributions(target, ids, T)
+    p2 = p1 @ p2_given
     # the test has power: a loop that accepted a draft when it is the target's argmax (not its sample) fails it
     greedy_accept = p2_given.clone()
     greedy_accept[:, ref[1]] = 0

@@ -13,7 +13,7 @@ from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.speculative import TreeDrafts, generate, generate_tree
 from dflashkit.target.invariant import make_row_invariant
 from dflashkit.tree import Tree, accepted_path, add_branch, build_tree, prune_by_cost
-from test_decode import KINDS, Oracle, chi_square, greedy_reference
+from test_decode import KINDS, Oracle, chi_square, first_two_token_distributions, greedy_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -165,11 +165,8 @@ def test_ngram_and_hybrid_sample_the_target_distribution(tiny_targets):
     ids = target.chat_ids([{"role": "user", "content": "def f(x): def f(x):"}])
     ref = greedy_reference(target, ids, 8)
     oracle = Oracle(ids + ref, B, target.vocab_size)
-    with torch.no_grad():
-        p1 = torch.softmax(target.model(torch.tensor([ids])).logits[0, -1] / T, -1)
-        first = torch.arange(target.vocab_size)[:, None]
-        both = torch.cat([torch.tensor([ids]).expand(target.vocab_size, -1), first], dim=1)
-        p2 = p1 @ torch.softmax(target.model(both).logits[:, -1] / T, -1)
+    p1, p2_given = first_two_token_distributions(target, ids, T)
+    p2 = p1 @ p2_given
     for method in ("ngram", "hybrid-3"):
         gen = torch.Generator().manual_seed(0)
         runs = [generate(target, ids, method, oracle, max_new_tokens=2, temperature=T, generator=gen) for _ in range(n)]
