@@ -7,7 +7,7 @@ Names load lazily, so that `import dflashkit` stays cheap and the CLI starts wit
 
 from __future__ import annotations
 
-import importlib
+from dflashkit.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -20,8 +20,4 @@ _EXPORTS = {
 }
 __all__ = ["__version__", *_EXPORTS]
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'dflashkit' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -9,20 +9,12 @@
 Imports are lazy so that the CLI starts without torch.
 """
 
-__all__ = ["open_cache", "extract", "Cache", "CacheRecord", "verify_cache", "diff_caches"]
+from dflashkit.lazy import lazy_exports
 
-
-def __getattr__(name):
-    if name in ("open_cache", "Cache", "CacheRecord", "verify_cache"):
-        from dflashkit.cache import store
-
-        return getattr(store, name)
-    if name == "extract":
-        from dflashkit.cache.extraction import extract
-
-        return extract
-    if name == "diff_caches":
-        from dflashkit.cache.diff import diff_caches
-
-        return diff_caches
-    raise AttributeError(name)
+_EXPORTS = {
+    **{name: "dflashkit.cache.store" for name in ("open_cache", "Cache", "CacheRecord", "verify_cache")},
+    "extract": "dflashkit.cache.extraction",
+    "diff_caches": "dflashkit.cache.diff",
+}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

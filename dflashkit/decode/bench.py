@@ -18,7 +18,7 @@ import torch
 
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
 from dflashkit.decode.ngram import NgramLookup
-from dflashkit.decode.methods import DEFAULT_METHODS, needs_drafter, parse_method  # noqa: F401 (re-exported)
+from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text

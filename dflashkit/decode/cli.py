@@ -86,7 +86,8 @@ def cmd_generate(args) -> int:
     import torch
 
     from dflashkit.decode.cost import measure_cost_curve
-    from dflashkit.decode.speculative import DFlashProposer, generate, needs_drafter, new_lookup, parse_method
+    from dflashkit.decode.methods import needs_drafter, parse_method
+    from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 
     _check(args)
     try:
@@ -119,7 +120,7 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench, write_bench
-    from dflashkit.decode.speculative import needs_drafter
+    from dflashkit.decode.methods import needs_drafter
 
     _check(args)
     methods = parse_methods(args.methods or DEFAULT_METHODS)

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method  # noqa: F401 (re-exported)
+from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
 from dflashkit.target.invariant import NAME as ROW_INVARIANT, make_row_invariant
 from dflashkit.tree import Tree, accepted_path, add_branch, attention_mask, build_tree, prune_by_cost, walk
 

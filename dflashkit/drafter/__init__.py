@@ -7,7 +7,7 @@ Names load lazily so that the CLI's parser does not import torch.
 
 from __future__ import annotations
 
-import importlib
+from dflashkit.lazy import lazy_exports
 
 _EXPORTS = {
     "DrafterConfig": "dflashkit.drafter.config",
@@ -21,8 +21,4 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'dflashkit.drafter' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
