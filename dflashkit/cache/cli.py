@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -58,17 +57,13 @@ def register(sub) -> None:
 
 def cmd_extract(args) -> int:
     from dflashkit.cache.extraction import extract
+    from dflashkit.distributed import init_distributed
     from dflashkit.prompts import select_prompts
     from dflashkit.target.model import load_target
 
     suite = select_prompts(args.prompts, args.num_prompts)
-    device = args.device
-    if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch
-
-        if torch.cuda.is_available():  # one GPU per torchrun rank
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    target = load_target(args.target, device=device, dtype=args.dtype)
+    d = init_distributed(args.device)  # under torchrun: one GPU per rank (cuda:LOCAL_RANK), or the CPU
+    target = load_target(args.target, device=str(d.device), dtype=args.dtype)
     extract(target, suite, args.out, layer_ids=args.target_layers, max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size, linear_attention=args.linear_attention, progress=not args.quiet,
             enable_thinking=args.thinking, completions_from=args.completions_from,

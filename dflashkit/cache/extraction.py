@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,46 +22,234 @@ import torch
 
 from dflashkit.cache.store import COMPLETIONS, FORMAT, MANIFEST, SHARD_SIZE, read_header, record_name
 from dflashkit.cache import store
+from dflashkit.distributed import Dist, barrier, from_master, gather_all, init_distributed
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_path, sha256_file, write_json
 
 LOG_GLOB = ".completions.rank*.jsonl"
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+def capture_features(target, seqs: list[list[int]], layer_ids) -> list[dict[int, torch.Tensor]]:
+    """Features of several sequences in one forward (Target.features: right padding, never seen).
+
+    seqs: token id lists; returns per sequence {layer id: [T_i, H] tensor on CPU, target dtype}.
+    """
+    feats = target.features(seqs, layer_ids).cpu()  # [b, T, K*H]
+    H = target.hidden_size
+    return [{l: feats[r, : len(s), k * H:(k + 1) * H].clone() for k, l in enumerate(layer_ids)}
+            for r, s in enumerate(seqs)]
 
 
-def _dist() -> tuple[int, int]:
-    """(rank, world size); joins the torchrun process group (gloo: only small objects travel) when needed."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1
-    import torch.distributed as dist
+@dataclass
+class _Run:
+    """This process's share of one extraction, and what is known of it so far (filled step by step)."""
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _from_rank0(obj, world: int):
-    if world == 1:
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    out: Path
+    pids: list[str]  # every prompt's id, in suite order
+    prompts: list[list[int]]  # every prompt's chat-template tokens
+    mine: list[int]  # the prompt indices this rank handles: every world-th one
+    sharded: bool
+    completions: dict[int, list[int]] = field(default_factory=dict)  # index -> completion tokens
+    done: dict[int, dict] = field(default_factory=dict)  # index -> {"file", "bytes", "sha256"} of its feature file
 
 
-def _gather(obj, world: int) -> list:
-    if world == 1:
-        return [obj]
-    import torch.distributed as dist
+def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch_size: int = 8,
+            linear_attention: str = "auto", progress: bool = True, enable_thinking: bool = False,
+            completions_from=None, capture_tokens: int = 4096, allow_final_layers: bool = False,
+            callback=None) -> Path:
+    """Write (or finish) the cache of `suite` under `out`; returns `out`.
 
-    out = [None] * world
-    dist.all_gather_object(out, obj)
+    layer_ids: target layers to store (default target.default_layer_ids(5)), kept once each, ascending.
+    linear_attention: auto|torch|torch-recurrent|fla, for hybrid targets (see dflashkit.target.backends).
+    enable_thinking: passed to chat templates that have a thinking mode (recorded either way).
+    completions_from: another cache whose completions are reused instead of generating (compare backends
+    on identical tokens).
+    capture_tokens: padded tokens per feature-capture forward. callback(event, prompt_id) is called after
+    each persisted completion ("completion") and prompt file ("features").
+    """
+    from dflashkit.target.backends import linear_attention as la_backend, resolve_backend
+
+    out = Path(out)
+    layer_ids = _check_args(target, layer_ids, max_new_tokens, batch_size, allow_final_layers)
+    d = init_distributed(target.device.type)
+    items, pids = suite.items, suite.ids()
+    prompts = [target.chat_ids(it.messages, enable_thinking=enable_thinking) for it in items]
+    reused, source = ({}, None) if completions_from is None else _completions_from(completions_from, target, pids)
+    settings = _settings(target, suite, layer_ids, max_new_tokens, resolve_backend(target, linear_attention),
+                         enable_thinking, source)
+    show = progress and d.master
+
+    fresh = _manifest(target, suite, settings, linear_attention, batch_size, d.world)
+    if _start_or_resume(out, settings, fresh, d) == "complete":
+        if show:
+            print(f"{out}: complete ({len(pids)} prompts, same settings); nothing to do")
+        return out
+    manifest = store.read_manifest(out)
+    run = _Run(out, pids, prompts, mine=list(range(d.rank, len(items), d.world)), sharded=manifest["layout"]["sharded"])
+    _find_done(run, layer_ids, target.hidden_size)
+    _find_completions(run, reused, completions_from)
+    with la_backend(target, linear_attention):
+        _generate_missing(run, target, max_new_tokens, batch_size, out / f".completions.rank{d.rank}.jsonl", show,
+                          callback)
+        _capture_missing(run, target, layer_ids, batch_size, capture_tokens, show, callback)
+
+    parts = gather_all(_my_entries(run, target, items), d)
+    if d.master:
+        t = _finish(out, manifest, parts, len(items), d.world)
+        if show:
+            print(f"{out}: {t['prompts']} prompts, {t['tokens']} tokens, layers {layer_ids}, "
+                  f"{t['bytes'] / 2**20:.1f} MiB")
+    barrier(d)
     return out
+
+
+def _check_args(target, layer_ids, max_new_tokens, batch_size, allow_final_layers) -> list[int]:
+    """Refuse impossible sizes before any work; the layers to store, each once, ascending."""
+    if int(max_new_tokens) < 1 or int(batch_size) < 1:
+        raise DFlashError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be at least 1")
+    layer_ids = target.check_layer_ids(layer_ids if layer_ids is not None else target.default_layer_ids(5),
+                                       allow_final=allow_final_layers)
+    return sorted(set(layer_ids))  # each layer stored once; features([1, 2, 2]) still repeats on reading
+
+
+def _start_or_resume(out: Path, settings: dict, fresh: dict, d: Dist) -> str:
+    """The cache's status ("in-progress" or "complete"), after writing `fresh` as the manifest of a new cache.
+
+    Rank 0 alone reads and writes the manifest; every rank gets its answer (or its error), so all of them
+    stop or go on together."""
+    status = None
+    if d.master:
+        try:
+            if (out / MANIFEST).is_file():
+                manifest = store.read_manifest(out)
+                _check_settings(out, manifest, settings)
+                status = manifest["status"]
+            else:
+                if out.exists() and any(out.iterdir()):
+                    raise DFlashError(f"{out}: folder exists, is not empty and holds no {MANIFEST}; it is not a cache: "
+                                      "choose a new or empty --out folder")
+                write_json(out / MANIFEST, fresh)
+                status = "in-progress"
+        except DFlashError as e:
+            status = e
+    status = from_master(status, d)
+    if isinstance(status, DFlashError):
+        raise DFlashError(str(status))
+    return status
+
+
+def _find_done(run: _Run, layer_ids, hidden: int) -> None:
+    """Record my prompts whose feature file is already valid (their tokens give the completion too), so that a
+    rerun redoes neither; an unreadable file, or one of other tokens, is deleted and redone."""
+    for i in run.mine:
+        f = run.out / record_name(i, run.pids[i], run.sharded)
+        if not f.is_file():
+            continue
+        toks = _valid_existing(f, run.pids[i], run.prompts[i], layer_ids, hidden)
+        if toks is None:
+            f.unlink()
+            continue
+        run.completions[i] = toks[len(run.prompts[i]):]
+        run.done[i] = {"file": f.relative_to(run.out).as_posix(), "bytes": f.stat().st_size, "sha256": sha256_file(f)}
+
+
+def _find_completions(run: _Run, reused: dict, completions_from) -> None:
+    """Take the completions that earlier runs logged, or that --completions-from supplies, for the prompts still
+    lacking one, when they were made from the same prompt tokens; with --completions-from every prompt needs one."""
+    known = _read_logs(run.out)
+    for i in run.mine:
+        rec = known.get(run.pids[i]) or reused.get(run.pids[i])
+        if i not in run.completions and rec is not None and rec["prompt_ids"] == run.prompts[i]:
+            run.completions[i] = list(rec["completion_ids"])
+    if completions_from is not None:
+        lost = [run.pids[i] for i in run.mine if i not in run.completions]
+        if lost:
+            raise DFlashError(f"--completions-from {completions_from}: no completion with the same prompt tokens for "
+                              f"{len(lost)} prompts ({', '.join(lost[:5])}); use a cache of the same suite and target")
+
+
+def _generate_missing(run: _Run, target, max_new_tokens: int, batch_size: int, log: Path, show: bool,
+                      callback) -> None:
+    """Greedy completions for my prompts that have none, batched; each is appended to this rank's log as its
+    batch finishes, so a kill loses at most the batch being generated."""
+    todo = [i for i in run.mine if i not in run.completions]
+    if not todo:
+        return
+    from dflashkit.target.generation import iter_generate_greedy
+
+    bar = _bar(len(todo), "generate", show)
+    t0, ntok = time.perf_counter(), 0
+    it = iter_generate_greedy(target, [run.prompts[i] for i in todo], max_new_tokens, batch_size=batch_size)
+    with open(log, "a") as fh:
+        for j, comp in it:
+            i = todo[j]
+            run.completions[i] = comp
+            _append(fh, {"id": run.pids[i], "prompt_ids": run.prompts[i], "completion_ids": comp})
+            ntok += len(comp)
+            bar.update(1)
+            bar.set_postfix_str(f"{ntok / (time.perf_counter() - t0):.1f} tok/s")
+            if callback:
+                callback("completion", run.pids[i])
+    bar.close()
+
+
+def _capture_missing(run: _Run, target, layer_ids, batch_size: int, capture_tokens: int, show: bool,
+                     callback) -> None:
+    """Features of prompt + completion for my prompts without a file: sorted by length so that several share a
+    forward with little padding, and one atomically written file each, so a kill loses no finished prompt."""
+    seqs = {i: run.prompts[i] + run.completions[i] for i in run.mine if i not in run.done}
+    lengths = {i: len(s) for i, s in seqs.items()}
+    todo = sorted(seqs, key=lengths.__getitem__)
+    bar = _bar(len(todo), "features", show)
+    t0, ntok = time.perf_counter(), 0
+    for group in _batches(todo, lengths, batch_size, capture_tokens):
+        feats = capture_features(target, [seqs[i] for i in group], layer_ids)
+        for i, fe in zip(group, feats):
+            rel = record_name(i, run.pids[i], run.sharded)
+            size, digest = _write_record(run.out / rel, seqs[i], len(run.prompts[i]), run.pids[i], fe)
+            run.done[i] = {"file": rel, "bytes": size, "sha256": digest}
+            ntok += lengths[i]
+            bar.update(1)
+            bar.set_postfix_str(f"{ntok / (time.perf_counter() - t0):.0f} tok/s")
+            if callback:
+                callback("features", run.pids[i])
+    bar.close()
+
+
+def _my_entries(run: _Run, target, items) -> list[tuple[int, dict, dict]]:
+    """(index, manifest entry, completions record) of each of my prompts: what rank 0 needs to merge."""
+    entries = []
+    for i in run.mine:
+        p, c, done = run.prompts[i], run.completions[i], run.done[i]
+        entries.append((i, {
+            "id": run.pids[i], "file": done["file"], "prompt_len": len(p), "completion_len": len(c),
+            "num_tokens": len(p) + len(c), "bytes": done["bytes"], "sha256": done["sha256"],
+        }, {
+            "id": run.pids[i], "messages": list(items[i].messages),
+            "prompt_text": target.tokenizer.decode(p, skip_special_tokens=False),
+            "prompt_ids": p, "completion_ids": c, "completion_text": target.decode(c),
+        }))
+    return entries
+
+
+def _finish(out: Path, manifest: dict, parts: list[list], num_prompts: int, world: int) -> dict:
+    """Rank 0: every rank's entries, in suite order, into completions.json and the manifest, which is marked complete
+    last (a cache is complete only once everything it lists is written); the logs go. Returns the totals."""
+    gathered = sorted((x for part in parts for x in part), key=lambda x: x[0])
+    if [x[0] for x in gathered] != list(range(num_prompts)):
+        raise DFlashError(f"{out}: ranks returned {len(gathered)} of {num_prompts} prompts; rerun to resume")
+    entries = [x[1] for x in gathered]
+    write_json(out / COMPLETIONS, [x[2] for x in gathered])
+    manifest.update({
+        "status": "complete", "finished": _now(), "world_size": world, "prompts": entries,
+        "totals": {"prompts": len(entries), "tokens": sum(e["num_tokens"] for e in entries),
+                   "completion_tokens": sum(e["completion_len"] for e in entries),
+                   "bytes": sum(e["bytes"] for e in entries)},
+    })
+    write_json(out / MANIFEST, manifest)
+    for f in out.glob(LOG_GLOB):
+        f.unlink()
+    return manifest["totals"]
 
 
 def _settings(target, suite, layer_ids, max_new_tokens, backend, enable_thinking, completions_from) -> dict:
@@ -90,10 +279,11 @@ def _check_settings(out: Path, manifest: dict, settings: dict) -> None:
         )
 
 
-def _manifest(target, suite, layer_ids, settings, requested_backend, max_new_tokens, batch_size, enable_thinking,
-              completions_from, prompt_ids, world) -> dict:
+def _manifest(target, suite, settings: dict, requested_backend: str, batch_size: int, world: int) -> dict:
+    """A new cache's manifest, "in-progress": how it is made (settings and more) and what it will hold."""
     from dflashkit import __version__
 
+    prompt_ids = suite.ids()
     template = target.tokenizer.chat_template or ""
     return {
         "format": FORMAT,
@@ -102,20 +292,20 @@ def _manifest(target, suite, layer_ids, settings, requested_backend, max_new_tok
         "created": _now(),
         "finished": None,
         "target": target.identity(),
-        "layer_ids": list(layer_ids),
+        "layer_ids": settings["layer_ids"],
         "dtype": settings["dtype"],
         "feature_dtype": settings["dtype"],
         "device": str(target.device),
         "attention": settings["attention"],
         "linear_attention": {"requested": requested_backend, "backend": settings["linear_attention"]},
         "generation": {
-            "greedy": True, "max_new_tokens": int(max_new_tokens), "batch_size": int(batch_size),
-            "enable_thinking": bool(enable_thinking), "template_has_thinking": "enable_thinking" in template,
+            "greedy": True, "max_new_tokens": settings["max_new_tokens"], "batch_size": int(batch_size),
+            "enable_thinking": settings["enable_thinking"], "template_has_thinking": "enable_thinking" in template,
             "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16],
-            "stop_token_ids": list(target.stop_token_ids), "completions_from": completions_from,
+            "stop_token_ids": list(target.stop_token_ids), "completions_from": settings["completions_from"],
         },
         "suite": {"name": suite.name, "content_hash": suite.content_hash, "num_prompts": len(prompt_ids),
-                  "prompt_ids": list(prompt_ids)},
+                  "prompt_ids": prompt_ids},
         "layout": {"sharded": len(prompt_ids) > store.SHARD_THRESHOLD, "shard_size": SHARD_SIZE},
         "world_size": world,
         "settings": settings,
@@ -148,6 +338,32 @@ def _completions_from(path, target, prompt_ids: list[str]) -> tuple[dict, str]:
     return {p: recs[p] for p in prompt_ids if p in recs}, f"{Path(path).resolve()}#{store.sha256_json(m)[:16]}"
 
 
+def _valid_existing(file: Path, pid: str, prompt: list[int], layer_ids, hidden: int) -> list[int] | None:
+    """Tokens of an existing, readable prompt file that matches this prompt; None if it must be redone."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        head = read_header(file, layer_ids, hidden)
+        with safe_open(str(file), framework="pt") as f:
+            toks = f.get_tensor("tokens").tolist()
+    except (DFlashError, OSError, SafetensorError):  # read_header turns a corrupt header into a DFlashError
+        return None
+    if head["id"] != pid or head["prompt_len"] != len(prompt) or toks[: len(prompt)] != prompt:
+        return None
+    return toks
+
+
+def _append(fh, rec: dict) -> None:
+    """One durable line per completion: a kill loses at most the batch being generated."""
+    try:
+        fh.write(json.dumps(rec) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    except OSError as e:
+        raise DFlashError(f"{fh.name}: cannot append a completion ({e}); free space or fix the folder and rerun the "
+                          "same command to resume") from e
+
+
 def _write_record(file: Path, tokens: list[int], prompt_len: int, pid: str, feats: dict[int, torch.Tensor]) -> tuple[int, str]:
     """One prompt's file, atomically; returns (bytes, sha256)."""
     from safetensors.torch import save
@@ -166,28 +382,6 @@ def _write_record(file: Path, tokens: list[int], prompt_len: int, pid: str, feat
     return len(data), hashlib.sha256(data).hexdigest()
 
 
-def _append(fh, rec: dict) -> None:
-    """One durable line per completion: a kill loses at most the batch being generated."""
-    try:
-        fh.write(json.dumps(rec) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    except OSError as e:
-        raise DFlashError(f"{fh.name}: cannot append a completion ({e}); free space or fix the folder and rerun the "
-                          "same command to resume") from e
-
-
-def capture_features(target, seqs: list[list[int]], layer_ids) -> list[dict[int, torch.Tensor]]:
-    """Features of several sequences in one forward (Target.features: right padding, never seen).
-
-    seqs: token id lists; returns per sequence {layer id: [T_i, H] tensor on CPU, target dtype}.
-    """
-    feats = target.features(seqs, layer_ids).cpu()  # [b, T, K*H]
-    H = target.hidden_size
-    return [{l: feats[r, : len(s), k * H:(k + 1) * H].clone() for k, l in enumerate(layer_ids)}
-            for r, s in enumerate(seqs)]
-
-
 def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: int):
     """Consecutive groups of length-sorted items: at most batch_size items and max_tokens padded tokens."""
     batch: list[int] = []
@@ -201,180 +395,11 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
         yield batch
 
 
-def _valid_existing(file: Path, pid: str, prompt: list[int], layer_ids, hidden: int) -> list[int] | None:
-    """Tokens of an existing, readable prompt file that matches this prompt; None if it must be redone."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        head = read_header(file, layer_ids, hidden)
-        with safe_open(str(file), framework="pt") as f:
-            toks = f.get_tensor("tokens").tolist()
-    except (DFlashError, OSError, SafetensorError):  # read_header turns a corrupt header into a DFlashError
-        return None
-    if head["id"] != pid or head["prompt_len"] != len(prompt) or toks[: len(prompt)] != prompt:
-        return None
-    return toks
-
-
 def _bar(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="prompt", disable=not enabled, dynamic_ncols=True)
 
 
-def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch_size: int = 8,
-            linear_attention: str = "auto", progress: bool = True, enable_thinking: bool = False,
-            completions_from=None, capture_tokens: int = 4096, allow_final_layers: bool = False,
-            callback=None) -> Path:
-    """Write (or finish) the cache of `suite` under `out`; returns `out`.
-
-    layer_ids: target layers to store (default target.default_layer_ids(5)), kept once each, ascending.
-    linear_attention: auto|torch|torch-recurrent|fla, for hybrid targets (see dflashkit.target.backends).
-    enable_thinking: passed to chat templates that have a thinking mode (recorded either way).
-    completions_from: another cache whose completions are reused instead of generating (compare backends
-    on identical tokens).
-    capture_tokens: padded tokens per feature-capture forward. callback(event, prompt_id) is called after
-    each persisted completion ("completion") and prompt file ("features").
-    """
-    from dflashkit.target.backends import linear_attention as la_backend, resolve_backend
-
-    out = Path(out)
-    if int(max_new_tokens) < 1 or int(batch_size) < 1:
-        raise DFlashError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be at least 1")
-    layer_ids = target.check_layer_ids(layer_ids if layer_ids is not None else target.default_layer_ids(5),
-                                       allow_final=allow_final_layers)
-    layer_ids = sorted(set(layer_ids))  # each layer stored once; features([1, 2, 2]) still repeats on reading
-    rank, world = _dist()
-    backend = resolve_backend(target, linear_attention)
-    items = list(suite.items)
-    pids = [it.id for it in items]
-    prompts = [target.chat_ids(it.messages, enable_thinking=enable_thinking) for it in items]
-    reused, source = ({}, None) if completions_from is None else _completions_from(completions_from, target, pids)
-    settings = _settings(target, suite, layer_ids, max_new_tokens, backend, enable_thinking, source)
-    say = print if progress and rank == 0 else (lambda *a, **k: None)
-
-    # ---- start or resume (rank 0 decides; everyone gets the same answer) -------------------------------
-    status = None
-    if rank == 0:
-        try:
-            if (out / MANIFEST).is_file():
-                manifest = store.read_manifest(out)
-                _check_settings(out, manifest, settings)
-                status = manifest["status"]
-            else:
-                if out.exists() and any(out.iterdir()):
-                    raise DFlashError(f"{out}: folder exists, is not empty and holds no {MANIFEST}; it is not a cache: "
-                                      "choose a new or empty --out folder")
-                write_json(out / MANIFEST, _manifest(target, suite, layer_ids, settings, linear_attention,
-                                                     max_new_tokens, batch_size, enable_thinking, source, pids, world))
-                status = "in-progress"
-        except DFlashError as e:
-            status = e
-    status = _from_rank0(status, world)
-    if isinstance(status, DFlashError):
-        raise DFlashError(str(status))
-    if status == "complete":
-        say(f"{out}: complete ({len(pids)} prompts, same settings); nothing to do")
-        return out
-    manifest = store.read_manifest(out)
-    sharded = manifest["layout"]["sharded"]
-    mine = list(range(rank, len(items), world))
-
-    # ---- which of my prompts are done: valid files first, then logged or reused completions -------------
-    completions: dict[int, list[int]] = {}
-    done: dict[int, dict] = {}
-    for i in mine:
-        f = out / record_name(i, pids[i], sharded)
-        if f.is_file():
-            toks = _valid_existing(f, pids[i], prompts[i], layer_ids, target.hidden_size)
-            if toks is None:
-                f.unlink()  # unreadable or from other tokens: redo it
-                continue
-            completions[i] = toks[len(prompts[i]):]
-            done[i] = {"file": f.relative_to(out).as_posix(), "bytes": f.stat().st_size, "sha256": sha256_file(f)}
-    known = _read_logs(out)
-    for i in mine:
-        rec = known.get(pids[i]) or reused.get(pids[i])
-        if i not in completions and rec is not None and rec["prompt_ids"] == prompts[i]:
-            completions[i] = list(rec["completion_ids"])
-    if completions_from is not None:
-        lost = [pids[i] for i in mine if i not in completions]
-        if lost:
-            raise DFlashError(f"--completions-from {completions_from}: no completion with the same prompt tokens for "
-                              f"{len(lost)} prompts ({', '.join(lost[:5])}); use a cache of the same suite and target")
-
-    with la_backend(target, linear_attention):
-        # ---- generation, batched, persisted per batch ---------------------------------------------------
-        todo = [i for i in mine if i not in completions]
-        if todo:
-            from dflashkit.target.generation import iter_generate_greedy
-
-            log = out / f".completions.rank{rank}.jsonl"
-            bar = _bar(len(todo), "generate", progress and rank == 0)
-            t0, ntok = time.perf_counter(), 0
-            it = iter_generate_greedy(target, [prompts[i] for i in todo], max_new_tokens, batch_size=batch_size)
-            with open(log, "a") as fh:
-                for j, comp in it:
-                    i = todo[j]
-                    completions[i] = comp
-                    _append(fh, {"id": pids[i], "prompt_ids": prompts[i], "completion_ids": comp})
-                    ntok += len(comp)
-                    bar.update(1)
-                    bar.set_postfix_str(f"{ntok / (time.perf_counter() - t0):.1f} tok/s")
-                    if callback:
-                        callback("completion", pids[i])
-            bar.close()
-
-        # ---- features, several prompts per forward, one file each ----------------------------------------
-        todo = sorted((i for i in mine if i not in done), key=lambda i: len(prompts[i]) + len(completions[i]))
-        seqs = {i: prompts[i] + completions[i] for i in todo}
-        lengths = {i: len(s) for i, s in seqs.items()}
-        bar = _bar(len(todo), "features", progress and rank == 0)
-        t0, ntok = time.perf_counter(), 0
-        for group in _batches(todo, lengths, batch_size, capture_tokens):
-            feats = capture_features(target, [seqs[i] for i in group], layer_ids)
-            for i, fe in zip(group, feats):
-                rel = record_name(i, pids[i], sharded)
-                size, digest = _write_record(out / rel, seqs[i], len(prompts[i]), pids[i], fe)
-                done[i] = {"file": rel, "bytes": size, "sha256": digest}
-                ntok += lengths[i]
-                bar.update(1)
-                bar.set_postfix_str(f"{ntok / (time.perf_counter() - t0):.0f} tok/s")
-                if callback:
-                    callback("features", pids[i])
-        bar.close()
-
-    # ---- merge on rank 0 ------------------------------------------------------------------------------
-    mine_entries = []
-    for i in mine:
-        c = completions[i]
-        mine_entries.append((i, {
-            "id": pids[i], "file": done[i]["file"], "prompt_len": len(prompts[i]), "completion_len": len(c),
-            "num_tokens": len(prompts[i]) + len(c), "bytes": done[i]["bytes"], "sha256": done[i]["sha256"],
-        }, {
-            "id": pids[i], "messages": list(items[i].messages),
-            "prompt_text": target.tokenizer.decode(prompts[i], skip_special_tokens=False),
-            "prompt_ids": prompts[i], "completion_ids": c, "completion_text": target.decode(c),
-        }))
-    gathered = sorted((x for part in _gather(mine_entries, world) for x in part), key=lambda x: x[0])
-    if rank == 0:
-        if [x[0] for x in gathered] != list(range(len(items))):
-            raise DFlashError(f"{out}: ranks returned {len(gathered)} of {len(items)} prompts; rerun to resume")
-        entries = [x[1] for x in gathered]
-        write_json(out / COMPLETIONS, [x[2] for x in gathered])
-        manifest.update({
-            "status": "complete", "finished": _now(), "world_size": world, "prompts": entries,
-            "totals": {"prompts": len(entries), "tokens": sum(e["num_tokens"] for e in entries),
-                       "completion_tokens": sum(e["completion_len"] for e in entries),
-                       "bytes": sum(e["bytes"] for e in entries)},
-        })
-        write_json(out / MANIFEST, manifest)
-        for f in out.glob(LOG_GLOB):
-            f.unlink()
-        t = manifest["totals"]
-        say(f"{out}: {t['prompts']} prompts, {t['tokens']} tokens, layers {layer_ids}, {t['bytes'] / 2**20:.1f} MiB")
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-    return out
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
