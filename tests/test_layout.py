@@ -13,7 +13,7 @@ ROOT = Path(dflashkit.__file__).parent
 LAYERS = {
     "errors": 0, "lazy": 0, "fileio": 1, "threads": 2, "report": 2, "prompts": 2, "tree": 2,
     "target": 3,
-    "drafter": 4,
+    "drafter": 4, "distributed": 4,  # distributed picks the device the way target does
     "cache": 5,
     "evaluate": 6, "decode": 6,
     "train": 7,  # evaluates held-out checkpoints while it trains

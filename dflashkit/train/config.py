@@ -35,7 +35,10 @@ class TrainConfig:
     # the drafter
     init: str | None = _f(None, "start from this drafter folder instead of random weights")
     num_layers: int = _f(5, "drafter decoder layers")
-    target_layer_ids: list[int] | None = _f(None, "target layers fed to the drafter (null: z-lab's rule for num_layers)")
+    target_layer_ids: list[int] | None = _f(None, "target layers fed to the drafter (null: z-lab's rule for "
+                                                  "num_target_layers)")
+    num_target_layers: int | None = _f(None, "how many target layers z-lab's rule picks when target_layer_ids is null "
+                                             "(null: one per drafter layer)")
     allow_final_layers: bool = _f(False, "allow the last two target layers as features (a shortcut that fails in use)")
     block_size: int = _f(16, "B: one anchor + B-1 drafted tokens")
     mask_token_id: int | None = _f(None, "mask id of the block inputs (null: the target's, see `dflashkit target info`)")
@@ -117,6 +120,8 @@ class TrainConfig:
                     "save_every", "keep_last"):
             if getattr(self, key) < 1:
                 bad(key, "must be at least 1")
+        if self.num_target_layers is not None and self.num_target_layers < 1:
+            bad("num_target_layers", "must be at least 1 (or null: one per drafter layer)")
         if self.steps is not None and self.steps < 1:
             bad("steps", "must be at least 1 (or null to use epochs)")
         if self.steps is None and not self.epochs > 0:

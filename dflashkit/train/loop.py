@@ -11,6 +11,8 @@
 Multi-process: launched by torchrun (WORLD_SIZE/RANK/LOCAL_RANK), DDP or FSDP2 (`fully_shard`), gloo on CPU and
 nccl on CUDA. Every source of randomness is derived from (seed, epoch, sequence), so a global batch gives the same
 loss whether it runs in one process or is split across several, and a resumed run repeats an uninterrupted one.
+
+`train()` comes first; the helpers follow in the order it calls them.
 """
 
 from __future__ import annotations
@@ -18,17 +20,17 @@ from __future__ import annotations
 import contextlib
 import csv
 import math
-import os
 import random
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from dflashkit.distributed import Dist, all_sum, barrier, init_distributed
 from dflashkit.errors import DFlashError
 from dflashkit.train.checkpoint import (check_resume_contract, latest_checkpoint, load_train_state, resume_contract,
                                         save_best, save_checkpoint)
@@ -41,52 +43,224 @@ METRIC_COLUMNS = ["step", "epoch", "loss", "loss_name", "pos1_acc", "slot_acc", 
                   "tokens", "oov_frac", "blocks_per_s", "tokens_per_s", "elapsed_s", "peak_mem_gib"]
 
 
+def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
+    """Train a drafter as configured; returns a summary (also written to `out`/summary.json).
+
+    target/source: pass already-loaded objects (tests, notebooks); on_step(step, row) is called after every step."""
+    cfg.check()
+    r = prepare(cfg, init_distributed(cfg.device), target, source)
+    describe(r)
+    metrics = MetricsLog(r.out, r.start) if r.d.master else None
+    clock = Clock(r.elapsed_before)
+    step, history, reason = r.start, [], ""
+    with StopFlag() as stop:
+        bar = Progress(r)
+        while step < r.total:
+            tick = time.perf_counter()
+            epoch, micro = global_batch(r, step)
+            stats = forward_backward(r, micro, epoch)
+            lr, grad_norm = optimizer_step(r, step, clock)
+            step += 1
+            clock.last_step = time.perf_counter() - tick
+            row = stats.summed(r.d).row(step, epoch, cfg.loss, lr, grad_norm, clock, r.d.device)
+            history.append(row)
+            if metrics:
+                metrics.step(row)
+            bar.update(step, row)
+            if on_step is not None:
+                on_step(step, row)
+            reason = stop_reason(r, stop, clock)
+            if reason:
+                break
+            if step % cfg.save_every == 0 and step < r.total:
+                save(r, step, clock, finished=False, reason="periodic")
+            if r.eval_cache is not None and cfg.eval_every and step % cfg.eval_every == 0 and step < r.total:
+                evaluate_now(r, step, metrics)
+        bar.close()
+        finished = step >= r.total
+        path = save(r, step, clock, finished=finished, reason="done" if finished else reason)
+        final_eval = evaluate_now(r, step, metrics) if r.eval_cache is not None else None
+
+    summary = {"finished": finished, "stop_reason": "done" if finished else reason, "steps": step,
+               "total_steps": r.total, "checkpoint": str(path) if path else None, "loss_name": cfg.loss,
+               "gamma": r.gamma, "draft_vocab_size": None if r.vocab is None else len(r.vocab), "processes": r.d.world,
+               "elapsed_s": clock.elapsed(), "eval": final_eval, "best": r.best,
+               "losses": [row["loss"] for row in history], "history": history}
+    if r.d.master:
+        write_summary(r.out, summary, cfg)
+        r.log(f"{'finished' if finished else 'stopped: ' + reason} at step {step}/{r.total}; checkpoint {path}")
+    return summary
+
+
+# ---- setup ---------------------------------------------------------------------------------------------------
 @dataclass
-class Dist:
-    rank: int
-    world: int
-    device: torch.device
+class Run:
+    """Everything the loop reads, built and checked by `prepare` before the first step."""
+    cfg: TrainConfig
+    d: Dist
+    out: Path
+    target: object
+    source: object
+    layer_ids: list[int]
+    pool: list[int]  # indices of the sequences with something to anchor on
+    gamma: float
+    mask_id: int
+    per_step: int  # sequences per optimiser step, over all micro-batches and processes
+    steps_per_epoch: int
+    total: int
+    eval_cache: object | None
+    vocab: list[int] | None
+    drafter: nn.Module
+    model: nn.Module  # the drafter as the training call sees it: BlockModel, under DDP/FSDP when distributed
+    head: object
+    slot_w: torch.Tensor
+    opt: torch.optim.Optimizer
+    contract: dict
+    extra: dict  # what every saved drafter records about its training
+    compute_dtype: torch.dtype
+    start: int = 0
+    elapsed_before: float = 0.0
+    best: dict | None = None
 
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(cfg: TrainConfig) -> Dist:
-    """One process, or the torchrun group (gloo on CPU, nccl on CUDA)."""
-    from dflashkit.target.model import pick_device
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist(0, 1, pick_device(cfg.device))
-    import torch.distributed as dist
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = cfg.device != "cpu" and torch.cuda.is_available()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), device)
-
-
-def all_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
-    """Sum a small CPU tensor over processes (through the device: nccl reduces CUDA tensors only)."""
-    if d.world == 1:
-        return x
-    import torch.distributed as dist
-
-    y = x.to(d.device)
-    dist.all_reduce(y)
-    return y.cpu()
+    def log(self, line: str) -> None:
+        if self.d.master:
+            print(line)
 
 
-def barrier(d: Dist) -> None:
-    if d.world > 1:
-        import torch.distributed as dist
+def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
+    """Load and check everything before the first step: a wrong path, layer id or resume setting fails now, not
+    an hour in."""
+    from dflashkit.drafter.checkpoint import new_drafter
+    from dflashkit.drafter.head import DraftHead
+    from dflashkit.target.model import load_target
 
-        dist.barrier()
+    if source is None:
+        data_kind(cfg.data)  # a wrong path fails now, not after the target has loaded
+    if target is None:
+        target = load_target(cfg.target, device=str(d.device), dtype=cfg.dtype)  # frozen: bf16 whenever autocast is
+    init = load_init(cfg, target)
+    layer_ids = feature_layers(cfg, target, init)
+    if source is None:
+        source = open_source(cfg.data, target, cfg.num_sequences, cfg.max_seq_len)
+    source.check(target, layer_ids, cfg.loss == "kl")
+    pool = usable(source.seqs)
+    if not pool:
+        raise DFlashError(f"{source.description}: no sequence has a response of 2+ tokens to anchor on")
+    per_step = cfg.batch_size * cfg.grad_accum * d.world
+    steps_per_epoch = len(pool) // per_step
+    if steps_per_epoch == 0:
+        raise DFlashError(f"{source.description}: {len(pool)} usable sequences, fewer than one global batch of {per_step} "
+                          f"(batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} x {d.world} processes); "
+                          "lower batch_size or add data")
+    total = cfg.steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    eval_cache = open_eval_cache(cfg, target, layer_ids)  # every process: they all join the evaluation's gather
+
+    ckpt = latest_checkpoint(cfg.out) if cfg.resume else None
+    state = load_train_state(ckpt) if ckpt else None
+    vocab = state["draft_vocab"] if state else draft_vocabulary(cfg.draft_vocab, [source.seqs[i] for i in pool], target)
+    gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.mask_token_id
+    torch.manual_seed(cfg.seed)
+    drafter = init if init is not None else new_drafter(
+        target, num_layers=cfg.num_layers, target_layer_ids=layer_ids, allow_final_layers=cfg.allow_final_layers,
+        block_size=cfg.block_size, mask_token_id=mask_id)
+    if drafter.config.mask_token_id != mask_id:
+        raise DFlashError(f"init={cfg.init}: mask_token_id {drafter.config.mask_token_id} != {mask_id}; set mask_token_id")
+    identity = target.identity()
+    contract = resume_contract(drafter, cfg, gamma, identity)
+    if state:
+        check_resume_contract(state["contract"], contract, ckpt)
+    drafter = drafter.to(d.device, torch.float32).train()
+    model = wrap(drafter, cfg, d)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    r = Run(cfg=cfg, d=d, out=Path(cfg.out), target=target, source=source, layer_ids=layer_ids, pool=pool, gamma=gamma,
+            mask_id=mask_id, per_step=per_step, steps_per_epoch=steps_per_epoch, total=total, eval_cache=eval_cache,
+            vocab=vocab, drafter=drafter, model=model, head=DraftHead(target.lm_head.weight, vocab),
+            slot_w=slot_weights(cfg.block_size, gamma).to(d.device), opt=opt, contract=contract,
+            extra=dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab,
+                       train_config=cfg.to_dict()),
+            compute_dtype=autocast_dtype(cfg.dtype, d.device))
+    if state:
+        restore(r, ckpt, state)
+    return r
+
+
+def load_init(cfg: TrainConfig, target):
+    """The warm-start drafter (init=...), or None. Its shape wins: a config that says otherwise is an error, not
+    silently ignored."""
+    from dflashkit.drafter.checkpoint import load_drafter
+
+    if not cfg.init:
+        return None
+    init = load_drafter(cfg.init, target=target)
+    ic = init.config
+    theirs = {"target_layer_ids": ic.target_layer_ids, "block_size": ic.block_size, "num_layers": ic.num_hidden_layers}
+    for key, value in theirs.items():
+        if getattr(cfg, key) is not None and getattr(cfg, key) != value:
+            raise DFlashError(f"init={cfg.init}: the drafter has {key}={value}, the config says {getattr(cfg, key)}; "
+                              f"set {key}: {value}")
+    return init
+
+
+def feature_layers(cfg: TrainConfig, target, init) -> list[int]:
+    """The target layers the drafter reads: the warm start's, the config's, or z-lab's rule for
+    num_target_layers (default: one per drafter layer)."""
+    ids = init.config.target_layer_ids if init is not None else cfg.target_layer_ids
+    if ids is None:
+        ids = target.default_layer_ids(cfg.num_target_layers or cfg.num_layers)
+    try:
+        return target.check_layer_ids(ids, allow_final=cfg.allow_final_layers)
+    except DFlashError as e:  # name the setting: in a config file the override is `allow_final_layers: true`
+        raise DFlashError(f"train config target_layer_ids: {e}") from e
+
+
+def open_eval_cache(cfg: TrainConfig, target, layer_ids):
+    """The eval cache, opened (and checked against the target and layer ids) before any training happens;
+    None when no eval cache is set."""
+    if not cfg.eval_cache:
+        return None
+    from dflashkit.cache import open_cache
+
+    return open_cache(cfg.eval_cache, num_prompts=cfg.eval_prompts, expect_target=target.identity(), layer_ids=layer_ids)
+
+
+def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The training compute dtype (master weights and the loss stay float32)."""
+    from dflashkit.target.model import pick_dtype
+
+    return pick_dtype(name, device)
+
+
+def restore(r: Run, ckpt: Path, state: dict) -> None:
+    """Continue a run: weights, optimiser, RNG, step, training time and best-so-far from its latest checkpoint."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    weights = {f"drafter.{k}": v for k, v in load_file(ckpt / "model.safetensors").items()}
+    set_state_dict(r.model, r.opt, model_state_dict=weights, optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(full_state_dict=True))
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    r.start, r.elapsed_before, r.best = state["step"], state["elapsed_s"], state.get("best")
+
+
+def describe(r: Run) -> None:
+    """What is about to be trained, in six lines: the first thing to check when a run looks wrong."""
+    cfg, t, seqs = r.cfg, r.target, r.source.seqs
+    n_params = sum(p.numel() for p in r.drafter.parameters())
+    vocab = "full " + str(t.vocab_size) if r.vocab is None else len(r.vocab)
+    r.log(f"target   {t.name}: {t.num_layers} layers, hidden {t.hidden_size}; features from layers {r.layer_ids}")
+    r.log(f"data     {r.source.description}: {len(r.pool)} sequences, "
+          f"{sum(seqs[i].length - seqs[i].prompt_len for i in r.pool)} response tokens ({r.source.kind})")
+    r.log(f"drafter  {r.drafter.config.num_hidden_layers} layers, {n_params / 1e6:.1f}M parameters, block "
+          f"{cfg.block_size}, mask id {r.mask_id}; draft vocabulary {vocab} ({cfg.draft_vocab})")
+    r.log(f"loss     {cfg.loss}, gamma {r.gamma:g}: sum_k w_k*l_k / sum_k w_k over the global batch's supervised slots")
+    r.log(f"steps    {r.total} ({r.steps_per_epoch}/epoch), global batch {r.per_step} sequences x <= "
+          f"{cfg.anchors_per_seq} anchors, {r.d.world} process(es) on {r.d.device} "
+          f"({cfg.distributed if r.d.world > 1 else 'single'}), {str(r.compute_dtype).removeprefix('torch.')}, "
+          f"attention {cfg.attention}")
+    if r.start:
+        r.log(f"resume   from {latest_checkpoint(r.out)} at step {r.start}")
 
 
 class BlockModel(nn.Module):
@@ -117,24 +291,135 @@ def wrap(drafter, cfg: TrainConfig, d: Dist) -> nn.Module:
     return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
 
 
-def full_state(model, optimizer=None):
-    """Full (unsharded, CPU) state dicts with plain parameter names; collective under DDP/FSDP."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+# ---- one step --------------------------------------------------------------------------------------------------
+def global_batch(r: Run, step: int) -> tuple[int, list[tuple[list[int], object]]]:
+    """(epoch, this process's micro-batches as (sequence indices, Batch)). The order and the anchors depend only on
+    (seed, epoch, sequence), so a resumed or differently split run sees the same data."""
+    cfg = r.cfg
+    epoch, pos = divmod(step, r.steps_per_epoch)
+    order = epoch_order(len(r.pool), epoch, cfg.seed)
+    mine = slice(r.d.rank * cfg.batch_size * cfg.grad_accum, (r.d.rank + 1) * cfg.batch_size * cfg.grad_accum)
+    chosen = [r.pool[j] for j in order[pos * r.per_step:(pos + 1) * r.per_step]][mine]
+    if r.source.kind == "online":  # bucket by length: the target pads each micro-batch to its longest sequence
+        chosen.sort(key=lambda i: r.source.seqs[i].length)
+    micro = []
+    for m in range(cfg.grad_accum):
+        idx = chosen[m * cfg.batch_size:(m + 1) * cfg.batch_size]
+        seqs = [r.source.seqs[i] for i in idx]
+        anchors = [sample_anchors(r.source.seqs[i], cfg.anchors_per_seq, epoch, cfg.seed, i) for i in idx]
+        micro.append((idx, build_batch(seqs, anchors, cfg.block_size, r.mask_id).to(r.d.device)))
+    return epoch, micro
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if optimizer is None:
-        return get_model_state_dict(model, options=opts), None
-    return get_state_dict(model, optimizer, options=opts)
+
+@dataclass
+class StepStats:
+    """Counts summed over a step's micro-batches (then over processes); the logged metrics are ratios of them."""
+    loss: float = 0.0
+    slots: float = 0.0  # supervised slots
+    oov: float = 0.0  # of which the label is outside the draft vocabulary
+    pos1: float = 0.0  # slot-1 predictions
+    pos1_correct: float = 0.0
+    correct: float = 0.0  # argmax == label, any slot
+    blocks: float = 0.0
+    tokens: float = 0.0
+
+    def summed(self, d: Dist) -> "StepStats":
+        if d.world == 1:
+            return self
+        return StepStats(*all_sum(torch.tensor(astuple(self), dtype=torch.float64), d).tolist())
+
+    def row(self, step: int, epoch: int, loss_name: str, lr: float, grad_norm: float, clock: "Clock", device) -> dict:
+        """One line of metrics.csv."""
+        return {"step": step, "epoch": epoch, "loss": self.loss, "loss_name": loss_name,
+                "pos1_acc": self.pos1_correct / max(1.0, self.pos1), "slot_acc": self.correct / max(1.0, self.slots),
+                "lr": lr, "grad_norm": grad_norm, "blocks": int(self.blocks), "tokens": int(self.tokens),
+                "oov_frac": self.oov / max(1.0, self.slots), "blocks_per_s": self.blocks / clock.last_step,
+                "tokens_per_s": self.tokens / clock.last_step, "elapsed_s": clock.elapsed(),
+                "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
-def plain_drafter(drafter_cfg, model_state: dict, vocab):
-    """A standalone CPU copy of the drafter from a full state dict (for saving and evaluation)."""
-    from dflashkit.drafter.model import DFlashDrafter
+def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
+    """Loss and gradients of one optimiser step, accumulated over its micro-batches. The loss is normalised by the
+    slot weight of the whole global batch, so neither the loss nor the gradient depends on the split."""
+    cfg, d = r.cfg, r.d
+    norm = all_sum(torch.tensor([sum(step_weight(b.labels, r.head, r.slot_w, cfg.loss) for _, b in micro)],
+                                dtype=torch.float64), d).item()
+    norm = max(norm, 1e-12)  # a step without supervised slots contributes zero loss, not NaN
+    stats = StepStats()
+    for m, (idx, batch) in enumerate(micro):
+        feats, block_embeds, last_states = micro_inputs(r.source, idx, batch, r.target, r.layer_ids, cfg.loss == "kl",
+                                                        cfg.noise_std, [mix_seed(cfg.seed, epoch, i, 3) for i in idx])
+        with grad_sync(r, last=m == len(micro) - 1):
+            with autocast(r):
+                hidden = r.model(feats, block_embeds, batch.anchors, batch.valid)
+            loss, st = block_loss(hidden, batch.labels, r.slot_w, r.head, cfg.loss, norm, last_states, batch.anchors,
+                                  cfg.head_chunk)
+            (loss * d.world).backward()  # DDP/FSDP average gradients; the loss is already globally normalised
+        stats.loss += loss.item()
+        stats.slots += st["slots"]
+        stats.oov += st["oov"]
+        stats.pos1 += st["pos1"]
+        stats.pos1_correct += st["pos1_correct"]
+        stats.correct += st["correct"]
+        stats.blocks += int(batch.valid.sum())
+        stats.tokens += int(batch.lengths.sum())
+    return stats
 
-    copy = DFlashDrafter(drafter_cfg)
-    copy.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
-    copy.contract = {"draft_vocab": vocab}
-    return copy.float().eval()
+
+def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bool, noise_std: float, noise_seeds):
+    """(features [b, T, K*H] for the drafter, possibly noised; block embeddings [b, n*B, H]; the target's clean
+    final-normed last-layer states [b, T, H] for kl, else None). Noise is applied to a copy, after the target
+    states are taken, so labels and target distributions never see it."""
+    feats, last = source.batch(idx, target, layer_ids, need_last)
+    feats = feats.to(target.device)
+    with torch.no_grad():
+        last_states = target.final_norm(last.to(target.device, target.dtype)) if need_last else None
+        block_embeds = target.embed_tokens(batch.block_ids.reshape(len(idx), -1))
+    if noise_std > 0:
+        feats = add_noise(feats, noise_std, target.hidden_size, noise_seeds)
+    return feats, block_embeds, last_states
+
+
+def grad_sync(r: Run, last: bool):
+    """Gradients are exchanged between processes only on a step's last micro-batch."""
+    if r.d.world > 1 and r.cfg.distributed == "fsdp":
+        r.model.set_requires_gradient_sync(last)
+    if r.d.world > 1 and r.cfg.distributed == "ddp" and not last:
+        return r.model.no_sync()
+    return contextlib.nullcontext()
+
+
+def autocast(r: Run):
+    """bf16 compute where autocast_dtype chose it; master weights and the loss stay float32."""
+    if r.compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(r.d.device.type, dtype=r.compute_dtype)
+
+
+def optimizer_step(r: Run, step: int, clock: "Clock") -> tuple[float, float]:
+    """Clip, set the scheduled learning rate, AdamW step; returns (lr, gradient norm before clipping)."""
+    cfg = r.cfg
+    norm = torch.nn.utils.clip_grad_norm_(r.model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    lr = learning_rate(r, step, clock)
+    for group in r.opt.param_groups:
+        group["lr"] = lr
+    r.opt.step()
+    r.opt.zero_grad(set_to_none=True)
+    return lr, norm
+
+
+def learning_rate(r: Run, step: int, clock: "Clock") -> float:
+    """The rate of the step covering progress [step, step + 1] / total; with schedule_minutes, progress is whichever
+    of steps and training time runs out first (rank 0's clock, shared so that every process uses the same rate)."""
+    cfg = r.cfg
+    span = torch.tensor([step / r.total, (step + 1) / r.total], dtype=torch.float64)
+    if cfg.schedule_minutes:
+        now = clock.elapsed()
+        by_time = torch.tensor([now, now + clock.last_step], dtype=torch.float64) / (60 * cfg.schedule_minutes)
+        span = torch.maximum(span, by_time)
+        span = all_sum(span if r.d.master else torch.zeros(2, dtype=torch.float64), r.d)
+    return cfg.lr * lr_at(float(span[0]), float(span[1]), cfg.warmup_ratio, cfg.min_lr_ratio)
 
 
 def lr_at(start: float, end: float, warmup_ratio: float, min_ratio: float) -> float:
@@ -146,6 +431,18 @@ def lr_at(start: float, end: float, warmup_ratio: float, min_ratio: float) -> fl
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+class Clock:
+    """Training time, counted across resumes: what max_minutes, schedule_minutes and the logs read."""
+
+    def __init__(self, before: float):
+        self.before, self.t0 = before, time.time()
+        self.last_step = 0.0  # seconds the previous step took
+
+    def elapsed(self) -> float:
+        return self.before + time.time() - self.t0
+
+
+# ---- stopping, saving, evaluating ------------------------------------------------------------------------------
 class StopFlag:
     """Ctrl-C / SIGTERM ask for a clean stop after the current step (a second Ctrl-C aborts at once)."""
 
@@ -169,23 +466,96 @@ class StopFlag:
             signal.signal(sig, old)
 
 
-def open_eval_cache(cfg: TrainConfig, target, layer_ids):
-    """The eval cache, opened (and checked against the target and layer ids) before any training happens;
-    None when no eval cache is set."""
-    if not cfg.eval_cache:
-        return None
-    from dflashkit.cache import open_cache
+def stop_reason(r: Run, stop: StopFlag, clock: Clock) -> str:
+    """Why to stop after this step ('' to go on). Every process must agree, or the next collective would hang."""
+    over_time = r.cfg.max_minutes is not None and clock.elapsed() > 60 * r.cfg.max_minutes
+    flags = all_sum(torch.tensor([float(stop.reason is not None), float(over_time)], dtype=torch.float64), r.d)
+    if flags[0] > 0:
+        return stop.reason or "interrupted on another process"
+    if flags[1] > 0:
+        return f"max_minutes={r.cfg.max_minutes} reached"
+    return ""
 
-    return open_cache(cfg.eval_cache, num_prompts=cfg.eval_prompts, expect_target=target.identity(), layer_ids=layer_ids)
+
+def save(r: Run, step: int, clock: Clock, finished: bool, reason: str) -> Path | None:
+    """checkpoints/step-N with everything a resume needs; collective (every process joins the state gather)."""
+    msd, osd = full_state(r.model, r.opt)
+    path = None
+    if r.d.master:
+        state = {"step": step, "epoch": step // r.steps_per_epoch, "position": step % r.steps_per_epoch,
+                 "optimizer": osd, "contract": r.contract, "draft_vocab": r.vocab, "config": r.cfg.to_dict(),
+                 "elapsed_s": clock.elapsed(), "best": r.best,
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        path = save_checkpoint(r.out, plain_drafter(r.drafter.config, msd, r.vocab), state, r.extra, r.cfg.keep_last,
+                               finished, reason)
+    barrier(r.d)
+    return path
 
 
-def evaluate_offline(drafter, target, cache, cfg: TrainConfig) -> dict:
-    """Overall scalar metrics of the offline evaluator (streak, tau, pos1_acc, one per DDTree family)."""
-    from dflashkit.evaluate.offline import evaluate
+def evaluate_now(r: Run, step: int, metrics: "MetricsLog | None") -> dict | None:
+    """Offline metrics on the eval cache; the best drafter by tau so far is kept in best/."""
+    msd, _ = full_state(r.model)
+    res = None
+    if r.d.master:
+        from dflashkit.evaluate.offline import evaluate
 
-    res = evaluate(drafter.to(target.device), target, cache, trees=tuple(cfg.eval_trees), anchors=cfg.eval_anchors,
-                   max_blocks=cfg.eval_max_blocks, progress=False)
-    return {k: v for k, v in res["overall"].items() if isinstance(v, (int, float))}
+        copy = plain_drafter(r.drafter.config, msd, r.vocab)
+        cfg = r.cfg
+        full = evaluate(copy.to(r.target.device), r.target, r.eval_cache, trees=tuple(cfg.eval_trees),
+                        anchors=cfg.eval_anchors, max_blocks=cfg.eval_max_blocks, progress=False)
+        res = {k: v for k, v in full["overall"].items() if isinstance(v, (int, float))}
+        metrics.eval(step, res)
+        r.log(f"eval     step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items() if isinstance(v, float)))
+        if r.best is None or res["tau"] > r.best["tau"]:
+            r.best = {"step": step, "tau": res["tau"]}
+            save_best(r.out, copy.cpu(), res, step, r.extra)
+    barrier(r.d)
+    return res
+
+
+def full_state(model, optimizer=None):
+    """Full (unsharded, CPU) state dicts with plain parameter names; collective under DDP/FSDP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if optimizer is None:
+        return get_model_state_dict(model, options=opts), None
+    return get_state_dict(model, optimizer, options=opts)
+
+
+def plain_drafter(drafter_cfg, model_state: dict, vocab):
+    """A standalone CPU copy of the drafter from a full state dict (for saving and evaluation)."""
+    from dflashkit.drafter.model import DFlashDrafter
+
+    copy = DFlashDrafter(drafter_cfg)
+    copy.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
+    copy.contract = {"draft_vocab": vocab}
+    return copy.float().eval()
+
+
+# ---- what the user sees --------------------------------------------------------------------------------------
+class Progress:
+    """The tqdm bar (rank 0): steps, or seconds for a time-boxed run so that its ETA is the real one."""
+
+    def __init__(self, r: Run):
+        from tqdm import tqdm
+
+        cfg = r.cfg
+        self.timed, self.total, self.loss_name = bool(cfg.max_minutes), r.total, cfg.loss
+        self.bar = tqdm(total=round(60 * cfg.max_minutes) if self.timed else r.total,
+                        initial=round(r.elapsed_before) if self.timed else r.start, desc="train",
+                        unit="s" if self.timed else "step", disable=not (r.d.master and cfg.progress),
+                        dynamic_ncols=True,
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]"
+                        if self.timed else None)
+
+    def update(self, step: int, row: dict) -> None:
+        self.bar.set_postfix_str(f"step {step}/{self.total} {self.loss_name} {row['loss']:.3f} acc1 "
+                                 f"{row['pos1_acc']:.3f} {row['blocks_per_s']:.0f} blk/s", refresh=False)
+        self.bar.update(min(round(row["elapsed_s"]), self.bar.total) - self.bar.n if self.timed else 1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class MetricsLog:
@@ -193,6 +563,7 @@ class MetricsLog:
 
     def __init__(self, run: Path, resume_step: int):
         self.path, self.eval_path = run / "metrics.csv", run / "eval.csv"
+        run.mkdir(parents=True, exist_ok=True)
         for p in (self.path, self.eval_path):
             rows = []
             if p.is_file() and resume_step > 0:
@@ -231,265 +602,6 @@ class MetricsLog:
             for k, v in metrics.items():
                 self.tb.add_scalar(f"eval/{k}", v, step)
 
-
-def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bool, noise_std: float, noise_seeds):
-    """(features [b, T, K*H] for the drafter, possibly noised; block embeddings [b, n*B, H]; the target's clean
-    final-normed last-layer states [b, T, H] for kl, else None). Noise is applied to a copy, after the target
-    states are taken, so labels and target distributions never see it."""
-    feats, last = source.batch(idx, target, layer_ids, need_last)
-    feats = feats.to(target.device)
-    with torch.no_grad():
-        last_states = target.final_norm(last.to(target.device, target.dtype)) if need_last else None
-        embeds = target.embed_tokens(batch.block_ids.reshape(len(idx), -1))
-    if noise_std > 0:
-        feats = add_noise(feats, noise_std, target.hidden_size, noise_seeds)
-    return feats, embeds, last_states
-
-
-def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The training compute dtype (master weights and the loss stay float32)."""
-    from dflashkit.target.model import pick_dtype
-
-    return pick_dtype(name, device)
-
-
-def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
-    """Train a drafter as configured; returns a summary (also written to `out`/summary.json).
-
-    target/source: pass already-loaded objects (tests, notebooks); on_step(step, row) is called after every step."""
-    from dflashkit.drafter.checkpoint import load_drafter, new_drafter
-    from dflashkit.drafter.head import DraftHead
-    from dflashkit.target.model import load_target
-
-    cfg.check()
-    d = init_distributed(cfg)
-    run = Path(cfg.out)
-    log = print if d.master else (lambda *a, **k: None)
-
-    # ---- the target and the data --------------------------------------------------------------------------
-    if source is None:
-        data_kind(cfg.data)  # a wrong path fails now, not after the target has loaded
-    if target is None:
-        target = load_target(cfg.target, device=str(d.device), dtype=cfg.dtype)  # frozen: bf16 whenever autocast is
-    identity = target.identity()
-    ids = cfg.target_layer_ids
-    init = load_drafter(cfg.init, target=target) if cfg.init else None
-    if init is not None:  # its shape wins; a config that says otherwise is an error, not silently ignored
-        ic = init.config
-        theirs = {"target_layer_ids": ic.target_layer_ids, "block_size": ic.block_size, "num_layers": ic.num_hidden_layers}
-        for key, value in theirs.items():
-            if getattr(cfg, key) is not None and getattr(cfg, key) != value:
-                raise DFlashError(f"init={cfg.init}: the drafter has {key}={value}, the config says {getattr(cfg, key)}; "
-                                  f"set {key}: {value}")
-        ids = ic.target_layer_ids
-    try:
-        layer_ids = target.check_layer_ids(ids if ids is not None else target.default_layer_ids(cfg.num_layers),
-                                           allow_final=cfg.allow_final_layers)
-    except DFlashError as e:  # name the setting: in a config file the override is `allow_final_layers: true`
-        raise DFlashError(f"train config target_layer_ids: {e}") from e
-    if source is None:
-        source = open_source(cfg.data, target, cfg.num_sequences, cfg.max_seq_len)
-    need_last = cfg.loss == "kl"
-    source.check(target, layer_ids, need_last)
-    seqs = source.seqs
-    pool = usable(seqs)
-    if not pool:
-        raise DFlashError(f"{source.description}: no sequence has a response of 2+ tokens to anchor on")
-    B = cfg.block_size
-    gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(B)
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.mask_token_id
-    G = cfg.batch_size * cfg.grad_accum * d.world  # sequences per optimiser step
-    steps_per_epoch = len(pool) // G
-    if steps_per_epoch == 0:
-        raise DFlashError(f"{source.description}: {len(pool)} usable sequences, fewer than one global batch of {G} "
-                          f"(batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} x {d.world} processes); "
-                          "lower batch_size or add data")
-    total = cfg.steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    eval_cache = open_eval_cache(cfg, target, layer_ids)  # every process: they all join the evaluation's gather
-
-    # ---- resume? ---------------------------------------------------------------------------------------------
-    ckpt = latest_checkpoint(run) if cfg.resume else None
-    state = load_train_state(ckpt) if ckpt else None
-    vocab = state["draft_vocab"] if state else draft_vocabulary(cfg.draft_vocab, [seqs[i] for i in pool], target)
-
-    # ---- the drafter, its head, the optimiser ----------------------------------------------------------------
-    torch.manual_seed(cfg.seed)
-    drafter = init if init is not None else new_drafter(
-        target, num_layers=cfg.num_layers, target_layer_ids=layer_ids, allow_final_layers=cfg.allow_final_layers,
-        block_size=B, mask_token_id=mask_id)
-    if drafter.config.mask_token_id != mask_id:
-        raise DFlashError(f"init={cfg.init}: mask_token_id {drafter.config.mask_token_id} != {mask_id}; set mask_token_id")
-    contract = resume_contract(drafter, cfg, gamma, identity)
-    if state:
-        check_resume_contract(state["contract"], contract, ckpt)
-    drafter = drafter.to(d.device, torch.float32).train()
-    head = DraftHead(target.lm_head.weight, vocab)
-    slot_w = slot_weights(B, gamma).to(d.device)
-    model = wrap(drafter, cfg, d)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    start, elapsed_before, best = 0, 0.0, None
-    if state:
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        weights = {f"drafter.{k}": v for k, v in load_file(ckpt / "model.safetensors").items()}
-        set_state_dict(model, opt, model_state_dict=weights, optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        start, elapsed_before, best = state["step"], state["elapsed_s"], state.get("best")
-    dtype = autocast_dtype(cfg.dtype, d.device)
-    def autocast():  # bf16 where autocast_dtype chose it: master weights and the loss stay float32
-        return torch.autocast(d.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    extra = dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab, train_config=cfg.to_dict())
-
-    n_params = sum(p.numel() for p in drafter.parameters())
-    log(f"target   {target.name}: {target.num_layers} layers, hidden {target.hidden_size}; features from layers {layer_ids}")
-    log(f"data     {source.description}: {len(pool)} sequences, "
-        f"{sum(seqs[i].length - seqs[i].prompt_len for i in pool)} response tokens ({source.kind})")
-    log(f"drafter  {drafter.config.num_hidden_layers} layers, {n_params / 1e6:.1f}M parameters, block {B}, mask id {mask_id}; "
-        f"draft vocabulary {'full ' + str(target.vocab_size) if vocab is None else len(vocab)} ({cfg.draft_vocab})")
-    log(f"loss     {cfg.loss}, gamma {gamma:g}: sum_k w_k*l_k / sum_k w_k over the global batch's supervised slots")
-    log(f"steps    {total} ({steps_per_epoch}/epoch), global batch {G} sequences x <= {cfg.anchors_per_seq} anchors, "
-        f"{d.world} process(es) on {d.device} ({cfg.distributed if d.world > 1 else 'single'}), "
-        f"{str(dtype).removeprefix('torch.')}, attention {cfg.attention}")
-    if state:
-        log(f"resume   from {ckpt} at step {start}")
-
-    def checkpoint(step: int, finished: bool, reason: str) -> Path | None:
-        msd, osd = full_state(model, opt)
-        path = None
-        if d.master:
-            train_state = {"step": step, "epoch": step // steps_per_epoch, "position": step % steps_per_epoch,
-                           "optimizer": osd, "contract": contract,
-                           "draft_vocab": vocab, "config": cfg.to_dict(), "elapsed_s": elapsed_before + (time.time() - t0),
-                           "best": best, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-            path = save_checkpoint(run, plain_drafter(drafter.config, msd, vocab), train_state, extra, cfg.keep_last,
-                                   finished, reason)
-        barrier(d)
-        return path
-
-    def evaluate_now(step: int) -> dict | None:
-        nonlocal best
-        msd, _ = full_state(model)
-        res = None
-        if d.master:
-            copy = plain_drafter(drafter.config, msd, vocab)
-            res = evaluate_offline(copy, target, eval_cache, cfg)
-            metrics.eval(step, res)
-            log(f"eval     step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items() if isinstance(v, float)))
-            if best is None or res["tau"] > best["tau"]:
-                best = {"step": step, "tau": res["tau"]}
-                save_best(run, copy.cpu(), res, step, extra)
-        barrier(d)
-        return res
-
-    # ---- the loop --------------------------------------------------------------------------------------------
-    metrics = MetricsLog(run, start) if d.master else None
-    if d.master:
-        run.mkdir(parents=True, exist_ok=True)
-    from tqdm import tqdm
-
-    timed = bool(cfg.max_minutes)  # a time-boxed run: the bar counts seconds, so its ETA is the real one
-    bar = tqdm(total=round(60 * cfg.max_minutes) if timed else total, initial=round(elapsed_before) if timed else start,
-               desc="train", unit="s" if timed else "step", disable=not (d.master and cfg.progress), dynamic_ncols=True,
-               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]" if timed else None)
-    t0 = time.time()
-    step, history, reason, order_cache, last_dt = start, [], "", {}, 0.0
-    mine = slice(d.rank * cfg.batch_size * cfg.grad_accum, (d.rank + 1) * cfg.batch_size * cfg.grad_accum)
-    with StopFlag() as stop:
-        while step < total:
-            tick = time.perf_counter()
-            epoch, pos = divmod(step, steps_per_epoch)
-            if epoch not in order_cache:
-                order_cache = {epoch: epoch_order(len(pool), epoch, cfg.seed)}
-            chosen = [pool[j] for j in order_cache[epoch][pos * G:(pos + 1) * G]][mine]
-            if source.kind == "online":  # bucket by length: the target pads each micro-batch to its longest sequence
-                chosen.sort(key=lambda i: seqs[i].length)
-            micro = [chosen[m * cfg.batch_size:(m + 1) * cfg.batch_size] for m in range(cfg.grad_accum)]
-            batches = [build_batch([seqs[i] for i in mb],
-                                   [sample_anchors(seqs[i], cfg.anchors_per_seq, epoch, cfg.seed, i) for i in mb],
-                                   B, mask_id).to(d.device) for mb in micro]
-            norm = all_sum(torch.tensor([sum(step_weight(b.labels, head, slot_w, cfg.loss) for b in batches)],
-                                        dtype=torch.float64), d).item()
-            norm = max(norm, 1e-12)  # a step without supervised slots contributes zero loss, not NaN
-            sums = torch.zeros(9, dtype=torch.float64)  # loss, weight, slots, oov, pos1, pos1_ok, ok, blocks, tokens
-            for m, (mb, batch) in enumerate(zip(micro, batches)):
-                last_micro = m == cfg.grad_accum - 1
-                if d.world > 1 and cfg.distributed == "fsdp":
-                    model.set_requires_gradient_sync(last_micro)
-                ddp_accumulating = d.world > 1 and cfg.distributed == "ddp" and not last_micro
-                sync = model.no_sync() if ddp_accumulating else contextlib.nullcontext()
-                feats, embeds, last_states = micro_inputs(source, mb, batch, target, layer_ids, need_last,
-                                                          cfg.noise_std, [mix_seed(cfg.seed, epoch, i, 3) for i in mb])
-                with sync:
-                    with autocast():
-                        hidden = model(feats, embeds, batch.anchors, batch.valid)
-                    loss, st = block_loss(hidden, batch.labels, slot_w, head, cfg.loss, norm, last_states,
-                                          batch.anchors, cfg.head_chunk)
-                    (loss * d.world).backward()  # DDP/FSDP average gradients; the loss is already globally normalised
-                sums += torch.tensor([loss.item(), st["weight"], st["slots"], st["oov"], st["pos1"], st["pos1_correct"],
-                                      st["correct"], int(batch.valid.sum()), int(batch.lengths.sum())], dtype=torch.float64)
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
-            # the schedule: progress in steps, or (schedule_minutes) whichever of steps and time runs out first
-            span = torch.tensor([step / total, (step + 1) / total], dtype=torch.float64)
-            if cfg.schedule_minutes:  # rank 0's clock, shared so that every process uses the same rate
-                now = elapsed_before + time.time() - t0
-                clock = torch.tensor([now, now + last_dt], dtype=torch.float64) / (60 * cfg.schedule_minutes)
-                span = torch.maximum(span, clock)
-                span = all_sum(span if d.master else torch.zeros(2, dtype=torch.float64), d)
-            lr = cfg.lr * lr_at(float(span[0]), float(span[1]), cfg.warmup_ratio, cfg.min_lr_ratio)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-
-            sums = all_sum(sums, d)
-            dt = last_dt = time.perf_counter() - tick
-            row = {"step": step, "epoch": epoch, "loss": sums[0].item(), "loss_name": cfg.loss,
-                   "pos1_acc": sums[5].item() / max(1.0, sums[4].item()),
-                   "slot_acc": sums[6].item() / max(1.0, sums[2].item()),
-                   "lr": lr, "grad_norm": gnorm, "blocks": int(sums[7]), "tokens": int(sums[8]),
-                   "oov_frac": sums[3].item() / max(1.0, sums[2].item()), "blocks_per_s": sums[7].item() / dt,
-                   "tokens_per_s": sums[8].item() / dt, "elapsed_s": elapsed_before + time.time() - t0,
-                   "peak_mem_gib": torch.cuda.max_memory_allocated(d.device) / 2**30 if d.device.type == "cuda" else None}
-            history.append(row)
-            if d.master:
-                metrics.step(row)
-                bar.set_postfix_str(f"step {step}/{total} {cfg.loss} {row['loss']:.3f} acc1 {row['pos1_acc']:.3f} "
-                                    f"{row['blocks_per_s']:.0f} blk/s", refresh=False)
-                bar.update(min(round(row["elapsed_s"]), bar.total) - bar.n if timed else 1)
-            if on_step is not None:
-                on_step(step, row)
-            # a stop request must be agreed by every process, or the next collective would hang
-            over_time = cfg.max_minutes is not None and elapsed_before + time.time() - t0 > 60 * cfg.max_minutes
-            flags = all_sum(torch.tensor([float(stop.reason is not None), float(over_time)], dtype=torch.float64), d)
-            if flags[0] > 0:
-                reason = stop.reason or "interrupted on another process"
-            elif flags[1] > 0:
-                reason = f"max_minutes={cfg.max_minutes} reached"
-            if step % cfg.save_every == 0 and step < total and not reason:
-                checkpoint(step, False, "periodic")
-            if eval_cache is not None and cfg.eval_every and step % cfg.eval_every == 0 and step < total and not reason:
-                evaluate_now(step)
-            if reason:
-                break
-        bar.close()
-        finished = step >= total
-        path = checkpoint(step, finished, "done" if finished else reason)
-        final_eval = evaluate_now(step) if eval_cache is not None else None
-
-    summary = {"finished": finished, "stop_reason": "done" if finished else reason, "steps": step, "total_steps": total,
-               "checkpoint": str(path) if path else None, "loss_name": cfg.loss, "gamma": gamma,
-               "draft_vocab_size": None if vocab is None else len(vocab), "processes": d.world,
-               "elapsed_s": elapsed_before + time.time() - t0, "eval": final_eval, "best": best,
-               "losses": [r["loss"] for r in history], "history": history}
-    if d.master:
-        write_summary(run, summary, cfg)
-        log(f"{'finished' if finished else 'stopped: ' + reason} at step {step}/{total}; checkpoint {path}")
-    return summary
 
 
 def write_summary(run: Path, summary: dict, cfg: TrainConfig) -> None:

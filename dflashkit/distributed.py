@@ -1,0 +1,79 @@
+"""One process, or the group torchrun starts (WORLD_SIZE, RANK, LOCAL_RANK): the few collectives that
+extraction and training need, written once. With one process every helper is a no-op, so callers never branch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> Dist:
+    """Join the torchrun group when there is one: nccl when this process computes on CUDA (cuda:LOCAL_RANK),
+    gloo otherwise. `device` as users write it (auto | cpu | cuda | cuda:N); one process picks it as usual."""
+    from dflashkit.target.model import pick_device
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(0, 1, pick_device(device))
+    import torch.distributed as dist
+
+    cuda = device != "cpu" and torch.cuda.is_available()
+    here = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(here)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), here)
+
+
+def all_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Sum a small CPU tensor over processes (through the device: nccl reduces CUDA tensors only)."""
+    if d.world == 1:
+        return x
+    import torch.distributed as dist
+
+    y = x.to(d.device)
+    dist.all_reduce(y)
+    return y.cpu()
+
+
+def barrier(d: Dist) -> None:
+    if d.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def from_master(obj, d: Dist):
+    """Rank 0's `obj` on every process (a decision all of them must share)."""
+    if d.world == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_all(obj, d: Dist) -> list:
+    """Every process's `obj`, in rank order, on every process."""
+    if d.world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * d.world
+    dist.all_gather_object(out, obj)
+    return out
