@@ -19,7 +19,7 @@ import torch
 from dflashkit.cache import extract, open_cache
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.drafter.head import DraftHead
-from dflashkit.evaluate.offline import _block_embeds, _labels, evaluate_sequence, score_block, stride_anchors
+from dflashkit.evaluate.offline import _labels, block_embeddings, evaluate_sequence, score_block, stride_anchors
 from dflashkit.prompts import load_prompts
 from dflashkit.target.model import load_target
 
@@ -44,7 +44,7 @@ def block_by_block(drafter, head, embed, tokens, feats, anchors, B, metrics=True
 def batched_states(drafter, embed, seqs, anchors, B):
     """[n, B, H] drafter states per prompt: all its blocks in one forward_blocks call (the batched path's drafter)."""
     mask, dtype = drafter.config.mask_token_id, drafter.fc.weight.dtype
-    return [drafter.forward_blocks(f[None, : a[-1]], _block_embeds(embed, tok, a, B, mask, dtype)[None],
+    return [drafter.forward_blocks(f[None, : a[-1]], block_embeddings(embed, tok, a, B, mask, dtype)[None],
                                    torch.tensor(a)[None])[0].view(len(a), B, -1)
             for (tok, f, _), a in zip(seqs, anchors)]
 

@@ -59,8 +59,8 @@ class Tree:
 
 
 def attention_mask(tree: Tree, past: int, dtype: torch.dtype, device) -> Tensor:
-    """[1, 1, n, past + n] additive mask for one verify forward: every cached position visible, then the node's
-    ancestors and itself."""
+    """[1, 1, n, past + n] additive mask for one verify forward: every position already in the target KV
+    visible, then the node's ancestors and itself."""
     allowed = torch.cat([torch.ones(len(tree), past, dtype=torch.bool), tree.ancestor_mask()], dim=1)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None].to(device)

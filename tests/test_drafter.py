@@ -1,4 +1,4 @@
-"""The drafter against a plain-loop reference, its caches, masks and checkpoint formats."""
+"""The drafter against a plain-loop reference, its context KV, masks and checkpoint formats."""
 
 import json
 import math
@@ -158,24 +158,24 @@ def test_mask_is_applied_and_no_dependence_after_anchor():
         assert not torch.allclose(d.forward_blocks(later, emb, torch.tensor([[11]])), d.forward_blocks(feats, emb, torch.tensor([[11]])))
 
 
-def test_cached_forward_equals_uncached():
+def test_forward_with_context_kv_equals_full_context():
     d = make_drafter()
     B, H = 8, 64
     feats = torch.randn(1, 40, 3 * H)
-    cache = d.new_cache()
+    context_kv = d.new_context_kv()
     seen = 0
     with torch.no_grad():
         for end in (7, 8, 19, 23, 40):  # context grows by uneven chunks, as accepted tokens do online
             emb = torch.randn(1, B, H)
             new = feats[:, seen:end]
             pos = torch.cat([torch.arange(seen, end), torch.arange(end, end + B)])[None]
-            cached = d(new, emb, pos, past_key_values=cache)
+            step = d(new, emb, pos, past_key_values=context_kv)
             full = d(feats[:, :end], emb, torch.arange(end + B)[None])
-            torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
             seen = end
-            assert cache.get_seq_length() == end  # block K/V never stay in the cache
-        cache.crop(19)
-        assert cache.get_seq_length() == 19
+            assert context_kv.get_seq_length() == end  # block K/V never stay in the context KV
+        context_kv.crop(19)
+        assert context_kv.get_seq_length() == 19
 
 
 def test_save_load_round_trip_both_formats(tmp_path, tiny_targets):

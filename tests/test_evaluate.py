@@ -86,10 +86,10 @@ class CopyLabelDrafter(torch.nn.Module):
     def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None):
         return self._states((anchors[:, :, None] + torch.arange(self.config.block_size)).reshape(anchors.shape[0], -1))
 
-    def forward(self, target_hidden, noise_embedding, position_ids, past_key_values=None, use_cache=False):
+    def forward(self, target_hidden, block_embeds, position_ids, past_key_values=None, use_cache=False):
         return self._states(position_ids[:, target_hidden.shape[1] :])
 
-    def new_cache(self):
+    def new_context_kv(self):
         return None
 
 
@@ -214,7 +214,7 @@ def test_walk_reproduces_online_chain_decoding(t64, kind):
 
 @pytest.mark.parametrize("kind", ["oracle", "random"])
 def test_walk_reproduces_dflashkit_decode_chain(t64, kind):
-    """The same against the project's online loop (target KV cache, drafter context cache, verify features)."""
+    """The same against the project's online loop (target KV, drafter context KV, verify features)."""
     from dflashkit.decode.speculative import DFlashProposer, generate_chain
 
     prompt = t64.chat_ids([{"role": "user", "content": "class LRU:"}])

@@ -193,17 +193,17 @@ def _block_vs_one_by_one(model, cfg) -> int:
     """How many of 24 tokens get different logits verified in one block than decoded one at a time."""
     from transformers import DynamicCache
 
-    from dflashkit.decode.speculative import crop_cache
+    from dflashkit.decode.speculative import crop_kv
 
     ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     differ = 0
     with torch.no_grad():
-        cache = DynamicCache(config=cfg)
-        model(ids[:, :40], past_key_values=cache)
-        block = model(ids[:, 40:], past_key_values=cache, position_ids=torch.arange(40, 64)[None]).logits[0]
-        crop_cache(cache, 40)
+        kv = DynamicCache(config=cfg)
+        model(ids[:, :40], past_key_values=kv)
+        block = model(ids[:, 40:], past_key_values=kv, position_ids=torch.arange(40, 64)[None]).logits[0]
+        crop_kv(kv, 40)
         for i in range(40, 64):
-            one = model(ids[:, i : i + 1], past_key_values=cache, position_ids=torch.tensor([[i]])).logits[0, 0]
+            one = model(ids[:, i : i + 1], past_key_values=kv, position_ids=torch.tensor([[i]])).logits[0, 0]
             differ += not torch.equal(one, block[i - 40])
     return differ
 

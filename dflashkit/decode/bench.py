@@ -1,6 +1,6 @@
 """`dflashkit bench`: every decoding method on the same prompts in one process, with the gap to the bound.
 
-First the target's cost curve (one forward over n = 1..32 new tokens with a realistic KV cache) and the
+First the target's cost curve (one forward over n = 1..32 new tokens with a realistic target KV) and the
 memory-bound floor; cost-aware methods (`-auto`) size their trees from that curve. Methods run after a warm-up,
 in an order rotated per prompt so that no method always runs first (caches, allocator, CPU frequency). Per
 method: tau, the accepted-length histogram, tokens/s, speedup against plain decoding (ar, our engine, same

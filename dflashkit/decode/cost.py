@@ -2,7 +2,7 @@
 
 Speculative decoding pays when one forward over n tokens costs much less than n one-token forwards. On a CPU
 or GPU at batch 1 the weights are read once per forward whatever n is, so the curve is flat at first and the
-floor is weight bytes / memory bandwidth. The curve is measured with a realistic KV cache, and methods that
+floor is weight bytes / memory bandwidth. The curve is measured with a realistic target KV, and methods that
 size their trees by expected tokens per second read it.
 """
 
@@ -49,25 +49,25 @@ def _sync(device) -> None:
 
 @torch.no_grad()
 def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int = 7, extra: tuple[int, ...] = ()) -> CostCurve:
-    """Median time of one forward over n new tokens after `context` cached tokens, n in ns (+ extra points)."""
-    from dflashkit.decode.speculative import crop_cache, new_cache
+    """Median time of one forward over n new tokens after `context` tokens in the target KV, n in ns (+ extra points)."""
+    from dflashkit.decode.speculative import crop_kv, new_target_kv
 
     ns = sorted(set(ns) | set(extra))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, context + max(ns)), generator=gen).to(target.device)
-    cache = new_cache(target)
-    target.forward(ids[:, :context], past_key_values=cache, logits_to_keep=1)
+    kv = new_target_kv(target)
+    target.forward(ids[:, :context], past_key_values=kv, logits_to_keep=1)
     times = {n: [] for n in ns}
     for r in range(repeats + 1):  # the first pass warms up every shape
         for n in ns:
             _sync(target.device)
             t = perf_counter()
-            target.forward(ids[:, context : context + n], past_key_values=cache,
+            target.forward(ids[:, context : context + n], past_key_values=kv,
                            position_ids=torch.arange(context, context + n, device=target.device)[None])
             _sync(target.device)
             if r:
                 times[n].append(perf_counter() - t)
-            crop_cache(cache, context)
+            crop_kv(kv, context)
     return CostCurve(ns, [statistics.median(times[n]) for n in ns])
 
 

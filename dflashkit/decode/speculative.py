@@ -2,7 +2,7 @@
 
 Each loop reads top to bottom (SPEC.md sections 4-5): prefill with the target's layer features; then rounds of
 draft (one drafter pass) -> verify (one target forward) -> accept (the longest draft the target itself would have
-produced) -> commit (keep only the accepted positions in the target cache; their features become the drafter's
+produced) -> commit (keep only the accepted positions in the target KV; their features become the drafter's
 next context). "The target's choice" is its argmax at temperature 0 and its own sample from softmax(logits / T)
 otherwise; accepting a greedy draft iff it equals that sample keeps the output distribution exactly the target's.
 
@@ -51,7 +51,7 @@ class Generation:
 class Timer:
     """Wall time per named section; synchronizes CUDA so asynchronous kernels land in the right section.
     The loops time only forwards: prefill and verify (target), draft (drafter); `other` is the rest of the
-    round (sampling, tree building, masks, cache cropping, bookkeeping)."""
+    round (sampling, tree building, masks, target KV cropping, bookkeeping)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -95,7 +95,8 @@ class Proposer(Protocol):
 
 class DFlashProposer:
     """A DFlash drafter: block [anchor, MASK x (B-1)] through the drafter, logits through its DraftHead.
-    Its cache holds context K/V only, so each call passes just the newly committed features."""
+    Its context KV (the drafter's keys/values of the context, see ContextKV) holds context positions only, so
+    each call passes just the newly committed features."""
 
     def __init__(self, target, drafter, block_size: int | None = None):
         from dflashkit.drafter.head import DraftHead
@@ -107,17 +108,18 @@ class DFlashProposer:
         dev = target.device
         self.mask_ids = torch.full((self.block_size - 1,), drafter.config.mask_token_id, dtype=torch.long, device=dev)
         self.dtype = drafter.fc.weight.dtype
-        self.cache = None
+        self.context_kv = None
 
     def reset(self, prompt_ids) -> None:
-        self.cache = self.drafter.new_cache()
+        self.context_kv = self.drafter.new_context_kv()
 
     @torch.no_grad()
     def propose(self, features, anchor, start: int) -> torch.Tensor:
         n = features.shape[1]
-        block = self.target.embed_tokens(torch.cat([anchor, self.mask_ids]))[None].to(self.dtype)  # [1, B, H]
-        positions = torch.arange(start - n, start + self.block_size, device=block.device)[None]  # context, block
-        h = self.drafter(features.to(self.dtype), block, positions, past_key_values=self.cache, use_cache=True)
+        block_embeds = self.target.embed_tokens(torch.cat([anchor, self.mask_ids]))[None].to(self.dtype)  # [1, B, H]
+        positions = torch.arange(start - n, start + self.block_size, device=block_embeds.device)[None]  # context, block
+        h = self.drafter(features.to(self.dtype), block_embeds, positions, past_key_values=self.context_kv,
+                         use_cache=True)
         return self.head.logits(h[0, 1:])  # [B-1, V']
 
     def to_tokens(self, idx):
@@ -143,14 +145,14 @@ def emit(out: list[int], new: list[int], stops: set[int], max_new_tokens: int) -
     return False
 
 
-def new_cache(target):
-    """The target's KV cache for an online loop. Sliding-window attention layers are refused: their cache keeps
-    only the last window of tokens and its own length counter, so cropping a rejected draft off (crop_cache,
-    compact_cache) would corrupt them and silently change the output."""
+def new_target_kv(target):
+    """The target KV (a transformers DynamicCache) for an online loop. Sliding-window attention layers are refused:
+    theirs keeps only the last window of tokens and its own length counter, so cropping a rejected draft off
+    (crop_kv, compact_kv) would corrupt them and silently change the output."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=target.config)
-    sliding = [i for i, layer in enumerate(cache.layers) if "Sliding" in type(layer).__name__ or "Chunked" in type(layer).__name__]
+    kv = DynamicCache(config=target.config)
+    sliding = [i for i, layer in enumerate(kv.layers) if "Sliding" in type(layer).__name__ or "Chunked" in type(layer).__name__]
     if sliding:
         from dflashkit.errors import DFlashError
 
@@ -162,56 +164,56 @@ def new_cache(target):
             "(config.json: use_sliding_window false, or no sliding_attention in layer_types), which is exact for "
             "prompts and outputs shorter than the window"
         )
-    return cache
+    return kv
 
 
-def _attention_layers(cache):
-    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+def _attention_layers(kv):
+    return [layer for layer in kv.layers if getattr(layer, "keys", None) is not None]
 
 
-def _linear_layers(cache):
-    return [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
+def _linear_layers(kv):
+    return [layer for layer in kv.layers if hasattr(layer, "recurrent_states")]
 
 
-def crop_cache(cache, length: int) -> None:
+def crop_kv(kv, length: int) -> None:
     """Keep the first `length` positions of every attention layer (linear-attention states are restored instead),
-    and batch row 0 only (a hybrid tree verify expands the cache to one row per path)."""
-    for layer in _attention_layers(cache):
+    and batch row 0 only (a hybrid tree verify expands the target KV to one row per path)."""
+    for layer in _attention_layers(kv):
         layer.keys, layer.values = layer.keys[:1, :, :length], layer.values[:1, :, :length]
 
 
-def compact_cache(cache, start: int, keep: torch.Tensor) -> None:
+def compact_kv(kv, start: int, keep: torch.Tensor) -> None:
     """Keep positions < start plus the tree slots start + keep (the accepted path, in order): the kept slots
     move down to start..start+len(keep)-1 (only the tail is copied), then the rest is cropped off."""
-    for layer in _attention_layers(cache):
+    for layer in _attention_layers(kv):
         for t in (layer.keys, layer.values):
             t[:, :, start : start + len(keep)] = t.index_select(2, start + keep)
-    crop_cache(cache, start + len(keep))
+    crop_kv(kv, start + len(keep))
 
 
-def save_linear_states(cache) -> list:
+def save_linear_states(kv) -> list:
     """Clones of every linear-attention layer's conv and recurrent states (they are updated in place)."""
     saved = []
-    for layer in _linear_layers(cache):
+    for layer in _linear_layers(kv):
         saved.append(({i: None if s is None else s.clone() for i, s in layer.conv_states.items()},
                       {i: None if s is None else s.clone() for i, s in layer.recurrent_states.items()},
                       dict(layer.has_previous_state)))
     return saved
 
 
-def load_linear_states(cache, saved) -> None:
-    for layer, (conv, rec, prev) in zip(_linear_layers(cache), saved):
+def load_linear_states(kv, saved) -> None:
+    for layer, (conv, rec, prev) in zip(_linear_layers(kv), saved):
         layer.conv_states = {i: None if s is None else s.clone() for i, s in conv.items()}
         layer.recurrent_states = {i: None if s is None else s.clone() for i, s in rec.items()}
         layer.has_previous_state = dict(prev)
 
 
-def rerun(target, cache, saved, tokens: torch.Tensor, start: int, layer_ids):
-    """Hybrid commit: roll the cache back to `start` and run the accepted tokens [n] again. Returns features."""
-    crop_cache(cache, start)
-    load_linear_states(cache, saved)
+def rerun(target, kv, saved, tokens: torch.Tensor, start: int, layer_ids):
+    """Hybrid commit: roll the target KV back to `start` and run the accepted tokens [n] again. Returns features."""
+    crop_kv(kv, start)
+    load_linear_states(kv, saved)
     pos = (start + torch.arange(len(tokens), device=tokens.device))[None]
-    out = target.forward(tokens[None], layer_ids=layer_ids, past_key_values=cache, position_ids=pos,
+    out = target.forward(tokens[None], layer_ids=layer_ids, past_key_values=kv, position_ids=pos,
                          compute_logits=False)
     return out.features
 
@@ -234,16 +236,16 @@ def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
                 generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """Plain decoding, one target forward per token: the baseline every speedup is measured against."""
     timer, stops, dev = _begin(target, stop_ids)
-    cache = new_cache(target)
+    kv = new_target_kv(target)
     with timer("prefill"):
-        out = target.forward(torch.tensor([prompt_ids], device=dev), past_key_values=cache, logits_to_keep=1)
+        out = target.forward(torch.tensor([prompt_ids], device=dev), past_key_values=kv, logits_to_keep=1)
     token = choose(out.logits[0, -1:], temperature, generator)  # [1]
     tokens: list[int] = []
     done = emit(tokens, token.tolist(), stops, max_new_tokens)
     pos, accepted = len(prompt_ids), []
     while not done:
         with timer("verify"):
-            out = target.forward(token[None], past_key_values=cache, position_ids=torch.tensor([[pos]], device=dev))
+            out = target.forward(token[None], past_key_values=kv, position_ids=torch.tensor([[pos]], device=dev))
         token = choose(out.logits[0, -1:], temperature, generator)
         accepted.append(1)
         pos += 1
@@ -258,9 +260,9 @@ def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_to
     timer, stops, dev = _begin(target, stop_ids)
     B, layer_ids = proposer.block_size, proposer.layer_ids
     offsets = torch.arange(B, device=dev)
-    cache = new_cache(target)
+    kv = new_target_kv(target)
     with timer("prefill"):
-        out = target.forward(torch.tensor([prompt_ids], device=dev), layer_ids=layer_ids, past_key_values=cache,
+        out = target.forward(torch.tensor([prompt_ids], device=dev), layer_ids=layer_ids, past_key_values=kv,
                              logits_to_keep=1)
     bonus = choose(out.logits[0, -1:], temperature, generator)  # [1] first new token, not yet run
     tokens: list[int] = []
@@ -271,18 +273,18 @@ def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_to
         with timer("draft"):
             logits = proposer.propose(feats, bonus, start)  # [B-1, V']
         block = torch.cat([bonus, proposer.to_tokens(logits.argmax(-1))])  # [B]: the bonus, then B-1 drafts
-        saved = save_linear_states(cache) if target.is_hybrid else None
+        saved = save_linear_states(kv) if target.is_hybrid else None
         with timer("verify"):
-            out = target.forward(block[None], layer_ids=layer_ids, past_key_values=cache,
+            out = target.forward(block[None], layer_ids=layer_ids, past_key_values=kv,
                                  position_ids=(start + offsets)[None])
         posterior = choose(out.logits[0], temperature, generator)  # [B]: target's token after block[:i+1]
         a = int((block[1:] == posterior[:-1]).cumprod(0).sum())  # accepted drafts
         feats = out.features[:, : a + 1]
         if saved is None:
-            crop_cache(cache, start + a + 1)
+            crop_kv(kv, start + a + 1)
         elif a < B - 1:  # a recurrent state cannot be cropped: restore it and re-run the accepted tokens
             with timer("verify"):
-                feats = rerun(target, cache, saved, block[: a + 1], start, layer_ids)
+                feats = rerun(target, kv, saved, block[: a + 1], start, layer_ids)
         accepted.append(a + 1)
         bonus, start = posterior[a : a + 1], start + a + 1
         done = emit(tokens, block[1 : a + 1].tolist() + bonus.tolist(), stops, max_new_tokens)
@@ -296,12 +298,12 @@ def draft_tree(logits: torch.Tensor, budget: int, root: torch.Tensor, to_tokens)
     return Tree(tokens=tokens, depths=tree.depths, parents=tree.parents, log_probs=tree.log_probs)
 
 
-def verify_tree_by_paths(target, cache, tree: Tree, start: int, layer_ids=None):
+def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
     """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence at a time) and
     for branching trees under row-invariant bf16 kernels (a flattened tree interleaves masked keys with visible
     ones, which changes the order of the softmax and value sums and so the rounding; a path keeps every row's keys
     exactly as plain decoding sees them). Returns (logits at every node [n, V], the forward's output, the row of
-    every node [n]). The cache comes back expanded; the caller restores or crops it."""
+    every node [n]). The target KV comes back expanded; the caller restores or crops it."""
     parents, depths = tree.parents.tolist(), tree.depths.tolist()
     has_child = set(p for p in parents if p >= 0)
     rows = []
@@ -316,13 +318,13 @@ def verify_tree_by_paths(target, cache, tree: Tree, start: int, layer_ids=None):
     for r, row in enumerate(rows):
         row_of[row] = r
     n, dev = len(rows), target.device
-    for layer in _attention_layers(cache):
+    for layer in _attention_layers(kv):
         layer.keys, layer.values = layer.keys.expand(n, -1, -1, -1), layer.values.expand(n, -1, -1, -1)
     rows_of = lambda states: {i: None if s is None else s.repeat(n, *[1] * (s.dim() - 1)) for i, s in states.items()}
-    for layer in _linear_layers(cache):
+    for layer in _linear_layers(kv):
         layer.conv_states, layer.recurrent_states = rows_of(layer.conv_states), rows_of(layer.recurrent_states)
     pos = (start + torch.arange(width, device=dev)).expand(n, -1)
-    out = target.forward(tree.tokens[grid].to(dev), past_key_values=cache, position_ids=pos, layer_ids=layer_ids)
+    out = target.forward(tree.tokens[grid].to(dev), past_key_values=kv, position_ids=pos, layer_ids=layer_ids)
     return out.logits[row_of.to(dev), torch.tensor(depths, device=dev)], out, row_of
 
 
@@ -422,12 +424,12 @@ def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tok
                   method: str = "tree") -> Generation:
     """Tree verification (SPEC.md section 5): whatever tree the round proposes (DDTree nodes, an n-gram branch,
     both) is verified in one target forward over root + nodes (position start + depth, ancestor-only mask); the
-    walk picks the accepted path, and only that path stays in the target cache."""
+    walk picks the accepted path, and only that path stays in the target KV."""
     timer, stops, dev = _begin(target, stop_ids)
     layer_ids = drafts.layer_ids
-    cache = new_cache(target)
+    kv = new_target_kv(target)
     with timer("prefill"):
-        out = target.forward(torch.tensor([prompt_ids], device=dev), layer_ids=layer_ids, past_key_values=cache,
+        out = target.forward(torch.tensor([prompt_ids], device=dev), layer_ids=layer_ids, past_key_values=kv,
                              logits_to_keep=1)
     bonus = choose(out.logits[0, -1:], temperature, generator)
     tokens: list[int] = []
@@ -439,32 +441,32 @@ def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tok
     while not done:
         t_round, t_verify, t_draft = perf_counter(), timer.times["verify"], timer.times["draft"]
         tree = drafts.propose(feats, bonus, start, timer)
-        saved = save_linear_states(cache) if target.is_hybrid else None
+        saved = save_linear_states(kv) if target.is_hybrid else None
         by_paths = saved is not None or (invariant and int(tree.depths.max()) < len(tree) - 1)  # branching
         if not by_paths:
             mask = attention_mask(tree, start, target.dtype, dev)
             with timer("verify"):
-                out = target.forward(tree.tokens[None].to(dev), layer_ids=layer_ids, past_key_values=cache,
+                out = target.forward(tree.tokens[None].to(dev), layer_ids=layer_ids, past_key_values=kv,
                                      position_ids=(start + tree.depths)[None].to(dev), attention_mask=mask)
             node_logits = out.logits[0]  # [n, V]
         else:
             with timer("verify"):
-                node_logits, out, row_of = verify_tree_by_paths(target, cache, tree, start, layer_ids)
+                node_logits, out, row_of = verify_tree_by_paths(target, kv, tree, start, layer_ids)
         choice = choose(node_logits, temperature, generator)  # [n]: the target's token after each node
         path = walk(tree, choice.tolist())
         keep = torch.tensor([0] + path, device=dev)  # root (the bonus) + accepted nodes
         if not by_paths:
-            compact_cache(cache, start, keep)
+            compact_kv(kv, start, keep)
             feats = out.features[:, keep] if layer_ids is not None else None
         elif saved is None:  # the accepted path is a prefix of its last node's row: keep that row only
             r = int(row_of[keep[-1]])
-            for layer in _attention_layers(cache):
+            for layer in _attention_layers(kv):
                 layer.keys, layer.values = layer.keys[r : r + 1], layer.values[r : r + 1]
-            crop_cache(cache, start + len(keep))
+            crop_kv(kv, start + len(keep))
             feats = out.features[r : r + 1, : len(keep)] if layer_ids is not None else None
         else:
             with timer("verify"):
-                feats = rerun(target, cache, saved, tree.tokens.to(dev)[keep], start, layer_ids)
+                feats = rerun(target, kv, saved, tree.tokens.to(dev)[keep], start, layer_ids)
         accepted.append(len(path) + 1)
         new = tree.tokens[path].tolist()
         bonus, start = choice[keep[-1:]], start + len(path) + 1

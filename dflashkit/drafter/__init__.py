@@ -12,7 +12,7 @@ from dflashkit.lazy import lazy_exports
 _EXPORTS = {
     "DrafterConfig": "dflashkit.drafter.config",
     "DFlashDrafter": "dflashkit.drafter.model",
-    "DrafterCache": "dflashkit.drafter.model",
+    "ContextKV": "dflashkit.drafter.model",
     "build_block_mask": "dflashkit.drafter.model",
     "DraftHead": "dflashkit.drafter.head",
     "new_drafter": "dflashkit.drafter.checkpoint",

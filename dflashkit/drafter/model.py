@@ -78,9 +78,14 @@ def apply_rope(x, cos, sin):
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-class DrafterCache:
-    """Post-RoPE context keys/values per layer. Block keys never enter it, so nothing needs cropping
-    after a draft; `crop` exists for callers that roll the context back."""
+class ContextKV:
+    """The drafter's keys/values of the target context it has seen: post-RoPE, per layer.
+
+    It exists so that online decoding (and the offline walk) projects each committed position's target
+    features through fc and k/v once, not again every round: each call passes only the newly committed
+    features and attends to these plus its own block. Block keys never enter it, so nothing needs cropping
+    after a draft; `crop` exists for callers that roll the context back. Not the target's KV cache (the
+    decode loops call that the target KV) and not the hidden-state cache folder of `dflashkit extract`."""
 
     def __init__(self, num_layers: int):
         self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
@@ -114,15 +119,15 @@ class Attention(nn.Module):
     def _heads(self, x, n):
         return x.view(*x.shape[:2], n, self.head_dim)
 
-    def forward(self, h, ctx, cos_ctx, sin_ctx, cos_q, sin_q, mask, cache: DrafterCache | None):
-        """h [b, Q, H] block states; ctx [b, T, H] fused context (new positions only when cached)."""
+    def forward(self, h, ctx, cos_ctx, sin_ctx, cos_q, sin_q, mask, kv: ContextKV | None):
+        """h [b, Q, H] block states; ctx [b, T, H] fused context (new positions only when `kv` holds the rest)."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.n_heads)).transpose(1, 2), cos_q, sin_q)
         k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(h), self.n_kv)).transpose(1, 2), cos_q, sin_q)
         v_blk = self._heads(self.v_proj(h), self.n_kv).transpose(1, 2)
         k_ctx = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv)).transpose(1, 2), cos_ctx, sin_ctx)
         v_ctx = self._heads(self.v_proj(ctx), self.n_kv).transpose(1, 2)
-        if cache is not None:
-            k_ctx, v_ctx = cache.append(self.layer, k_ctx, v_ctx)
+        if kv is not None:
+            k_ctx, v_ctx = kv.append(self.layer, k_ctx, v_ctx)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
         if self.n_kv != self.n_heads:
@@ -151,8 +156,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, ctx, rope, mask, cache):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, *rope, mask, cache)
+    def forward(self, h, ctx, rope, mask, context_kv):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, *rope, mask, context_kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -178,8 +183,8 @@ class DFlashDrafter(nn.Module):
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
 
-    def new_cache(self) -> DrafterCache:
-        return DrafterCache(len(self.layers))
+    def new_context_kv(self) -> ContextKV:
+        return ContextKV(len(self.layers))
 
     def _rope(self, positions, seq_len: int | None = None):
         """cos/sin of absolute positions, times the rope type's attention scaling (as transformers applies it);
@@ -201,8 +206,9 @@ class DFlashDrafter(nn.Module):
         near = near[:, None]
         return near if mask is None else mask & near
 
-    def run(self, target_hidden, noise_embedding, ctx_positions, q_positions, mask=None, cache=None):
-        """Core forward. target_hidden [b, T, K*H] (new context only when cached); noise_embedding [b, Q, H];
+    def run(self, target_hidden, block_embeds, ctx_positions, q_positions, mask=None, context_kv=None):
+        """Core forward. target_hidden [b, T, K*H] (new context only when context_kv holds the rest);
+        block_embeds [b, Q, H] embeddings of the block(s): the anchor token then B-1 mask tokens;
         ctx_positions [b, T]; q_positions [b, Q]; mask [b, 1, Q, T_total + Q] bool (True = may attend) or None
         for full visibility. Returns final-normed block states [b, Q, H]."""
         ctx = self.hidden_norm(self.fc(target_hidden))
@@ -212,17 +218,17 @@ class DFlashDrafter(nn.Module):
         rope = (cos_c, sin_c, cos_q, sin_q)
         sliding_mask = None
         if "sliding_attention" in self.config.layer_types:
-            past = cache.get_seq_length() if cache is not None else 0
-            k_pos = torch.cat([self._cached_positions(ctx_positions, past), q_positions], dim=1)
+            past = context_kv.get_seq_length() if context_kv is not None else 0
+            k_pos = torch.cat([self._with_past_positions(ctx_positions, past), q_positions], dim=1)
             sliding_mask = self._sliding(mask, q_positions, k_pos)
-        h = noise_embedding
+        h = block_embeds
         for layer, kind in zip(self.layers, self.config.layer_types):
-            h = layer(h, ctx, rope, sliding_mask if kind == "sliding_attention" else mask, cache)
+            h = layer(h, ctx, rope, sliding_mask if kind == "sliding_attention" else mask, context_kv)
         return self.norm(h)
 
     @staticmethod
-    def _cached_positions(ctx_positions, past):
-        # Context positions are contiguous from 0 in every caller that caches; prepend the cached ones.
+    def _with_past_positions(ctx_positions, past):
+        # Context positions are contiguous from 0 in every caller that keeps a context KV; prepend the past ones.
         if past == 0:
             return ctx_positions
         start = ctx_positions[:, :1] - past
@@ -230,10 +236,14 @@ class DFlashDrafter(nn.Module):
         return torch.cat([prev, ctx_positions], dim=1)
 
     def forward(self, target_hidden, noise_embedding, position_ids, past_key_values=None, use_cache=False):
-        """z-lab's call: position_ids [b, T + B] cover the new context positions then the block."""
+        """z-lab's call, keywords included (their decoding loop calls our drafter by these names).
+
+        noise_embedding: z-lab's name for block_embeds [b, B, H]. position_ids [b, T + B] cover the new context
+        positions then the block. past_key_values: a ContextKV (from new_context_kv()) holding the context seen
+        so far; target_hidden then carries only the new positions. use_cache is z-lab's flag and changes
+        nothing here: a given past_key_values is always used, and none means no context KV."""
         t = target_hidden.shape[1]
-        cache = past_key_values if (use_cache or past_key_values is not None) else None
-        return self.run(target_hidden, noise_embedding, position_ids[:, :t], position_ids[:, t:], None, cache)
+        return self.run(target_hidden, noise_embedding, position_ids[:, :t], position_ids[:, t:], None, past_key_values)
 
     def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None, attention="auto"):
         """Many blocks of one sequence in one call (training and offline evaluation).

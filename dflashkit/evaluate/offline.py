@@ -10,7 +10,7 @@ Anchor schedules: `stride` (a = prompt_len, prompt_len + B, ...: the same blocks
 compare) and `walk` (next anchor = a + streak + 1: online chain decoding at T=0 when the cache holds the
 target's own greedy output). Stride puts all blocks of a prompt through ONE `drafter.forward_blocks` call
 (block j sees context < anchor_j and its own block); walk depends on each result, so it runs block after
-block with the drafter's context cache, exactly as the online loop drafts.
+block with the drafter's context KV, exactly as the online loop drafts.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def _labels(tokens, anchors: list[int], B: int) -> torch.Tensor:
     return torch.where(pos < T, tokens[pos.clamp(max=T - 1)], torch.full_like(pos, -100))
 
 
-def _block_embeds(embed_tokens, tokens, anchors: list[int], B: int, mask_id: int, dtype) -> torch.Tensor:
-    """[n*B, H] embeddings of the blocks [token_a, MASK x (B-1)]."""
+def block_embeddings(embed_tokens, tokens, anchors: list[int], B: int, mask_id: int, dtype) -> torch.Tensor:
+    """block_embeds [n*B, H]: embeddings of each block, the anchor token then B-1 mask tokens."""
     ids = torch.full((len(anchors), B), mask_id, dtype=torch.long, device=tokens.device)
     ids[:, 0] = tokens[torch.tensor(anchors, device=tokens.device)]
     return embed_tokens(ids.reshape(-1)).to(dtype)
@@ -202,18 +202,18 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
         out = []
         for s in range(0, len(starts), BLOCKS_PER_CALL):
             a = starts[s : s + BLOCKS_PER_CALL]
-            emb = _block_embeds(embed_tokens, tokens, a, B, cfg.mask_token_id, p.dtype)
+            block_embeds = block_embeddings(embed_tokens, tokens, a, B, cfg.mask_token_id, p.dtype)
             anchor_t = torch.tensor(a, device=p.device)[None]
-            h = drafter.forward_blocks(feats[None, : a[-1]], emb[None], anchor_t)  # context < last anchor suffices
+            h = drafter.forward_blocks(feats[None, : a[-1]], block_embeds[None], anchor_t)  # context < last anchor suffices
             out += _score_blocks(head, h[0].view(len(a), B, -1)[:, 1:], tokens, a, B, trees)
         return out
-    # walk: each anchor follows from the previous streak; the context cache takes only the new positions
-    cache = drafter.new_cache()
+    # walk: each anchor follows from the previous streak; the context KV takes only the new positions
+    context_kv = drafter.new_context_kv()
     out, done, a = [], 0, prompt_len
     while a <= T - 2 and (max_blocks is None or len(out) < max_blocks):
-        emb = _block_embeds(embed_tokens, tokens, [a], B, cfg.mask_token_id, p.dtype)
+        block_embeds = block_embeddings(embed_tokens, tokens, [a], B, cfg.mask_token_id, p.dtype)
         pos = torch.arange(done, a + B, device=p.device)[None]  # new context positions, then the block
-        h = drafter(feats[None, done:a], emb[None], pos, past_key_values=cache, use_cache=True)
+        h = drafter(feats[None, done:a], block_embeds[None], pos, past_key_values=context_kv, use_cache=True)
         done = a
         rec = _score_blocks(head, h[:, 1:], tokens, [a], B, trees)[0]
         out.append(rec)
