@@ -70,3 +70,20 @@ def test_rerun_skips_cached_stages_and_rebuilds_a_corrupted_one(demo_run, capsys
     problems, _ = verify_cache(out / "cache" / "coding-10")
     assert problems == []
     assert all(s["done"] for s in stamps(out).values())
+
+
+def test_the_demo_trains_the_recipe_file_with_its_own_overrides_on_top(demo_run, tmp_path):
+    """One CPU recipe: configs/smollm2-cpu.yaml is what the demo trains (only the demo's own overrides differ)."""
+    from dflashkit.demo import RECIPE, DemoConfig, load_recipe
+    from dflashkit.errors import DFlashError
+    from dflashkit.train.config import load_config
+
+    cfg, out, _ = demo_run
+    assert RECIPE.name == "smollm2-cpu.yaml" and RECIPE.parent.name == "configs" and RECIPE.is_file()
+    trained = json.loads((out / "train" / "summary.json").read_text())["config"]
+    recipe = load_config(RECIPE).to_dict()
+    assert trained["gamma"] == recipe["gamma"] == 1.0 and trained["num_layers"] == recipe["num_layers"]
+    assert trained["num_target_layers"] == recipe["num_target_layers"] == 5 and recipe["target_layer_ids"] is None
+    assert trained["anchors_per_seq"] == 8 and trained["out"] == str(out / "train")  # the demo's overrides
+    with pytest.raises(DFlashError, match=r"nope.yaml: the demo's training recipe is missing.*--recipe FILE"):
+        load_recipe(DemoConfig(recipe=str(tmp_path / "nope.yaml")))

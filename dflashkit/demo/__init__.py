@@ -1,0 +1,274 @@
+"""`dflashkit demo`: the whole pipeline on the embedded default target, sized for a laptop CPU.
+
+    target   prepare and load the target
+    data     the target's greedy answers to the training prompts, with the drafter's features captured
+    cache    the eval suite's completions and features (the held-out eval cache)
+    train    the recipe in configs/smollm2-cpu.yaml, time-boxed; an interrupted run resumes
+    eval     offline: trained vs untrained vs first checkpoint, stride and walk anchors
+    bench    online speculative decoding against the live target, on the eval suite and a held-out one
+    report   report.md / report.json from what the stages wrote
+
+A rerun skips every stage whose inputs and outputs are unchanged (see stages.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflashkit.demo.stages import Stage, StageRunner, Timing
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import write_json
+
+STEPS = ["target", "data", "cache", "train", "eval", "bench", "report"]
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "smollm2-cpu.yaml"
+
+
+@dataclass
+class DemoConfig:
+    out: str = "runs/demo"
+    target: str = "smollm2-135m"
+    device: str = "auto"
+    minutes: float = 15.0  # training budget
+    recipe: str = str(RECIPE)  # the training settings (a `dflashkit train --config` file)
+    train_prompts: int | None = 360  # of the built-in train-mix suite, the ones nearest the eval suite
+    train_max_new_tokens: int = 192
+    gen_batch_size: int = 32
+    eval_suite: str = "coding-10"
+    eval_prompts: int | None = None
+    eval_max_new_tokens: int = 256
+    bench_prompts: int | None = None
+    bench_max_new_tokens: int = 256
+    bench_methods: str = "ar,ngram,ddtree-8,hybrid-8,hybrid-auto,prompt-lookup,hf-generate"
+    # a second suite in another style, never used for training or selection: does the speedup hold there?
+    holdout_suite: str = "complete-12"
+    holdout_methods: str = "ar,ngram,hybrid-auto,prompt-lookup"
+    train: dict = field(default_factory=dict)  # overrides of the recipe (e.g. steps for a smoke run)
+    progress: bool = True
+
+
+class Paths:
+    """Where each stage writes, under the demo's out folder."""
+
+    def __init__(self, root: Path, eval_suite: str):
+        self.root = root
+        self.data, self.eval_cache = root / "cache" / "train", root / "cache" / eval_suite
+        self.train, self.drafters = root / "train", root / "drafters"
+        self.first, self.untrained = self.drafters / "first-checkpoint", self.drafters / "untrained"
+        self.eval, self.bench, self.holdout = root / "eval", root / "bench", root / "bench-holdout"
+
+
+def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
+    from rich.console import Console
+
+    from dflashkit.target.model import pick_device
+
+    console, p, device = Console(), Paths(Path(cfg.out), cfg.eval_suite), pick_device(cfg.device)
+    if fresh and p.root.exists():
+        shutil.rmtree(p.root)
+    console.print(f"dflashkit demo: target {cfg.target} on [bold]{device}[/bold], training budget {cfg.minutes:g} min, "
+                  f"output {p.root}")
+    runner = StageRunner(p.root, STEPS, console)
+    runner.header("target")
+    target, seconds = load_demo_target(cfg)
+    runner.timings["target"] = Timing(seconds, skipped=False)
+    recipe = load_recipe(cfg)
+    stages = declare_stages(cfg, p, target, recipe, device)
+    runner.estimates = {s.name: s.estimate_s for s in stages}
+    for stage in stages:
+        runner.run(stage)
+
+    from dflashkit.demo.report import write_report
+
+    report = write_report(p.root, cfg, device, runner.timings)  # always rewritten: cheap, and carries the timings
+    runner.header("report")
+    for line in report["console"]:
+        console.print(line)
+    console.print(f"report: {p.root / 'report.md'}")
+    return report
+
+
+def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[Stage]:
+    """The demo's stages in order: what each reads (its fingerprint), writes, and how long it takes on 2 cores."""
+    from dflashkit.prompts import load_prompts
+    from dflashkit.train.loop import feature_layers
+
+    tid = {k: v for k, v in target.identity().items() if k != "path"}
+    layer_ids = feature_layers(recipe, target, None)
+    train_suite = load_prompts("train-mix")
+    if cfg.train_prompts:  # on-domain data: the training prompts closest to the eval suite's topic
+        train_suite = train_suite.nearest(load_prompts(cfg.eval_suite), cfg.train_prompts)
+    eval_suite, bench_suite, holdout = (load_prompts(cfg.eval_suite), load_prompts(cfg.eval_suite),
+                                        load_prompts(cfg.holdout_suite))
+    if cfg.eval_prompts:
+        eval_suite = eval_suite.subset(cfg.eval_prompts)
+    if cfg.bench_prompts:
+        bench_suite, holdout = bench_suite.subset(cfg.bench_prompts), holdout.subset(cfg.bench_prompts)
+    cpu = device.type == "cpu"
+    decoded = (cfg.bench_prompts or 10) * cfg.bench_max_new_tokens * (len(cfg.bench_methods.split(","))
+                                                                        + len(cfg.holdout_methods.split(",")))
+    return [
+        Stage("data", {"target": tid, "suite": train_suite.content_hash, "layers": layer_ids,
+                       "max_new_tokens": cfg.train_max_new_tokens}, [p.data],
+              lambda: build_cache(target, train_suite, p.data, layer_ids, cfg.train_max_new_tokens, cfg.gen_batch_size,
+                                  cfg.progress),
+              estimate_s=len(train_suite) * cfg.train_max_new_tokens * 0.85 / (110 if cpu else 2000)),
+        Stage("cache", {"target": tid, "suite": eval_suite.content_hash, "layers": layer_ids,
+                        "max_new_tokens": cfg.eval_max_new_tokens}, [p.eval_cache],
+              lambda: build_cache(target, eval_suite, p.eval_cache, layer_ids, cfg.eval_max_new_tokens,
+                                  len(eval_suite), cfg.progress),
+              estimate_s=45 if cpu else 15),
+        Stage("train", {"recipe": recipe.to_dict(), "minutes": cfg.minutes, "device": str(device),
+                        "schedule": "time-fitted cosine"}, [p.train, p.drafters],
+              lambda: train_drafters(cfg, p, target, recipe), estimate_s=cfg.minutes * 60 + 30, after=("data", "cache")),
+        Stage("eval", {}, [p.eval], lambda: evaluate_drafters(cfg, p, target), estimate_s=60 if cpu else 20,
+              after=("train", "cache")),
+        Stage("bench", {"suite": bench_suite.content_hash, "methods": cfg.bench_methods,
+                        "holdout": [holdout.content_hash, cfg.holdout_methods],
+                        "max_new_tokens": cfg.bench_max_new_tokens, "device": str(device)}, [p.bench, p.holdout],
+              lambda: bench_methods(cfg, p, target, [(bench_suite, cfg.bench_methods, p.bench),
+                                                     (holdout, cfg.holdout_methods, p.holdout)]),
+              estimate_s=decoded * (0.035 if cpu else 0.02), after=("train",)),
+    ]
+
+
+# ---- the stages ------------------------------------------------------------------------------------------------
+def load_demo_target(cfg: DemoConfig):
+    """(target, seconds): the registry converts and caches the embedded default once per machine."""
+    import time
+
+    from dflashkit.target.model import load_target
+    from dflashkit.target.registry import REGISTRY, prepare
+
+    t0 = time.time()
+    if cfg.target in REGISTRY:
+        prepare(cfg.target)
+    return load_target(cfg.target, device=cfg.device), time.time() - t0
+
+
+def load_recipe(cfg: DemoConfig):
+    """The training settings: the recipe file, then the demo's own overrides (tests shorten it)."""
+    from dflashkit.train.config import load_config
+
+    if not Path(cfg.recipe).is_file():
+        raise DFlashError(f"{cfg.recipe}: the demo's training recipe is missing; run the demo from a dflashkit "
+                          "checkout (it reads configs/smollm2-cpu.yaml) or pass --recipe FILE")
+    return load_config(cfg.recipe, cfg.train)
+
+
+def build_cache(target, suite, out: Path, layer_ids, max_new_tokens: int, batch_size: int, progress: bool) -> None:
+    """Greedy completions plus the features of the drafter's layers, captured once (batched), so that training
+    never runs the target in its loop."""
+    from dflashkit.cache import extract
+
+    extract(target, suite, out, layer_ids=layer_ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
+            progress=progress)
+
+
+def train_drafters(cfg: DemoConfig, p: Paths, target, recipe) -> None:
+    """The trained drafter (time-boxed), its first periodic checkpoint and an untrained twin for comparison."""
+    import torch
+
+    from dflashkit.drafter import DFlashDrafter
+    from dflashkit.drafter.checkpoint import contract, load_drafter, save_drafter
+    from dflashkit.train import train
+    from dflashkit.train.config import load_config
+
+    tc = load_config(cfg.recipe, {**cfg.train, "target": cfg.target, "data": str(p.data), "out": str(p.train),
+                                  "max_minutes": cfg.minutes, "schedule_minutes": cfg.minutes, "device": cfg.device,
+                                  "eval_cache": str(p.eval_cache), "progress": cfg.progress})
+    first_step = tc.save_every
+
+    def keep_first(step, row):
+        # the periodic checkpoint of step `first_step` exists once the next step runs; copy it before pruning
+        src = p.train / "checkpoints" / f"step-{first_step:08d}"
+        if step == first_step + 1 and src.is_dir() and not p.first.exists():
+            shutil.copytree(src, p.first, ignore=shutil.ignore_patterns("train_state.pt"))
+
+    if not (p.train / "latest.json").is_file():  # a fresh run (not a resume): forget an old first checkpoint
+        shutil.rmtree(p.first, ignore_errors=True)
+    summary = train(tc, target=target, on_step=keep_first)
+    if not summary["finished"] and not str(summary["stop_reason"]).startswith("max_minutes"):
+        raise DFlashError(f"training stopped early ({summary['stop_reason']}) at step {summary['steps']}; "
+                          "rerun `dflashkit demo` to resume from its last checkpoint")
+    # the untrained reference: the same architecture, draft vocabulary and seed, before any step
+    final = load_drafter(summary["checkpoint"])
+    torch.manual_seed(tc.seed)
+    untrained = DFlashDrafter(final.config)
+    own = contract(untrained)  # keys save_drafter derives itself; carry over only the training extras
+    save_drafter(untrained, p.untrained, format="dflashkit", target_identity=target.identity(),
+                 **{k: v for k, v in (final.contract or {}).items() if k not in own})
+    if not p.first.exists():  # the run ended before its first periodic checkpoint: use the earliest one left
+        first = sorted((p.train / "checkpoints").glob("step-*"))
+        shutil.copytree(first[0] if first else Path(summary["checkpoint"]), p.first,
+                        ignore=shutil.ignore_patterns("train_state.pt"))
+    write_json(p.train / "demo-train.json", {"summary_checkpoint": summary["checkpoint"], "first_step": first_step})
+
+
+def final_checkpoint(p: Paths) -> Path:
+    return Path(json.loads((p.train / "demo-train.json").read_text())["summary_checkpoint"])
+
+
+def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
+    """Offline metrics of the three drafters with both anchor schedules, their comparisons, and the data limits."""
+    from dflashkit.cache import open_cache
+    from dflashkit.demo.report import data_limits
+    from dflashkit.evaluate.compare import compare_runs
+    from dflashkit.evaluate.offline import run_eval
+
+    cache = open_cache(p.eval_cache, expect_target=target.identity())
+    drafters = {"trained": final_checkpoint(p), "first-checkpoint": p.first, "untrained": p.untrained}
+    say = print if cfg.progress else (lambda line: None)
+    for anchors in ("stride", "walk"):
+        for name, path in drafters.items():
+            run_eval(path, target, cache, p.eval / f"{name}-{anchors}", anchors=anchors, trees=("budget:4", "budget:8"),
+                     progress=cfg.progress, say=say)
+        compare_runs([p.eval / f"{n}-{anchors}" for n in drafters], out=p.eval / f"compare-{anchors}")
+    write_json(p.eval / "limits.json", data_limits(final_checkpoint(p), p.data, cache))
+
+
+def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
+    """Online decoding of each (suite, methods, out folder), one cost curve measured for both."""
+    from dflashkit.decode.bench import parse_methods, run_bench, write_bench
+    from dflashkit.decode.cost import CostCurve
+    from dflashkit.drafter.checkpoint import load_drafter
+
+    drafter = load_drafter(final_checkpoint(p), target=target, device=target.device, dtype=target.dtype)
+    cost = None
+    for suite, methods, out in runs:
+        prompts = [(it.id, target.chat_ids(it.messages)) for it in suite.items]
+        result = run_bench(target, drafter, prompts, parse_methods(methods), max_new_tokens=cfg.bench_max_new_tokens,
+                           progress=cfg.progress, cost=cost)
+        cost = CostCurve.from_dict(result["cost"])
+        result["config"]["suite"] = suite.name
+        write_bench(result, out)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------
+def register(sub) -> None:
+    from dflashkit.threads import add_threads_option
+
+    p = sub.add_parser("demo", help="the whole pipeline on the embedded default target (what `make demo` runs)")
+    p.add_argument("--minutes", type=float, default=15.0, help="training budget in minutes (default 15)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--recipe", default=str(RECIPE), help="training settings file (default configs/smollm2-cpu.yaml)")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--train-prompts", type=int, default=360,
+                   help="train-mix prompts nearest the eval suite's topic (default 360; 0 = all 664)")
+    p.add_argument("--eval-prompts", type=int, default=None)
+    p.add_argument("--bench-prompts", type=int, default=None)
+    p.add_argument("--bench-max-new-tokens", type=int, default=256)
+    p.add_argument("--fresh", action="store_true", help="discard every cached stage and start over")
+    add_threads_option(p)
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args) -> int:
+    cfg = DemoConfig(out=args.out, target=args.target, device=args.device, minutes=args.minutes, recipe=args.recipe,
+                     train_prompts=args.train_prompts, eval_prompts=args.eval_prompts, bench_prompts=args.bench_prompts,
+                     bench_max_new_tokens=args.bench_max_new_tokens)
+    run_demo(cfg, fresh=args.fresh)
+    return 0
