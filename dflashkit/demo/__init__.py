@@ -172,7 +172,7 @@ def train_drafters(cfg: DemoConfig, p: Paths, target, recipe) -> None:
     import torch
 
     from dflashkit.drafter import DFlashDrafter
-    from dflashkit.drafter.checkpoint import contract, load_drafter, save_drafter
+    from dflashkit.drafter.checkpoint import contract, load_drafter, run_latest, save_drafter
     from dflashkit.train import train
     from dflashkit.train.config import load_config
 
@@ -187,7 +187,7 @@ def train_drafters(cfg: DemoConfig, p: Paths, target, recipe) -> None:
         if step == first_step + 1 and src.is_dir() and not p.first.exists():
             shutil.copytree(src, p.first, ignore=shutil.ignore_patterns("train_state.pt"))
 
-    if not (p.train / "latest.json").is_file():  # a fresh run (not a resume): forget an old first checkpoint
+    if run_latest(p.train) is None:  # a fresh run (not a resume): forget an old first checkpoint
         shutil.rmtree(p.first, ignore_errors=True)
     summary = train(tc, target=target, on_step=keep_first)
     if not summary["finished"] and not str(summary["stop_reason"]).startswith("max_minutes"):

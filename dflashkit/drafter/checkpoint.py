@@ -56,6 +56,15 @@ def read_contract(path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
+RUN_POINTER = "latest.json"  # in a training run folder: {"step", "checkpoint", "finished", "reason"}
+
+
+def run_latest(run) -> Path | None:
+    """The drafter folder a training run's latest.json points at; None when `run` is not a run folder."""
+    f = Path(run) / RUN_POINTER
+    return Path(run) / json.loads(f.read_text())["checkpoint"] if f.is_file() else None
+
+
 def load_drafter(path, target=None, allow_missing: bool = False, strict: bool = False, device="cpu",
                  dtype: torch.dtype | None = torch.float32, same_target: bool = True) -> DFlashDrafter:
     """Load either format; `drafter.load_report` lists what was detected, loaded and skipped.

@@ -90,16 +90,13 @@ def cmd_init(args) -> int:
 
 
 def cmd_export(args) -> int:
-    import json
     from pathlib import Path
 
     import torch
 
-    from dflashkit.drafter.checkpoint import load_drafter, save_drafter
+    from dflashkit.drafter.checkpoint import load_drafter, run_latest, save_drafter
 
-    src = Path(args.drafter)
-    if (src / "latest.json").is_file():  # a training run folder: its latest checkpoint
-        src = src / json.loads((src / "latest.json").read_text())["checkpoint"]
+    src = run_latest(args.drafter) or Path(args.drafter)  # a training run folder: its latest checkpoint
     drafter = load_drafter(src)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     out = save_drafter(drafter, args.out, format="zlab", dtype=dtype)

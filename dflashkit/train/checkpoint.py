@@ -13,13 +13,13 @@ drafter on top of the old weights.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
 
 import torch
 
+from dflashkit.drafter.checkpoint import RUN_POINTER, run_latest
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, write_json
 
@@ -58,11 +58,9 @@ def step_dirs(run: Path) -> list[Path]:
 def latest_checkpoint(run) -> Path | None:
     """The checkpoint a rerun continues from: latest.json's, else the highest complete step folder."""
     run = Path(run)
-    f = run / "latest.json"
-    if f.is_file():
-        p = run / json.loads(f.read_text())["checkpoint"]
-        if (p / STATE_FILE).is_file():
-            return p
+    p = run_latest(run)
+    if p is not None and (p / STATE_FILE).is_file():
+        return p
     done = [p for p in step_dirs(run) if (p / STATE_FILE).is_file()]
     return done[-1] if done else None
 
@@ -78,7 +76,7 @@ def save_checkpoint(run, drafter, state: dict, contract_extra: dict, keep_last: 
         save_drafter(drafter, tmp, format="dflashkit", **contract_extra, trained_steps=state["step"],
                      finished=finished, stop_reason=reason)
         torch.save(state, tmp / STATE_FILE)
-    write_json(run / "latest.json", {"step": state["step"], "checkpoint": str(path.relative_to(run)),
+    write_json(run / RUN_POINTER, {"step": state["step"], "checkpoint": str(path.relative_to(run)),
                                      "finished": finished, "reason": reason})
     for old in step_dirs(run)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
