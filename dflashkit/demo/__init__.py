@@ -97,15 +97,14 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
 
     tid = {k: v for k, v in target.identity().items() if k != "path"}
     layer_ids = feature_layers(recipe, target, None)
+    suite, holdout = load_prompts(cfg.eval_suite), load_prompts(cfg.holdout_suite)
     train_suite = load_prompts("train-mix")
     if cfg.train_prompts:  # on-domain data: the training prompts closest to the eval suite's topic
-        train_suite = train_suite.nearest(load_prompts(cfg.eval_suite), cfg.train_prompts)
-    eval_suite, bench_suite, holdout = (load_prompts(cfg.eval_suite), load_prompts(cfg.eval_suite),
-                                        load_prompts(cfg.holdout_suite))
-    if cfg.eval_prompts:
-        eval_suite = eval_suite.subset(cfg.eval_prompts)
+        train_suite = train_suite.nearest(suite, cfg.train_prompts)
+    eval_suite = suite.subset(cfg.eval_prompts) if cfg.eval_prompts else suite
+    bench_suite = suite.subset(cfg.bench_prompts) if cfg.bench_prompts else suite
     if cfg.bench_prompts:
-        bench_suite, holdout = bench_suite.subset(cfg.bench_prompts), holdout.subset(cfg.bench_prompts)
+        holdout = holdout.subset(cfg.bench_prompts)
     cpu = device.type == "cpu"
     decoded = (cfg.bench_prompts or 10) * cfg.bench_max_new_tokens * (len(cfg.bench_methods.split(","))
                                                                         + len(cfg.holdout_methods.split(",")))

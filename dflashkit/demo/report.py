@@ -8,11 +8,10 @@ still reports the numbers of the run that built them.
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflashkit.fileio import write_json, write_text
+from dflashkit.fileio import read_json, write_json, write_text
 
 BAR = {"best_speedup": 1.6, "ahead_of_prompt_lookup": 0.3, "ddtree8_tau": 2.0, "verify9_ratio": 1.25}
 PEERS = ("ar", "hf-generate")  # the baselines; prompt-lookup (transformers) is one too
@@ -21,7 +20,8 @@ ANCHORS = ("stride", "walk")
 
 
 def _load(p: Path) -> dict:
-    return json.loads(p.read_text()) if p.is_file() else {}
+    """A stage's JSON output, {} when the stage has not written it (a corrupt file is a clear error)."""
+    return read_json(p, fix="rerun `dflashkit demo` to rebuild it") if p.is_file() else {}
 
 
 # ---- typed results -----------------------------------------------------------------------------------------------

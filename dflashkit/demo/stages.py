@@ -57,8 +57,11 @@ class StageRunner:
     def __post_init__(self):
         (self.root / "stages").mkdir(parents=True, exist_ok=True)
 
+    def label(self, name: str) -> str:
+        return f"[{self.names.index(name) + 1}/{len(self.names)}] {name}"
+
     def header(self, name: str, estimate_s: float | None = None) -> None:
-        n = f"[{self.names.index(name) + 1}/{len(self.names)}] {name}"
+        n = self.label(name)
         if estimate_s is None:
             self.console.rule(f"[bold]{n}[/bold]")
             return
@@ -67,7 +70,7 @@ class StageRunner:
 
     def run(self, stage: Stage) -> None:
         """Build `stage` unless its stamp says the same inputs already produced these exact outputs."""
-        n = f"[{self.names.index(stage.name) + 1}/{len(self.names)}] {stage.name}"
+        n = self.label(stage.name)
         stamp_file = self.root / "stages" / f"{stage.name}.json"
         key = sha256_json({**stage.inputs, "after": {s: self.digests[s] for s in stage.after}})
         stamp = json.loads(stamp_file.read_text()) if stamp_file.is_file() else {}

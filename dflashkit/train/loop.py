@@ -121,6 +121,7 @@ class Run:
     start: int = 0
     elapsed_before: float = 0.0
     best: dict | None = None
+    resumed_from: Path | None = None
 
     def log(self, line: str) -> None:
         if self.d.master:
@@ -241,7 +242,7 @@ def restore(r: Run, ckpt: Path, state: dict) -> None:
                    options=StateDictOptions(full_state_dict=True))
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    r.start, r.elapsed_before, r.best = state["step"], state["elapsed_s"], state.get("best")
+    r.start, r.elapsed_before, r.best, r.resumed_from = state["step"], state["elapsed_s"], state.get("best"), ckpt
 
 
 def describe(r: Run) -> None:
@@ -259,8 +260,8 @@ def describe(r: Run) -> None:
           f"{cfg.anchors_per_seq} anchors, {r.d.world} process(es) on {r.d.device} "
           f"({cfg.distributed if r.d.world > 1 else 'single'}), {str(r.compute_dtype).removeprefix('torch.')}, "
           f"attention {cfg.attention}")
-    if r.start:
-        r.log(f"resume   from {latest_checkpoint(r.out)} at step {r.start}")
+    if r.resumed_from:
+        r.log(f"resume   from {r.resumed_from} at step {r.start}")
 
 
 class BlockModel(nn.Module):
