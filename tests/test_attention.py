@@ -16,19 +16,29 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 H, K, B = 64, 3, 8
 
 
-def make_drafter(layers=2, sliding=None, seed=0):
+def make_drafter(layers=2, sliding=None, seed=0, **extra):
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4,
                         intermediate_size=2 * H, num_hidden_layers=layers, target_layer_ids=list(range(1, K + 1)),
                         num_target_layers=6, mask_token_id=259, vocab_size=272, block_size=B, rope_theta=10000.0,
                         layer_types=["full_attention", "sliding_attention"][:layers] if sliding else None,
-                        sliding_window=sliding)
+                        sliding_window=sliding, **extra)
     d = DFlashDrafter(cfg)
-    with torch.no_grad():  # non-trivial norm weights so a missed norm shows up
-        for p in d.parameters():
+    with torch.no_grad():  # non-trivial norm weights so a missed norm shows up; DFlash2 convolutions off identity
+        for name, p in d.named_parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
+            elif "_conv." in name:
+                p.normal_(0, 0.1)
     return d
+
+
+# Attention kinds x architectures that the three paths must compute alike (sliding 11 > B: context windowed;
+# sliding 5 < B: the window also cuts inside the block)
+KINDS = {"full": {}, "sliding 11 causal": {"sliding": 11}, "sliding 5 causal": {"sliding": 5},
+         "sliding 5 non-causal": {"sliding": 5, "sliding_window_non_causal": True}, "is_causal": {"is_causal": True},
+         "dflash2 sliding 5": {"sliding": 5, "arch": "dflash2", "conv_kernel_size": 3, "conv_group_size": 16,
+                               "selector_rank": 8, "selector_top_k": 4}}
 
 
 def uneven_batch(T=45, seed=1):
@@ -50,15 +60,15 @@ def run_path(d, kind, feats, emb, anchors, valid, dtype=torch.float32):
     rows = valid.repeat_interleave(B, 1)
     w = torch.linspace(-1, 1, out.shape[-1])
     (out.float()[rows] * w).sum().backward()
-    grads = {n: p.grad.clone() for n, p in d.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}  # selector: not in the backbone
     return out, grads, f.grad, e.grad
 
 
-@pytest.mark.parametrize("sliding", [None, 11])
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("chunk", [1, 2, 32])
-def test_chunked_equals_dense_outputs_and_gradients(monkeypatch, sliding, chunk):
+def test_chunked_equals_dense_outputs_and_gradients(monkeypatch, kind, chunk):
     monkeypatch.setattr(drafter_model, "CHUNK_BLOCKS", chunk)
-    d = make_drafter(sliding=sliding)
+    d = make_drafter(**KINDS[kind])
     batch = uneven_batch()
     out_d, g_d, f_d, e_d = run_path(d, "dense", *batch)
     out_c, g_c, f_c, e_c = run_path(d, "chunked", *batch)
@@ -70,10 +80,10 @@ def test_chunked_equals_dense_outputs_and_gradients(monkeypatch, sliding, chunk)
     assert f_d[0, 44].abs().max() == 0  # nothing after the last anchor (43) is seen: the strict mask holds
 
 
-@pytest.mark.parametrize("sliding", [None, 11])
-def test_flex_equals_dense_forward(sliding):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_flex_equals_dense_forward(kind):
     """CPU runs flex forward only (eager, no backward on CPU); gradients are checked on CUDA by gpu_check."""
-    d = make_drafter(sliding=sliding)
+    d = make_drafter(**KINDS[kind])
     feats, emb, anchors, valid = uneven_batch()
     with torch.no_grad():
         dense = d.forward_blocks(feats, emb, anchors, valid, attention="dense")

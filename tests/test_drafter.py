@@ -12,7 +12,7 @@ from dflashkit.drafter.checkpoint import check_feature_layers, load_drafter, new
 from dflashkit.errors import DFlashError
 
 
-def make_drafter(layers=2, K=3, H=64, heads=4, kv=2, B=8, sliding=None, seed=0):
+def make_drafter(layers=2, K=3, H=64, heads=4, kv=2, B=8, sliding=None, seed=0, **extra):
     torch.manual_seed(seed)
     types = ["full_attention"] * layers
     if sliding:
@@ -20,13 +20,26 @@ def make_drafter(layers=2, K=3, H=64, heads=4, kv=2, B=8, sliding=None, seed=0):
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=heads, num_key_value_heads=kv, head_dim=H // heads,
                         intermediate_size=2 * H, num_hidden_layers=layers, target_layer_ids=list(range(1, K + 1)),
                         num_target_layers=6, mask_token_id=259, vocab_size=272, block_size=B, rope_theta=10000.0,
-                        layer_types=types, sliding_window=sliding)
+                        layer_types=types, sliding_window=sliding, **extra)
     d = DFlashDrafter(cfg)
-    with torch.no_grad():  # non-trivial norm weights so a missed norm shows up
+    with torch.no_grad():  # non-trivial norm weights so a missed norm shows up; DFlash2 convolutions off identity
         for name, p in d.named_parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
+            elif "_conv." in name:
+                p.normal_(0, 0.3)
     return d
+
+
+VARIANTS = {  # make_drafter keywords: every attention kind and both architectures must batch exactly
+    "dflash": {},
+    "sliding causal": {"sliding": 6},
+    "sliding non-causal": {"sliding": 6, "sliding_window_non_causal": True},
+    "dflash2": {"arch": "dflash2", "conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8,
+                "selector_top_k": 4},
+    "dflash2 sliding": {"arch": "dflash2", "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8,
+                        "selector_top_k": 4, "sliding": 6},
+}
 
 
 # ---- a straightforward reference: plain loops over heads and positions ------------------------------
@@ -79,23 +92,30 @@ def reference_forward(d, target_hidden, noise, ctx_pos, blk_pos, visible):
     return ref_rms(h, d.norm.weight, eps)
 
 
-@pytest.mark.parametrize("sliding", [None, 12])
-def test_module_matches_plain_loop_reference(sliding):
-    d = make_drafter(sliding=sliding)
+ATTENTION_CASES = {  # (sliding window, extra config) -> who sees whom by absolute position, as dflash 0.1.0 computes
+    "full": (None, {}, lambda q, k: True),
+    "sliding causal (default)": (12, {}, lambda q, k: 0 <= q - k < 12),
+    "sliding non-causal": (5, {"sliding_window_non_causal": True}, lambda q, k: abs(q - k) < 5),
+    "full, is_causal": (None, {"is_causal": True}, lambda q, k: k <= q),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_module_matches_plain_loop_reference(case):
+    sliding, extra, rule = ATTENTION_CASES[case]
+    d = make_drafter(sliding=sliding, **extra)
     T, B, H = 9, 8, 64
     feats = torch.randn(1, T, 3 * H)
     noise = torch.randn(1, B, H)
     pos = torch.arange(T + B)[None]
     keys = list(range(T)) + list(range(T, T + B))
 
-    def visible(qi, ki):  # non-causal; a sliding window limits how far back a query looks
-        return sliding is None or (T + qi) - keys[ki] < sliding
-
     with torch.no_grad():
         got = d(feats, noise, pos)[0]
-        want = reference_forward(d, feats[0], noise[0], list(range(T)), list(range(T, T + B)), visible)
+        want = reference_forward(d, feats[0], noise[0], list(range(T)), list(range(T, T + B)),
+                                 lambda qi, ki: rule(T + qi, keys[ki]))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    if sliding:
+    if case != "full":
         full = make_drafter(sliding=None)
         full.load_state_dict(d.state_dict())
         with torch.no_grad():
@@ -116,8 +136,9 @@ def test_multi_block_mask_matches_reference_with_strict_context():
             torch.testing.assert_close(got[0, j * B:(j + 1) * B], want, atol=1e-5, rtol=1e-5)
 
 
-def test_batched_blocks_equal_each_block_alone_and_padding_is_inert():
-    d = make_drafter()
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_batched_blocks_equal_each_block_alone_and_padding_is_inert(variant):
+    d = make_drafter(**VARIANTS[variant])
     T, B, H = 30, 8, 64
     feats = torch.randn(2, T, 3 * H)
     anchors = torch.tensor([[3, 9, 20, 0], [5, 12, 22, 25]])
@@ -190,6 +211,7 @@ def test_save_load_round_trip_both_formats(tmp_path, tiny_targets):
             torch.testing.assert_close(back(feats, emb, pos), d(feats, emb, pos))
         assert back.load_report[0] == "Detected fc input: 192 = 3 target layers x 64"
         assert back.load_report[-1] == "Loaded 25 tensors"
+        assert back.load_report[-2].startswith("Architecture: DFlashDraftModel (2 layers [non-causal, non-causal]")
         assert (back.contract is not None) == (fmt == "dflashkit")
     cfg = json.loads((tmp_path / "zlab" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [1, 2, 3]
@@ -208,11 +230,12 @@ def test_zlab_variants_block_size_location_rope_parameters_and_skipped_tensors(t
     state = load_file(path / "model.safetensors")
     state["verifier_norm.weight"] = torch.ones(64)
     save_file(state, path / "model.safetensors")
-    back = load_drafter(path, target=t)
+    with pytest.raises(DFlashError, match=r"1 tensor\(s\) the DFlashDraftModel .* no place for: verifier_norm.weight"):
+        load_drafter(path, target=t)  # skipping needs an explicit opt-in
+    back = load_drafter(path, target=t, allow_skipped=True)
     assert back.config.block_size == 10 and back.config.rope_theta == d.config.rope_theta
-    assert back.load_report[-1] == "Loaded 25 tensors, skipped 1: verifier_norm.weight"
-    with pytest.raises(DFlashError, match="unknown tensors"):
-        load_drafter(path, strict=True)
+    assert back.load_report[-1].startswith("Loaded 25 tensors, SKIPPED 1 (allow_skipped: the model run is the "
+                                           "DFlashDraftModel of config.json without them): verifier_norm.weight")
 
 
 def test_bad_checkpoints_fail_with_one_clear_error(tmp_path, tiny_targets):

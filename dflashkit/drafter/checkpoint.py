@@ -10,12 +10,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.config import ARCH_CLASS, DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, read_json, write_json
 
 CONTRACT_FILE = "dflashkit.json"
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 FORMATS = ("zlab", "dflashkit")
 
 
@@ -65,39 +66,18 @@ def run_latest(run) -> Path | None:
     return Path(run) / json.loads(f.read_text())["checkpoint"] if f.is_file() else None
 
 
-def load_drafter(path, target=None, allow_missing: bool = False, strict: bool = False, device="cpu",
+def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: bool = False, device="cpu",
                  dtype: torch.dtype | None = torch.float32, same_target: bool = True) -> DFlashDrafter:
     """Load either format; `drafter.load_report` lists what was detected, loaded and skipped.
 
-    With a `target`, a dflashkit-format drafter whose contract records another target (other weights, e.g. a
-    fine-tune of the same base, or another config) is refused; same_target=False accepts it (a warm start)."""
+    A tensor the drafter has no place for is refused: the folder then holds another model than the one that
+    would run. allow_skipped=True loads it anyway and the report names the model actually run; allow_missing
+    initialises absent tensors randomly. With a `target`, a dflashkit-format drafter whose contract records
+    another target is refused; same_target=False accepts it (a warm start)."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
-    if not path.is_dir():
-        raise DFlashError(f"{path}: not a drafter folder (expected config.json + model.safetensors)")
-    for f in (cfg_file, weights):
-        if not f.is_file():
-            raise DFlashError(f"{f}: missing; a drafter folder holds config.json and model.safetensors")
-    raw = read_json(cfg_file)
-    try:
-        state = load_file(weights)
-    except Exception as e:  # safetensors raises several types for truncated or corrupt files
-        raise DFlashError(f"{weights}: cannot read ({e}); the file is truncated or corrupt") from e
-    if "fc.weight" not in state:
-        raise DFlashError(f"{weights}: no fc.weight tensor; this is not a DFlash drafter")
-    hidden = raw.get("hidden_size")
-    fc_in = state["fc.weight"].shape[1]
-    if not hidden or fc_in % hidden:
-        raise DFlashError(f"{weights}: fc.weight input width {fc_in} is not a multiple of config hidden_size {hidden}")
-    k = fc_in // hidden
-    report = [f"Detected fc input: {fc_in} = {k} target layers x {hidden}"]
-    cfg, notes = DrafterConfig.from_zlab(raw, str(cfg_file), fc_features=k)
-    report += notes
-    if cfg.num_features != k:
-        raise DFlashError(
-            f"{cfg_file}: dflash_config.target_layer_ids has {cfg.num_features} layers {cfg.target_layer_ids} but "
-            f"fc.weight expects {k} ({fc_in} = {k} x {hidden}); fix target_layer_ids to list {k} layer ids"
-        )
+    raw, state = _read_folder(path, cfg_file, weights)
+    cfg, report = _config_for_weights(raw, state, cfg_file, weights)
     con = read_contract(path)
     if con:
         for key in ("target_layer_ids", "block_size", "mask_token_id"):
@@ -114,11 +94,80 @@ def load_drafter(path, target=None, allow_missing: bool = False, strict: bool = 
         if not cfg.vocab_size:
             cfg.vocab_size = target.vocab_size
     drafter = DFlashDrafter(cfg)
+    report.append(_load_tensors(drafter, state, weights, allow_missing, allow_skipped))
+    drafter.load_report = report
+    drafter.contract = con
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def _read_folder(path: Path, cfg_file: Path, weights: Path) -> tuple[dict, dict]:
+    if not path.is_dir():
+        raise DFlashError(f"{path}: not a drafter folder (expected config.json + model.safetensors)")
+    for f in (cfg_file, weights):
+        if not f.is_file():
+            raise DFlashError(f"{f}: missing; a drafter folder holds config.json and model.safetensors")
+    raw = read_json(cfg_file)
+    try:
+        state = load_file(weights)
+    except Exception as e:  # safetensors raises several types for truncated or corrupt files
+        raise DFlashError(f"{weights}: cannot read ({e}); the file is truncated or corrupt") from e
+    for name in CODEBOOKS:  # dflash 0.1.0's module names (nn.Embedding); released checkpoints use the bare ones
+        if name + ".weight" in state:
+            state[name] = state.pop(name + ".weight")
+    return raw, state
+
+
+def _config_for_weights(raw: dict, state: dict, cfg_file: Path, weights: Path) -> tuple[DrafterConfig, list[str]]:
+    """The config, checked against what the tensors imply (fc width, codebook rows)."""
+    if "fc.weight" not in state:
+        raise DFlashError(f"{weights}: no fc.weight tensor; this is not a DFlash drafter")
+    hidden = raw.get("hidden_size")
+    fc_in = state["fc.weight"].shape[1]
+    if not hidden or fc_in % hidden:
+        raise DFlashError(f"{weights}: fc.weight input width {fc_in} is not a multiple of config hidden_size {hidden}")
+    k = fc_in // hidden
+    report = [f"Detected fc input: {fc_in} = {k} target layers x {hidden}"]
+    cfg, notes = DrafterConfig.from_zlab(raw, str(cfg_file), fc_features=k)
+    report += notes
+    if cfg.num_features != k:
+        raise DFlashError(
+            f"{cfg_file}: dflash_config.target_layer_ids has {cfg.num_features} layers {cfg.target_layer_ids} but "
+            f"fc.weight expects {k} ({fc_in} = {k} x {hidden}); fix target_layer_ids to list {k} layer ids"
+        )
+    if cfg.arch == "dflash2" and not cfg.vocab_size and CODEBOOKS[0] in state:
+        cfg.vocab_size = state[CODEBOOKS[0]].shape[0]
+    report.append(f"Architecture: {ARCH_CLASS[cfg.arch]} ({describe(cfg)})")
+    return cfg, report
+
+
+def describe(cfg: DrafterConfig) -> str:
+    """One line that says which model runs: layers, attention kinds, scaling fields, DFlash2 parts."""
+    kinds = [cfg.attention_kind(i) for i in range(cfg.num_hidden_layers)]
+    attn = ", ".join(f"{'causal' if c else 'non-causal'}{f' window {w}' if w else ''}" for c, w in kinds)
+    out = f"{cfg.num_hidden_layers} layers [{attn}], block {cfg.block_size}"
+    if cfg.input_embedding_scale != 1.0:
+        out += f", input_embedding_scale {cfg.input_embedding_scale}"
+    if cfg.output_multiplier != 1.0:
+        out += f", output_multiplier {cfg.output_multiplier}"
+    if cfg.final_logit_softcapping:
+        out += f", final_logit_softcapping {cfg.final_logit_softcapping}"
+    if cfg.arch == "dflash2":
+        out += (f", convolutions kernel {cfg.conv_kernel_size} group {cfg.conv_group_size}, selector rank "
+                f"{cfg.selector_rank} top-{cfg.selector_top_k}")
+    return out
+
+
+def _load_tensors(drafter: DFlashDrafter, state: dict, weights: Path, allow_missing: bool, allow_skipped: bool) -> str:
     expected = drafter.state_dict()
     skipped = sorted(set(state) - set(expected))
     missing = sorted(set(expected) - set(state))
-    if skipped and strict:
-        raise DFlashError(f"{weights}: unknown tensors {skipped}; drop them or load with strict=False")
+    if skipped and not allow_skipped:
+        hint = (" (they are DFlash2 tensors: the config's architectures should be DFlash2DraftModel)"
+                if any("_conv." in n or n.startswith("candidate_selector.") for n in skipped) else "")
+        raise DFlashError(f"{weights}: {len(skipped)} tensor(s) the {ARCH_CLASS[drafter.config.arch]} described by "
+                          f"config.json has no place for: {', '.join(skipped[:6])}{'...' if len(skipped) > 6 else ''}"
+                          f"{hint}; fix config.json, or load with allow_skipped (CLI --allow-skipped) to run the "
+                          "model without them")
     if missing and not allow_missing:
         raise DFlashError(f"{weights}: missing tensors {missing[:6]}{'...' if len(missing) > 6 else ''}; "
                           "the checkpoint is incomplete (allow_missing initialises them randomly)")
@@ -130,16 +179,13 @@ def load_drafter(path, target=None, allow_missing: bool = False, strict: bool = 
             if not torch.isfinite(t.float()).all():
                 raise DFlashError(f"{weights}: {name} contains NaN or Inf values; the checkpoint is corrupt (diverged training?)")
     drafter.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
-    loaded = len(expected) - len(missing)
-    line = f"Loaded {loaded} tensors"
+    line = f"Loaded {len(expected) - len(missing)} tensors"
     if skipped:
-        line += f", skipped {len(skipped)}: {', '.join(skipped)}"
+        line += (f", SKIPPED {len(skipped)} (allow_skipped: the model run is the {ARCH_CLASS[drafter.config.arch]} "
+                 f"of config.json without them): {', '.join(skipped)}")
     if missing:
         line += f", MISSING {len(missing)} (randomly initialised): {', '.join(missing)}"
-    report.append(line)
-    drafter.load_report = report
-    drafter.contract = con
-    return drafter.to(device=device, dtype=dtype).eval()
+    return line
 
 
 def check_against_target(cfg: DrafterConfig, target, source: str = "drafter config") -> None:

@@ -1,10 +1,22 @@
-"""The drafter's configuration as plain data that round-trips to z-lab's `config.json` (SPEC.md section 3)."""
+"""The drafter's configuration as plain data that round-trips to z-lab's `config.json` (docs/design.md section 3).
+
+Every field of a z-lab folder is either honoured as `dflash==0.1.0` computes it or refused with an error that
+names it: a drafter that loads and silently runs another model is the failure this toolkit exists to prevent.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 from dflashkit.errors import DFlashError
+
+ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+ARCH_CLASS = {v: k for k, v in ARCHITECTURES.items()}
+# dflash_config keys the reference reads (any may also sit at the top level), plus speculators' non-causal flag.
+DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "output_multiplier",
+               "final_logit_softcapping", "sliding_window_non_causal"}
+DFLASH2_KEYS = {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
 @dataclass
@@ -26,26 +38,62 @@ class DrafterConfig:
     max_position_embeddings: int = 32768
     layer_types: list[str] = field(default_factory=list)  # "full_attention" | "sliding_attention" per layer
     sliding_window: int | None = None
+    # z-lab dflash 0.1.0 fields: block embeddings x scale; logits x multiplier, then c * tanh(logits / c)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    # causality: the reference makes sliding layers causal and full ones not, unless is_causal (all layers)
+    # says otherwise; speculators' sliding_window_non_causal decides it for the sliding layers alone
+    is_causal: bool | None = None
+    sliding_window_non_causal: bool | None = None
+    arch: str = "dflash"  # "dflash" | "dflash2" (grouped dynamic convolutions + candidate selector)
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     def __post_init__(self):
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
             raise DFlashError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise DFlashError("layer_types has sliding_attention layers but sliding_window is not set")
         if self.block_size < 2:
             raise DFlashError(f"block_size must be at least 2 (one anchor + drafts), got {self.block_size}")
+        if self.arch not in ARCH_CLASS:
+            raise DFlashError(f"arch {self.arch!r} is not one of: {', '.join(ARCH_CLASS)}")
+        if self.arch == "dflash2" and self.hidden_size % self.conv_group_size:
+            raise DFlashError(f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}")
 
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
 
+    def attention_kind(self, layer: int) -> tuple[bool, int | None]:
+        """(causal, window) of a layer, as dflash 0.1.0 computes it (speculators' flag where the file has it)."""
+        sliding = self.layer_types[layer] == "sliding_attention"
+        if self.is_causal is not None:
+            causal = bool(self.is_causal)
+        elif sliding and self.sliding_window_non_causal is not None:
+            causal = not self.sliding_window_non_causal
+        else:
+            causal = sliding
+        return causal, (self.sliding_window if sliding else None)  # no window: transformers dropped it
+
     def to_zlab(self) -> dict:
         """The config.json that vLLM, SGLang and z-lab's loader read."""
-        return {
-            "architectures": ["DFlashDraftModel"],
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                  "block_size": self.block_size}
+        for key in ("input_embedding_scale", "output_multiplier"):
+            if getattr(self, key) != 1.0:
+                dflash[key] = getattr(self, key)
+        for key in ("final_logit_softcapping", "sliding_window_non_causal"):
+            if getattr(self, key) is not None:
+                dflash[key] = getattr(self, key)
+        if self.arch == "dflash2":
+            dflash.update({key: getattr(self, key) for key in sorted(DFLASH2_KEYS)})
+        out = {
+            "architectures": [ARCH_CLASS[self.arch]],
+            "auto_map": {"AutoModel": f"dflash.{ARCH_CLASS[self.arch]}"},
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "num_attention_heads": self.num_attention_heads,
@@ -62,87 +110,51 @@ class DrafterConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "layer_types": self.layer_types,
             "sliding_window": self.sliding_window,
-            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "use_sliding_window": "sliding_attention" in self.layer_types and self.sliding_window is not None,
             "tie_word_embeddings": False,
             "vocab_size": self.vocab_size,
             "num_target_layers": self.num_target_layers,
             "block_size": self.block_size,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-                "block_size": self.block_size,
-            },
+            "dflash_config": dflash,
             "dtype": "bfloat16",
         }
+        if self.is_causal is not None:  # the reference reads it from the top level only
+            out["is_causal"] = self.is_causal
+        return out
 
     @classmethod
     def from_zlab(cls, cfg: dict, source: str = "config.json", fc_features: int | None = None) -> tuple["DrafterConfig", list[str]]:
         """Parse a z-lab config; returns (config, notes). Missing layer ids fall back to fc's width + z-lab's rule."""
         notes = []
-        dfc = cfg.get("dflash_config") or {}
         need = ["hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"]
         missing = [k for k in need if k not in cfg]
         if missing:
             raise DFlashError(f"{source}: missing field(s) {', '.join(missing)}; a DFlash config.json is a Qwen3 config plus dflash_config")
-        block = dfc.get("block_size", cfg.get("block_size"))
+        _refuse_unsupported(cfg, source)
+        arch = _architecture(cfg, source, notes)
+        dfc = _dflash_fields(cfg, arch, source)
+        block = dfc.get("block_size")
         if block is None:
             block = 16
             notes.append("block_size not in config (top level or dflash_config): assuming 16")
-        rope = cfg.get("rope_parameters") or {}
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
-        scaling = cfg.get("rope_scaling")
-        if scaling is None and rope.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        ids = dfc.get("target_layer_ids", cfg.get("target_layer_ids"))
-        n_target = cfg.get("num_target_layers")
-        if ids is None:
-            if n_target is None or fc_features is None:
-                raise DFlashError(f"{source}: dflash_config.target_layer_ids is missing and cannot be derived (needs num_target_layers)")
-            from dflashkit.target.model import default_layer_ids
-
-            ids = default_layer_ids(n_target, fc_features)
-            notes.append(f"dflash_config.target_layer_ids missing: derived {ids} from num_target_layers={n_target} and fc width")
-        mask = dfc.get("mask_token_id", cfg.get("mask_token_id"))
-        if mask is None:
+        ids, n_target = _layer_ids(cfg, dfc, source, fc_features, notes)
+        if dfc.get("mask_token_id") is None:
             raise DFlashError(f"{source}: dflash_config.mask_token_id is missing; add the mask id the drafter was trained with")
-        if cfg.get("attention_bias"):
-            raise DFlashError(f"{source}: attention_bias is true, but the drafter's q/k/v/o projections have no bias "
-                              "(z-lab's released drafters: attention_bias false); loading it would drop the biases, so "
-                              "it is refused: convert the checkpoint without biases, or set attention_bias false if "
-                              "its bias tensors are all zero")
+        layer_types, window = _layer_types(cfg, notes)
         heads = cfg["num_attention_heads"]
-        layer_types = list(cfg.get("layer_types") or [])[: cfg["num_hidden_layers"]]
-        window = cfg.get("sliding_window")
-        if cfg.get("use_sliding_window") is False and "sliding_attention" in layer_types:
-            # transformers' Qwen3Config drops the window when use_sliding_window is false: every layer sees all
-            notes.append("use_sliding_window is false: layer_types' sliding_attention layers attend fully, as in transformers")
-            layer_types = ["full_attention"] * len(layer_types)
-        if not layer_types:  # transformers' Qwen3 rule: sliding on layers >= max_window_layers when use_sliding_window
-            use = bool(cfg.get("use_sliding_window")) and window is not None
-            first = cfg.get("max_window_layers", cfg["num_hidden_layers"])
-            layer_types = ["sliding_attention" if use and i >= first else "full_attention"
-                           for i in range(cfg["num_hidden_layers"])]
-            if "sliding_attention" in layer_types:
-                notes.append(f"layer_types missing: derived sliding attention (window {window}) on layers "
-                             f"{first}..{cfg['num_hidden_layers'] - 1} from use_sliding_window and max_window_layers")
+        theta, scaling = _rope(cfg)
         conf = cls(
-            hidden_size=cfg["hidden_size"],
-            num_attention_heads=heads,
+            hidden_size=cfg["hidden_size"], num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
             target_layer_ids=[int(i) for i in ids],
             num_target_layers=int(n_target) if n_target is not None else max(ids) + 3,
-            mask_token_id=int(mask),
-            vocab_size=cfg.get("vocab_size", 0),
-            block_size=int(block),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            layer_types=layer_types,
-            sliding_window=window if "sliding_attention" in layer_types else None,
+            mask_token_id=int(dfc["mask_token_id"]), vocab_size=cfg.get("vocab_size", 0), block_size=int(block),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768), layer_types=layer_types,
+            sliding_window=window if "sliding_attention" in layer_types else None, arch=arch,
+            **{k: v for k, v in dfc.items() if k not in ("block_size", "mask_token_id", "target_layer_ids")},
         )
         if n_target is None:
             notes.append(f"num_target_layers missing: assuming {conf.num_target_layers}")
@@ -177,3 +189,113 @@ class DrafterConfig:
         )
         conf.update(overrides)
         return cls(**conf)
+
+
+def _refuse_unsupported(cfg: dict, source: str) -> None:
+    """Qwen3 fields the drafter's layers do not implement: refused, never dropped."""
+    if cfg.get("attention_bias"):
+        raise DFlashError(f"{source}: attention_bias is true, but the drafter's q/k/v/o projections have no bias "
+                          "(z-lab's released drafters: attention_bias false); loading it would drop the biases, so "
+                          "it is refused: convert the checkpoint without biases, or set attention_bias false if "
+                          "its bias tensors are all zero")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise DFlashError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (the drafter's MLP is SwiGLU "
+                          "with silu, as in z-lab's Qwen3 drafters); convert the checkpoint or set hidden_act silu")
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise DFlashError(f"{source}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported "
+                          "(the drafter rotates the whole head); remove the field only if it was 1.0 in training")
+
+
+def _architecture(cfg: dict, source: str, notes: list[str]) -> str:
+    archs = cfg.get("architectures") or []
+    if not archs:
+        notes.append("architectures missing: reading it as DFlashDraftModel")
+        return "dflash"
+    unknown = [a for a in archs if a not in ARCHITECTURES]
+    if unknown or len(archs) != 1:
+        raise DFlashError(f"{source}: architectures {archs} is not one of {list(ARCHITECTURES)}: this drafter is a "
+                          "model dflashkit cannot run, and running it as DFlash would give another model's outputs")
+    return ARCHITECTURES[archs[0]]
+
+
+def _dflash_fields(cfg: dict, arch: str, source: str) -> dict:
+    """dflash_config merged over the top level (the reference reads dflash_config first); unknown keys refused."""
+    dfc = cfg.get("dflash_config") or {}
+    if "is_causal" in dfc:
+        raise DFlashError(f"{source}: dflash_config.is_causal is not read by z-lab's dflash 0.1.0 (it reads the "
+                          "top-level is_causal, for every layer); move it to the top level or remove it")
+    known = DFLASH_KEYS | (DFLASH2_KEYS if arch == "dflash2" else set())
+    unknown = sorted(set(dfc) - known)
+    if unknown:
+        hint = (" (DFlash2 fields: set architectures to DFlash2DraftModel)" if set(unknown) & DFLASH2_KEYS else "")
+        raise DFlashError(f"{source}: dflash_config has unknown key(s) {unknown}{hint}; dflashkit knows "
+                          f"{sorted(known)}. A field it cannot honour is refused rather than ignored")
+    out = {k: dfc.get(k, cfg.get(k)) for k in known}
+    out = {k: v for k, v in out.items() if v is not None}
+    for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        if key in out:
+            out[key] = float(out[key])
+    if out.get("final_logit_softcapping") is not None and out["final_logit_softcapping"] <= 0:
+        out["final_logit_softcapping"] = None  # the reference applies it only when > 0
+    if cfg.get("is_causal") is not None:
+        out["is_causal"] = bool(cfg["is_causal"])
+    if "sliding_window_non_causal" in out:
+        out["sliding_window_non_causal"] = bool(out["sliding_window_non_causal"])
+        if "is_causal" in out and out["is_causal"] == out["sliding_window_non_causal"]:
+            raise DFlashError(f"{source}: is_causal {out['is_causal']} and sliding_window_non_causal "
+                              f"{out['sliding_window_non_causal']} contradict each other for sliding layers; keep one")
+    if arch == "dflash2":
+        absent = sorted(DFLASH2_KEYS - set(out))
+        if absent:
+            raise DFlashError(f"{source}: DFlash2 config lacks {absent} in dflash_config; z-lab's reference needs them "
+                              f"(speculators' defaults: {DFLASH2_DEFAULTS})")
+        out.update({k: int(out[k]) for k in DFLASH2_KEYS})
+    _check_aux_layers(cfg, out, source)
+    return out
+
+
+def _check_aux_layers(cfg: dict, dfc: dict, source: str) -> None:
+    """vLLM's eagle-style layer field stores ids +1; one that disagrees with target_layer_ids is ambiguous."""
+    aux, ids = cfg.get("eagle_aux_hidden_state_layer_ids"), dfc.get("target_layer_ids")
+    if aux is not None and ids is not None and [int(i) + 1 for i in ids] != [int(i) for i in aux]:
+        raise DFlashError(f"{source}: eagle_aux_hidden_state_layer_ids {aux} disagrees with dflash_config."
+                          f"target_layer_ids {ids} (which would read {[int(i) + 1 for i in ids]}); remove one of them")
+
+
+def _layer_ids(cfg: dict, dfc: dict, source: str, fc_features: int | None, notes: list[str]):
+    ids, n_target = dfc.get("target_layer_ids"), cfg.get("num_target_layers")
+    if ids is None:
+        if n_target is None or fc_features is None:
+            raise DFlashError(f"{source}: dflash_config.target_layer_ids is missing and cannot be derived (needs num_target_layers)")
+        from dflashkit.target.model import default_layer_ids
+
+        ids = default_layer_ids(n_target, fc_features)
+        notes.append(f"dflash_config.target_layer_ids missing: derived {ids} from num_target_layers={n_target} and fc width")
+    return ids, n_target
+
+
+def _layer_types(cfg: dict, notes: list[str]) -> tuple[list[str], int | None]:
+    """layer_types and the window as transformers' Qwen3Config leaves them, which is what the reference runs:
+    the window exists only with use_sliding_window true; a sliding_attention layer without one is still causal."""
+    n = cfg["num_hidden_layers"]
+    layer_types = list(cfg.get("layer_types") or [])[:n]
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if layer_types and "sliding_attention" in layer_types and window is None and cfg.get("sliding_window"):
+        notes.append("use_sliding_window is not true: transformers drops sliding_window, so the reference runs the "
+                     "sliding_attention layers causal with no window; read the same way here")
+    if not layer_types:  # transformers' Qwen3 rule: sliding on layers >= max_window_layers when use_sliding_window
+        first = cfg.get("max_window_layers", n)
+        layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+        if "sliding_attention" in layer_types:
+            notes.append(f"layer_types missing: derived sliding attention (window {window}) on layers "
+                         f"{first}..{n - 1} from use_sliding_window and max_window_layers")
+    return layer_types, window
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    rope = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return float(theta), scaling

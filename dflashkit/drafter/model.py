@@ -1,6 +1,6 @@
 """The DFlash drafter: one non-causal forward drafts a whole block from target-layer features.
 
-Reference semantics (SPEC.md section 2): `fc` + `hidden_norm` fuse K target layers into one context vector
+Reference semantics (docs/design.md section 2): `fc` + `hidden_norm` fuse K target layers into one context vector
 per position; in EVERY layer, queries come from the block only while keys/values are
 [k_proj(context), k_proj(block)] and [v_proj(context), v_proj(block)] (k_norm on all keys); the context never
 enters q_proj, o_proj, the MLP or the residual stream. RoPE uses absolute positions. The drafter has no
@@ -149,16 +149,107 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP; DFlash2 wraps each sublayer in a grouped dynamic causal convolution."""
+
     def __init__(self, cfg: DrafterConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.arch == "dflash2":
+            self.attention_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def forward(self, h, ctx, rope, mask, context_kv):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, *rope, mask, context_kv)
+    def forward(self, h, ctx, rope, mask, context_kv, segment: int):
+        x = self.input_layernorm(h)
+        if hasattr(self, "attention_conv"):
+            x, kept = self.attention_conv.prepare(x, segment)
+            h = h + self.attention_conv.finish(self.self_attn(x, ctx, *rope, mask, context_kv), kept, segment)
+            x, kept = self.mlp_conv.prepare(self.post_attention_layernorm(h), segment)
+            return h + self.mlp_conv.finish(self.mlp(x), kept, segment)
+        h = h + self.self_attn(x, ctx, *rope, mask, context_kv)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def dynamic_conv(x, delta, base, segment: int, group: int):
+    """Grouped dynamic causal convolution along the block: out[p] = sum_t x[p - t] * (base[t] + delta[p, t]),
+    where delta is one value per channel group and taps that would reach before the start of p's segment (its
+    block: position p mod `segment` < t) read nothing, so blocks packed in one sequence never mix.
+    x [b, L, H]; delta [b, L, K, H/group]; base [K, H]."""
+    L = x.shape[1]
+    slot = torch.arange(L, device=x.device) % segment
+    out = torch.zeros_like(x)
+    for t in range(base.shape[0]):
+        xs = x if t == 0 else F.pad(x, (0, 0, t, 0))[:, :L] * (slot >= t)[None, :, None].to(x.dtype)
+        out = out + base[t].to(x.dtype) * xs
+        out = out + delta[:, :, t].repeat_interleave(group, dim=-1) * xs
+    return out
+
+
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's convolution pair around a sublayer: one projection of the sublayer's input gives the dynamic
+    taps of both the input-side (`prepare`) and the output-side (`finish`) convolution. Identity at init."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * (hidden // group_size), bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x, segment: int):
+        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, -1)
+        return dynamic_conv(x, delta[..., 0, :, :], self.base_kernel[0], segment, self.group_size), delta[..., 1, :, :]
+
+    def finish(self, x, delta, segment: int):
+        return dynamic_conv(x, delta, self.base_kernel[1], segment, self.group_size)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's reranker: per block position, the top-k of the drafter's logits are rescored as
+    unary(c) + < pred[prev] * proj(h), succ[c] >, prev being the token chosen at the position before (the anchor
+    for the first). Codebooks are bare parameters, named as in z-lab's released checkpoints."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+        nn.init.normal_(self.predecessor_codebook, std=0.02)
+        nn.init.normal_(self.successor_codebook, std=0.02)
+
+    def scores(self, hidden, prev, candidates, unary):
+        """hidden [..., H]; prev [...] token ids; candidates/unary [..., k] -> [..., k] selector scores."""
+        context = self.predecessor_codebook[prev] * self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)
+        pair = torch.einsum("...r,...kr->...k", context, self.successor_codebook[candidates])
+        return unary + pair.to(unary.dtype)
+
+    def select(self, hidden, logits, anchor_ids, temperature: float = 0.0, to_tokens=None):
+        """hidden [b, L, H]; logits [b, L, V'] (the drafter's unary logits); anchor_ids [b].
+        Returns (path [b, L] token ids, candidates [b, L, k] token ids, q [b, L, k] or None at T=0): the greedy
+        path at T=0, else each position sampled from softmax(scores / T) over its candidates."""
+        unary, index = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        candidates = index if to_tokens is None else to_tokens(index)
+        prev, path, qs = anchor_ids, [], []
+        for i in range(hidden.shape[1]):
+            s = self.scores(hidden[:, i], prev, candidates[:, i], unary[:, i])
+            if temperature > 0:
+                q = torch.softmax(s.float() / temperature, dim=-1)
+                pick = torch.multinomial(q, 1)[:, 0]
+                qs.append(q)
+            else:
+                pick = s.argmax(dim=-1)
+            prev = candidates[:, i].gather(-1, pick[:, None])[:, 0]
+            path.append(prev)
+        return torch.stack(path, 1), candidates, (torch.stack(qs, 1) if qs else None)
 
 
 class DFlashDrafter(nn.Module):
@@ -170,6 +261,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        if cfg.arch == "dflash2":
+            self.candidate_selector = CandidateSelector(cfg)
         rope = rope_init(cfg)
         self.register_buffer("inv_freq", rope["inv_freq"], persistent=False)
         self.register_buffer("long_inv_freq", rope["long_inv_freq"], persistent=False)  # longrope only
@@ -182,6 +275,37 @@ class DFlashDrafter(nn.Module):
     def _init(m):
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, GroupedDynamicConv):
+            m.reset_parameters()
+
+    # ---- z-lab's call surface around the backbone: input scale, logits, DFlash2's proposal --------------------
+
+    def embed_block(self, embed_tokens, ids, dtype=None):
+        """Block inputs from the target's embedding, times input_embedding_scale (the reference scales them
+        before the drafter's forward, so forward() itself does not)."""
+        e = embed_tokens(ids)
+        if self.config.input_embedding_scale != 1.0:
+            e = e * self.config.input_embedding_scale
+        return e if dtype is None else e.to(dtype)
+
+    def scale_logits(self, logits):
+        """output_multiplier, then c * tanh(logits / c) with c = final_logit_softcapping, as the reference does."""
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
+    def compute_logits(self, hidden, output_head):
+        """z-lab's name: the target's output head applied to drafter states, then scaled."""
+        return self.scale_logits(output_head(hidden))
+
+    def propose(self, hidden, anchor_ids, output_head, temperature: float = 0.0):
+        """z-lab's DFlash2 proposal: (tokens [b, L], candidates [b, L, k], q [b, L, k] or None at T=0)."""
+        if self.config.arch != "dflash2":
+            raise DFlashError("propose() needs a DFlash2 drafter (a candidate selector); this one is DFlash")
+        return self.candidate_selector.select(hidden, self.compute_logits(hidden, output_head), anchor_ids, temperature)
 
     def new_context_kv(self) -> ContextKV:
         return ContextKV(len(self.layers))
@@ -198,32 +322,40 @@ class DFlashDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         return (emb.cos() * self.rope_scaling_factor).to(dtype), (emb.sin() * self.rope_scaling_factor).to(dtype)
 
-    def _sliding(self, mask, q_pos, k_pos):
-        """Restrict `mask` to keys within sliding_window of each query (sliding_attention layers)."""
-        if isinstance(mask, (ChunkedBlocks, FlexBlocks)):
-            return mask.windowed(self.config.sliding_window)
-        near = (q_pos[:, :, None] - k_pos[:, None, :]) < self.config.sliding_window
-        near = near[:, None]
-        return near if mask is None else mask & near
+    def _layer_masks(self, mask, q_pos, k_pos) -> list:
+        """Each layer's mask: `mask` (who may see whom) narrowed by the layer's causality and sliding window,
+        both by absolute position (docs/design.md section 2): causal keeps keys at or before the query,
+        a window keeps keys less than `window` positions before it (and after it, when non-causal)."""
+        kinds = [self.config.attention_kind(i) for i in range(len(self.layers))]
+        masks = {}
+        for kind in set(kinds):
+            causal, window = kind
+            if not causal and window is None:
+                masks[kind] = mask
+            elif isinstance(mask, (ChunkedBlocks, FlexBlocks)):
+                masks[kind] = mask.restricted(causal, window)
+            else:
+                near = position_mask(q_pos, k_pos, causal, window)[:, None]
+                masks[kind] = near if mask is None else mask & near
+        return [masks[k] for k in kinds]
 
-    def run(self, target_hidden, block_embeds, ctx_positions, q_positions, mask=None, context_kv=None):
+    def run(self, target_hidden, block_embeds, ctx_positions, q_positions, mask=None, context_kv=None, segment=None):
         """Core forward. target_hidden [b, T, K*H] (new context only when context_kv holds the rest);
         block_embeds [b, Q, H] embeddings of the block(s): the anchor token then B-1 mask tokens;
         ctx_positions [b, T]; q_positions [b, Q]; mask [b, 1, Q, T_total + Q] bool (True = may attend) or None
-        for full visibility. Returns final-normed block states [b, Q, H]."""
+        for full visibility; segment: rows per block for DFlash2's convolutions (default: all Q rows are one
+        block). Returns final-normed block states [b, Q, H]."""
         ctx = self.hidden_norm(self.fc(target_hidden))
         n = int(q_positions.max()) + 1 if self.long_inv_freq is not None else None  # one frequency set per forward
         cos_c, sin_c = self._rope(ctx_positions, n)
         cos_q, sin_q = self._rope(q_positions, n)
         rope = (cos_c, sin_c, cos_q, sin_q)
-        sliding_mask = None
-        if "sliding_attention" in self.config.layer_types:
-            past = context_kv.get_seq_length() if context_kv is not None else 0
-            k_pos = torch.cat([self._with_past_positions(ctx_positions, past), q_positions], dim=1)
-            sliding_mask = self._sliding(mask, q_positions, k_pos)
+        past = context_kv.get_seq_length() if context_kv is not None else 0
+        k_pos = torch.cat([self._with_past_positions(ctx_positions, past), q_positions], dim=1)
+        masks = self._layer_masks(mask, q_positions, k_pos)
         h = block_embeds
-        for layer, kind in zip(self.layers, self.config.layer_types):
-            h = layer(h, ctx, rope, sliding_mask if kind == "sliding_attention" else mask, context_kv)
+        for layer, layer_mask in zip(self.layers, masks):
+            h = layer(h, ctx, rope, layer_mask, context_kv, segment or h.shape[1])
         return self.norm(h)
 
     @staticmethod
@@ -282,7 +414,7 @@ class DFlashDrafter(nn.Module):
             mask = ChunkedBlocks(anchors, valid, T, B)
         else:
             mask = FlexBlocks(anchors, valid, T, B)
-        out = self.run(target_hidden, block_embeds, ctx_pos, q_pos, mask, None)
+        out = self.run(target_hidden, block_embeds, ctx_pos, q_pos, mask, None, segment=B)
         if order is not None:  # back to the caller's block order
             out = out.gather(1, _rows(order.argsort(dim=1), B)[..., None].expand(-1, -1, out.shape[-1]))
         return out
@@ -345,12 +477,26 @@ def _rows(order, B: int):
     return (order[:, :, None] * B + torch.arange(B, device=order.device)).flatten(1)
 
 
-def _window_mask(anchors, ctx_len: int, B: int, window: int) -> torch.Tensor:
-    """[b, 1, n*B, ctx_len + n*B]: key within `window` positions before each block query (sliding layers)."""
+def position_mask(q_pos, k_pos, causal: bool, window: int | None) -> torch.Tensor:
+    """[b, Q, S] bool from absolute positions: causal -> key <= query; window -> query - key < window, and
+    key - query < window as well when not causal (dflash 0.1.0's sliding layers)."""
+    d = q_pos[:, :, None] - k_pos[:, None, :]
+    ok = torch.ones_like(d, dtype=torch.bool)
+    if causal:
+        ok &= d >= 0
+    if window is not None:
+        ok &= d < window
+        if not causal:
+            ok &= -d < window
+    return ok
+
+
+def _blocks_position_mask(anchors, ctx_len: int, B: int, causal: bool, window: int | None) -> torch.Tensor:
+    """[b, 1, n*B, ctx_len + n*B]: position_mask for blocks at `anchors` over context 0..ctx_len-1 + the blocks."""
     b, n = anchors.shape
     q_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).flatten(1)
     k_pos = torch.cat([torch.arange(ctx_len, device=anchors.device).expand(b, -1), q_pos], dim=1)
-    return ((q_pos[:, :, None] - k_pos[:, None, :]) < window)[:, None]
+    return position_mask(q_pos, k_pos, causal, window)[:, None]
 
 
 class ChunkedBlocks:
@@ -360,7 +506,8 @@ class ChunkedBlocks:
 
     anchors/valid [b, n] (sorted along n for the savings; any order is correct); keys k [b, h, T + n*B, d]."""
 
-    def __init__(self, anchors, valid, ctx_len: int, B: int, chunk: int | None = None, window: int | None = None):
+    def __init__(self, anchors, valid, ctx_len: int, B: int, chunk: int | None = None, causal: bool = False,
+                 window: int | None = None):
         chunk = chunk or CHUNK_BLOCKS
         self.T, self.B = ctx_len, B
         self.parts = []  # (first row, last row, L, mask [b, 1, rows, L + rows])
@@ -369,13 +516,13 @@ class ChunkedBlocks:
             a, ok = anchors[:, s:s + chunk], valid[:, s:s + chunk]
             L = min(ctx_len, int(live[:, s:s + chunk].max()) + 1)
             m = build_block_mask(a, L, B, ok)
-            if window is not None:
-                m = m & _window_mask(a, L, B, window)
+            if causal or window is not None:
+                m = m & _blocks_position_mask(a, L, B, causal, window)
             self.parts.append((s * B, (s + a.shape[1]) * B, L, m))
         self._args = (anchors, valid, ctx_len, B, chunk)
 
-    def windowed(self, window: int) -> "ChunkedBlocks":
-        return ChunkedBlocks(*self._args, window=window)
+    def restricted(self, causal: bool, window: int | None) -> "ChunkedBlocks":
+        return ChunkedBlocks(*self._args, causal=causal, window=window)
 
     def __call__(self, q, k, v):
         T, outs = self.T, []
@@ -407,7 +554,7 @@ class FlexBlocks:
 
     anchors/valid [b, n]; keys k [b, h, T + n*B, d]."""
 
-    def __init__(self, anchors, valid, ctx_len: int, B: int, window: int | None = None):
+    def __init__(self, anchors, valid, ctx_len: int, B: int, causal: bool = False, window: int | None = None):
         from torch.nn.attention.flex_attention import create_block_mask
 
         T, (b, n) = ctx_len, anchors.shape
@@ -420,13 +567,18 @@ class FlexBlocks:
             if window is not None:
                 ctx = ctx & (a + q % B - kv < window)
             own = (kv >= T) & ((kv - T) // B == blk) & (ok | (kv - T == q))
+            d = q % B - (kv - T) % B  # query slot - key slot inside the block
+            if causal:
+                own = own & (d >= 0)
+            if window is not None:
+                own = own & (d < window) & ((-d < window) | causal)
             return ctx | own
 
         self.mask_mod = mask_mod
         self.block_mask = create_block_mask(mask_mod, b, None, n * B, T + n * B, device=anchors.device)
 
-    def windowed(self, window: int) -> "FlexBlocks":
-        return FlexBlocks(*self._args, window=window)
+    def restricted(self, causal: bool, window: int | None) -> "FlexBlocks":
+        return FlexBlocks(*self._args, causal=causal, window=window)
 
     def __call__(self, q, k, v):
         if torch.is_grad_enabled() and not q.is_cuda and q.requires_grad:
