@@ -103,6 +103,26 @@ def test_lossless_greedy_on_tiny_targets(tiny_targets, drafters, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_dflash2_lossless_greedy(tiny_targets, kind):
+    """A DFlash2 drafter (convolutions off identity, selector path as the chain's drafts) in chain, DDTree and
+    hybrid decoding equals plain greedy decoding, hybrid-attention target included."""
+    target = tiny_targets[kind]
+    torch.manual_seed(1)
+    d = new_drafter(target, num_layers=2, block_size=6, arch="dflash2", conv_kernel_size=2, conv_group_size=16,
+                    selector_rank=16, selector_top_k=4).eval()
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "_conv." in name or "candidate_selector" in name:
+                p.normal_(0, 0.3)
+    proposer = DFlashProposer(target, d)
+    for text in TEXTS[:2]:
+        ids = target.chat_ids([{"role": "user", "content": text}])
+        ref = greedy_reference(target, ids, 16, set(target.stop_token_ids))
+        for method in ("chain", "ddtree-6", "hybrid-4"):
+            assert generate(target, ids, method, proposer, max_new_tokens=16).tokens == ref, (kind, text, method)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_oracle_acceptance(tiny_targets, kind):
     """An oracle drafter: chain commits full blocks (tau = B); DDTree reaches depth min(budget, B-1) + 1."""
     target = tiny_targets[kind]
@@ -181,14 +201,33 @@ def test_sampling_matches_target_softmax(tiny_targets):
     fake = torch.multinomial(greedy_accept, n, replacement=True, generator=torch.Generator().manual_seed(1)).tolist()
     stat, crit = chi_square({t: fake.count(t) for t in set(fake)}, p2, n)
     assert stat > crit, (stat, crit)
-    for method in ("chain", "ddtree-4"):
+    spread = SpreadOracle(ids + ref, B, target.vocab_size)
+    for method, acceptance, proposer in (("chain", "match", oracle), ("chain", "rejection", oracle),
+                                         ("chain", "rejection", spread), ("ddtree-4", "match", oracle)):
         gen = torch.Generator().manual_seed(0)
-        runs = [generate(target, ids, method, oracle, max_new_tokens=2, temperature=T, generator=gen) for _ in range(n)]
+        runs = [generate(target, ids, method, proposer, max_new_tokens=2, temperature=T, generator=gen,
+                         acceptance=acceptance) for _ in range(n)]
         assert sum(r.accepted[0] > 1 for r in runs) > n // 10, "the test needs accepted drafts to mean anything"
         for pos, probs in ((0, p1), (1, p2)):
             toks = [r.tokens[pos] for r in runs]
             stat, crit = chi_square({t: toks.count(t) for t in set(toks)}, probs, n)
-            assert stat < crit, (method, pos, stat, crit)
+            assert stat < crit, (method, acceptance, pos, stat, crit)
+
+
+class SpreadOracle(Oracle):
+    """Rejection sampling with a q that is not one-hot: half on the target's greedy token, the rest over three
+    others (as a DFlash2 q over its top-k), drafts sampled from q, so the residual max(p - q, 0) gets used."""
+
+    def draft(self, features, anchor, start, temperature, generator):
+        want = self.propose(features, anchor, start).argmax(-1)
+        q = torch.zeros(len(want), self.vocab)
+        rows = torch.arange(len(want))
+        q[rows, want] = 0.5
+        for k in (1, 2, 3):
+            q[rows, (want + 7 * k) % self.vocab] = 0.5 / 3
+        if temperature <= 0:
+            return want, None
+        return torch.multinomial(q, 1, generator=generator)[:, 0], q
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import torch
 from dflashkit.cache import extract, open_cache
 from dflashkit.cli import main
 from dflashkit.drafter.checkpoint import new_drafter, save_drafter
+from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.drafter.head import DraftHead
 from dflashkit.errors import DFlashError
 from dflashkit.evaluate.compare import compare_runs
@@ -82,6 +83,9 @@ class CopyLabelDrafter(torch.nn.Module):
         tok[bad] = (tok[bad] + 1) % self.w.shape[0]
         row = self.w[tok]
         return row * (50.0 / row.pow(2).sum(-1, keepdim=True))  # label logit 50, others far below
+
+    embed_block = DFlashDrafter.embed_block  # the input/output transforms of the config (identity here)
+    scale_logits = DFlashDrafter.scale_logits
 
     def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None):
         return self._states((anchors[:, :, None] + torch.arange(self.config.block_size)).reshape(anchors.shape[0], -1))

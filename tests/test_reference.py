@@ -49,6 +49,8 @@ def reference_drafter(arch: str, top: dict, dfc: dict, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if p.dim() == 1 else torch.randn_like(p) * 0.1)
+            if "candidate_selector" in name:  # strong enough that the selector's path differs from the argmax
+                p.mul_(10)
     return model
 
 
@@ -92,6 +94,7 @@ def test_reference_written_drafters_load_and_match(tmp_path, variant):
     torch.testing.assert_close(got_h, want_h, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
     if want_path is not None:
+        assert not torch.equal(want_path[0], want_logits[:, 1:].argmax(-1))  # the selector matters here
         assert torch.equal(got_path[0], want_path[0])  # the selector's path
         assert torch.equal(got_path[1], want_path[1])  # its candidates, in the same order
     plain = reference_drafter(*VARIANTS["plain"])  # the variant's fields really change the outputs
@@ -160,3 +163,63 @@ def test_what_cannot_be_honoured_is_refused_with_the_field_named(tmp_path):
     assert load_drafter(_edit(tmp_path / "d1", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 3, 4])))
     with pytest.raises(DFlashError, match=r"hidden_act 'gelu'"):
         load_drafter(_edit(tmp_path / "d1", lambda c: c.update(hidden_act="gelu")))
+
+
+@pytest.mark.parametrize("variant", ["plain", "sliding", "dflash2", "dflash2 sliding, scaled"])
+def test_greedy_generation_equals_the_reference_loop(tmp_path, tiny_targets, monkeypatch, variant):
+    """T=0: our chain loop and the reference's `dflash_generate`, each running its own class loaded from the same
+    folder against the same target, give the same tokens, the same drafts and the same acceptance per round (the
+    last rounds aside: the reference shortens its block to the tokens left, which changes a non-causal draft)."""
+    from dflashkit.decode.speculative import DFlashProposer, generate
+
+    import time
+
+    target = tiny_targets["qwen3"]
+    reference_drafter(*VARIANTS[variant], seed=3).save_pretrained(tmp_path)
+    theirs = getattr(ref, VARIANTS[variant][0]).from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_drafter(tmp_path, target=target)
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # the reference times with CUDA syncs only
+    drafted_theirs, drafted_ours = [], []
+    if hasattr(theirs, "propose"):  # record every round's drafts on both sides
+        real_propose = theirs.propose
+        monkeypatch.setattr(theirs, "propose", lambda *a: _record(drafted_theirs, real_propose(*a), lambda r: r[0][0]))
+    else:
+        real_logits = theirs.compute_logits
+        monkeypatch.setattr(theirs, "compute_logits", lambda *a: _record(drafted_theirs, real_logits(*a),
+                                                                         lambda r: r[0].argmax(-1)))
+    for text in ("def add(a, b):", "Write a haiku about the sea."):
+        ids = target.chat_ids([{"role": "user", "content": text}])
+        drafted_theirs.clear()
+        want = ref.dflash_generate(theirs, target.model, torch.tensor([ids]), 40, None, return_stats=True)
+        proposer = DFlashProposer(target, ours)
+        real_draft = proposer.draft
+        proposer.draft = lambda *a: _record(drafted_ours, real_draft(*a), lambda r: r[0])
+        drafted_ours.clear()
+        got = generate(target, ids, "chain", proposer, max_new_tokens=40, stop_ids=[])
+        assert got.tokens == want.output_ids[0, len(ids):].tolist()
+        full = next(i for i, d in enumerate(drafted_theirs + [[]]) if len(d) < ours.config.block_size - 1)
+        assert full > 10 and len(drafted_ours) >= full
+        assert got.accepted[:full] == want.acceptance_lengths[:full]
+        for a, b in zip(drafted_ours[:full], drafted_theirs[:full]):
+            assert a.tolist() == b.tolist()
+
+
+def _record(log, result, pick):
+    log.append(pick(result).clone())
+    return result
+
+
+def test_cli_init_info_export_dflash2_round_trip(tmp_path, tiny_dirs, capsys):
+    """drafter init --arch dflash2 (block 8 by default) -> info -> export -> the reference's from_pretrained."""
+    from dflashkit.cli import main
+
+    assert main(["drafter", "init", "--target", str(tiny_dirs["qwen3"]), "--arch", "dflash2", "--num-layers", "2",
+                 "--out", str(tmp_path / "d")]) == 0
+    assert "dflash2, 2 layers, block 8" in capsys.readouterr().out
+    assert main(["drafter", "info", str(tmp_path / "d"), "--target", str(tiny_dirs["qwen3"])]) == 0
+    out = capsys.readouterr().out
+    assert "Architecture: DFlash2DraftModel" in out and "selector rank 256, top-16" in out
+    assert main(["drafter", "export", "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "z"),
+                 "--dtype", "float32"]) == 0
+    back, info = ref.DFlash2DraftModel.from_pretrained(tmp_path / "z", output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and back.block_size == 8

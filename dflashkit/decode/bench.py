@@ -39,17 +39,17 @@ def parse_methods(spec: str) -> list[str]:
     return ["ar"] + [m for m in names if m != "ar"]
 
 
-def _run(target, proposer, ids, method, max_new_tokens, temperature, seed, cost, lookups):
+def _run(target, proposer, ids, method, max_new_tokens, temperature, seed, cost, lookups, acceptance="rejection"):
     gen = torch.Generator(device=target.device).manual_seed(seed)
     torch.manual_seed(seed)  # transformers' generate samples from the global generator
     ngram = lookups.setdefault(method, new_lookup(method)) if parse_method(method)[0] in ("ngram", "hybrid") else None
     return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, temperature=temperature,
-                    generator=gen, cost=cost, ngram=ngram)
+                    generator=gen, cost=cost, ngram=ngram, acceptance=acceptance)
 
 
 def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: list[str], max_new_tokens: int = 128,
               block_size: int | None = None, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
-              progress: bool = True, cost: CostCurve | None = None) -> dict:
+              progress: bool = True, cost: CostCurve | None = None, acceptance: str = "rejection") -> dict:
     """prompts: (id, prompt token ids). Returns {"config", "cost", "methods": {name: summary}, "runs", "mismatches"}.
     `cost`: a curve measured earlier on this target (else measured here, about 10 s on a CPU)."""
     from dflashkit.decode.speculative import make_row_invariant
@@ -73,7 +73,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: li
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for m in order:
                 bar.update(task, description=f"{pid} {m}")
-                g = _run(target, proposer, ids, m, max_new_tokens, temperature, seed + i, curve, lookups)
+                g = _run(target, proposer, ids, m, max_new_tokens, temperature, seed + i, curve, lookups, acceptance)
                 runs.append({"prompt": pid, "method": m, "prompt_tokens": len(ids), "tokens": g.tokens,
                              "accepted": g.accepted, "times": g.times})
                 bar.advance(task)
@@ -86,6 +86,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: li
         "config": {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
                    "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
                    "prompts": [p for p, _ in prompts], "max_new_tokens": max_new_tokens, "temperature": temperature,
+                   "acceptance": acceptance if temperature > 0 else None,
                    "seed": seed, "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None},
         "cost": costs,
         "methods": summary,

@@ -38,6 +38,9 @@ def _common(p) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts of the suite")
     p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the drafter's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; above 0 samples, still lossless")
+    p.add_argument("--acceptance", choices=("rejection", "match"), default="rejection",
+                   help="chain's rule at T>0: rejection (drafts sampled from the drafter's q, kept with min(1, p/q), "
+                   "as z-lab's reference) or match (greedy drafts kept iff equal to the target's own sample)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
@@ -103,7 +106,7 @@ def cmd_generate(args) -> int:
         gen = torch.Generator(device=target.device).manual_seed(args.seed + i)
         torch.manual_seed(args.seed + i)
         g = generate(target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
-                     temperature=args.temperature, generator=gen, cost=cost, ngram=ngram)
+                     temperature=args.temperature, generator=gen, cost=cost, ngram=ngram, acceptance=args.acceptance)
         rec = {"id": pid, "method": g.method, "prompt_tokens": len(ids), "tokens": g.tokens,
                "text": target.decode(g.tokens), "accepted": g.accepted, "tau": g.tau if g.accepted else None,
                "tokens_per_s": len(g.tokens) / g.times["total"], "times": g.times}
@@ -127,7 +130,8 @@ def cmd_bench(args) -> int:
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
     prompts = _prompts(args, target)
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
-                       block_size=args.block_size, temperature=args.temperature, seed=args.seed)
+                       block_size=args.block_size, temperature=args.temperature, seed=args.seed,
+                       acceptance=args.acceptance)
     paths = write_bench(result, args.out)
     print(bench_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))

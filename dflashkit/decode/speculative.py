@@ -116,14 +116,74 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, features, anchor, start: int) -> torch.Tensor:
         n = features.shape[1]
-        block_embeds = self.target.embed_tokens(torch.cat([anchor, self.mask_ids]))[None].to(self.dtype)  # [1, B, H]
+        ids = torch.cat([anchor, self.mask_ids])
+        block_embeds = self.drafter.embed_block(self.target.embed_tokens, ids, self.dtype)[None]  # [1, B, H]
         positions = torch.arange(start - n, start + self.block_size, device=block_embeds.device)[None]  # context, block
         h = self.drafter(features.to(self.dtype), block_embeds, positions, past_key_values=self.context_kv,
                          use_cache=True)
+        self.hidden, self.anchor = h[:, 1:], anchor  # DFlash2's selector reads them in draft()
         return self.head.logits(h[0, 1:])  # [B-1, V']
+
+    @torch.no_grad()
+    def draft(self, features, anchor, start: int, temperature: float = 0.0, generator=None):
+        """The block's B-1 drafts as the reference proposes them: DFlash takes the argmax (T=0) or a sample of
+        q = softmax(logits / T); DFlash2 takes its candidate selector's path. Returns (tokens [B-1], q [B-1, V]
+        over the target's vocabulary, None at T=0)."""
+        logits = self.propose(features, anchor, start)
+        if self.drafter.config.arch != "dflash2":
+            return sample_drafts(logits, temperature, generator, self.to_tokens, self.target.vocab_size)
+        path, candidates, q = self.drafter.candidate_selector.select(
+            self.hidden, logits[None], self.anchor, temperature, self.to_tokens, generator)
+        if q is None:
+            return path[0], None
+        full = torch.zeros(q.shape[1], self.target.vocab_size, device=q.device)
+        return path[0], full.scatter_(1, candidates[0], q[0])
 
     def to_tokens(self, idx):
         return self.head.to_tokens(idx)
+
+
+def sample_drafts(logits, temperature: float, generator, to_tokens, vocab_size: int):
+    """Drafts from logits [L, V']: argmax at T=0 (q None), else samples of q = softmax(logits / T), with q
+    returned over the full vocabulary [L, vocab_size] (zero outside a draft vocabulary)."""
+    if temperature <= 0:
+        return to_tokens(logits.argmax(-1)), None
+    q = torch.softmax(logits.float() / temperature, dim=-1)
+    idx = torch.multinomial(q, 1, generator=generator)[:, 0]
+    all_ids = to_tokens(torch.arange(q.shape[1], device=q.device))
+    full = torch.zeros(q.shape[0], vocab_size, device=q.device).index_copy_(1, all_ids, q)
+    return to_tokens(idx), full
+
+
+def draft_block(proposer, features, anchor, start: int, temperature: float, generator, acceptance: str):
+    """(tokens [B-1], q or None). `match` drafts greedily (q None): a draft is accepted iff it equals the target's
+    own choice. `rejection` samples the drafts from q at T>0 and accepts them with min(1, p/q)."""
+    if acceptance == "rejection" and temperature > 0:
+        if hasattr(proposer, "draft"):
+            return proposer.draft(features, anchor, start, temperature, generator)
+        logits = proposer.propose(features, anchor, start)
+        return sample_drafts(logits, temperature, generator, proposer.to_tokens, logits.shape[-1])
+    if hasattr(proposer, "draft"):
+        return proposer.draft(features, anchor, start, 0.0, generator)
+    return proposer.to_tokens(proposer.propose(features, anchor, start).argmax(-1)), None
+
+
+def rejection_accept(drafts, q, logits, temperature: float, generator) -> tuple[int, torch.Tensor]:
+    """Speculative sampling over a chain (docs/design.md section 4): draft i is accepted with probability
+    min(1, p_i / q_i); at the first rejection the next token is drawn from normalise(max(p - q, 0)); if every
+    draft is accepted, from p after the last. drafts [L]; q [L, V]; logits [L+1, V] of the verify.
+    Returns (accepted count, next token [1])."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    L = len(drafts)
+    rows = torch.arange(L, device=p.device)
+    p_d, q_d = p[rows, drafts], q[rows, drafts].to(p.device)
+    u = torch.rand(L, generator=generator).to(p.device)
+    a = int((u * q_d < p_d).int().cumprod(0).sum())
+    if a == L:
+        return a, torch.multinomial(p[L], 1, generator=generator)
+    residual = (p[a] - q[a].to(p.device)).clamp_min(0)
+    residual = residual / residual.sum() if residual.sum() > 0 else p[a]
+    return a, torch.multinomial(residual, 1, generator=generator)
 
 
 # ---- small pieces the loops share ---------------------------------------------------------------------------
@@ -255,8 +315,10 @@ def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
 
 @torch.no_grad()
 def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
-                   temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
-    """Chain speculative decoding (SPEC.md section 4): one drafter pass and one target forward over B tokens per round."""
+                   temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None,
+                   acceptance: str = "rejection") -> Generation:
+    """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
+    per round. At T>0, `acceptance` picks the rule (see draft_block); both keep the target's distribution."""
     timer, stops, dev = _begin(target, stop_ids)
     B, layer_ids = proposer.block_size, proposer.layer_ids
     offsets = torch.arange(B, device=dev)
@@ -271,14 +333,18 @@ def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_to
     feats, start, accepted = out.features, len(prompt_ids), []  # start: position of the bonus token
     while not done:
         with timer("draft"):
-            logits = proposer.propose(feats, bonus, start)  # [B-1, V']
-        block = torch.cat([bonus, proposer.to_tokens(logits.argmax(-1))])  # [B]: the bonus, then B-1 drafts
+            drafts, q = draft_block(proposer, feats, bonus, start, temperature, generator, acceptance)
+        block = torch.cat([bonus, drafts])  # [B]: the bonus, then B-1 drafts
         saved = save_linear_states(kv) if target.is_hybrid else None
         with timer("verify"):
             out = target.forward(block[None], layer_ids=layer_ids, past_key_values=kv,
                                  position_ids=(start + offsets)[None])
-        posterior = choose(out.logits[0], temperature, generator)  # [B]: target's token after block[:i+1]
-        a = int((block[1:] == posterior[:-1]).cumprod(0).sum())  # accepted drafts
+        if q is None:
+            posterior = choose(out.logits[0], temperature, generator)  # [B]: target's token after block[:i+1]
+            a = int((block[1:] == posterior[:-1]).cumprod(0).sum())  # accepted drafts
+            next_token = posterior[a : a + 1]
+        else:
+            a, next_token = rejection_accept(block[1:], q, out.logits[0], temperature, generator)
         feats = out.features[:, : a + 1]
         if saved is None:
             crop_kv(kv, start + a + 1)
@@ -286,7 +352,7 @@ def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_to
             with timer("verify"):
                 feats = rerun(target, kv, saved, block[: a + 1], start, layer_ids)
         accepted.append(a + 1)
-        bonus, start = posterior[a : a + 1], start + a + 1
+        bonus, start = next_token, start + a + 1
         done = emit(tokens, block[1 : a + 1].tolist() + bonus.tolist(), stops, max_new_tokens)
     return Generation("chain", tokens, accepted, timer.finish())
 
@@ -530,8 +596,9 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
 
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
              max_new_tokens: int = 256, temperature: float = 0.0, generator=None, stop_ids=None, cost=None,
-             ngram=None) -> Generation:
-    """One entry point for every method name of `parse_method`; `budget` applies to a bare 'ddtree' or 'hybrid'."""
+             ngram=None, acceptance: str = "rejection") -> Generation:
+    """One entry point for every method name of `parse_method`; `budget` applies to a bare 'ddtree' or 'hybrid';
+    `acceptance` is the chain's rule at T>0 (trees accept a node iff it is the target's own sample)."""
     kind, n = parse_method(method)
     if kind == "ar":
         return generate_ar(target, prompt_ids, max_new_tokens, temperature, generator, stop_ids)
@@ -541,7 +608,8 @@ def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Pro
     if needs_drafter(method) and proposer is None:
         raise ValueError(f"method {method!r} needs a drafter")
     if kind == "chain":
-        return generate_chain(target, proposer, prompt_ids, max_new_tokens, temperature, generator, stop_ids)
+        return generate_chain(target, proposer, prompt_ids, max_new_tokens, temperature, generator, stop_ids,
+                              acceptance)
     name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
     return generate_tree(target, tree_drafts(method, proposer, budget, cost, ngram), prompt_ids, max_new_tokens,
                          temperature, generator, stop_ids, method=name)

@@ -12,6 +12,8 @@ def register(sub) -> None:
     i = dsub.add_parser("info", help="config, parameter count, expected target and the load report")
     i.add_argument("path")
     i.add_argument("--target", help="also check the drafter against this target")
+    i.add_argument("--allow-skipped", action="store_true",
+                   help="load even with tensors the config has no place for (the report names the model run)")
     add_threads_option(i)
     i.set_defaults(func=cmd_info)
     n = dsub.add_parser("init", help="write a fresh randomly initialised drafter for a target")
@@ -19,7 +21,9 @@ def register(sub) -> None:
     n.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (released drafters: 5)")
     n.add_argument("--target-layers", type=target_layers_arg, default="auto", metavar="IDS",
                    help="target layer ids the drafter reads: auto (z-lab's rule for --num-layers) or ids like 1,8,14")
-    n.add_argument("--block-size", type=int, default=16)
+    n.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                   help="dflash, or dflash2: grouped dynamic convolutions + a candidate selector (z-lab, 2026)")
+    n.add_argument("--block-size", type=int, default=None, help="default 16 for dflash, 8 for dflash2 (as z-lab ships)")
     n.add_argument("--format", choices=["dflashkit", "zlab"], default="dflashkit")
     n.add_argument("--allow-final-layers", action="store_true", help="permit feeding the last two target layers")
     n.add_argument("--seed", type=int, default=0)
@@ -42,7 +46,7 @@ def cmd_info(args) -> int:
         from dflashkit.target.model import load_target
 
         target = load_target(args.target, device="cpu")
-    d = load_drafter(args.path, target=target)
+    d = load_drafter(args.path, target=target, allow_skipped=args.allow_skipped)
     for line in d.load_report:
         print(line)
     c = d.config
@@ -55,6 +59,13 @@ def cmd_info(args) -> int:
     print(f"rope             theta {c.rope_theta} scaling {c.rope_scaling}")
     if "sliding_attention" in c.layer_types:
         print(f"sliding window   {c.sliding_window} on layers {[i for i, t in enumerate(c.layer_types) if t == 'sliding_attention']}")
+    kinds = [c.attention_kind(i) for i in range(c.num_hidden_layers)]
+    print(f"attention        {', '.join(('causal' if k else 'non-causal') + (f' window {w}' if w else '') for k, w in kinds)}")
+    scales = {k: getattr(c, k) for k in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")}
+    print(f"scaling          {', '.join(f'{k} {v}' for k, v in scales.items())}")
+    if c.arch == "dflash2":
+        print(f"dflash2          convolutions kernel {c.conv_kernel_size} group {c.conv_group_size}; selector rank "
+              f"{c.selector_rank}, top-{c.selector_top_k} candidates")
     con = d.contract
     if con:
         tgt = con.get("target") or {}
@@ -81,11 +92,13 @@ def cmd_init(args) -> int:
 
     torch.manual_seed(args.seed)
     target = load_target(args.target, device="cpu")
+    block = args.block_size or (8 if args.arch == "dflash2" else 16)
     d = new_drafter(target, num_layers=args.num_layers, target_layer_ids=args.target_layers,
-                    allow_final_layers=args.allow_final_layers, block_size=args.block_size)
+                    allow_final_layers=args.allow_final_layers, block_size=block, arch=args.arch)
     save_drafter(d, args.out, format=args.format, target_identity=target.identity())
     n = sum(p.numel() for p in d.parameters())
-    print(f"wrote {args.out}: {args.num_layers} layers, {n / 1e6:.2f}M parameters, target layers {d.config.target_layer_ids}")
+    print(f"wrote {args.out}: {args.arch}, {args.num_layers} layers, block {block}, {n / 1e6:.2f}M parameters, "
+          f"target layers {d.config.target_layer_ids}")
     return 0
 
 

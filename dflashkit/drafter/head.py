@@ -12,7 +12,10 @@ import torch
 
 
 class DraftHead:
-    def __init__(self, lm_head_weight: torch.Tensor, vocab_ids=None):
+    """`scale`: the drafter's logit transform (output_multiplier, softcapping), applied after the projection."""
+
+    def __init__(self, lm_head_weight: torch.Tensor, vocab_ids=None, scale=None):
+        self.scale = scale
         self.vocab_ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long, device=lm_head_weight.device)
         self.weight = lm_head_weight if self.vocab_ids is None else lm_head_weight[self.vocab_ids]
         self.full_size = lm_head_weight.shape[0]
@@ -23,7 +26,7 @@ class DraftHead:
     @classmethod
     def for_drafter(cls, target, drafter) -> "DraftHead":
         vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab")
-        return cls(target.lm_head.weight, vocab)
+        return cls(target.lm_head.weight, vocab, drafter.scale_logits)
 
     @property
     def size(self) -> int:
@@ -31,7 +34,8 @@ class DraftHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V'] in float32 (argmax and log-softmax need the precision)."""
-        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight).float()
+        logits = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight).float()
+        return logits if self.scale is None else self.scale(logits)
 
     def to_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the (sub)vocabulary -> target token ids."""

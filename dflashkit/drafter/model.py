@@ -232,7 +232,7 @@ class CandidateSelector(nn.Module):
         pair = torch.einsum("...r,...kr->...k", context, self.successor_codebook[candidates])
         return unary + pair.to(unary.dtype)
 
-    def select(self, hidden, logits, anchor_ids, temperature: float = 0.0, to_tokens=None):
+    def select(self, hidden, logits, anchor_ids, temperature: float = 0.0, to_tokens=None, generator=None):
         """hidden [b, L, H]; logits [b, L, V'] (the drafter's unary logits); anchor_ids [b].
         Returns (path [b, L] token ids, candidates [b, L, k] token ids, q [b, L, k] or None at T=0): the greedy
         path at T=0, else each position sampled from softmax(scores / T) over its candidates."""
@@ -243,7 +243,7 @@ class CandidateSelector(nn.Module):
             s = self.scores(hidden[:, i], prev, candidates[:, i], unary[:, i])
             if temperature > 0:
                 q = torch.softmax(s.float() / temperature, dim=-1)
-                pick = torch.multinomial(q, 1)[:, 0]
+                pick = torch.multinomial(q, 1, generator=generator)[:, 0]
                 qs.append(q)
             else:
                 pick = s.argmax(dim=-1)

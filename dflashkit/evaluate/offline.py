@@ -195,6 +195,7 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
     cfg = drafter.config
     B, T = cfg.block_size, tokens.shape[0]
     p = next(drafter.parameters())
+    embed = lambda ids: drafter.embed_block(embed_tokens, ids)  # noqa: E731 (input_embedding_scale applied)
     tokens = tokens.to(p.device).long()
     feats = features.to(p.device, p.dtype)
     if anchors == "stride":
@@ -202,7 +203,7 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
         out = []
         for s in range(0, len(starts), BLOCKS_PER_CALL):
             a = starts[s : s + BLOCKS_PER_CALL]
-            block_embeds = block_embeddings(embed_tokens, tokens, a, B, cfg.mask_token_id, p.dtype)
+            block_embeds = block_embeddings(embed, tokens, a, B, cfg.mask_token_id, p.dtype)
             anchor_t = torch.tensor(a, device=p.device)[None]
             h = drafter.forward_blocks(feats[None, : a[-1]], block_embeds[None], anchor_t)  # context < last anchor suffices
             out += _score_blocks(head, h[0].view(len(a), B, -1)[:, 1:], tokens, a, B, trees)
@@ -211,7 +212,7 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
     context_kv = drafter.new_context_kv()
     out, done, a = [], 0, prompt_len
     while a <= T - 2 and (max_blocks is None or len(out) < max_blocks):
-        block_embeds = block_embeddings(embed_tokens, tokens, [a], B, cfg.mask_token_id, p.dtype)
+        block_embeds = block_embeddings(embed, tokens, [a], B, cfg.mask_token_id, p.dtype)
         pos = torch.arange(done, a + B, device=p.device)[None]  # new context positions, then the block
         h = drafter(feats[None, done:a], block_embeds[None], pos, past_key_values=context_kv, use_cache=True)
         done = a

@@ -176,7 +176,7 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     r = Run(cfg=cfg, d=d, out=Path(cfg.out), target=target, source=source, layer_ids=layer_ids, pool=pool, gamma=gamma,
             mask_id=mask_id, per_step=per_step, steps_per_epoch=steps_per_epoch, total=total, eval_cache=eval_cache,
-            vocab=vocab, drafter=drafter, model=model, head=DraftHead(target.lm_head.weight, vocab),
+            vocab=vocab, drafter=drafter, model=model, head=DraftHead(target.lm_head.weight, vocab, drafter.scale_logits),
             slot_w=slot_weights(cfg.block_size, gamma).to(d.device), opt=opt, contract=contract,
             extra=dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab,
                        train_config=cfg.to_dict()),
@@ -349,7 +349,8 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
     stats = StepStats()
     for m, (idx, batch) in enumerate(micro):
         feats, block_embeds, last_states = micro_inputs(r.source, idx, batch, r.target, r.layer_ids, cfg.loss == "kl",
-                                                        cfg.noise_std, [mix_seed(cfg.seed, epoch, i, 3) for i in idx])
+                                                        cfg.noise_std, [mix_seed(cfg.seed, epoch, i, 3) for i in idx],
+                                                        r.drafter.config.input_embedding_scale)
         with grad_sync(r, last=m == len(micro) - 1):
             with autocast(r):
                 hidden = r.model(feats, block_embeds, batch.anchors, batch.valid)
@@ -367,7 +368,8 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
     return stats
 
 
-def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bool, noise_std: float, noise_seeds):
+def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bool, noise_std: float, noise_seeds,
+                 embed_scale: float = 1.0):
     """(features [b, T, K*H] for the drafter, possibly noised; block embeddings [b, n*B, H]; the target's clean
     final-normed last-layer states [b, T, H] for kl, else None). Noise is applied to a copy, after the target
     states are taken, so labels and target distributions never see it."""
@@ -376,6 +378,8 @@ def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bo
     with torch.no_grad():
         last_states = target.final_norm(last.to(target.device, target.dtype)) if need_last else None
         block_embeds = target.embed_tokens(batch.block_ids.reshape(len(idx), -1))
+        if embed_scale != 1.0:  # the drafter's input_embedding_scale, as the reference applies it
+            block_embeds = block_embeds * embed_scale
     if noise_std > 0:
         feats = add_noise(feats, noise_std, target.hidden_size, noise_seeds)
     return feats, block_embeds, last_states
