@@ -11,11 +11,21 @@ from __future__ import annotations
 import torch
 
 
-class DraftHead:
-    """`scale`: the drafter's logit transform (output_multiplier, softcapping), applied after the projection."""
+def scaled(raw: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None):
+    """A drafter's logit transform as z-lab's reference applies it: x = raw * output_multiplier, then
+    c * tanh(x / c) with c = final_logit_softcapping. Returns (logits, d logits / d raw)."""
+    x = raw * multiplier if multiplier != 1.0 else raw
+    if not softcap:
+        return x, multiplier
+    t = torch.tanh(x / softcap)
+    return softcap * t, (1 - t * t) * multiplier
 
-    def __init__(self, lm_head_weight: torch.Tensor, vocab_ids=None, scale=None):
-        self.scale = scale
+
+class DraftHead:
+    """scaling: (output_multiplier, final_logit_softcapping) of the drafter, applied after the projection."""
+
+    def __init__(self, lm_head_weight: torch.Tensor, vocab_ids=None, scaling=(1.0, None)):
+        self.scaling = tuple(scaling)
         self.vocab_ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long, device=lm_head_weight.device)
         self.weight = lm_head_weight if self.vocab_ids is None else lm_head_weight[self.vocab_ids]
         self.full_size = lm_head_weight.shape[0]
@@ -26,7 +36,7 @@ class DraftHead:
     @classmethod
     def for_drafter(cls, target, drafter) -> "DraftHead":
         vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab")
-        return cls(target.lm_head.weight, vocab, drafter.scale_logits)
+        return cls(target.lm_head.weight, vocab, scaling_of(drafter.config))
 
     @property
     def size(self) -> int:
@@ -34,8 +44,7 @@ class DraftHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V'] in float32 (argmax and log-softmax need the precision)."""
-        logits = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight).float()
-        return logits if self.scale is None else self.scale(logits)
+        return scaled(torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight).float(), *self.scaling)[0]
 
     def to_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the (sub)vocabulary -> target token ids."""
@@ -47,3 +56,7 @@ class DraftHead:
             return tokens
         safe = tokens.clamp(min=0)
         return torch.where(tokens < 0, tokens, self._index[safe])
+
+
+def scaling_of(cfg) -> tuple[float, float | None]:
+    return cfg.output_multiplier, cfg.final_logit_softcapping

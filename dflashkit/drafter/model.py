@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.head import scaled
 from dflashkit.errors import DFlashError
 
 
@@ -290,12 +291,7 @@ class DFlashDrafter(nn.Module):
 
     def scale_logits(self, logits):
         """output_multiplier, then c * tanh(logits / c) with c = final_logit_softcapping, as the reference does."""
-        c = self.config
-        if c.output_multiplier != 1.0:
-            logits = logits * c.output_multiplier
-        if c.final_logit_softcapping:
-            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
-        return logits
+        return scaled(logits, self.config.output_multiplier, self.config.final_logit_softcapping)[0]
 
     def compute_logits(self, hidden, output_head):
         """z-lab's name: the target's output head applied to drafter states, then scaled."""

@@ -143,9 +143,12 @@ def _score(hit, lp, idx, logits, labels, label_index, trees) -> dict:
     }
 
 
-def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int, trees: list[str]) -> list[dict]:
+def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int, trees: list[str],
+                  selector=None) -> list[dict]:
     """hidden [n, B-1, H] drafter states of the draft slots. Vocabulary logits in chunks of blocks; argmax and
-    top-k once per chunk (few large ops instead of several small ones per block)."""
+    top-k once per chunk (few large ops instead of several small ones per block). selector: DFlash2's; its greedy
+    path (each position reranked given its own previous choice, as at inference) is the draft that streak and
+    per-position acceptance score, while DDTree budgets read the marginal logits."""
     labels = _labels(tokens, anchors, B)
     index = head.to_index(labels)
     k = min(_budgets(trees)[-1], head.size)
@@ -153,7 +156,12 @@ def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int
     out = []
     for s in range(0, len(anchors), per_chunk):
         logits = head.logits(hidden[s : s + per_chunk])  # [m, B-1, V'] float32
-        hits = logits.argmax(-1) == index[s : s + per_chunk]
+        if selector is None:
+            hits = logits.argmax(-1) == index[s : s + per_chunk]
+        else:
+            anchor_ids = tokens[torch.tensor(anchors[s : s + per_chunk], device=tokens.device)]
+            path = selector.select(hidden[s : s + per_chunk], logits, anchor_ids, 0.0, head.to_tokens)[0]
+            hits = path == labels[s : s + per_chunk]
         lp, idx = top_logprobs(logits, k)
         lp, idx = lp.tolist(), idx.tolist()
         for i in range(logits.shape[0]):
@@ -196,6 +204,7 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
     B, T = cfg.block_size, tokens.shape[0]
     p = next(drafter.parameters())
     embed = lambda ids: drafter.embed_block(embed_tokens, ids)  # noqa: E731 (input_embedding_scale applied)
+    selector = getattr(drafter, "candidate_selector", None)  # DFlash2: its path is the draft
     tokens = tokens.to(p.device).long()
     feats = features.to(p.device, p.dtype)
     if anchors == "stride":
@@ -206,7 +215,7 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
             block_embeds = block_embeddings(embed, tokens, a, B, cfg.mask_token_id, p.dtype)
             anchor_t = torch.tensor(a, device=p.device)[None]
             h = drafter.forward_blocks(feats[None, : a[-1]], block_embeds[None], anchor_t)  # context < last anchor suffices
-            out += _score_blocks(head, h[0].view(len(a), B, -1)[:, 1:], tokens, a, B, trees)
+            out += _score_blocks(head, h[0].view(len(a), B, -1)[:, 1:], tokens, a, B, trees, selector)
         return out
     # walk: each anchor follows from the previous streak; the context KV takes only the new positions
     context_kv = drafter.new_context_kv()
@@ -216,7 +225,7 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
         pos = torch.arange(done, a + B, device=p.device)[None]  # new context positions, then the block
         h = drafter(feats[None, done:a], block_embeds[None], pos, past_key_values=context_kv, use_cache=True)
         done = a
-        rec = _score_blocks(head, h[:, 1:], tokens, [a], B, trees)[0]
+        rec = _score_blocks(head, h[:, 1:], tokens, [a], B, trees, selector)[0]
         out.append(rec)
         a += rec["streak"] + 1
     return out

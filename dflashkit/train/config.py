@@ -41,11 +41,18 @@ class TrainConfig:
                                              "(null: one per drafter layer)")
     allow_final_layers: bool = _f(False, "allow the last two target layers as features (a shortcut that fails in use)")
     block_size: int = _f(16, "B: one anchor + B-1 drafted tokens")
+    arch: str = _f("dflash", "dflash | dflash2 (grouped dynamic convolutions around each sublayer + a candidate "
+                             "selector that reranks each position's top-k; z-lab ships it with block_size 8)")
+    conv_kernel_size: int = _f(2, "dflash2: causal taps of each convolution")
+    conv_group_size: int = _f(16, "dflash2: hidden channels sharing one dynamic tap")
+    selector_rank: int = _f(256, "dflash2: rank of the selector's predecessor/successor codebooks")
+    selector_top_k: int = _f(16, "dflash2: candidates the selector reranks per position")
+    selector_loss_alpha: float = _f(1.0, "dflash2: weight of the selector's candidate cross-entropy")
     mask_token_id: int | None = _f(None, "mask id of the block inputs (null: the target's, see `dflashkit target info`)")
     draft_vocab: str | int = _f("auto", "auto: tokens seen in the training responses + specials; none: full "
                                         "vocabulary; N: the N most frequent response tokens + specials; "
                                         "FILE.json: a list of token ids (+ specials)")
-    # the recipe (SPEC.md section 7)
+    # the recipe (docs/design.md section 7)
     anchors_per_seq: int = _f(512, "anchors sampled per sequence among response positions, re-sampled every epoch")
     loss: str = _f("ce", "ce: hard cross-entropy on the next tokens; kl: KL(target || drafter) over the draft "
                          "vocabulary (needs the target's last layer: online data, or a cache that stores it)")
@@ -104,6 +111,8 @@ class TrainConfig:
             bad("dtype", "is not one of: auto, float32, bfloat16")
         if self.attention not in ("auto", "flex", "chunked", "dense"):
             bad("attention", "is not one of: auto, flex, chunked, dense")
+        if self.arch not in ("dflash", "dflash2"):
+            bad("arch", "is not one of: dflash, dflash2")
         if self.eval_anchors not in ("stride", "walk"):
             bad("eval_anchors", "is not one of: stride, walk")
         if isinstance(self.draft_vocab, str) and self.draft_vocab.isdigit():
@@ -116,7 +125,8 @@ class TrainConfig:
         for key in ("block_size",):
             if getattr(self, key) < 2:
                 bad(key, "must be at least 2")
-        for key in ("anchors_per_seq", "batch_size", "grad_accum", "head_chunk", "num_layers", "max_seq_len",
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                    "anchors_per_seq", "batch_size", "grad_accum", "head_chunk", "num_layers", "max_seq_len",
                     "save_every", "keep_last"):
             if getattr(self, key) < 1:
                 bad(key, "must be at least 1")

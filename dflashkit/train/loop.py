@@ -37,10 +37,10 @@ from dflashkit.train.checkpoint import (check_resume_contract, latest_checkpoint
 from dflashkit.train.config import TrainConfig, default_gamma
 from dflashkit.train.data import (add_noise, build_batch, data_kind, draft_vocabulary, epoch_order, mix_seed,
                                   open_source, sample_anchors, usable)
-from dflashkit.train.loss import block_loss, slot_weights, step_weight
+from dflashkit.train.loss import block_loss, predecessors, slot_weights, step_weight
 
 METRIC_COLUMNS = ["step", "epoch", "loss", "loss_name", "pos1_acc", "slot_acc", "lr", "grad_norm", "blocks",
-                  "tokens", "oov_frac", "blocks_per_s", "tokens_per_s", "elapsed_s", "peak_mem_gib"]
+                  "tokens", "oov_frac", "blocks_per_s", "tokens_per_s", "elapsed_s", "peak_mem_gib", "selector_acc"]
 
 
 def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
@@ -132,7 +132,7 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     """Load and check everything before the first step: a wrong path, layer id or resume setting fails now, not
     an hour in."""
     from dflashkit.drafter.checkpoint import new_drafter
-    from dflashkit.drafter.head import DraftHead
+    from dflashkit.drafter.head import DraftHead, scaling_of
     from dflashkit.target.model import load_target
 
     if source is None:
@@ -164,7 +164,7 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     torch.manual_seed(cfg.seed)
     drafter = init if init is not None else new_drafter(
         target, num_layers=cfg.num_layers, target_layer_ids=layer_ids, allow_final_layers=cfg.allow_final_layers,
-        block_size=cfg.block_size, mask_token_id=mask_id)
+        block_size=cfg.block_size, mask_token_id=mask_id, **drafter_shape(cfg))
     if drafter.config.mask_token_id != mask_id:
         raise DFlashError(f"init={cfg.init}: mask_token_id {drafter.config.mask_token_id} != {mask_id}; set mask_token_id")
     identity = target.identity()
@@ -176,7 +176,7 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     r = Run(cfg=cfg, d=d, out=Path(cfg.out), target=target, source=source, layer_ids=layer_ids, pool=pool, gamma=gamma,
             mask_id=mask_id, per_step=per_step, steps_per_epoch=steps_per_epoch, total=total, eval_cache=eval_cache,
-            vocab=vocab, drafter=drafter, model=model, head=DraftHead(target.lm_head.weight, vocab, drafter.scale_logits),
+            vocab=vocab, drafter=drafter, model=model, head=DraftHead(target.lm_head.weight, vocab, scaling_of(drafter.config)),
             slot_w=slot_weights(cfg.block_size, gamma).to(d.device), opt=opt, contract=contract,
             extra=dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab,
                        train_config=cfg.to_dict()),
@@ -184,6 +184,14 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     if state:
         restore(r, ckpt, state)
     return r
+
+
+def drafter_shape(cfg: TrainConfig) -> dict:
+    """The architecture settings of a new drafter (DFlash2's convolutions and selector only when arch is dflash2)."""
+    if cfg.arch == "dflash":
+        return {}
+    return dict(arch=cfg.arch, conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
 
 
 def load_init(cfg: TrainConfig, target):
@@ -195,7 +203,8 @@ def load_init(cfg: TrainConfig, target):
         return None
     init = load_drafter(cfg.init, target=target)
     ic = init.config
-    theirs = {"target_layer_ids": ic.target_layer_ids, "block_size": ic.block_size, "num_layers": ic.num_hidden_layers}
+    theirs = {"target_layer_ids": ic.target_layer_ids, "block_size": ic.block_size, "num_layers": ic.num_hidden_layers,
+              "arch": ic.arch}
     for key, value in theirs.items():
         if getattr(cfg, key) is not None and getattr(cfg, key) != value:
             raise DFlashError(f"init={cfg.init}: the drafter has {key}={value}, the config says {getattr(cfg, key)}; "
@@ -323,6 +332,8 @@ class StepStats:
     correct: float = 0.0  # argmax == label, any slot
     blocks: float = 0.0
     tokens: float = 0.0
+    selector_slots: float = 0.0  # DFlash2: slots its candidate selector was trained on
+    selector_correct: float = 0.0  # of which it picked the true token (teacher-forced predecessor)
 
     def summed(self, d: Dist) -> "StepStats":
         if d.world == 1:
@@ -336,6 +347,7 @@ class StepStats:
                 "lr": lr, "grad_norm": grad_norm, "blocks": int(self.blocks), "tokens": int(self.tokens),
                 "oov_frac": self.oov / max(1.0, self.slots), "blocks_per_s": self.blocks / clock.last_step,
                 "tokens_per_s": self.tokens / clock.last_step, "elapsed_s": clock.elapsed(),
+                "selector_acc": self.selector_correct / self.selector_slots if self.selector_slots else None,
                 "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
@@ -354,8 +366,10 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
         with grad_sync(r, last=m == len(micro) - 1):
             with autocast(r):
                 hidden = r.model(feats, block_embeds, batch.anchors, batch.valid)
+            selector = getattr(r.drafter, "candidate_selector", None)  # DFlash2
+            pred = predecessors(batch.block_ids, batch.labels) if selector is not None else None
             loss, st = block_loss(hidden, batch.labels, r.slot_w, r.head, cfg.loss, norm, last_states, batch.anchors,
-                                  cfg.head_chunk)
+                                  cfg.head_chunk, selector, pred, cfg.selector_loss_alpha)
             (loss * d.world).backward()  # DDP/FSDP average gradients; the loss is already globally normalised
         stats.loss += loss.item()
         stats.slots += st["slots"]
@@ -363,6 +377,8 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
         stats.pos1 += st["pos1"]
         stats.pos1_correct += st["pos1_correct"]
         stats.correct += st["correct"]
+        stats.selector_slots += st.get("selector_slots", 0)
+        stats.selector_correct += st.get("selector_correct", 0)
         stats.blocks += int(batch.valid.sum())
         stats.tokens += int(batch.lengths.sum())
     return stats

@@ -1,4 +1,4 @@
-"""The drafter's training loss over blocks (SPEC.md section 7), with the lm_head applied in chunks.
+"""The drafter's training loss over blocks (docs/design.md section 7), with the lm_head applied in chunks.
 
 Labels: slot k (1..B-1) of the block anchored at position a predicts token a+k; slot 0 (the anchor itself) and
 slots past the end of the sequence carry no loss. Slot k weighs w_k = exp(-(k-1)/gamma).
@@ -15,6 +15,11 @@ supervised slot of the optimiser step (all micro-batches, all processes), so nei
 depends on how a global batch is split into micro-batches or processes. Frameworks differ here by up to the number
 of slots, which is why learning rates transfer only with matched normalisation.
 
+DFlash2 adds its candidate selector's loss (the facts from speculators 0.9.0): per supervised slot, the top-k of
+the drafter's logits are the candidates (the true token replaces the last one when it is not among them), scored
+as the selector scores them at inference, with the true previous token as predecessor (teacher forcing);
+hard cross-entropy over those k scores, with the same slot weights and normaliser, times `selector_loss_alpha`.
+
 Memory: logits for thousands of slots x 49K vocabulary do not fit, and autograd would keep every chunk's
 softmax. `ChunkedHeadLoss` computes loss and d(loss)/d(hidden) chunk by chunk in the forward pass and keeps only
 the [N, H] gradient; the lm_head is frozen, so nothing else is needed in backward.
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from dflashkit.drafter.head import scaled
 
 LOGIT_ELEMENTS = 1 << 25  # at most 32M logits (128 MB in float32) per chunk, a few such buffers alive at once
 
@@ -37,25 +44,29 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
-    """sum_i row_w[i] * loss_i over rows, logits = hidden @ weight.T computed `chunk` rows at a time (fewer
+    """sum_i row_w[i] * loss_i over rows, logits = scale(hidden @ weight.T) computed `chunk` rows at a time (fewer
     when chunk x vocabulary would exceed LOGIT_ELEMENTS).
 
     hidden [N, H]; weight [V, H] (frozen); labels [N] indices into V, -100 = no label; row_w [N] float32;
-    target [N, H] final-normed target states for `kl` (None for `ce`). Returns (loss scalar, correct [N] bool:
-    argmax == label)."""
+    target [N, H] final-normed target states for `kl` (None for `ce`); scale: (output_multiplier, softcap);
+    top_k: also return each row's top-k logit indices (DFlash2's candidates; 0: none). Returns (loss scalar,
+    correct [N] bool: argmax == label, top [N, top_k] long)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_w, target, chunk: int, kind: str):
+    def forward(ctx, hidden, weight, labels, row_w, target, chunk: int, kind: str, scale=(1.0, None), top_k: int = 0):
         need_grad = ctx.needs_input_grad[0]
         n = hidden.shape[0]
         chunk = max(1, min(chunk, LOGIT_ELEMENTS // weight.shape[0]))  # bounded whatever the vocabulary
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
         grad = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
+        top = torch.zeros(n, top_k, dtype=torch.long, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
-                logits = F.linear(hidden[s:e].to(weight.dtype), weight).float()  # [c, V]
+                logits, dlogits = scaled(F.linear(hidden[s:e].to(weight.dtype), weight).float(), *scale)  # [c, V]
+                if top_k:
+                    top[s:e] = logits.topk(top_k, dim=-1).indices
                 logq = logits.log_softmax(-1)
                 lab = labels[s:e]
                 w = row_w[s:e]
@@ -76,18 +87,18 @@ class ChunkedHeadLoss(torch.autograd.Function):
                     if need_grad:
                         d = (logq.exp() - p) * w[:, None]
                 if need_grad:
-                    grad[s:e] = (d.to(weight.dtype) @ weight).float()
+                    grad[s:e] = ((d * dlogits).to(weight.dtype) @ weight).float()
         ctx.save_for_backward(grad if need_grad else torch.empty(0))
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+        ctx.mark_non_differentiable(correct, top)
+        return total, correct, top
 
     @staticmethod
-    def backward(ctx, g_total, g_correct):
+    def backward(ctx, g_total, g_correct, g_top):
         (grad,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return (None,) * 7
-        return (grad * g_total).to(ctx.hidden_dtype), None, None, None, None, None, None
+            return (None,) * 9
+        return (grad * g_total).to(ctx.hidden_dtype), None, None, None, None, None, None, None, None
 
 
 def block_targets(labels: torch.Tensor, head, slot_w: torch.Tensor, kind: str):
@@ -107,12 +118,20 @@ def step_weight(labels: torch.Tensor, head, slot_w: torch.Tensor, kind: str) -> 
     return float(block_targets(labels, head, slot_w, kind)[2].sum())
 
 
+def predecessors(block_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[b, n, B] the true token before each slot's label: the anchor for slot 1, label k-1 for slot k."""
+    pred = labels.roll(1, dims=-1)
+    pred[..., 1] = block_ids[..., 0]
+    return pred
+
+
 def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidden=None, anchors=None,
-               chunk: int = 2048):
+               chunk: int = 2048, selector=None, pred=None, alpha: float = 1.0):
     """hidden [b, n*B, H] drafter outputs (final-normed); labels [b, n, B]; norm = the step's total weight.
 
     target_hidden [b, T, H] (kl only): the target's final-normed last-layer states; slot k of the block at anchor
-    a reads row a+k-1. Returns (loss contribution = sum w_k l_k / norm, stats dict of summed counts)."""
+    a reads row a+k-1. selector (DFlash2): its CandidateSelector, with pred [b, n, B] = predecessors(...) and
+    alpha = selector_loss_alpha. Returns (loss contribution = sum w_k l_k / norm, stats dict of summed counts)."""
     b, n, B = labels.shape
     rows, index, weight = block_targets(labels, head, slot_w, kind)
     flat = rows.reshape(-1)
@@ -124,15 +143,39 @@ def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidd
         bi = torch.arange(b, device=labels.device)[:, None, None].expand(b, n, B)
         target = target_hidden[bi.reshape(-1)[flat], pos.reshape(-1)[flat].clamp(min=0)]
     w = weight.reshape(-1)[flat]
-    loss, correct = ChunkedHeadLoss.apply(h, head.weight, index.reshape(-1)[flat], w / norm, target, chunk, kind)
+    idx = index.reshape(-1)[flat]
+    loss, correct, top = ChunkedHeadLoss.apply(h, head.weight, idx, w / norm, target, chunk, kind, head.scaling,
+                                               selector.top_k if selector is not None else 0)
     first = slot == 1
     stats = {
         "weight": float(w.sum()),
         "slots": int(flat.sum()),
-        "oov": int((index.reshape(-1)[flat] < 0).sum()),
+        "oov": int((idx < 0).sum()),
         "pos1": int(first.sum()),
         "pos1_correct": int(correct[first].sum()),
         "correct": int(correct.sum()),
     }
+    if selector is not None:
+        sel, picked = selector_loss(selector, head, h, top, idx, pred.reshape(-1)[flat], w / norm)
+        loss = loss + alpha * sel
+        stats.update(selector_slots=int((idx >= 0).sum()), selector_correct=int(picked.sum()))
     return loss, stats
 
+
+def selector_loss(selector, head, h, top, idx, pred, row_w):
+    """DFlash2's candidate loss: sum_i row_w[i] * CE(scores_i, true candidate), scores as the selector computes
+    them over the top-k (the true token injected at rank k when missing). Rows without a label in the draft
+    vocabulary carry none. Returns (loss, picked [N] bool: the selector's choice is the true token)."""
+    k = top.shape[1]
+    ok = idx >= 0
+    hit = top == idx[:, None]
+    present = hit.any(-1)
+    cands = top.clone()
+    cands[:, -1] = torch.where(present | ~ok, top[:, -1], idx.clamp(min=0))
+    target = torch.where(present, hit.int().argmax(-1), k - 1)
+    w_c = head.weight[cands]  # [N, k, H]
+    raw = torch.einsum("nh,nkh->nk", h.to(w_c.dtype), w_c).float()
+    unary = scaled(raw, *head.scaling)[0]
+    scores = selector.scores(h, pred.clamp(min=0), head.to_tokens(cands), unary)
+    nll = F.cross_entropy(scores.float(), target, reduction="none")
+    return (row_w * ok * nll).sum(), ok & (scores.argmax(-1) == target)
