@@ -260,9 +260,11 @@ def paths_streak(logits: Tensor, labels: Tensor, k: int) -> int:
 
 
 def parse_tree_spec(spec: str) -> tuple[str, int]:
-    """'budget:8' | 'paths:4' | 'width:4' | '8' (= budget:8) -> (family, K) with K >= 1."""
-    allowed = "expected 'budget:N', 'paths:N', 'width:N' or a bare 'N' (= budget:N), with integer N >= 1"
-    m = re.fullmatch(r"(?:(budget|paths|width):)?([0-9]+)", str(spec).strip())
+    """'budget:8' | 'paths:4' | 'width:4' | 'selector:8' | '8' (= budget:8) -> (family, K) with K >= 1.
+    selector:N is the node-budget tree a DFlash2 drafter's candidate selector scores (CandidateSelector.tree)."""
+    allowed = ("expected 'budget:N', 'paths:N', 'width:N', 'selector:N' (DFlash2) or a bare 'N' (= budget:N), "
+               "with integer N >= 1")
+    m = re.fullmatch(r"(?:(budget|paths|width|selector):)?([0-9]+)", str(spec).strip())
     if m is None or int(m.group(2)) < 1:
         raise ValueError(f"bad tree spec {spec!r}: {allowed}")
     family, num = m.group(1) or "budget", m.group(2)
@@ -276,4 +278,6 @@ def tree_streak(logits: Tensor, labels: Tensor, spec: str) -> float:
         return float(accepted_depth(build_tree(logits, k), labels))
     if family == "paths":
         return float(paths_streak(logits, labels, k))
+    if family == "selector":
+        raise ValueError(f"{spec}: a selector tree needs the DFlash2 drafter's selector, not logits alone")
     return float(width_streak(logits, labels, k).item())

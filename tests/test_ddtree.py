@@ -245,3 +245,48 @@ def test_large_vocab_smoke():
         assert len(tree) == budget + 1
         assert tree.tokens[1] == logits[0].argmax()
         assert accepted_depth(tree, logits.argmax(-1)) >= 1
+
+
+def test_selector_tree_is_the_top_budget_prefixes_under_the_selectors_conditionals():
+    """CandidateSelector.tree keeps exactly the `budget` most probable prefixes, where a prefix's probability is the
+    product of each token's softmax over its position's candidates given the previous token (brute force here)."""
+    import itertools
+
+    from dflashkit.drafter.config import DrafterConfig
+    from dflashkit.drafter.model import CandidateSelector
+
+    torch.manual_seed(0)
+    L, V, H, k = 3, 12, 8, 3
+    cfg = DrafterConfig(hidden_size=H, num_attention_heads=1, num_key_value_heads=1, head_dim=8, intermediate_size=8,
+                        num_hidden_layers=1, target_layer_ids=[1], num_target_layers=4, mask_token_id=11, vocab_size=V,
+                        arch="dflash2", conv_group_size=8, selector_rank=4, selector_top_k=k)
+    sel = CandidateSelector(cfg)
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.normal_(0, 1.0)
+    hidden, logits, anchor = torch.randn(L, H), torch.randn(L, V), 5
+    cands = logits.topk(k, -1).indices
+
+    def logprob(prefix):
+        total, prev = 0.0, anchor
+        for d, tok in enumerate(prefix):
+            s = logits[d, cands[d]] + sel.successor_codebook[cands[d]] @ (sel.predecessor_codebook[prev] *
+                                                                           sel.hidden_projection(hidden[d]))
+            total += float(s.log_softmax(-1)[cands[d].tolist().index(tok)])
+            prev = tok
+        return total
+
+    prefixes = [p for n in range(1, L + 1) for p in itertools.product(*[cands[d].tolist() for d in range(n)])]
+    ranked = sorted(prefixes, key=logprob, reverse=True)
+    for budget in (1, 4, 9, len(prefixes)):
+        with torch.no_grad():
+            tree = sel.tree(hidden, logits, anchor, budget)
+        nodes = set()
+        for i in range(1, len(tree)):
+            path, j = [], i
+            while j > 0:
+                path.append(int(tree.tokens[j]))
+                j = int(tree.parents[j])
+            nodes.add(tuple(path[::-1]))
+            assert abs(float(tree.log_probs[i]) - logprob(path[::-1])) < 1e-4
+        assert nodes == set(ranked[:budget]), budget

@@ -344,9 +344,11 @@ def overfit(drafter, target, cache, steps=20):
     return drafter.eval()
 
 
-def test_online_chain_tau_equals_offline_walk(tiny_targets, tmp_path):
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_online_chain_tau_equals_offline_walk(tiny_targets, tmp_path, arch):
     """Online chain decoding at T=0 accepts, round by round, what the offline evaluator's walk predicts from the
-    cached target states (SPEC.md section 6), for every round whose block has all its labels in the cache."""
+    cached target states (docs/design.md section 6), for every round whose block has all its labels in the cache.
+    DFlash2: both sides draft the selector's path; its selector-scored trees are reported offline."""
     from dflashkit.cache import extract, open_cache
     from dflashkit.evaluate.offline import evaluate
     from dflashkit.prompts import load_prompts
@@ -354,12 +356,24 @@ def test_online_chain_tau_equals_offline_walk(tiny_targets, tmp_path):
     target = tiny_targets["qwen3"]
     (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "def add(a, b):"}\n{"id": "b", "prompt": "hello world"}\n')
     torch.manual_seed(0)
-    drafter = new_drafter(target, num_layers=1, block_size=4)
+    extra = dict(arch="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4) if arch == "dflash2" else {}
+    drafter = new_drafter(target, num_layers=1, block_size=4, **extra)
     path = extract(target, load_prompts(tmp_path / "p.jsonl"), tmp_path / "cache",
                    layer_ids=drafter.config.target_layer_ids, max_new_tokens=40, progress=False)
     cache = open_cache(path, expect_target=target.identity())
     overfit(drafter, target, cache)
-    offline = evaluate(drafter, target, cache, anchors="walk")
+    if arch == "dflash2":
+        with torch.no_grad():
+            for p in drafter.candidate_selector.parameters():
+                p.normal_(0, 0.5)
+        trees = ["budget:4", "selector:1", "selector:4"]
+        offline = evaluate(drafter, target, cache, anchors="walk", trees=trees)
+        assert set(offline["overall"]) >= set(trees)
+        assert offline["overall"]["selector:1"] <= offline["overall"]["selector:4"]
+    else:
+        with pytest.raises(DFlashError, match="selector trees need a DFlash2 drafter"):
+            evaluate(drafter, target, cache, anchors="stride", trees=["selector:4"])
+        offline = evaluate(drafter, target, cache, anchors="walk")
     B, seen = drafter.config.block_size, []
     for rec, summary in zip(cache, offline["per_prompt"]):
         prompt, completion = rec.tokens[: rec.prompt_len].tolist(), rec.tokens[rec.prompt_len:].tolist()

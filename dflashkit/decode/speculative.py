@@ -98,10 +98,12 @@ class DFlashProposer:
     Its context KV (the drafter's keys/values of the context, see ContextKV) holds context positions only, so
     each call passes just the newly committed features."""
 
-    def __init__(self, target, drafter, block_size: int | None = None):
+    def __init__(self, target, drafter, block_size: int | None = None, selector_trees: bool = True):
         from dflashkit.drafter.head import DraftHead
 
         self.target, self.drafter = target, drafter
+        # DFlash2: DDTree children scored by the candidate selector given their parent (else: marginals)
+        self.selector_trees = selector_trees and drafter.config.arch == "dflash2"
         self.head = DraftHead.for_drafter(target, drafter)
         self.block_size = int(block_size or drafter.config.block_size)
         self.layer_ids = list(drafter.config.target_layer_ids)
@@ -138,6 +140,14 @@ class DFlashProposer:
             return path[0], None
         full = torch.zeros(q.shape[1], self.target.vocab_size, device=q.device)
         return path[0], full.scatter_(1, candidates[0], q[0])
+
+    def tree(self, logits, budget: int, root) -> Tree:
+        """The round's DDTree: over the marginals, or (DFlash2) over the selector's conditional scores."""
+        if not self.selector_trees:
+            return draft_tree(logits, budget, root, self.to_tokens)
+        t = self.drafter.candidate_selector.tree(self.hidden[0], logits, int(root), budget, self.to_tokens)
+        tokens = torch.cat([root.cpu(), self.to_tokens(t.tokens[1:].to(logits.device)).cpu()])
+        return Tree(tokens=tokens, depths=t.depths, parents=t.parents, log_probs=t.log_probs)
 
     def to_tokens(self, idx):
         return self.head.to_tokens(idx)
@@ -432,7 +442,8 @@ class TreeDrafts:
                 logits = self.drafter.propose(self.pending, bonus, start)
             self.t_draft = 0.8 * self.t_draft + 0.2 * (perf_counter() - t) if self.t_draft else perf_counter() - t
             self.pending = None
-            tree = draft_tree(logits, self.budget, bonus, self.drafter.to_tokens)
+            tree = (self.drafter.tree(logits, self.budget, bonus) if hasattr(self.drafter, "tree")
+                    else draft_tree(logits, self.budget, bonus, self.drafter.to_tokens))
         else:
             tree = Tree(bonus.cpu(), torch.zeros(1, dtype=torch.long), torch.tensor([-1]), torch.zeros(1))
         probs = tree.log_probs.double().exp().tolist()

@@ -9,12 +9,15 @@ embedding and no lm_head: the caller applies the target's.
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.head import scaled
+from dflashkit.tree import Tree
 from dflashkit.errors import DFlashError
 
 
@@ -251,6 +254,41 @@ class CandidateSelector(nn.Module):
             prev = candidates[:, i].gather(-1, pick[:, None])[:, 0]
             path.append(prev)
         return torch.stack(path, 1), candidates, (torch.stack(qs, 1) if qs else None)
+
+    @torch.no_grad()
+    def tree(self, hidden, logits, anchor: int, budget: int, to_tokens=None) -> Tree:
+        """DDTree over the selector (new; z-lab's DDTree reads independent marginals): the `budget` most probable
+        prefixes, where a node's children are the next position's top-k candidates with log-probabilities
+        log_softmax(selector scores given the node's own token as predecessor). Best-first as the paper's DDTree:
+        each pop adds a node, then offers its next sibling and its first child, so the budget-b tree is the
+        first b pops. hidden [L, H]; logits [L, V']. Node tokens are indices into V' (to_tokens maps them to the
+        token ids the codebooks read); the root holds `anchor`."""
+        unary, index = torch.topk(logits.float(), min(self.top_k, logits.shape[-1]), dim=-1)  # [L, k]
+        cands = index if to_tokens is None else to_tokens(index)
+        proj = self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)  # [L, R]
+        succ = self.successor_codebook[cands]  # [L, k, R]
+
+        def children(depth: int, prev: int):
+            s = unary[depth] + (succ[depth] @ (self.predecessor_codebook[prev] * proj[depth])).float()
+            lp, order = s.log_softmax(-1).sort(descending=True)
+            return lp.tolist(), index[depth][order].tolist(), cands[depth][order].tolist()
+
+        tokens, ids, depths, parents, lps = [anchor], [anchor], [0], [-1], [0.0]
+        kids = {0: children(0, anchor)}
+        heap = [(-kids[0][0][0], 0, 0)]  # (-prefix log-prob, parent node, rank among its children)
+        while heap and len(tokens) <= budget:
+            neg, parent, rank = heapq.heappop(heap)
+            lp, idx, tok = kids[parent]
+            node = len(tokens)
+            tokens.append(idx[rank]), ids.append(tok[rank]), depths.append(depths[parent] + 1)
+            parents.append(parent), lps.append(-neg)
+            if rank + 1 < len(lp):
+                heapq.heappush(heap, (-(lps[parent] + lp[rank + 1]), parent, rank + 1))
+            if depths[node] < hidden.shape[0]:
+                kids[node] = children(depths[node], ids[node])
+                heapq.heappush(heap, (-(lps[node] + kids[node][0][0]), node, 0))
+        return Tree(torch.tensor(tokens), torch.tensor(depths), torch.tensor(parents),
+                    torch.tensor(lps, dtype=torch.float32))
 
 
 class DFlashDrafter(nn.Module):

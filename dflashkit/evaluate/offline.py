@@ -51,7 +51,7 @@ def parse_trees(trees) -> list[str]:
 def tree_label(spec: str) -> str:
     """Console name: budget:8 -> dds8 (the user's DDTree-8), paths:4 -> paths4, width:4 -> width4."""
     family, k = parse_tree_spec(spec)
-    return f"dds{k}" if family == "budget" else f"{family}{k}"
+    return {"budget": f"dds{k}", "selector": f"sel{k}"}.get(family, f"{family}{k}")
 
 
 def tree_note(trees) -> str:
@@ -66,6 +66,8 @@ def tree_note(trees) -> str:
             parts.append(f"{tree_label(t)} = best of the {k} most probable complete drafts")
         elif family == "width":
             parts.append(f"{tree_label(t)} = leading positions whose label is in the top-{k} (an upper bound)")
+        elif family == "selector":
+            parts.append(f"{tree_label(t)} = DDTree of {k} nodes scored by the DFlash2 selector given each parent")
     return "; ".join(parts) or "no trees requested"
 
 
@@ -110,7 +112,7 @@ def score_block(logits: torch.Tensor, labels: torch.Tensor, label_index: torch.T
     return _score(hit, lp.tolist(), idx.tolist(), logits, labels, label_index, trees)
 
 
-def _score(hit, lp, idx, logits, labels, label_index, trees) -> dict:
+def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None) -> dict:
     """hit [L] argmax == label; lp / idx: the top log-probs and indices per position (lists [L][k]).
 
     Every budget comes from ONE best-first tree of the largest budget: the heap pops prefixes in score order,
@@ -130,6 +132,8 @@ def _score(hit, lp, idx, logits, labels, label_index, trees) -> dict:
             out_trees[spec], out_expected[spec] = curve[k], expected[k]
         elif family == "paths":
             out_trees[spec] = paths_streak(logits, label_index, k)
+        elif family == "selector":
+            out_trees[spec] = selector_curve[k]
         else:
             out_trees[spec] = int(width_streak(logits, label_index, k))
     return {
@@ -152,6 +156,10 @@ def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int
     labels = _labels(tokens, anchors, B)
     index = head.to_index(labels)
     k = min(_budgets(trees)[-1], head.size)
+    sel_budgets = sorted(n for f, n in map(parse_tree_spec, trees) if f == "selector")
+    if sel_budgets and selector is None:
+        raise DFlashError(f"trees {[t for t in trees if t.startswith('selector:')]}: selector trees need a DFlash2 "
+                          "drafter (its candidate selector); use budget:N for this drafter")
     per_chunk = max(1, LOGIT_ELEMENTS // (head.size * (B - 1)))
     out = []
     for s in range(0, len(anchors), per_chunk):
@@ -166,7 +174,12 @@ def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int
         lp, idx = lp.tolist(), idx.tolist()
         for i in range(logits.shape[0]):
             j = s + i
-            rec = _score(hits[i], lp[i], idx[i], logits[i], labels[j], index[j], trees)
+            curve = None
+            if sel_budgets:
+                tree = selector.tree(hidden[j], logits[i], int(tokens[anchors[j]]), sel_budgets[-1], head.to_tokens)
+                path = accepted_path(tree, index[j])
+                curve = {b: sum(1 for node in path if node <= b) for b in sel_budgets}
+            rec = _score(hits[i], lp[i], idx[i], logits[i], labels[j], index[j], trees, curve)
             out.append({"anchor": anchors[j], **rec})
     return out
 
