@@ -5,12 +5,12 @@ offline features (what a cache gives) vs online (the target runs in the loop), i
 
 Data: SmolLM2's greedy responses to the first --num-prompts train-mix prompts (`dflashkit data generate`, kept in
 --out and reused by a rerun), features of
-layers [1, 8, 14, 20, 27] computed once. Settings: SPEC.md section 10's calibration (block 16, 32 anchors per
+layers [1, 8, 14, 20, 27] computed once. Settings: docs/design.md section 10's calibration (block 16, 32 anchors per
 sequence, 4 sequences per step, gamma-7 CE, AdamW). Each configuration runs through `dflashkit.train.train`: one
 warm-up step, then --steps timed steps, in --rounds rounds that interleave the configurations (the machine is
 shared: load changes then hit all of them alike). s/step = the lowest per-round median; blocks/s (anchored blocks
 trained) and target tokens/s (tokens of the sequences consumed, prompt + response) follow from it. The draft vocabulary of
-1,874 tokens is the size SPEC section 10 measured on 384 coding responses (here: the tokens seen in these
+1,874 tokens is the size docs/design.md section 10 measured on 384 coding responses (here: the tokens seen in these
 responses, filled up with the lowest other ids; cost depends on the size only).
 Then the smoke gate on the real target: a 2-layer drafter overfits one completion (64 response tokens, block 16)
 and must draft every stride block entirely (streak 15), scored by the offline evaluator.

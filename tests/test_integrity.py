@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def test_identity_covers_the_weights_and_a_cache_of_one_is_refused_for_the_other
 
 def test_weights_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(target_model, "MEMO_MIN_BYTES", 0)  # memoise even the tiny fixture's weights
     folder = make_tiny_target("llama", tmp_path / "t")
     first = target_model.weights_hash(folder)
     assert list((tmp_path / "home" / "weight-hashes").glob("*.json"))
@@ -89,8 +91,26 @@ def test_weights_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch
     # a changed file (size or mtime) is hashed again
     monkeypatch.undo()
     monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(target_model, "MEMO_MIN_BYTES", 0)
     _copy_with_one_weight_changed(folder, tmp_path / "u")
     shutil.copy2(tmp_path / "u" / "model.safetensors", folder / "model.safetensors")
+    assert target_model.weights_hash(folder) != first
+
+
+def test_a_small_file_rewritten_within_one_timestamp_tick_gets_a_new_identity(tmp_path, monkeypatch):
+    """The stale-memo reproduction: two same-size rewrites in place, the timestamps forced equal (as happens
+    within one tick), must not return the first content's hash."""
+    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "w"
+    folder.mkdir()
+    f = folder / "model.safetensors"
+    f.write_bytes(b"A" * 1000)
+    st = f.stat()
+    first = target_model.weights_hash(folder)
+    with open(f, "r+b") as fh:  # same inode, same size
+        fh.write(b"B" * 1000)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
     assert target_model.weights_hash(folder) != first
 
 

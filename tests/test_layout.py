@@ -61,3 +61,22 @@ def test_no_stage_imports_a_higher_layer_or_a_sibling_stage():
 def test_decode_does_not_import_evaluate():
     for path in (ROOT / "decode").rglob("*.py"):
         assert "evaluate" not in imported_stages(path), path
+
+
+def test_citations_resolve_inside_the_repository():
+    """Every "docs/design.md section N" names a section that exists; nothing cites a file outside the repository
+    (the facts a newcomer needs are in docs/design.md)."""
+    import re
+
+    repo = ROOT.parent
+    design = (repo / "docs" / "design.md").read_text()
+    sections = {int(n) for n in re.findall(r"^## (\d+)\.", design, flags=re.M)}
+    files = [p for pattern in ("dflashkit/**/*.py", "benchmarks/**/*", "configs/*", "tests/*.py", "*.md", "*.toml",
+                               "Makefile", "docs/*.md") for p in repo.glob(pattern) if p.is_file()]
+    cited = set()
+    for f in files:
+        text = f.read_text(errors="ignore")
+        assert "SPEC" + ".md" not in text, f
+        assert "../" + "shared" not in text or f.parent.name == "tests", f  # tests may read shared data if present
+        cited |= {int(n) for n in re.findall(r"design\.md sections? (\d+)", text)}
+    assert cited and cited <= sections, cited - sections

@@ -1,7 +1,7 @@
 """The on-disk cache: manifest.json, completions.json and one safetensors file per prompt.
 
 A prompt file holds `tokens` [T] (prompt + completion ids) and `layer_{l}` [T, H] for every stored layer id
-l (the OUTPUT of decoder layer l, SPEC.md section 2), plus metadata (prompt id, prompt length). Files are
+l (the OUTPUT of decoder layer l, docs/design.md section 2), plus metadata (prompt id, prompt length). Files are
 written atomically, so a file that exists is complete; the manifest lists each file with its sha256 and
 says whether the extraction finished. Reading is strict: a cache holding fewer prompts than asked for, or
 other layers, or another target, is an error unless the caller explicitly accepts a shortfall.

@@ -1,6 +1,6 @@
 """Online speculative decoding against the live target: plain (ar), chain and DDTree, lossless at any temperature.
 
-Each loop reads top to bottom (SPEC.md sections 4-5): prefill with the target's layer features; then rounds of
+Each loop reads top to bottom (docs/design.md sections 4-5): prefill with the target's layer features; then rounds of
 draft (one drafter pass) -> verify (one target forward) -> accept (the longest draft the target itself would have
 produced) -> commit (keep only the accepted positions in the target KV; their features become the drafter's
 next context). "The target's choice" is its argmax at temperature 0 and its own sample from softmax(logits / T)
@@ -499,7 +499,7 @@ class TreeDrafts:
 def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tokens: int = 256,
                   temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None,
                   method: str = "tree") -> Generation:
-    """Tree verification (SPEC.md section 5): whatever tree the round proposes (DDTree nodes, an n-gram branch,
+    """Tree verification (docs/design.md section 5): whatever tree the round proposes (DDTree nodes, an n-gram branch,
     both) is verified in one target forward over root + nodes (position start + depth, ancestor-only mask); the
     walk picks the accepted path, and only that path stays in the target KV."""
     timer, stops, dev = _begin(target, stop_ids)
@@ -556,7 +556,7 @@ def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tok
 
 def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: int = 8, max_new_tokens: int = 256,
                     temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
-    """DDTree (SPEC.md section 5): the `budget` most probable drafts of one drafter pass, verified in one forward."""
+    """DDTree (docs/design.md section 5): the `budget` most probable drafts of one drafter pass, verified in one forward."""
     return generate_tree(target, TreeDrafts(proposer, budget), prompt_ids, max_new_tokens, temperature, generator,
                          stop_ids, method=f"ddtree-{budget}")
 

@@ -251,7 +251,7 @@ def write_report(root: Path, cfg, device, timings: dict) -> dict:
              f"Target `{cfg.target}` on `{device}`; training budget {cfg.minutes:g} min; eval suite `{cfg.eval_suite}`.", ""]
     rows = [[a, d, o.prompts, o.blocks, o.streak, o.tau, o.pos1_acc, o.dds4, o.dds8] for (a, d), o in res.offline.items()]
     lines += ["## Offline evaluation (eval cache, temperature 0)", "",
-              "dds4/dds8 = DDTree node-budget trees budget:4/8 (the paper's tree, SPEC.md section 5).", "",
+              "dds4/dds8 = DDTree node-budget trees budget:4/8 (the paper's tree, docs/design.md section 5).", "",
               markdown_table(["anchors", "drafter", "prompts", "blocks", "streak", "tau", "pos-1 acc", "dds4", "dds8"], rows),
               "![per-position acceptance](eval/compare-stride/acceptance.png)", ""]
     brows = [[m.name, m.tau, m.tokens_per_s, m.speedup_vs_ar, m.speedup_vs_prompt_lookup, m.ceiling]

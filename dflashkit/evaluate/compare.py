@@ -1,7 +1,7 @@
 """Eval runs side by side: per prompt and overall, with differences and ratios against the first run.
 
 Offline numbers only compare when the runs saw the same cache, the same prompts, the same anchor schedule and
-the same block settings (SPEC.md section 6); anything else is refused unless forced, and a forced table says
+the same block settings (docs/design.md section 6); anything else is refused unless forced, and a forced table says
 in its first line what differs.
 """
 

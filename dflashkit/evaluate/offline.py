@@ -1,4 +1,4 @@
-"""Offline evaluation of a drafter on cached target states (SPEC.md section 6).
+"""Offline evaluation of a drafter on cached target states (docs/design.md section 6).
 
 For an anchor position a in the completion: context = target features of positions < a, block =
 [token_a, MASK x (B-1)] at positions a..a+B-1, labels = tokens a+1..a+B-1 (-100 past the end). A block is

@@ -1,6 +1,6 @@
 """The frozen target: loads offline, exposes what a drafter borrows (embedding, lm_head, layer features).
 
-Index convention (SPEC.md section 2): layer id `l` is the OUTPUT of decoder layer `l`, i.e. HF
+Index convention (docs/design.md section 2): layer id `l` is the OUTPUT of decoder layer `l`, i.e. HF
 `hidden_states[l + 1]`. Features are captured with forward hooks on the decoder layers themselves, so the
 convention holds by construction and the final norm never leaks into a feature.
 """
@@ -220,11 +220,16 @@ def _memo_file(folder: Path) -> Path:
     return home() / "weight-hashes" / f"{key}.json"
 
 
+MEMO_MIN_BYTES = 64 << 20  # smaller files are always hashed: they are cheap, and can be rewritten within one tick
+
+
 def weights_hash(path) -> str | None:
     """Content hash (16 hex) of a folder's weight files; None when it has none.
 
-    Each file's sha256 is remembered under $DFLASHKIT_HOME/weight-hashes by (name, size, mtime), so only a new
-    or changed file is read again (SmolLM2's 540 MB: about a second once, milliseconds afterwards)."""
+    Each large file's sha256 is remembered under $DFLASHKIT_HOME/weight-hashes by (name, size, mtime, ctime,
+    inode), so only a new or changed file is read again (SmolLM2's 540 MB: about a second once, milliseconds
+    afterwards). A same-size rewrite inside one timestamp tick keeps all of these, which only a file written
+    that fast can do: files under MEMO_MIN_BYTES are therefore hashed every time."""
     path = Path(path)
     files = weight_files(path)
     if not files:
@@ -238,9 +243,12 @@ def weights_hash(path) -> str | None:
     entries, changed = {}, False
     for f in files:
         st = f.stat()
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
         e = known.get(f.name)
-        if not (isinstance(e, dict) and e.get("size") == st.st_size and e.get("mtime_ns") == st.st_mtime_ns and e.get("sha256")):
-            e, changed = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(f)}, True
+        if st.st_size < MEMO_MIN_BYTES or not (isinstance(e, dict) and e.get("sha256")
+                                                and all(e.get(k) == v for k, v in stamp.items())):
+            e = {**stamp, "sha256": sha256_file(f)}
+            changed = changed or st.st_size >= MEMO_MIN_BYTES or known.get(f.name) != e
         entries[f.name] = e
     if changed or set(known) != set(entries):
         try:
@@ -303,7 +311,7 @@ def _stop_tokens(model, tokenizer) -> list[int]:
 
 
 def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
-    """A mask id that exists in the embedding; it need not be a trained token (SPEC.md section 2).
+    """A mask id that exists in the embedding; it need not be a trained token (docs/design.md section 2).
 
     Order: the tokenizer's mask token; the first embedding row past the tokenizer (what Qwen3 drafters use:
     151669); an added special token named mask/reserved/unused; the last added special token that the chat

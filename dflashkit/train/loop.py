@@ -1,4 +1,4 @@
-"""The training loop, top to bottom (SPEC.md section 7).
+"""The training loop, top to bottom (docs/design.md section 7).
 
     setup (processes, target, data, drafter, optimiser, resume)
     for each optimiser step:
