@@ -11,7 +11,7 @@ from dflashkit.decode.cost import CostCurve, measure_cost_curve
 from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.speculative import TreeDrafts, generate, generate_tree
-from dflashkit.target.invariant import make_row_invariant
+from dflashkit.target.invariant import NAME as ROW_INVARIANT, RowInvariantLinear, row_invariant
 from dflashkit.tree import Tree, accepted_path, add_branch, build_tree, prune_by_cost
 from test_decode import KINDS, Oracle, chi_square, first_two_token_distributions, greedy_reference
 
@@ -184,9 +184,7 @@ def test_ngram_and_hybrid_sample_the_target_distribution(tiny_targets):
 def bf16_llama(tiny_dirs):
     from dflashkit.target.model import load_target
 
-    t = load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16")
-    assert make_row_invariant(t.model)
-    return t
+    return load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16")
 
 
 def _block_vs_one_by_one(model, cfg) -> int:
@@ -218,8 +216,8 @@ def test_row_invariant_kernels_give_each_token_the_same_logits_alone_or_in_a_blo
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     plain = _block_vs_one_by_one(model, cfg)
-    assert make_row_invariant(model)
-    assert _block_vs_one_by_one(model, cfg) == 0
+    with row_invariant(model) as switched:
+        assert switched and _block_vs_one_by_one(model, cfg) == 0
     if plain == 0:
         pytest.skip("this CPU's bf16 kernels are row-invariant already; nothing to compare against")
 
@@ -237,7 +235,43 @@ def test_bf16_speculative_equals_bf16_greedy(bf16_llama):
 
 
 def test_float32_models_are_left_alone(tiny_targets):
-    assert not make_row_invariant(tiny_targets["qwen3"].model)
+    with row_invariant(tiny_targets["qwen3"].model) as switched:
+        assert not switched
+
+
+def test_kernel_switch_is_scoped_extract_decode_extract_bit_for_bit(bf16_llama, tmp_path):
+    """Decoding switches a bf16 CPU target to row-invariant kernels for its own duration only: features extracted
+    after decoding equal those extracted before, bit for bit, and the model is back on its own kernels."""
+    from dflashkit.cache import extract, open_cache
+    from dflashkit.prompts import load_prompts
+
+    t = bf16_llama
+    before_attn = t.model.config._attn_implementation
+    suite = load_prompts("coding-10").subset(2)
+
+    def features(name):
+        path = extract(t, suite, tmp_path / name, layer_ids=[1, 3], max_new_tokens=6, progress=False)
+        return [rec.features([1, 3]).clone() for rec in open_cache(path, expect_target=t.identity())]
+
+    first = features("a")
+    ids = t.chat_ids([{"role": "user", "content": REPEATING[0]}])
+    seen = []
+    real = t.model.forward
+
+    def spy(*a, **k):  # decoding does run on the switched kernels
+        seen.append(t.model.config._attn_implementation)
+        return real(*a, **k)
+
+    t.model.forward = spy
+    try:
+        generate(t, ids, "ngram", max_new_tokens=8)
+    finally:
+        del t.model.forward
+    assert set(seen) == {ROW_INVARIANT}
+    assert t.model.config._attn_implementation == before_attn
+    assert not any(isinstance(m, RowInvariantLinear) for m in t.model.modules())
+    second = features("b")
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_tree_drafts_without_any_proposer_is_plain_decoding(tiny_targets):

@@ -21,6 +21,7 @@ from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
+from dflashkit.target.invariant import row_invariant
 from dflashkit.fileio import write_json, write_text
 
 PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split
@@ -52,31 +53,14 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: li
               progress: bool = True, cost: CostCurve | None = None, acceptance: str = "rejection") -> dict:
     """prompts: (id, prompt token ids). Returns {"config", "cost", "methods": {name: summary}, "runs", "mismatches"}.
     `cost`: a curve measured earlier on this target (else measured here, about 10 s on a CPU)."""
-    from dflashkit.decode.speculative import make_row_invariant
-
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
-    make_row_invariant(target.model)  # before the curve, so that it times the kernels the methods use
-    curve = cost or measure_cost_curve(target, extra=(9,))
-    costs = cost_report(target, curve)
-    lookups: dict[str, NgramLookup] = {}  # one per method: n-gram acceptance statistics carry across prompts
-    if warmup:
-        for m in methods:
-            _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), temperature, seed, curve, lookups)
-    runs = []
-    from rich.progress import Progress
-
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("bench", total=len(prompts) * len(methods))
-        for i, (pid, ids) in enumerate(prompts):
-            order = methods[i % len(methods):] + methods[: i % len(methods)]
-            for m in order:
-                bar.update(task, description=f"{pid} {m}")
-                g = _run(target, proposer, ids, m, max_new_tokens, temperature, seed + i, curve, lookups, acceptance)
-                runs.append({"prompt": pid, "method": m, "prompt_tokens": len(ids), "tokens": g.tokens,
-                             "accepted": g.accepted, "times": g.times})
-                bar.advance(task)
+    with row_invariant(target.model):  # the cost curve times the kernels the methods run
+        curve = cost or measure_cost_curve(target, extra=(9,))
+        costs = cost_report(target, curve)
+        runs = _timed_runs(target, proposer, prompts, methods, max_new_tokens, temperature, seed, warmup, progress,
+                           curve, acceptance)
     mismatches = check_lossless(runs) if temperature == 0 else []
     B = proposer.block_size if proposer else None
     summary = {m: summarize([r for r in runs if r["method"] == m],
@@ -93,6 +77,29 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: li
         "mismatches": mismatches,
         "runs": runs,
     }
+
+
+def _timed_runs(target, proposer, prompts, methods, max_new_tokens, temperature, seed, warmup, progress, curve,
+                acceptance) -> list[dict]:
+    """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike)."""
+    from rich.progress import Progress
+
+    lookups: dict[str, NgramLookup] = {}  # one per method: n-gram acceptance statistics carry across prompts
+    if warmup:
+        for m in methods:
+            _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), temperature, seed, curve, lookups)
+    runs = []
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("bench", total=len(prompts) * len(methods))
+        for i, (pid, ids) in enumerate(prompts):
+            order = methods[i % len(methods):] + methods[: i % len(methods)]
+            for m in order:
+                bar.update(task, description=f"{pid} {m}")
+                g = _run(target, proposer, ids, m, max_new_tokens, temperature, seed + i, curve, lookups, acceptance)
+                runs.append({"prompt": pid, "method": m, "prompt_tokens": len(ids), "tokens": g.tokens,
+                             "accepted": g.accepted, "times": g.times})
+                bar.advance(task)
+    return runs
 
 
 def check_lossless(runs: list[dict]) -> list[dict]:

@@ -91,6 +91,7 @@ def cmd_generate(args) -> int:
     from dflashkit.decode.cost import measure_cost_curve
     from dflashkit.decode.methods import needs_drafter, parse_method
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
+    from dflashkit.target.invariant import row_invariant
 
     _check(args)
     try:
@@ -99,7 +100,8 @@ def cmd_generate(args) -> int:
         raise DFlashError(f"--method: {e}") from None
     target, drafter = _load(args, need_drafter=needs_drafter(args.method))
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
-    cost = measure_cost_curve(target, repeats=3) if size == "auto" else None
+    with row_invariant(target.model):  # the -auto pruning needs the cost of the kernels decoding runs
+        cost = measure_cost_curve(target, repeats=3) if size == "auto" else None
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
     records = []
     for i, (pid, ids) in enumerate(_prompts(args, target)):

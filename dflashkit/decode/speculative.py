@@ -17,6 +17,7 @@ The drafter enters through a small `Proposer` interface, so tests can inject an 
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Protocol
 import torch
 
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
-from dflashkit.target.invariant import NAME as ROW_INVARIANT, make_row_invariant
+from dflashkit.target.invariant import NAME as ROW_INVARIANT, row_invariant
 from dflashkit.tree import Tree, accepted_path, add_branch, attention_mask, build_tree, prune_by_cost, walk
 
 
@@ -293,14 +294,23 @@ def _stops(target, stop_ids) -> set[int]:
 
 
 def _begin(target, stop_ids):
-    """Every loop starts here: row-invariant kernels in bf16 (else plain and speculative decoding part ways on
-    rounding, see target/invariant.py), a timer, the stop set and the device."""
-    make_row_invariant(target.model)
+    """Every loop starts here: a timer, the stop set and the device."""
     return Timer(target.device), _stops(target, stop_ids), target.device
+
+
+def on_invariant_kernels(loop):
+    """A decoding loop runs on row-invariant kernels in bf16 (else plain and speculative decoding part ways on
+    rounding, see target/invariant.py), switched on for the loop only."""
+    @functools.wraps(loop)
+    def run(target, *args, **kwargs):
+        with row_invariant(target.model):
+            return loop(target, *args, **kwargs)
+    return run
 
 
 # ---- the loops ------------------------------------------------------------------------------------------------
 
+@on_invariant_kernels
 @torch.no_grad()
 def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
                 generator: torch.Generator | None = None, stop_ids=None) -> Generation:
@@ -323,6 +333,7 @@ def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
     return Generation("ar", tokens, accepted, timer.finish())
 
 
+@on_invariant_kernels
 @torch.no_grad()
 def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                    temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None,
@@ -495,6 +506,7 @@ class TreeDrafts:
         self.ngram.extend(new)
 
 
+@on_invariant_kernels
 @torch.no_grad()
 def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tokens: int = 256,
                   temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None,

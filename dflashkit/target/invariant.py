@@ -6,7 +6,8 @@ a one-row matmul runs a GEMV kernel whose rounding differs from the GEMM kernel 
 SDPA kernels reduce differently for 1 and n queries. One ulp of bf16 (0.4%) then flips a near-tie a few hundred
 tokens in, and plain and speculative outputs part (measured on SmolLM2: first difference after 135-217 tokens).
 
-`make_row_invariant(model)` removes both sources: every linear layer runs one-row inputs as two identical rows
+`row_invariant(model)` (a context manager, so no kernel switch outlives the decoding that asked for it: an
+extraction on the same target afterwards runs the stock kernels again) removes both sources: every linear layer runs one-row inputs as two identical rows
 (the GEMM kernel; in bf16 on this CPU a two-row forward costs 1.01x a one-row one), and attention is plain
 matmul + float32 softmax + matmul with one-query calls padded the same way. float32 needs none of it (its
 rounding differences are 1e-7 and have not flipped a token in our runs), and there the GEMV kernel is
@@ -14,6 +15,8 @@ much faster, so the function leaves float32 models alone.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -57,16 +60,24 @@ def _register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask)  # additive float masks, as the eager path uses
 
 
-def make_row_invariant(model: nn.Module) -> bool:
-    """Switch a low-precision model to row-invariant kernels in place; True if it changed anything. Linear
-    attention (Gated DeltaNet) layers are left as they are: hybrid targets re-run accepted tokens anyway."""
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.float32 or next(model.parameters()).device.type != "cpu":
-        return False
-    for m in model.modules():
-        if type(m) is nn.Linear:
-            m.__class__ = RowInvariantLinear
-    if model.config._attn_implementation != NAME:
-        _register()
-        model.set_attn_implementation(NAME)
-    return True
+@contextmanager
+def row_invariant(model: nn.Module):
+    """Row-invariant kernels on a low-precision CPU model inside the block, the model's own ones restored after;
+    yields True if it switched anything (nested use is a no-op). Linear attention (Gated DeltaNet) layers keep
+    their kernels."""
+    param = next(model.parameters())
+    if param.dtype == torch.float32 or param.device.type != "cpu" or model.config._attn_implementation == NAME:
+        yield model.config._attn_implementation == NAME
+        return
+    before = model.config._attn_implementation
+    swapped = [m for m in model.modules() if type(m) is nn.Linear]
+    for m in swapped:
+        m.__class__ = RowInvariantLinear
+    _register()
+    model.set_attn_implementation(NAME)
+    try:
+        yield True
+    finally:
+        for m in swapped:
+            m.__class__ = nn.Linear
+        model.set_attn_implementation(before)
