@@ -349,3 +349,50 @@ def test_bf16_branching_trees_equal_bf16_greedy_at_full_width(tiny_dirs):
         oracle = Oracle(ids + ref + [0] * 8, 6, t.vocab_size, wrong={len(ids) + k for k in (1, 5, 6, 11, 20)})
         for method in ("ngram", "ddtree-6", "hybrid-4", "hybrid-auto", "ddtree-auto"):
             assert generate(t, ids, method, oracle, max_new_tokens=40, cost=cost).tokens == ref, (text, method)
+
+
+@pytest.fixture(scope="module")
+def bf16_hybrid(tiny_dirs):
+    from dflashkit.target.model import load_target
+
+    return load_target(tiny_dirs["qwen3_5"], device="cpu", dtype="bfloat16")
+
+
+def test_bf16_hybrid_target_speculative_equals_bf16_greedy(bf16_hybrid):
+    """Gated DeltaNet layers in bf16: a multi-token verify (chunked rule) rounds differently from one-token steps
+    (recurrent rule), so decoding steps them token by token after the prefill; every method then equals plain
+    bf16 greedy decoding, an always-right drafter (no re-run ever) included."""
+    t = bf16_hybrid
+    oracle = Oracle([], 6, t.vocab_size)
+    for text in REPEATING + ["Write a haiku about the sea, then explain it.", "def f(x):"]:
+        ids = t.chat_ids([{"role": "user", "content": text}])
+        ref = generate(t, ids, "ar", max_new_tokens=60, stop_ids=[]).tokens
+        oracle.seq = ids + ref + [0] * 8
+        for wrong in (set(), {len(ids) + 4, len(ids) + 20}):
+            oracle.wrong = wrong
+            for method in ("chain", "ddtree-8", "ngram", "hybrid-4"):
+                got = generate(t, ids, method, oracle, max_new_tokens=60, stop_ids=[]).tokens
+                assert got == ref, (text, method, sorted(wrong))
+
+
+def test_stepwise_linear_attention_is_what_one_token_steps_compute(bf16_hybrid):
+    """Inside the switch a cached multi-token call of a Gated DeltaNet layer returns, bit for bit, what one-token
+    calls return (the prefill, with no state yet, keeps the chunked path); outside it the class is restored."""
+    from transformers import DynamicCache
+
+    from dflashkit.decode.speculative import load_linear_states, save_linear_states
+    from dflashkit.target.invariant import _is_linear_attention
+
+    t = bf16_hybrid
+    layer = next(m for m in t.model.modules() if _is_linear_attention(m))
+    x = torch.randn(1, 20, t.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad(), row_invariant(t.model):
+        kv = DynamicCache(config=t.model.config)
+        layer(x[:, :12], cache_params=kv)
+        saved = save_linear_states(kv)
+        block = layer(x[:, 12:], cache_params=kv)
+        load_linear_states(kv, saved)
+        steps = torch.cat([layer(x[:, i : i + 1], cache_params=kv) for i in range(12, 20)], dim=1)
+        assert type(layer).__name__.startswith("Stepwise")
+    assert torch.equal(block, steps)
+    assert not type(layer).__name__.startswith("Stepwise")

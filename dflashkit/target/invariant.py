@@ -6,6 +6,11 @@ a one-row matmul runs a GEMV kernel whose rounding differs from the GEMM kernel 
 SDPA kernels reduce differently for 1 and n queries. One ulp of bf16 (0.4%) then flips a near-tie a few hundred
 tokens in, and plain and speculative outputs part (measured on SmolLM2: first difference after 135-217 tokens).
 
+Hybrid targets add a third source: a Gated DeltaNet layer runs a multi-token input through its chunked conv and
+delta rule and a one-token input through the recurrent ones, which round differently in bf16. Inside the switch
+those layers therefore take any multi-token input after the prefill one token at a time, which is exactly what
+plain decoding computes (the prefill itself is the same call for both).
+
 `row_invariant(model)` (a context manager, so no kernel switch outlives the decoding that asked for it: an
 extraction on the same target afterwards runs the stock kernels again) removes both sources: every linear layer runs one-row inputs as two identical rows
 (the GEMM kernel; in bf16 on this CPU a two-row forward costs 1.01x a one-row one), and attention is plain
@@ -60,24 +65,45 @@ def _register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask)  # additive float masks, as the eager path uses
 
 
+_STEPWISE: dict[type, type] = {}
+
+
+def _stepwise(cls: type) -> type:
+    """A subclass of a linear-attention layer class whose cached multi-token calls run one token at a time."""
+    if cls not in _STEPWISE:
+        def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+            n = hidden_states.shape[1]
+            if n == 1 or cache_params is None or cache_params.get_conv_state(self.layer_idx, state_idx=0) is None:
+                return cls.forward(self, hidden_states, cache_params, attention_mask, **kwargs)
+            mask = (lambda i: None) if attention_mask is None else (lambda i: attention_mask[:, i : i + 1])
+            return torch.cat([cls.forward(self, hidden_states[:, i : i + 1], cache_params, mask(i), **kwargs)
+                              for i in range(n)], dim=1)
+        _STEPWISE[cls] = type(f"Stepwise{cls.__name__}", (cls,), {"forward": forward})
+    return _STEPWISE[cls]
+
+
+def _is_linear_attention(m: nn.Module) -> bool:
+    return hasattr(m, "A_log") and hasattr(m, "conv1d") and hasattr(m, "layer_idx")
+
+
 @contextmanager
 def row_invariant(model: nn.Module):
     """Row-invariant kernels on a low-precision CPU model inside the block, the model's own ones restored after;
-    yields True if it switched anything (nested use is a no-op). Linear attention (Gated DeltaNet) layers keep
-    their kernels."""
+    yields True if it switched anything (nested use is a no-op). Linear attention (Gated DeltaNet) layers step
+    token by token after the prefill."""
     param = next(model.parameters())
     if param.dtype == torch.float32 or param.device.type != "cpu" or model.config._attn_implementation == NAME:
         yield model.config._attn_implementation == NAME
         return
     before = model.config._attn_implementation
-    swapped = [m for m in model.modules() if type(m) is nn.Linear]
-    for m in swapped:
-        m.__class__ = RowInvariantLinear
+    swapped = [(m, type(m)) for m in model.modules() if type(m) is nn.Linear or _is_linear_attention(m)]
+    for m, cls in swapped:
+        m.__class__ = RowInvariantLinear if cls is nn.Linear else _stepwise(cls)
     _register()
     model.set_attn_implementation(NAME)
     try:
         yield True
     finally:
-        for m in swapped:
-            m.__class__ = nn.Linear
+        for m, cls in swapped:
+            m.__class__ = cls
         model.set_attn_implementation(before)
