@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast lint install clean
 
 $(STAMP):
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -23,6 +23,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check dflashkit tests benchmarks
 
 # Skips the tests that load the real SmolLM2 target (marked slow); `make test` runs everything.
 test-fast: $(STAMP)

@@ -301,10 +301,10 @@ def main(argv=None, smoke: bool | None = None) -> int:
             continue
         print(f"{target.name}: {target.num_layers} layers, hidden {target.hidden_size}, vocabulary {target.vocab_size}, "
               f"{'hybrid' if target.is_hybrid else 'attention'}, {dtype} on {device}", flush=True)
-        for section, fn in (("train", lambda: check_train(target, S, device, paths)),
-                            ("extract", lambda: check_extract(target, S, device)),
-                            ("eval", lambda: check_eval(target, S, device)),
-                            ("decode", lambda: check_decode(target, S, device))):
+        for section, fn in (("train", lambda target=target: check_train(target, S, device, paths)),
+                            ("extract", lambda target=target: check_extract(target, S, device)),
+                            ("eval", lambda target=target: check_eval(target, S, device)),
+                            ("decode", lambda target=target: check_decode(target, S, device))):
             t0 = time.perf_counter()
             try:
                 res = fn()

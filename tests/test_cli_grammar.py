@@ -170,5 +170,6 @@ def test_the_readme_python_example_imports_from_the_package():
 
 def test_import_dflashkit_stays_light():
     code = ("import sys, dflashkit, dflashkit.drafter, dflashkit.cache, dflashkit.evaluate, dflashkit.decode, "
-            "dflashkit.cli; dflashkit.cli.build_parser(); bad = sorted(m for m in ('torch', 'transformers') if m in sys.modules); assert not bad, bad")
+            "dflashkit.cli; dflashkit.cli.build_parser(); "
+            "bad = sorted(m for m in ('torch', 'transformers') if m in sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -351,7 +351,7 @@ def test_cli_eval_writes_a_complete_run(setup, capsys):
     res = json.loads((run / "results.json").read_text())
     n_blocks = sum(len(stride_anchors(r.prompt_len, len(r.tokens), B)) for r in open_cache(cache))
     assert res["overall"]["blocks"] == n_blocks and res["overall"]["prompts"] == 3
-    assert f"3 prompts (all 3 requested)" in out and f"blocks   {n_blocks} blocks: block_size=8" in out
+    assert "3 prompts (all 3 requested)" in out and f"blocks   {n_blocks} blocks: block_size=8" in out
     assert "dds4/dds8 = DDTree budget:4/budget:8 (paper's node-budget tree)" in out
     assert "Detected fc input: 128 = 2 target layers x 64" in out  # the load report
     assert str(Path(cache).resolve()) in out

@@ -20,7 +20,9 @@ def register(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts of the suite")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch (and per capture forward)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16 dot products, else float32), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA and on CPUs with native bf16 dot products, else float32), float32, "
+                   "bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--linear-attention", default="auto", choices=["auto", "torch", "torch-recurrent", "fla"],
                    help="gated-delta-rule backend of hybrid targets (recorded in the manifest)")
@@ -127,7 +129,8 @@ def cmd_inspect(args) -> int:
         ("attention", f"{m.get('attention')}; linear attention {m['linear_attention']['backend']} "
                       f"(asked {m['linear_attention']['requested']})"),
         ("generation", f"greedy, max_new_tokens {g['max_new_tokens']}, batch {g['batch_size']}, "
-                       f"thinking {g['enable_thinking']}" + (f", completions from {g['completions_from']}" if g.get("completions_from") else "")),
+                       f"thinking {g['enable_thinking']}"
+                       + (f", completions from {g['completions_from']}" if g.get("completions_from") else "")),
         ("suite", f"{s['name']} ({s['num_prompts']} prompts, content {s['content_hash'][:16]})"),
         ("layout", "sharded" if m["layout"]["sharded"] else "flat"),
         ("created", f"{m.get('created')} by dflashkit {m.get('tool_version')}, world size {m.get('world_size')}"),

@@ -12,7 +12,8 @@ those layers therefore take any multi-token input after the prefill one token at
 plain decoding computes (the prefill itself is the same call for both).
 
 `row_invariant(model)` (a context manager, so no kernel switch outlives the decoding that asked for it: an
-extraction on the same target afterwards runs the stock kernels again) removes both sources: every linear layer runs one-row inputs as two identical rows
+extraction on the same target afterwards runs the stock kernels again) removes both sources: every linear layer
+runs one-row inputs as two identical rows
 (the GEMM kernel; in bf16 on this CPU a two-row forward costs 1.01x a one-row one), and attention is plain
 matmul + float32 softmax + matmul with one-query calls padded the same way. float32 needs none of it (its
 rounding differences are 1e-7 and have not flipped a token in our runs), and there the GEMV kernel is

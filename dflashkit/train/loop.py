@@ -24,7 +24,7 @@ import random
 import signal
 import threading
 import time
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
