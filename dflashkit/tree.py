@@ -259,6 +259,11 @@ def paths_streak(logits: Tensor, labels: Tensor, k: int) -> int:
     return max(_leading_matches(toks, lab) for toks, _ in topk_paths(logits, k))
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences (where they first differ)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def parse_tree_spec(spec: str) -> tuple[str, int]:
     """'budget:8' | 'paths:4' | 'width:4' | 'selector:8' | '8' (= budget:8) -> (family, K) with K >= 1.
     selector:N is the node-budget tree a DFlash2 drafter's candidate selector scores (CandidateSelector.tree)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from dflashkit.tree import common_prefix
+
 from dflashkit.errors import DFlashError
 
 SETTINGS_SHOWN = ("dtype", "device", "attention", "linear_attention", "max_new_tokens", "enable_thinking",
@@ -15,10 +17,8 @@ SETTINGS_SHOWN = ("dtype", "device", "attention", "linear_attention", "max_new_t
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
-    n = min(len(a), len(b))
-    neq = (a[:n] != b[:n]).nonzero()
-    if len(neq):
-        p = int(neq[0])
+    p = common_prefix(a.tolist(), b.tolist())
+    if p < min(len(a), len(b)):
         return f"token sequences differ from position {p} ({int(a[p])} vs {int(b[p])})"
     return f"token sequences differ in length ({len(a)} vs {len(b)} tokens)"
 

@@ -300,7 +300,7 @@ def find_caches(roots) -> list[Path]:
 def verify_cache(path, progress: bool = False) -> tuple[list[str], dict]:
     """Check every file against the manifest: presence, sha256, tensor names and shapes, tokens against
     completions.json, and no unlisted files. Returns (problems, summary); no problems means sound."""
-    from dflashkit.fileio import sha256_file
+    from tqdm import tqdm
 
     path = Path(path)
     m = read_manifest(path)
@@ -310,61 +310,12 @@ def verify_cache(path, progress: bool = False) -> tuple[list[str], dict]:
         problems.append(f"{path / MANIFEST}: status is {m.get('status')!r}: the extraction did not finish; rerun the same "
                         "`dflashkit extract` command to resume it")
     suite_ids = list(m["suite"]["prompt_ids"])
-    entries = m.get("prompts", []) if complete else []
-    if complete:
-        ids = [e["id"] for e in entries]
-        if ids != suite_ids:
-            problems.append(f"{path / MANIFEST}: lists {len(ids)} prompt entries but its suite has {len(suite_ids)} prompts "
-                            f"(missing: {_list([p for p in suite_ids if p not in set(ids)]) or 'none'})")
-    else:  # check whatever files the unfinished run left, without hashes
-        for i, pid in enumerate(suite_ids):
-            rel = record_name(i, pid, m["layout"]["sharded"])
-            if (path / rel).is_file():
-                entries.append({"id": pid, "file": rel, "prompt_len": None, "num_tokens": None, "sha256": None})
-    comps = {}
-    cf = path / COMPLETIONS
-    if complete:
-        try:
-            comps = {c["id"]: c for c in json.loads(cf.read_text())}
-        except FileNotFoundError:
-            problems.append(f"{cf}: missing; the manifest says the extraction finished")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            problems.append(f"{cf}: unreadable ({e})")
-    listed = set()
-    tokens = 0
-    from tqdm import tqdm
-
+    entries = _listed_entries(path, m, complete, problems)
+    comps = _read_completions(path / COMPLETIONS, problems) if complete else {}
+    listed, tokens = set(), 0
     for e in tqdm(entries, desc="verify", unit="file", disable=not progress, leave=False):
-        f = path / e["file"]
-        listed.add(f.resolve())
-        if not f.is_file():
-            problems.append(f"{f}: missing (listed for prompt {e['id']!r})")
-            continue
-        if e.get("bytes") is not None and f.stat().st_size != e["bytes"]:
-            problems.append(f"{f}: {f.stat().st_size} bytes, the manifest says {e['bytes']}: truncated or replaced")
-        if e.get("sha256") and sha256_file(f) != e["sha256"]:
-            problems.append(f"{f}: sha256 differs from the manifest: the file is corrupt or was changed")
-        try:
-            head = read_header(f, m["layer_ids"], m["target"]["hidden_size"])
-        except DFlashError as err:
-            problems.append(str(err))
-            continue
-        for key in ("id", "prompt_len", "num_tokens"):
-            if e.get(key) is not None and head[key] != e[key]:
-                problems.append(f"{f}: {key} is {head[key]!r} in the file but {e[key]!r} in the manifest")
-        tokens += head["num_tokens"]
-        c = comps.get(e["id"])
-        if complete and c is None and comps:
-            problems.append(f"{cf}: no entry for prompt {e['id']!r}")
-        elif c is not None:
-            try:
-                with safe_open(str(f), framework="pt") as sf:
-                    toks = sf.get_tensor("tokens").tolist()
-            except Exception as err:
-                problems.append(f"{f}: cannot read tokens ({str(err).splitlines()[0]})")
-                continue
-            if toks != c["prompt_ids"] + c["completion_ids"]:
-                problems.append(f"{f}: tokens differ from prompt + completion ids in {cf} for {e['id']!r}")
+        listed.add((path / e["file"]).resolve())
+        tokens += _check_record(path, e, m, comps, complete, problems)
     for f in sorted(path.rglob("*.safetensors")):
         if f.resolve() not in listed:
             problems.append(f"{f}: not listed in {path / MANIFEST}" + ("" if complete else " under the expected name"))
@@ -372,3 +323,66 @@ def verify_cache(path, progress: bool = False) -> tuple[list[str], dict]:
         problems.append(f"{path / MANIFEST}: totals.tokens is {m['totals']['tokens']} but the files hold {tokens}")
     summary = {"prompts": len(entries), "tokens": tokens, "complete": complete, "suite_prompts": len(suite_ids)}
     return problems, summary
+
+
+def _listed_entries(path: Path, m: dict, complete: bool, problems: list[str]) -> list[dict]:
+    """The manifest's entries of a finished cache; for an unfinished one, whatever files it left (no hashes)."""
+    suite_ids = list(m["suite"]["prompt_ids"])
+    if complete:
+        entries = m.get("prompts", [])
+        ids = [e["id"] for e in entries]
+        if ids != suite_ids:
+            problems.append(f"{path / MANIFEST}: lists {len(ids)} prompt entries but its suite has {len(suite_ids)} prompts "
+                            f"(missing: {_list([p for p in suite_ids if p not in set(ids)]) or 'none'})")
+        return entries
+    entries = []
+    for i, pid in enumerate(suite_ids):
+        rel = record_name(i, pid, m["layout"]["sharded"])
+        if (path / rel).is_file():
+            entries.append({"id": pid, "file": rel, "prompt_len": None, "num_tokens": None, "sha256": None})
+    return entries
+
+
+def _read_completions(cf: Path, problems: list[str]) -> dict:
+    try:
+        return {c["id"]: c for c in json.loads(cf.read_text())}
+    except FileNotFoundError:
+        problems.append(f"{cf}: missing; the manifest says the extraction finished")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        problems.append(f"{cf}: unreadable ({e})")
+    return {}
+
+
+def _check_record(path: Path, e: dict, m: dict, comps: dict, complete: bool, problems: list[str]) -> int:
+    """One record file against its manifest entry and completions.json; returns the tokens it holds (0 if unread)."""
+    from dflashkit.fileio import sha256_file
+
+    f, cf = path / e["file"], path / COMPLETIONS
+    if not f.is_file():
+        problems.append(f"{f}: missing (listed for prompt {e['id']!r})")
+        return 0
+    if e.get("bytes") is not None and f.stat().st_size != e["bytes"]:
+        problems.append(f"{f}: {f.stat().st_size} bytes, the manifest says {e['bytes']}: truncated or replaced")
+    if e.get("sha256") and sha256_file(f) != e["sha256"]:
+        problems.append(f"{f}: sha256 differs from the manifest: the file is corrupt or was changed")
+    try:
+        head = read_header(f, m["layer_ids"], m["target"]["hidden_size"])
+    except DFlashError as err:
+        problems.append(str(err))
+        return 0
+    for key in ("id", "prompt_len", "num_tokens"):
+        if e.get(key) is not None and head[key] != e[key]:
+            problems.append(f"{f}: {key} is {head[key]!r} in the file but {e[key]!r} in the manifest")
+    c = comps.get(e["id"])
+    if complete and c is None and comps:
+        problems.append(f"{cf}: no entry for prompt {e['id']!r}")
+    elif c is not None:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                toks = sf.get_tensor("tokens").tolist()
+        except Exception as err:
+            problems.append(f"{f}: cannot read tokens ({str(err).splitlines()[0]})")
+            return head["num_tokens"]
+        if toks != c["prompt_ids"] + c["completion_ids"]:
+            problems.append(f"{f}: tokens differ from prompt + completion ids in {cf} for {e['id']!r}")
+    return head["num_tokens"]

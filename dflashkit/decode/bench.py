@@ -21,6 +21,7 @@ from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
+from dflashkit.tree import common_prefix
 from dflashkit.target.invariant import row_invariant
 from dflashkit.fileio import write_json, write_text
 
@@ -109,7 +110,7 @@ def check_lossless(runs: list[dict]) -> list[dict]:
     for r in runs:
         want = ref[r["prompt"]]
         if r["method"] != "ar" and r["tokens"] != want:
-            first = next((j for j, (a, b) in enumerate(zip(r["tokens"], want)) if a != b), min(len(want), len(r["tokens"])))
+            first = common_prefix(r["tokens"], want)
             bad.append({"prompt": r["prompt"], "method": r["method"], "first_difference": first,
                         "lengths": [len(r["tokens"]), len(want)]})
     return bad

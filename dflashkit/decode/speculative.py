@@ -28,7 +28,8 @@ import torch
 
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
 from dflashkit.target.invariant import NAME as ROW_INVARIANT, row_invariant
-from dflashkit.tree import Tree, accepted_path, add_branch, attention_mask, build_tree, prune_by_cost, walk
+from dflashkit.tree import (Tree, accepted_path, add_branch, attention_mask, build_tree, common_prefix, prune_by_cost,
+                            walk)
 
 
 # ---- results and timing ---------------------------------------------------------------------------------
@@ -494,7 +495,7 @@ class TreeDrafts:
         best = 0
         for cont, match in self.branches:
             if cont:
-                depth = next((i for i, (a, b) in enumerate(zip(cont, new)) if a != b), min(len(cont), len(new)))
+                depth = common_prefix(cont, new)
                 self.ngram.observe(match, len(cont), depth)
                 best = max(best, depth)
         if self.gated:

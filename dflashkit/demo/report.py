@@ -14,7 +14,7 @@ from pathlib import Path
 from dflashkit.fileio import read_json, write_json, write_text
 
 BAR = {"best_speedup": 1.6, "ahead_of_prompt_lookup": 0.3, "ddtree8_tau": 2.0, "verify9_ratio": 1.25}
-PEERS = ("ar", "hf-generate")  # the baselines; prompt-lookup (transformers) is one too
+BASELINES = ("ar", "hf-generate")  # not ours; prompt-lookup (transformers) is one too
 DRAFTERS = ("trained", "first-checkpoint", "untrained")
 ANCHORS = ("stride", "walk")
 
@@ -65,7 +65,7 @@ class Bench:
 
     def best(self) -> Method:
         """The fastest of our speculative methods (not the baselines)."""
-        ours = [m for n, m in self.methods.items() if n not in PEERS and not n.startswith("prompt-lookup")]
+        ours = [m for n, m in self.methods.items() if n not in BASELINES and not n.startswith("prompt-lookup")]
         return max(ours, key=lambda m: m.speedup, default=Method("none"))
 
     def prompt_lookup(self) -> float:

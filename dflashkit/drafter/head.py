@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 
 
+LOGIT_ELEMENTS = 1 << 24  # vocabulary logits held at once anywhere in dflashkit (64 MB of float32)
+
+
 def scaled(raw: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None):
     """A drafter's logit transform as z-lab's reference applies it: x = raw * output_multiplier, then
     c * tanh(x / c) with c = final_logit_softcapping. Returns (logits, d logits / d raw)."""

@@ -73,34 +73,50 @@ def compare_runs(run_dirs, out=None, force: bool = False) -> dict:
     """Compare eval run folders; the first is the reference (differences are run - ref, ratios run / ref).
     Writes compare.md, compare.json and overlaid plots to `out` when given. Returns the comparison as a dict
     (markdown in "markdown")."""
-    from dflashkit.report import bar_plot, markdown_table
-
     if len(run_dirs) < 2:
         raise DFlashError("compare needs at least two run folders")
     runs = [load_run(p) for p in run_dirs]
     names = _names(run_dirs)
-    ref = names[0]
     diffs = differences(runs, names)
     if diffs and not force:
         raise DFlashError("runs are not comparable (" + "; ".join(diffs) + "): offline numbers only compare on the same "
                           "cache, prompts, anchors and block settings; rerun eval with matching settings or pass --force")
+    res = {"runs": [{"name": n, "path": str(Path(p).resolve())} for n, p in zip(names, run_dirs)],
+           "reference": names[0], "forced": bool(diffs), "differences": diffs, **_numbers(runs, names)}
+    res["markdown"] = _markdown(res, runs, run_dirs, names)
+    res["files"] = _write(Path(out), res, runs, names) if out is not None else []
+    return res
+
+
+def _numbers(runs: list[dict], names: list[str]) -> dict:
+    """Overall and per-prompt values of every shared metric, with differences and ratios against the first run."""
+    ref, others = names[0], names[1:]
     trees = [t for t in runs[0]["settings"]["trees"] if all(t in r["settings"]["trees"] for r in runs[1:])]
     metrics = ["streak", "tau", "pos1_acc"] + trees
-    label = {"streak": "streak", "tau": "tau", "pos1_acc": "pos1", **{t: tree_label(t) for t in trees}}
-
     overall = {m: {n: r["overall"].get(m) for n, r in zip(names, runs)} for m in metrics}
     expected = {t: {n: r["overall"]["expected"].get(t) for n, r in zip(names, runs)} for t in trees if t.startswith("budget:")}
     prompts = list(dict.fromkeys(p["id"] for r in runs for p in r["per_prompt"]))
     by_prompt = [{p["id"]: p for p in r["per_prompt"]} for r in runs]
     per_prompt = {m: {pid: {n: bp.get(pid, {}).get(m) for n, bp in zip(names, by_prompt)} for pid in prompts}
                   for m in ["streak"] + trees}
-    others = names[1:]
-    ratios = {m: {n: _ratio(overall[m][n], overall[m][ref]) for n in others} for m in metrics}
-    deltas = {m: {n: _diff(overall[m][n], overall[m][ref]) for n in others} for m in metrics}
+    return {"metrics": metrics, "trees": trees, "prompts": prompts, "overall": overall, "expected": expected,
+            "per_prompt": per_prompt,
+            "differences_vs_reference": {m: {n: _diff(overall[m][n], overall[m][ref]) for n in others} for m in metrics},
+            "ratios": {m: {n: _ratio(overall[m][n], overall[m][ref]) for n in others} for m in metrics}}
 
+
+def _labels(trees) -> dict:
+    return {"streak": "streak", "tau": "tau", "pos1_acc": "pos1", **{t: tree_label(t) for t in trees}}
+
+
+def _markdown(res: dict, runs: list[dict], run_dirs, names: list[str]) -> str:
+    from dflashkit.report import markdown_table
+
+    ref, others, label = names[0], names[1:], _labels(res["trees"])
+    overall, ratios, deltas, expected = res["overall"], res["ratios"], res["differences_vs_reference"], res["expected"]
     md = ["# Drafter comparison", ""]
-    if diffs:
-        md += [f"**NOT COMPARABLE (compared with --force)**: the runs differ in {'; '.join(diffs)}.", ""]
+    if res["differences"]:
+        md += [f"**NOT COMPARABLE (compared with --force)**: the runs differ in {'; '.join(res['differences'])}.", ""]
     md += [f"Reference: `{ref}`; differences are run - reference, ratios run / reference.", ""]
     for n, p, r in zip(names, run_dirs, runs):
         o = r["overall"]
@@ -109,40 +125,40 @@ def compare_runs(run_dirs, out=None, force: bool = False) -> dict:
     md += ["", "## Overall", ""]
     heads = ["metric"] + names + [h for n in others for h in (f"{n} - {ref}", f"{n} / {ref}")]
     rows = []
-    for m in metrics:
+    for m in res["metrics"]:
         rows.append([label[m]] + [overall[m][n] for n in names] + [x for n in others for x in (deltas[m][n], ratios[m][n])])
         if m in expected:
             e = expected[m]
             rows.append([f"{label[m]} expected"] + [e[n] for n in names]
                         + [x for n in others for x in (_diff(e[n], e[ref]), _ratio(e[n], e[ref]))])
     md.append(markdown_table(heads, rows))
-    md += [f"{label[m]}: {n} / {ref} = {ratios[m][n]:.2f}" for m in metrics for n in others if ratios[m][n] is not None]
-    for m in ["streak"] + trees:
+    md += [f"{label[m]}: {n} / {ref} = {ratios[m][n]:.2f}" for m in res["metrics"] for n in others
+           if ratios[m][n] is not None]
+    for m in ["streak"] + res["trees"]:
         md += ["", f"## Per prompt: {label[m]}", ""]
         rows = []
-        for pid in prompts:
-            v = per_prompt[m][pid]
+        for pid in res["prompts"]:
+            v = res["per_prompt"][m][pid]
             rows.append([pid] + [v[n] for n in names]
                         + [x for n in others for x in (_diff(v[n], v[ref]), _ratio(v[n], v[ref]))])
         md.append(markdown_table(["prompt"] + heads[1:], rows))
-    markdown = "\n".join(md) + "\n"
+    return "\n".join(md) + "\n"
 
-    res = {"runs": [{"name": n, "path": str(Path(p).resolve())} for n, p in zip(names, run_dirs)], "reference": ref,
-           "forced": bool(diffs), "differences": diffs, "metrics": metrics, "overall": overall, "expected": expected,
-           "per_prompt": per_prompt, "differences_vs_reference": deltas, "ratios": ratios, "markdown": markdown,
-           "files": []}
-    if out is not None:
-        from dflashkit.fileio import atomic_dir, write_json, write_text
 
-        out = Path(out)
-        with atomic_dir(out) as tmp:
-            files = write_plots(tmp, dict(zip(names, runs)))
-            for m in ["streak"] + trees:
-                f = f"{label[m]}_by_prompt.png"
-                bar_plot(tmp / f, {pid: {n: v or 0.0 for n, v in per_prompt[m][pid].items()} for pid in prompts},
-                         f"{label[m]} per prompt" + (" (NOT COMPARABLE)" if diffs else ""), label[m])
-                files.append(f)
-            res["files"] = ["compare.md", "compare.json"] + files
-            write_text(tmp / "compare.md", markdown)
-            write_json(tmp / "compare.json", {k: v for k, v in res.items() if k != "markdown"})
-    return res
+def _write(out: Path, res: dict, runs: list[dict], names: list[str]) -> list[str]:
+    """compare.md, compare.json and the plots, atomically; returns the file names."""
+    from dflashkit.fileio import atomic_dir, write_json, write_text
+    from dflashkit.report import bar_plot
+
+    label = _labels(res["trees"])
+    with atomic_dir(out) as tmp:
+        files = write_plots(tmp, dict(zip(names, runs)))
+        for m in ["streak"] + res["trees"]:
+            f = f"{label[m]}_by_prompt.png"
+            bar_plot(tmp / f, {pid: {n: v or 0.0 for n, v in res["per_prompt"][m][pid].items()} for pid in res["prompts"]},
+                     f"{label[m]} per prompt" + (" (NOT COMPARABLE)" if res["differences"] else ""), label[m])
+            files.append(f)
+        files = ["compare.md", "compare.json"] + files
+        write_text(tmp / "compare.md", res["markdown"])
+        write_json(tmp / "compare.json", {k: v for k, v in {**res, "files": files}.items() if k != "markdown"})
+    return files

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from dflashkit.drafter.head import LOGIT_ELEMENTS
 from dflashkit.errors import DFlashError
 from dflashkit.tree import (accepted_path, build_tree_topk, parse_tree_spec, paths_streak, top_logprobs,
                                        width_streak)
@@ -27,7 +28,6 @@ ANCHOR_MODES = ("stride", "walk")
 DEFAULT_TREES = ("budget:4", "budget:8")
 CURVE_BUDGETS = (1, 2, 4, 8, 16, 32)  # the DDTree budget curve in every run
 BLOCKS_PER_CALL = 128  # bounds the attention scores of very long sequences; coding completions fit in one call
-LOGIT_ELEMENTS = 1 << 24  # vocabulary logits held at once (64 MB of float32)
 
 
 # ---- settings -----------------------------------------------------------------------------------------------
@@ -294,24 +294,12 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     """
     from tqdm import tqdm
 
-    from dflashkit.drafter.checkpoint import check_against_target, check_feature_layers
     from dflashkit.drafter.head import DraftHead
 
     check_mode(anchors, max_blocks)
     trees = parse_trees(trees)
     cfg = drafter.config
-    check_against_target(cfg, target, "drafter config")
-    ident = target.identity()
-    have = cache.target or {}
-    for key in ("config_hash", "hidden_size", "num_layers"):
-        if have.get(key) is not None and have.get(key) != ident.get(key):
-            raise DFlashError(f"cache {cache.path} was extracted from target {have.get('name')} ({key} {have.get(key)}) but the "
-                              f"target in use is {ident['name']} ({key} {ident.get(key)}); pass the cache's target with --target")
-    made_for = (getattr(drafter, "contract", None) or {}).get("target") or {}
-    if made_for.get("config_hash") and made_for["config_hash"] != ident["config_hash"]:
-        raise DFlashError(f"the drafter's dflashkit.json records target {made_for.get('name')} (config {made_for['config_hash']}) "
-                          f"but the target in use is {ident['name']} (config {ident['config_hash']}); evaluate it with its own target")
-    check_feature_layers(cfg, list(cache.layer_ids), f"cache {cache.path}")
+    check_inputs(drafter, target, cache)
     head = DraftHead.for_drafter(target, drafter)
     B = cfg.block_size
     per_prompt, blocks = [], []
@@ -345,6 +333,24 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     }
     return {"settings": settings, "cache": cache_info(cache), "shortfall": cache.shortfall, "overall": overall,
             "per_prompt": per_prompt, "blocks": blocks}
+
+
+def check_inputs(drafter, target, cache) -> None:
+    """Drafter, target and cache belong together: same target config, the drafter's layers in the cache."""
+    from dflashkit.drafter.checkpoint import check_against_target, check_feature_layers
+
+    check_against_target(drafter.config, target, "drafter config")
+    ident = target.identity()
+    have = cache.target or {}
+    for key in ("config_hash", "hidden_size", "num_layers"):
+        if have.get(key) is not None and have.get(key) != ident.get(key):
+            raise DFlashError(f"cache {cache.path} was extracted from target {have.get('name')} ({key} {have.get(key)}) but the "
+                              f"target in use is {ident['name']} ({key} {ident.get(key)}); pass the cache's target with --target")
+    made_for = (getattr(drafter, "contract", None) or {}).get("target") or {}
+    if made_for.get("config_hash") and made_for["config_hash"] != ident["config_hash"]:
+        raise DFlashError(f"the drafter's dflashkit.json records target {made_for.get('name')} (config {made_for['config_hash']}) "
+                          f"but the target in use is {ident['name']} (config {ident['config_hash']}); evaluate it with its own target")
+    check_feature_layers(drafter.config, list(cache.layer_ids), f"cache {cache.path}")
 
 
 def cache_info(cache) -> dict:

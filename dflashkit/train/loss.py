@@ -30,9 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflashkit.drafter.head import scaled
+from dflashkit.drafter.head import LOGIT_ELEMENTS, scaled
 
-LOGIT_ELEMENTS = 1 << 25  # at most 32M logits (128 MB in float32) per chunk, a few such buffers alive at once
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
