@@ -9,6 +9,7 @@ from dflashkit.drafter import DFlashDrafter, DrafterConfig, build_block_mask
 from dflashkit.drafter.model import ChunkedBlocks, FlexBlocks, pick_attention
 from dflashkit.errors import DFlashError
 from dflashkit.train.config import load_config
+from helpers import perturb
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
@@ -23,14 +24,7 @@ def make_drafter(layers=2, sliding=None, seed=0, **extra):
                         num_target_layers=6, mask_token_id=259, vocab_size=272, block_size=B, rope_theta=10000.0,
                         layer_types=["full_attention", "sliding_attention"][:layers] if sliding else None,
                         sliding_window=sliding, **extra)
-    d = DFlashDrafter(cfg)
-    with torch.no_grad():  # non-trivial norm weights so a missed norm shows up; DFlash2 convolutions off identity
-        for name, p in d.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-            elif "_conv." in name:
-                p.normal_(0, 0.1)
-    return d
+    return perturb(DFlashDrafter(cfg), conv_std=0.1)
 
 
 # Attention kinds x architectures that the three paths must compute alike (sliding 11 > B: context windowed;

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -12,55 +11,12 @@ from dflashkit.decode.bench import check_lossless, parse_methods, run_bench, wri
 from dflashkit.decode.speculative import DFlashProposer, generate
 from dflashkit.drafter.checkpoint import new_drafter, save_drafter
 from dflashkit.errors import DFlashError
+from helpers import KINDS, Oracle, SpreadOracle, chi_square, greedy_reference, sampling_setup
 
-KINDS = ("llama", "qwen3", "qwen3_5")
 TEXTS = ["hello world", "def add(a, b):", "Write a haiku about the sea, then explain it."]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def greedy_reference(target, ids, n, stops=()):
-    """Plain greedy decoding written out: full recompute each step, no cache."""
-    seq, out = list(ids), []
-    for _ in range(n):
-        t = int(target.model(torch.tensor([seq])).logits[0, -1].argmax())
-        out.append(t)
-        seq.append(t)
-        if t in stops:
-            break
-    return out
-
-
-class Oracle:
-    """A drafter stand-in that proposes the target's own continuation `sequence` (prompt + greedy completion).
-
-    `wrong` positions get a planted mistake: a wrong token first and the right one second, so chain stops
-    there while DDTree finds the right token as a sibling. Every call's context features are recorded."""
-
-    def __init__(self, sequence, block_size, vocab, wrong=(), layer_ids=(1,)):
-        self.seq, self.block_size, self.vocab, self.wrong = list(sequence), block_size, vocab, set(wrong)
-        self.layer_ids = list(layer_ids)
-        self.calls = []
-
-    def reset(self, prompt_ids):
-        self.calls = []
-
-    def propose(self, features, anchor, start):
-        self.calls.append((start, features.clone()))
-        logits = torch.zeros(self.block_size - 1, self.vocab)
-        for j in range(1, self.block_size):
-            p = start + j
-            want = self.seq[p] if p < len(self.seq) else 0
-            if p in self.wrong:
-                logits[j - 1, (want + 1) % self.vocab] = 20.0
-                logits[j - 1, want] = 19.0
-            else:
-                logits[j - 1, want] = 20.0
-        return logits
-
-    def to_tokens(self, idx):
-        return idx
 
 
 def check_feature_stream(target, oracle, ids, tokens):
@@ -160,38 +116,14 @@ def test_max_new_tokens_and_stop_token_mid_block(tiny_targets, monkeypatch, kind
         assert g.tokens == want, method
 
 
-def chi_square(counts: dict, probs: torch.Tensor, n: int) -> tuple[float, float]:
-    """Pearson statistic over bins of expected count >= 5 plus one pooled bin for the rest, and its critical
-    value at p = 1e-4 (Wilson-Hilferty approximation of the chi-square quantile)."""
-    big = [t for t in range(len(probs)) if probs[t] * n >= 5]
-    obs = [counts.get(t, 0) for t in big] + [n - sum(counts.get(t, 0) for t in big)]
-    exp = [float(probs[t]) * n for t in big] + [n * (1.0 - float(probs[big].sum()))]
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 1e-9)
-    dof = len([e for e in exp if e > 1e-9]) - 1
-    crit = dof * (1 - 2 / (9 * dof) + 3.72 * math.sqrt(2 / (9 * dof))) ** 3
-    return stat, crit
-
-
-@torch.no_grad()
-def first_two_token_distributions(target, ids, T):
-    """The target's softmax(logits / T) for the first new token [V], and for the second given each first [V, V]."""
-    p1 = torch.softmax(target.model(torch.tensor([ids])).logits[0, -1] / T, -1)
-    first = torch.arange(target.vocab_size)[:, None]
-    both = torch.cat([torch.tensor([ids]).expand(target.vocab_size, -1), first], dim=1)
-    return p1, torch.softmax(target.model(both).logits[:, -1] / T, -1)
-
-
 def test_sampling_matches_target_softmax(tiny_targets):
     """T>0: the first and second new tokens over many seeded runs follow the target's own distribution. The
     second token is the first one the verify step decides; the oracle's greedy drafts get accepted often, so a
     loop that accepted drafts too easily would over-produce them."""
     target = tiny_targets["llama"]
     T, n, B = 0.2, 250, 4
-    ids = target.chat_ids([{"role": "user", "content": "def f(x):"}])
-    ref = greedy_reference(target, ids, 8)
-    oracle = Oracle(ids + ref, B, target.vocab_size)
-    p1, p2_given = first_two_token_distributions(target, ids, T)
-    p2 = p1 @ p2_given
+    ids, oracle, p1, p2, p2_given = sampling_setup(target, "def f(x):", T, B)
+    ref = oracle.seq[len(ids):]
     # the test has power: a loop that accepted a draft when it is the target's argmax (not its sample) fails it
     greedy_accept = p2_given.clone()
     greedy_accept[:, ref[1]] = 0
@@ -212,22 +144,6 @@ def test_sampling_matches_target_softmax(tiny_targets):
             toks = [r.tokens[pos] for r in runs]
             stat, crit = chi_square({t: toks.count(t) for t in set(toks)}, probs, n)
             assert stat < crit, (method, acceptance, pos, stat, crit)
-
-
-class SpreadOracle(Oracle):
-    """Rejection sampling with a q that is not one-hot: half on the target's greedy token, the rest over three
-    others (as a DFlash2 q over its top-k), drafts sampled from q, so the residual max(p - q, 0) gets used."""
-
-    def draft(self, features, anchor, start, temperature, generator):
-        want = self.propose(features, anchor, start).argmax(-1)
-        q = torch.zeros(len(want), self.vocab)
-        rows = torch.arange(len(want))
-        q[rows, want] = 0.5
-        for k in (1, 2, 3):
-            q[rows, (want + 7 * k) % self.vocab] = 0.5 / 3
-        if temperature <= 0:
-            return want, None
-        return torch.multinomial(q, 1, generator=generator)[:, 0], q
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from dflashkit.drafter import DFlashDrafter, DrafterConfig
 from dflashkit.drafter.checkpoint import check_feature_layers, load_drafter, new_drafter, save_drafter
 from dflashkit.errors import DFlashError
+from helpers import edit_folder, perturb
 
 
 def make_drafter(layers=2, K=3, H=64, heads=4, kv=2, B=8, sliding=None, seed=0, **extra):
@@ -21,14 +22,7 @@ def make_drafter(layers=2, K=3, H=64, heads=4, kv=2, B=8, sliding=None, seed=0, 
                         intermediate_size=2 * H, num_hidden_layers=layers, target_layer_ids=list(range(1, K + 1)),
                         num_target_layers=6, mask_token_id=259, vocab_size=272, block_size=B, rope_theta=10000.0,
                         layer_types=types, sliding_window=sliding, **extra)
-    d = DFlashDrafter(cfg)
-    with torch.no_grad():  # non-trivial norm weights so a missed norm shows up; DFlash2 convolutions off identity
-        for name, p in d.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-            elif "_conv." in name:
-                p.normal_(0, 0.3)
-    return d
+    return perturb(DFlashDrafter(cfg))
 
 
 VARIANTS = {  # make_drafter keywords: every attention kind and both architectures must batch exactly
@@ -244,16 +238,7 @@ def test_bad_checkpoints_fail_with_one_clear_error(tmp_path, tiny_targets):
     good = save_drafter(d, tmp_path / "good", format="zlab")
 
     def variant(name, edit_cfg=None, edit_state=None):
-        p = save_drafter(d, tmp_path / name, format="zlab")
-        if edit_cfg:
-            cfg = json.loads((p / "config.json").read_text())
-            edit_cfg(cfg)
-            (p / "config.json").write_text(json.dumps(cfg))
-        if edit_state:
-            s = load_file(p / "model.safetensors")
-            edit_state(s)
-            save_file(s, p / "model.safetensors")
-        return p
+        return edit_folder(save_drafter(d, tmp_path / name, format="zlab"), edit_cfg, edit_state)
 
     with pytest.raises(DFlashError, match="hidden size 64"):
         load_drafter(variant("h", edit_cfg=lambda c: c.update(hidden_size=96),

@@ -11,11 +11,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import Qwen3Config
 
 from dflashkit.drafter import load_drafter, save_drafter
 from dflashkit.errors import DFlashError
+from helpers import edit_folder
 
 ref = pytest.importorskip("dflash.model", reason="make test installs dflash==0.1.0 (--no-deps)")
 
@@ -125,44 +126,32 @@ def test_our_export_loads_in_the_reference_with_equal_outputs(tmp_path, variant)
     assert "eagle_aux_hidden_state_layer_ids" not in cfg and cfg["dflash_config"]["target_layer_ids"] == [1, 2, 3]
 
 
-def _edit(path, cfg_edit=None, state_edit=None):
-    if cfg_edit:
-        cfg = json.loads((path / "config.json").read_text())
-        cfg_edit(cfg)
-        (path / "config.json").write_text(json.dumps(cfg))
-    if state_edit:
-        state = load_file(path / "model.safetensors")
-        state_edit(state)
-        save_file(state, path / "model.safetensors")
-    return path
-
-
 def test_what_cannot_be_honoured_is_refused_with_the_field_named(tmp_path):
     reference_drafter(*VARIANTS["dflash2"]).save_pretrained(tmp_path / "d2")
     reference_drafter(*VARIANTS["plain"]).save_pretrained(tmp_path / "d1")
     # DFlash2 tensors under a DFlash config: the seeds' failure (another model runs) is refused
-    as_dflash = _edit(tmp_path / "d2", lambda c: (c.update(architectures=["DFlashDraftModel"]),
+    as_dflash = edit_folder(tmp_path / "d2", lambda c: (c.update(architectures=["DFlashDraftModel"]),
                                                   [c["dflash_config"].pop(k) for k in DFLASH2]))
     with pytest.raises(DFlashError, match=r"no place for: .*DFlash2 tensors"):
         load_drafter(as_dflash)
     assert "SKIPPED" in load_drafter(as_dflash, allow_skipped=True).load_report[-1]
     with pytest.raises(DFlashError, match=r"architectures \['DFlash3DraftModel'\] is not one of"):
-        load_drafter(_edit(tmp_path / "d1", lambda c: c.update(architectures=["DFlash3DraftModel"])))
-    _edit(tmp_path / "d1", lambda c: c.update(architectures=["DFlashDraftModel"]))
+        load_drafter(edit_folder(tmp_path / "d1", lambda c: c.update(architectures=["DFlash3DraftModel"])))
+    edit_folder(tmp_path / "d1", lambda c: c.update(architectures=["DFlashDraftModel"]))
     with pytest.raises(DFlashError, match=r"dflash_config has unknown key\(s\) \['logit_bias'\]"):
-        load_drafter(_edit(tmp_path / "d1", lambda c: c["dflash_config"].update(logit_bias=1.0)))
-    _edit(tmp_path / "d1", lambda c: c["dflash_config"].pop("logit_bias"))
+        load_drafter(edit_folder(tmp_path / "d1", lambda c: c["dflash_config"].update(logit_bias=1.0)))
+    edit_folder(tmp_path / "d1", lambda c: c["dflash_config"].pop("logit_bias"))
     with pytest.raises(DFlashError, match=r"unknown key\(s\) \['conv_kernel_size'\] \(DFlash2 fields"):
-        load_drafter(_edit(tmp_path / "d1", lambda c: c["dflash_config"].update(conv_kernel_size=2)))
-    _edit(tmp_path / "d1", lambda c: c["dflash_config"].pop("conv_kernel_size"))
+        load_drafter(edit_folder(tmp_path / "d1", lambda c: c["dflash_config"].update(conv_kernel_size=2)))
+    edit_folder(tmp_path / "d1", lambda c: c["dflash_config"].pop("conv_kernel_size"))
     with pytest.raises(DFlashError, match=r"dflash_config.is_causal is not read"):
-        load_drafter(_edit(tmp_path / "d1", lambda c: c["dflash_config"].update(is_causal=True)))
-    _edit(tmp_path / "d1", lambda c: c["dflash_config"].pop("is_causal"))
+        load_drafter(edit_folder(tmp_path / "d1", lambda c: c["dflash_config"].update(is_causal=True)))
+    edit_folder(tmp_path / "d1", lambda c: c["dflash_config"].pop("is_causal"))
     with pytest.raises(DFlashError, match=r"eagle_aux_hidden_state_layer_ids \[1, 2, 3\] disagrees"):
-        load_drafter(_edit(tmp_path / "d1", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 3])))
-    assert load_drafter(_edit(tmp_path / "d1", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 3, 4])))
+        load_drafter(edit_folder(tmp_path / "d1", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 3])))
+    assert load_drafter(edit_folder(tmp_path / "d1", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 3, 4])))
     with pytest.raises(DFlashError, match=r"hidden_act 'gelu'"):
-        load_drafter(_edit(tmp_path / "d1", lambda c: c.update(hidden_act="gelu")))
+        load_drafter(edit_folder(tmp_path / "d1", lambda c: c.update(hidden_act="gelu")))
 
 
 @pytest.mark.parametrize("variant", ["plain", "sliding", "dflash2", "dflash2 sliding, scaled"])

@@ -13,7 +13,7 @@ from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.speculative import TreeDrafts, generate, generate_tree
 from dflashkit.target.invariant import NAME as ROW_INVARIANT, RowInvariantLinear, row_invariant
 from dflashkit.tree import Tree, accepted_path, add_branch, build_tree, prune_by_cost
-from test_decode import KINDS, Oracle, chi_square, first_two_token_distributions, greedy_reference
+from helpers import KINDS, Oracle, chi_square, greedy_reference, sampling_setup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,11 +162,7 @@ def test_ngram_and_hybrid_sample_the_target_distribution(tiny_targets):
     """T>0: the first two new tokens follow the target's own distribution under n-gram and hybrid verification."""
     target = tiny_targets["llama"]
     T, n, B = 0.2, 250, 4
-    ids = target.chat_ids([{"role": "user", "content": "def f(x): def f(x):"}])
-    ref = greedy_reference(target, ids, 8)
-    oracle = Oracle(ids + ref, B, target.vocab_size)
-    p1, p2_given = first_two_token_distributions(target, ids, T)
-    p2 = p1 @ p2_given
+    ids, oracle, p1, p2, _ = sampling_setup(target, "def f(x): def f(x):", T, B)
     for method in ("ngram", "hybrid-3"):
         gen = torch.Generator().manual_seed(0)
         runs = [generate(target, ids, method, oracle, max_new_tokens=2, temperature=T, generator=gen) for _ in range(n)]

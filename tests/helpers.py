@@ -1,0 +1,124 @@
+"""Test helpers shared by several test modules: reference loops, oracle proposers, statistics, folder edits."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from safetensors.torch import load_file, save_file
+
+KINDS = ("llama", "qwen3", "qwen3_5")
+
+
+def greedy_reference(target, ids, n, stops=()):
+    """Plain greedy decoding written out: full recompute each step, no cache."""
+    seq, out = list(ids), []
+    for _ in range(n):
+        t = int(target.model(torch.tensor([seq])).logits[0, -1].argmax())
+        out.append(t)
+        seq.append(t)
+        if t in stops:
+            break
+    return out
+
+
+class Oracle:
+    """A drafter stand-in that proposes the target's own continuation `sequence` (prompt + greedy completion).
+
+    `wrong` positions get a planted mistake: a wrong token first and the right one second, so chain stops
+    there while DDTree finds the right token as a sibling. Every call's context features are recorded."""
+
+    def __init__(self, sequence, block_size, vocab, wrong=(), layer_ids=(1,)):
+        self.seq, self.block_size, self.vocab, self.wrong = list(sequence), block_size, vocab, set(wrong)
+        self.layer_ids = list(layer_ids)
+        self.calls = []
+
+    def reset(self, prompt_ids):
+        self.calls = []
+
+    def propose(self, features, anchor, start):
+        self.calls.append((start, features.clone()))
+        logits = torch.zeros(self.block_size - 1, self.vocab)
+        for j in range(1, self.block_size):
+            p = start + j
+            want = self.seq[p] if p < len(self.seq) else 0
+            if p in self.wrong:
+                logits[j - 1, (want + 1) % self.vocab] = 20.0
+                logits[j - 1, want] = 19.0
+            else:
+                logits[j - 1, want] = 20.0
+        return logits
+
+    def to_tokens(self, idx):
+        return idx
+
+
+def chi_square(counts: dict, probs: torch.Tensor, n: int) -> tuple[float, float]:
+    """Pearson statistic over bins of expected count >= 5 plus one pooled bin for the rest, and its critical
+    value at p = 1e-4 (Wilson-Hilferty approximation of the chi-square quantile)."""
+    big = [t for t in range(len(probs)) if probs[t] * n >= 5]
+    obs = [counts.get(t, 0) for t in big] + [n - sum(counts.get(t, 0) for t in big)]
+    exp = [float(probs[t]) * n for t in big] + [n * (1.0 - float(probs[big].sum()))]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 1e-9)
+    dof = len([e for e in exp if e > 1e-9]) - 1
+    crit = dof * (1 - 2 / (9 * dof) + 3.72 * math.sqrt(2 / (9 * dof))) ** 3
+    return stat, crit
+
+
+@torch.no_grad()
+def first_two_token_distributions(target, ids, T):
+    """The target's softmax(logits / T) for the first new token [V], and for the second given each first [V, V]."""
+    p1 = torch.softmax(target.model(torch.tensor([ids])).logits[0, -1] / T, -1)
+    first = torch.arange(target.vocab_size)[:, None]
+    both = torch.cat([torch.tensor([ids]).expand(target.vocab_size, -1), first], dim=1)
+    return p1, torch.softmax(target.model(both).logits[:, -1] / T, -1)
+
+
+class SpreadOracle(Oracle):
+    """Rejection sampling with a q that is not one-hot: half on the target's greedy token, the rest over three
+    others (as a DFlash2 q over its top-k), drafts sampled from q, so the residual max(p - q, 0) gets used."""
+
+    def draft(self, features, anchor, start, temperature, generator):
+        want = self.propose(features, anchor, start).argmax(-1)
+        q = torch.zeros(len(want), self.vocab)
+        rows = torch.arange(len(want))
+        q[rows, want] = 0.5
+        for k in (1, 2, 3):
+            q[rows, (want + 7 * k) % self.vocab] = 0.5 / 3
+        if temperature <= 0:
+            return want, None
+        return torch.multinomial(q, 1, generator=generator)[:, 0], q
+
+
+def sampling_setup(target, text: str, T: float = 0.2, B: int = 4):
+    """(prompt ids, an oracle of the greedy continuation, p1 [V], p2 [V], p2_given [V, V]) for the first-two-token
+    distribution tests at temperature T."""
+    ids = target.chat_ids([{"role": "user", "content": text}])
+    oracle = Oracle(ids + greedy_reference(target, ids, 8), B, target.vocab_size)
+    p1, p2_given = first_two_token_distributions(target, ids, T)
+    return ids, oracle, p1, p1 @ p2_given, p2_given
+
+
+def edit_folder(path, cfg_edit=None, state_edit=None):
+    """Edit a drafter folder in place: config.json through cfg_edit(dict), the tensors through state_edit(dict)."""
+    if cfg_edit:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg_edit(cfg)
+        (path / "config.json").write_text(json.dumps(cfg))
+    if state_edit:
+        state = load_file(path / "model.safetensors")
+        state_edit(state)
+        save_file(state, path / "model.safetensors")
+    return path
+
+
+def perturb(drafter, conv_std: float = 0.3):
+    """Non-trivial norm weights (a missed norm shows up) and DFlash2 convolutions off their identity start."""
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+            elif "_conv." in name:
+                p.normal_(0, conv_std)
+    return drafter
