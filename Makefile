@@ -2,6 +2,7 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
 
 .PHONY: demo test test-fast lint install clean
@@ -21,15 +22,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/dflashkit demo $(ARGS)
 
+# One pytest worker per core (a test module stays on one worker); the real target is prepared once beforehand.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/dflashkit target prepare smollm2-135m >/dev/null
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check dflashkit tests benchmarks
 
-# Skips the tests that load the real SmolLM2 target (marked slow); `make test` runs everything.
+# Skips the tests marked slow (the real SmolLM2 target, the demo, torchrun); `make test` runs everything.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -34,7 +34,7 @@ from dflashkit.decode.speculative import DFlashProposer, generate  # noqa: E402
 from dflashkit.demo import DemoConfig, Paths, declare_stages, load_demo_target, load_recipe  # noqa: E402
 from dflashkit.demo.stages import StageRunner  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter, run_latest  # noqa: E402
-from dflashkit.evaluate.offline import run_eval  # noqa: E402
+from dflashkit.evaluate.runs import run_eval  # noqa: E402
 from dflashkit.fileio import write_json  # noqa: E402
 from dflashkit.prompts import load_prompts  # noqa: E402
 

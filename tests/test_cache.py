@@ -375,6 +375,7 @@ def test_cli_exit_codes(tmp_path, tiny_dirs, runs, capsys):
     assert "share no prompt with identical tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_torchrun_data_parallel_matches_single_process(tmp_path, tiny_dirs, tiny_targets):
     single = extract(tiny_targets["llama"], CODING.subset(5), tmp_path / "single", layer_ids=LAYERS,
                      max_new_tokens=4, progress=False)

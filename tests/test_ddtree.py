@@ -272,7 +272,7 @@ def test_selector_tree_is_the_top_budget_prefixes_under_the_selectors_conditiona
         for d, tok in enumerate(prefix):
             s = logits[d, cands[d]] + sel.successor_codebook[cands[d]] @ (sel.predecessor_codebook[prev] *
                                                                            sel.hidden_projection(hidden[d]))
-            total += float(s.log_softmax(-1)[cands[d].tolist().index(tok)])
+            total += float(s.detach().log_softmax(-1)[cands[d].tolist().index(tok)])
             prev = tok
         return total
 

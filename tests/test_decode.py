@@ -134,11 +134,12 @@ def test_sampling_matches_target_softmax(tiny_targets):
     stat, crit = chi_square({t: fake.count(t) for t in set(fake)}, p2, n)
     assert stat > crit, (stat, crit)
     spread = SpreadOracle(ids + ref, B, target.vocab_size)
-    for method, acceptance, proposer in (("chain", "match", oracle), ("chain", "rejection", oracle),
-                                         ("chain", "rejection", spread), ("ddtree-4", "match", oracle)):
+    for method, acceptance, proposer, t_draft in (("chain", "match", oracle, None),
+                                                  ("chain", "rejection", oracle, 3.0),  # a diffuse q over the vocabulary
+                                                  ("chain", "rejection", spread, None), ("ddtree-4", "match", oracle, None)):
         gen = torch.Generator().manual_seed(0)
         runs = [generate(target, ids, method, proposer, max_new_tokens=2, temperature=T, generator=gen,
-                         acceptance=acceptance) for _ in range(n)]
+                         acceptance=acceptance, draft_temperature=t_draft) for _ in range(n)]
         assert sum(r.accepted[0] > 1 for r in runs) > n // 10, "the test needs accepted drafts to mean anything"
         for pos, probs in ((0, p1), (1, p2)):
             toks = [r.tokens[pos] for r in runs]

@@ -7,6 +7,8 @@ import pytest
 
 from dflashkit.demo import DemoConfig, run_demo
 
+pytestmark = pytest.mark.slow  # the whole pipeline: `make test` runs it, `make test-fast` does not
+
 
 @pytest.fixture(scope="module")
 def demo_run(tiny_dirs, tmp_path_factory):

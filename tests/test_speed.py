@@ -360,15 +360,14 @@ def test_bf16_hybrid_target_speculative_equals_bf16_greedy(bf16_hybrid):
     bf16 greedy decoding, an always-right drafter (no re-run ever) included."""
     t = bf16_hybrid
     oracle = Oracle([], 6, t.vocab_size)
-    for text in REPEATING + ["Write a haiku about the sea, then explain it.", "def f(x):"]:
+    for text in REPEATING[:1] + ["Write a haiku about the sea, then explain it."]:
         ids = t.chat_ids([{"role": "user", "content": text}])
-        ref = generate(t, ids, "ar", max_new_tokens=60, stop_ids=[]).tokens
+        ref = generate(t, ids, "ar", max_new_tokens=48, stop_ids=[]).tokens
         oracle.seq = ids + ref + [0] * 8
-        for wrong in (set(), {len(ids) + 4, len(ids) + 20}):
-            oracle.wrong = wrong
-            for method in ("chain", "ddtree-8", "ngram", "hybrid-4"):
-                got = generate(t, ids, method, oracle, max_new_tokens=60, stop_ids=[]).tokens
-                assert got == ref, (text, method, sorted(wrong))
+        oracle.wrong = {len(ids) + 4, len(ids) + 20}  # full blocks elsewhere: rounds with and without a re-run
+        for method in ("chain", "ddtree-8", "ngram", "hybrid-4"):
+            got = generate(t, ids, method, oracle, max_new_tokens=48, stop_ids=[]).tokens
+            assert got == ref, (text, method)
 
 
 def test_stepwise_linear_attention_is_what_one_token_steps_compute(bf16_hybrid):

@@ -590,6 +590,7 @@ for mode in ("ddp", "fsdp"):
 """
 
 
+@pytest.mark.slow
 def test_torchrun_ddp_and_fsdp_match_a_single_process(tiny_dirs, llama, tmp_path):
     """2 gloo processes x 2 sequences == 1 process x 4 sequences: same losses, same final weights."""
     seqs = generate_sequences(llama, "coding-10", tmp_path / "seqs.jsonl", max_new_tokens=24, batch_size=8,

@@ -184,11 +184,12 @@ def nearby_caches(path, target: dict | None = None) -> list[tuple[Path, dict]]:
 
 
 def describe_nearby(path, target: dict) -> str:
+    from dflashkit.target.model import identity_mismatch
+
     parts = []
     for d, m in nearby_caches(path)[:5]:
         t = m.get("target", {})
-        same = "same target" if all(t.get(k) == target.get(k) for k in ("config_hash", "weights_hash")) \
-            else f"target {t.get('name')}"
+        same = "same target" if not identity_mismatch(t, target) else f"target {t.get('name')}"
         if m.get("status") == "complete":
             parts.append(f"{d} ({len(m.get('prompts', []))} prompts, {same})")
         else:

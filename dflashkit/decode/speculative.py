@@ -167,9 +167,14 @@ def sample_drafts(logits, temperature: float, generator, to_tokens, vocab_size: 
     return to_tokens(idx), full
 
 
-def draft_block(proposer, features, anchor, start: int, temperature: float, generator, acceptance: str):
+def draft_block(proposer, features, anchor, start: int, temperature: float, generator, acceptance: str,
+                draft_temperature: float | None = None):
     """(tokens [B-1], q or None). `match` drafts greedily (q None): a draft is accepted iff it equals the target's
-    own choice. `rejection` samples the drafts from q at T>0 and accepts them with min(1, p/q)."""
+    own choice. `rejection` samples the drafts from q at T>0 and accepts them with min(1, p/q); q is the drafter's
+    softmax at `draft_temperature` (default T, as the reference; any q keeps the output exact, a sharper one suits
+    an under-confident drafter, and 0 makes rejection accept exactly as `match`)."""
+    if draft_temperature is not None and temperature > 0:
+        temperature = draft_temperature
     if acceptance == "rejection" and temperature > 0:
         if hasattr(proposer, "draft"):
             return proposer.draft(features, anchor, start, temperature, generator)
@@ -338,7 +343,7 @@ def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
 @torch.no_grad()
 def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                    temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None,
-                   acceptance: str = "rejection") -> Generation:
+                   acceptance: str = "rejection", draft_temperature: float | None = None) -> Generation:
     """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
     per round. At T>0, `acceptance` picks the rule (see draft_block); both keep the target's distribution."""
     timer, stops, dev = _begin(target, stop_ids)
@@ -355,7 +360,8 @@ def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_to
     feats, start, accepted = out.features, len(prompt_ids), []  # start: position of the bonus token
     while not done:
         with timer("draft"):
-            drafts, q = draft_block(proposer, feats, bonus, start, temperature, generator, acceptance)
+            drafts, q = draft_block(proposer, feats, bonus, start, temperature, generator, acceptance,
+                                    draft_temperature)
         block = torch.cat([bonus, drafts])  # [B]: the bonus, then B-1 drafts
         saved = save_linear_states(kv) if target.is_hybrid else None
         with timer("verify"):
@@ -620,7 +626,7 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
 
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
              max_new_tokens: int = 256, temperature: float = 0.0, generator=None, stop_ids=None, cost=None,
-             ngram=None, acceptance: str = "rejection") -> Generation:
+             ngram=None, acceptance: str = "rejection", draft_temperature: float | None = None) -> Generation:
     """One entry point for every method name of `parse_method`; `budget` applies to a bare 'ddtree' or 'hybrid';
     `acceptance` is the chain's rule at T>0 (trees accept a node iff it is the target's own sample)."""
     kind, n = parse_method(method)
@@ -633,7 +639,7 @@ def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Pro
         raise ValueError(f"method {method!r} needs a drafter")
     if kind == "chain":
         return generate_chain(target, proposer, prompt_ids, max_new_tokens, temperature, generator, stop_ids,
-                              acceptance)
+                              acceptance, draft_temperature)
     name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
     return generate_tree(target, tree_drafts(method, proposer, budget, cost, ngram), prompt_ids, max_new_tokens,
                          temperature, generator, stop_ids, method=name)

@@ -215,7 +215,7 @@ def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
     from dflashkit.cache import open_cache
     from dflashkit.demo.report import data_limits
     from dflashkit.evaluate.compare import compare_runs
-    from dflashkit.evaluate.offline import run_eval
+    from dflashkit.evaluate.runs import run_eval
 
     cache = open_cache(p.eval_cache, expect_target=target.identity())
     drafters = {"trained": final_checkpoint(p), "first-checkpoint": p.first, "untrained": p.untrained}

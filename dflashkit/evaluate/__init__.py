@@ -16,6 +16,7 @@ _EXPORTS = {
     "score_block": "dflashkit.evaluate.offline",
     "stride_anchors": "dflashkit.evaluate.offline",
     "parse_trees": "dflashkit.evaluate.offline",
+    "run_eval": "dflashkit.evaluate.runs",
     "compare_runs": "dflashkit.evaluate.compare",
     "load_run": "dflashkit.evaluate.compare",
 }

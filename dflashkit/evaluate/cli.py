@@ -41,7 +41,7 @@ def cmd_eval(args) -> int:
     from dflashkit.cache import open_cache
     from dflashkit.cache.store import check_target
     from dflashkit.errors import DFlashError
-    from dflashkit.evaluate import offline
+    from dflashkit.evaluate import offline, runs
     from dflashkit.target.model import load_target
 
     trees = offline.parse_trees(args.trees)  # bad settings fail before anything loads
@@ -58,7 +58,7 @@ def cmd_eval(args) -> int:
         target_ref = cache.target.get("name")  # the registry name, when the recorded folder has moved
     target = load_target(target_ref, device=args.device)
     check_target(cache.path, cache.manifest, target.identity())  # weights included: a fine-tune is another target
-    offline.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,
+    runs.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,
                      show_matches=args.show_matches, say=tqdm.write)
     return 0
 

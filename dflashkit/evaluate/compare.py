@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
-from dflashkit.evaluate.offline import tree_label, write_plots
+from dflashkit.evaluate.runs import tree_label, write_plots
 from dflashkit.fileio import read_json
 
 # what must agree, and how to read it from results.json

@@ -48,29 +48,6 @@ def parse_trees(trees) -> list[str]:
     return out
 
 
-def tree_label(spec: str) -> str:
-    """Console name: budget:8 -> dds8 (the user's DDTree-8), paths:4 -> paths4, width:4 -> width4."""
-    family, k = parse_tree_spec(spec)
-    return {"budget": f"dds{k}", "selector": f"sel{k}"}.get(family, f"{family}{k}")
-
-
-def tree_note(trees) -> str:
-    """The header line that says what each tree column means."""
-    budgets = [t for t in trees if t.startswith("budget:")]
-    parts = []
-    if budgets:
-        parts.append(f"{'/'.join(tree_label(t) for t in budgets)} = DDTree {'/'.join(budgets)} (paper's node-budget tree)")
-    for t in trees:
-        family, k = parse_tree_spec(t)
-        if family == "paths":
-            parts.append(f"{tree_label(t)} = best of the {k} most probable complete drafts")
-        elif family == "width":
-            parts.append(f"{tree_label(t)} = leading positions whose label is in the top-{k} (an upper bound)")
-        elif family == "selector":
-            parts.append(f"{tree_label(t)} = DDTree of {k} nodes scored by the DFlash2 selector given each parent")
-    return "; ".join(parts) or "no trees requested"
-
-
 def check_mode(anchors: str, max_blocks) -> None:
     if anchors not in ANCHOR_MODES:
         raise DFlashError(f"--anchors {anchors!r}: use one of {', '.join(ANCHOR_MODES)}")
@@ -338,18 +315,13 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
 def check_inputs(drafter, target, cache) -> None:
     """Drafter, target and cache belong together: same target config, the drafter's layers in the cache."""
     from dflashkit.drafter.checkpoint import check_against_target, check_feature_layers
+    from dflashkit.target.model import check_same_target
 
     check_against_target(drafter.config, target, "drafter config")
     ident = target.identity()
-    have = cache.target or {}
-    for key in ("config_hash", "hidden_size", "num_layers"):
-        if have.get(key) is not None and have.get(key) != ident.get(key):
-            raise DFlashError(f"cache {cache.path} was extracted from target {have.get('name')} ({key} {have.get(key)}) but the "
-                              f"target in use is {ident['name']} ({key} {ident.get(key)}); pass the cache's target with --target")
-    made_for = (getattr(drafter, "contract", None) or {}).get("target") or {}
-    if made_for.get("config_hash") and made_for["config_hash"] != ident["config_hash"]:
-        raise DFlashError(f"the drafter's dflashkit.json records target {made_for.get('name')} (config {made_for['config_hash']}) "
-                          f"but the target in use is {ident['name']} (config {ident['config_hash']}); evaluate it with its own target")
+    check_same_target(cache.target, ident, f"cache {cache.path}", "pass the cache's target with --target")
+    made_for = (getattr(drafter, "contract", None) or {}).get("target")
+    check_same_target(made_for, ident, "the drafter (its dflashkit.json)", "evaluate it with its own target")
     check_feature_layers(drafter.config, list(cache.layer_ids), f"cache {cache.path}")
 
 
@@ -361,190 +333,3 @@ def cache_info(cache) -> dict:
     return {"path": str(Path(cache.path).resolve()), "manifest_hash": cache.manifest_hash, "target": cache.target,
             "prompt_ids": list(cache.prompt_ids), "requested": sf["requested"] if sf else len(cache.prompt_ids),
             "shortfall": sf}
-
-
-# ---- console and run folder ---------------------------------------------------------------------------------
-
-def _f(v, digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def prompt_line(summary: dict, trees, width: int = 24) -> str:
-    """`fizzbuzz | 15 blocks | streak=0.47 dds4=0.60 dds8=0.80 | 8.7s` (the user's log format)."""
-    metrics = " ".join([f"streak={_f(summary['streak'])}"] + [f"{tree_label(t)}={_f(summary.get(t))}" for t in trees])
-    return f"{summary['id']:<{width}} | {summary['blocks']:3d} blocks | {metrics} | {summary['seconds']:.1f}s"
-
-
-def match_line(block: dict, block_size: int, trees) -> str:
-    """`    match: ✓✓✓✗✗...  streak=3` (· = no label: the sequence ended)."""
-    marks = "".join("✓" if m else "✗" for m in block["matches"]) + "·" * (block_size - 1 - block["n_labels"])
-    extra = " ".join(f"{tree_label(t)}={block['trees'][t]}" for t in trees)
-    return f"    match: {marks}  streak={block['streak']}  {extra}  @{block['anchor']}".rstrip()
-
-
-def overall_lines(result: dict) -> list[str]:
-    o, s = result["overall"], result["settings"]
-    trees = s["trees"]
-    parts = [f"streak={_f(o['streak'])}", f"tau={_f(o['tau'])}", f"pos1={_f(o['pos1_acc'])}"]
-    for t in trees:
-        exp = o["expected"].get(t)
-        parts.append(f"{tree_label(t)}={_f(o[t])}" + (f" (expected {_f(exp)})" if exp is not None else ""))
-    lines = [f"overall: {o['prompts']} prompts, {o['blocks']} blocks ({s['anchors']} anchors) | " + " ".join(parts)]
-    lines.append("per-position acc (cumulative P(streak>=k)): " + " ".join(_f(v) for v in o["acc_cumulative"]))
-    lines.append("per-position acc (conditional P(k | k-1)):  " + " ".join(_f(v) for v in o["acc_conditional"]))
-    lines.append("streak histogram: " + " ".join(f"{k}:{v:.0%}" for k, v in enumerate(o["histogram"]) if v))
-    lines.append("DDTree budget curve (mean accepted depth / drafter-expected): " + " ".join(
-        f"{b}:{_f(o['budget_curve'][b])}/{_f(o['budget_curve_expected'][b])}" for b in o["budget_curve"]))
-    return lines
-
-
-def summary_markdown(result: dict, header: list[str]) -> str:
-    from dflashkit.report import markdown_table
-
-    s, o = result["settings"], result["overall"]
-    trees = s["trees"]
-    heads = ["prompt", "blocks", "streak", "tau", "pos1"] + [tree_label(t) for t in trees]
-    rows = [[p["id"], p["blocks"], p["streak"], p["tau"], p["pos1_acc"]] + [p.get(t) for t in trees]
-            for p in result["per_prompt"]]
-    rows.append(["**overall**", o["blocks"], o["streak"], o["tau"], o["pos1_acc"]] + [o[t] for t in trees])
-    md = ["# Offline evaluation", "", "```", *header, "```", "", markdown_table(heads, rows), ""]
-    md.append("Means are over blocks. streak = leading draft tokens equal to the target's (bonus excluded; tau = streak + 1).")
-    md.append(f"Trees: {tree_note(trees)}.")
-    exp = [f"{tree_label(t)} {_f(o['expected'][t])}" for t in trees if t in o["expected"]]
-    if exp:
-        md.append(f"Drafter-expected accepted depth (sum of tree-node probabilities): {', '.join(exp)}.")
-    if result.get("shortfall"):
-        sf = result["shortfall"]
-        md.append(f"\n**Partial: {sf['present']} of {sf['requested']} requested prompts** (missing: {', '.join(sf['missing'])}).")
-    md += ["", "## Per-position accuracy", "",
-           markdown_table(["position", "cumulative P(streak>=k)", "conditional P(k given k-1)"],
-                          [[k + 1, c, d] for k, (c, d) in enumerate(zip(o["acc_cumulative"], o["acc_conditional"]))]),
-           "## DDTree budget curve", "",
-           markdown_table(["budget", "accepted depth", "drafter-expected"],
-                          [[b, o["budget_curve"][b], o["budget_curve_expected"][b]] for b in o["budget_curve"]]),
-           "![acceptance](acceptance.png) ![streak histogram](streak_hist.png) ![budget curve](budget_curve.png)", ""]
-    return "\n".join(md)
-
-
-def write_plots(out_dir, results: dict[str, dict]) -> list[str]:
-    """Per-position acceptance, streak histogram and DDTree budget curve; one series per named result."""
-    from pathlib import Path
-
-    from dflashkit.report import hist_plot, line_plot
-
-    out = Path(out_dir)
-    acc = {}
-    for name, r in results.items():
-        o = r["overall"]
-        k = list(range(1, len(o["acc_cumulative"]) + 1))
-        sfx = f" {name}" if len(results) > 1 else ""
-        acc[f"cumulative{sfx}"] = (k, [v or 0.0 for v in o["acc_cumulative"]])
-        acc[f"conditional{sfx}"] = (k, [v or 0.0 for v in o["acc_conditional"]])
-    line_plot(out / "acceptance.png", acc, "Per-position acceptance", "draft position k", "accuracy", ylim=(0, 1.02))
-    hist_plot(out / "streak_hist.png", {n: r["overall"]["histogram"] for n, r in results.items()},
-              "Streak histogram (leading accepted drafts)", "streak")
-    curve = {}
-    for name, r in results.items():
-        o = r["overall"]
-        b = [int(x) for x in o["budget_curve"]]
-        sfx = f" {name}" if len(results) > 1 else ""
-        curve[f"measured{sfx}"] = (b, list(o["budget_curve"].values()))
-        curve[f"drafter-expected{sfx}"] = (b, list(o["budget_curve_expected"].values()))
-    line_plot(out / "budget_curve.png", curve, "DDTree budget curve", "node budget", "mean accepted depth")
-    return ["acceptance.png", "streak_hist.png", "budget_curve.png"]
-
-
-def header_lines(drafter_info: dict, load_report: list[str], target_ident: dict, cache_info: dict, settings: dict,
-                 blocks: int | None) -> list[str]:
-    """What was evaluated, stated so that nobody mistakes a partial run for a full one."""
-    sf = cache_info.get("shortfall")
-    n = len(cache_info["prompt_ids"])
-    if sf:
-        prompts = f"PARTIAL: {n} of {sf['requested']} requested prompts (missing: {', '.join(sf['missing'])})"
-    else:
-        prompts = f"{n} prompts (all {cache_info['requested']} requested)"
-    per = "all" if settings["max_blocks"] is None else settings["max_blocks"]
-    count = f"{blocks} blocks" if blocks is not None else "one block per walk round"
-    vocab = f", draft vocabulary {settings['draft_vocab']} tokens" if settings.get("draft_vocab") else ""
-    return [
-        f"drafter  {drafter_info['path']}  (model.safetensors sha256 {drafter_info['sha256'][:12]})",
-        *[f"  {line}" for line in load_report],
-        f"target   {target_ident['name']}  {target_ident['path']}",
-        f"cache    {cache_info['path']}  (manifest {cache_info['manifest_hash'][:12]})",
-        f"prompts  {prompts}",
-        f"blocks   {count}: block_size={settings['block_size']}, max_blocks_per_seq={per}, anchors={settings['anchors']}{vocab}",
-        f"trees    {tree_note(settings['trees'])}",
-    ]
-
-
-def save_run(run_dir, result: dict, log_lines: list[str], drafter_path):
-    """Write the run folder atomically: results.json, summary.md, eval.log, plots, and a `drafter` symlink
-    to the checkpoint (a reference, not a copy; results.json holds its path and sha256)."""
-    import os
-    from pathlib import Path
-
-    from dflashkit.fileio import atomic_dir, write_json, write_text
-
-    run_dir = Path(run_dir)
-    with atomic_dir(run_dir) as tmp:
-        write_json(tmp / "results.json", result)
-        write_text(tmp / "summary.md", summary_markdown(result, result.get("header", [])))
-        write_text(tmp / "eval.log", "\n".join(log_lines) + "\n")
-        write_plots(tmp, {"run": result})
-        try:
-            os.symlink(Path(drafter_path).resolve(), tmp / "drafter", target_is_directory=True)
-        except OSError:
-            write_text(tmp / "drafter.txt", f"{Path(drafter_path).resolve()}\n")
-    return run_dir
-
-
-def run_eval(drafter_path, target, cache, run_dir, anchors: str = "stride", trees=DEFAULT_TREES,
-             max_blocks: int | None = None, show_matches: bool = False, progress: bool = True, say=print) -> dict:
-    """Evaluate a checkpoint on an opened cache and write its run folder: what `dflashkit eval` does."""
-    import time
-    from pathlib import Path
-
-    from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.fileio import sha256_file
-
-    trees = parse_trees(trees)
-    check_mode(anchors, max_blocks)
-    ckpt = Path(drafter_path)
-    drafter = load_drafter(ckpt, target=target, device=target.device)
-    drafter_info = {"path": str(ckpt.resolve()), "sha256": sha256_file(ckpt / "model.safetensors"),
-                    "load_report": list(drafter.load_report), "config": drafter.config.to_dict(),
-                    "contract": drafter.contract}
-    info = cache_info(cache)
-    B = drafter.config.block_size
-    settings = {"anchors": anchors, "block_size": B, "max_blocks": max_blocks, "trees": trees}
-    blocks = None
-    if anchors == "stride":
-        blocks = sum(len(stride_anchors(r.prompt_len, len(r.tokens), B, max_blocks)) for r in cache)
-    log: list[str] = []
-
-    def out(line: str = "") -> None:
-        say(line)
-        log.append(line)
-
-    for line in header_lines(drafter_info, drafter.load_report, target.identity(), info, settings, blocks):
-        out(line)
-    width = max((len(p) for p in cache.prompt_ids), default=8)
-
-    def on_prompt(summary, recs):
-        if show_matches:
-            for r in recs:
-                out(match_line(r, B, trees))
-        out(prompt_line(summary, trees, width))
-
-    t0 = time.perf_counter()
-    result = evaluate(drafter, target, cache, trees=trees, anchors=anchors, max_blocks=max_blocks,
-                      progress=progress, on_prompt=on_prompt)
-    for line in overall_lines(result):
-        out(line)
-    out(f"evaluated in {time.perf_counter() - t0:.1f}s; run folder {run_dir}")
-    header = header_lines(drafter_info, drafter.load_report, target.identity(), info, result["settings"],
-                          result["overall"]["blocks"])
-    result = {"format": "dflashkit-eval/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "header": header,
-              "drafter": drafter_info, "target": target.identity(), **result}
-    save_run(run_dir, result, log, ckpt)
-    return result

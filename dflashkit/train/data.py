@@ -36,9 +36,10 @@ class Sequence:
 
 
 def same_target(a: dict | None, b: dict | None) -> bool:
-    """Target identities match, wherever the target folder lives."""
-    strip = lambda d: {k: v for k, v in (d or {}).items() if k != "path"}  # noqa: E731
-    return strip(a) == strip(b)
+    """Target identities match (the one comparison: target.model.identity_mismatch), wherever the folder lives."""
+    from dflashkit.target.model import identity_mismatch
+
+    return a is not None and b is not None and not identity_mismatch(a, b)
 
 
 # ---- the sequences JSONL ------------------------------------------------------------------------------
