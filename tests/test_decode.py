@@ -70,11 +70,12 @@ def test_dflash2_lossless_greedy(tiny_targets, kind):
         for name, p in d.named_parameters():
             if "_conv." in name or "candidate_selector" in name:
                 p.normal_(0, 0.3)
-    proposer = DFlashProposer(target, d)
+    proposers = [DFlashProposer(target, d), DFlashProposer(target, d, selector_trees=True)]
     for text in TEXTS[:2]:
         ids = target.chat_ids([{"role": "user", "content": text}])
         ref = greedy_reference(target, ids, 16, set(target.stop_token_ids))
-        for method in ("chain", "ddtree-6", "hybrid-4"):
+        for method, proposer in (("chain", proposers[0]), ("ddtree-6", proposers[0]), ("ddtree-6", proposers[1]),
+                                 ("hybrid-4", proposers[1])):
             assert generate(target, ids, method, proposer, max_new_tokens=16).tokens == ref, (kind, text, method)
 
 
@@ -134,7 +135,8 @@ def test_sampling_matches_target_softmax(tiny_targets):
     stat, crit = chi_square({t: fake.count(t) for t in set(fake)}, p2, n)
     assert stat > crit, (stat, crit)
     spread = SpreadOracle(ids + ref, B, target.vocab_size)
-    for method, acceptance, proposer, t_draft in (("chain", "match", oracle, None),
+    d2 = dflash2_oracle(target, oracle)
+    for method, acceptance, proposer, t_draft in (("chain", "match", oracle, None), ("chain", "rejection", d2, None),
                                                   ("chain", "rejection", oracle, 3.0),  # a diffuse q over the vocabulary
                                                   ("chain", "rejection", spread, None), ("ddtree-4", "match", oracle, None)):
         gen = torch.Generator().manual_seed(0)
@@ -145,6 +147,23 @@ def test_sampling_matches_target_softmax(tiny_targets):
             toks = [r.tokens[pos] for r in runs]
             stat, crit = chi_square({t: toks.count(t) for t in set(toks)}, probs, n)
             assert stat < crit, (method, acceptance, pos, stat, crit)
+
+
+def dflash2_oracle(target, oracle):
+    """A real DFlash2 drafter's draft path (selector sampling over its top-k, q scattered to the vocabulary) fed
+    the oracle's logits as its unary scores, so that its drafts are often right and the chi-square test has power."""
+    torch.manual_seed(0)
+    d = new_drafter(target, num_layers=1, block_size=oracle.block_size, arch="dflash2", conv_group_size=16,
+                    selector_rank=8, selector_top_k=4).eval()
+    proposer = DFlashProposer(target, d)
+    real = proposer.propose
+
+    def propose(features, anchor, start):
+        real(features, anchor, start)  # the drafter's states for the selector
+        return oracle.propose(features, anchor, start)
+
+    proposer.propose = propose
+    return proposer
 
 
 @pytest.mark.slow

@@ -100,11 +100,12 @@ class DFlashProposer:
     Its context KV (the drafter's keys/values of the context, see ContextKV) holds context positions only, so
     each call passes just the newly committed features."""
 
-    def __init__(self, target, drafter, block_size: int | None = None, selector_trees: bool = True):
+    def __init__(self, target, drafter, block_size: int | None = None, selector_trees: bool = False):
         from dflashkit.drafter.head import DraftHead
 
         self.target, self.drafter = target, drafter
-        # DFlash2: DDTree children scored by the candidate selector given their parent (else: marginals)
+        # DFlash2: DDTree children scored by the candidate selector given their parent, or (default: no gain
+        # measured, benchmarks/results/cpu-2026-12-01-selector-trees.md) the marginals as the reference does
         self.selector_trees = selector_trees and drafter.config.arch == "dflash2"
         self.head = DraftHead.for_drafter(target, drafter)
         self.block_size = int(block_size or drafter.config.block_size)
