@@ -61,7 +61,7 @@ def main() -> int:
             out["rows"].append(row)
             print(row, flush=True)
     results = Path(args.results or ROOT / "benchmarks" / "results" / f"cpu-{out['date']}-acceptance-T{T:g}")
-    write_json(results.with_suffix(".json"), out)
+    write_json(results.parent / (results.name + ".json"), out)  # (with_suffix would eat the ".7" of T0.7)
     lines = [f"# Chain tau at T={T:g} by acceptance rule ({out['date']})", "",
              f"Machine: {out['machine']}. Target {args.target} ({out['target_dtype']}), {out['prompts']} prompts of "
              f"{args.prompts}, {args.max_new_tokens} new tokens, the same seeds for every rule. Produced by "
@@ -70,7 +70,7 @@ def main() -> int:
     for r in out["rows"]:
         qt = "greedy draft" if r["draft_temperature"] is None else f"{r['draft_temperature']:g}"
         lines.append(f"| {r['drafter']} | {r['arch']} | {r['rule']} | {qt} | {r['tau']:.3f} | {r['rounds']} |")
-    results.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    (results.parent / (results.name + ".md")).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

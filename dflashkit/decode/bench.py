@@ -41,7 +41,7 @@ def parse_methods(spec: str) -> list[str]:
     return ["ar"] + [m for m in names if m != "ar"]
 
 
-def _run(target, proposer, ids, method, max_new_tokens, temperature, seed, cost, lookups, acceptance="rejection"):
+def _run(target, proposer, ids, method, max_new_tokens, temperature, seed, cost, lookups, acceptance="match"):
     gen = torch.Generator(device=target.device).manual_seed(seed)
     torch.manual_seed(seed)  # transformers' generate samples from the global generator
     ngram = lookups.setdefault(method, new_lookup(method)) if parse_method(method)[0] in ("ngram", "hybrid") else None
@@ -51,7 +51,7 @@ def _run(target, proposer, ids, method, max_new_tokens, temperature, seed, cost,
 
 def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: list[str], max_new_tokens: int = 128,
               block_size: int | None = None, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
-              progress: bool = True, cost: CostCurve | None = None, acceptance: str = "rejection") -> dict:
+              progress: bool = True, cost: CostCurve | None = None, acceptance: str = "match") -> dict:
     """prompts: (id, prompt token ids). Returns {"config", "cost", "methods": {name: summary}, "runs", "mismatches"}.
     `cost`: a curve measured earlier on this target (else measured here, about 10 s on a CPU)."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None

@@ -38,9 +38,10 @@ def _common(p) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts of the suite")
     p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the drafter's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; above 0 samples, still lossless")
-    p.add_argument("--acceptance", choices=("rejection", "match"), default="rejection",
-                   help="chain's rule at T>0: rejection (drafts sampled from the drafter's q, kept with min(1, p/q), "
-                   "as z-lab's reference) or match (greedy drafts kept iff equal to the target's own sample)")
+    p.add_argument("--acceptance", choices=("match", "rejection"), default="match",
+                   help="chain's rule at T>0: match (greedy drafts kept iff equal to the target's own sample; accepted "
+                   "more with the CPU drafters, benchmarks/results/cpu-2026-12-01-acceptance-T0.7.md) or rejection "
+                   "(drafts sampled from the drafter's q, kept with min(1, p/q), as z-lab's reference)")
     p.add_argument("--draft-temperature", type=float, default=None,
                    help="rejection: the temperature of the drafter's q (default: --temperature, as the reference)")
     p.add_argument("--seed", type=int, default=0)

@@ -344,7 +344,7 @@ def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
 @torch.no_grad()
 def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                    temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None,
-                   acceptance: str = "rejection", draft_temperature: float | None = None) -> Generation:
+                   acceptance: str = "match", draft_temperature: float | None = None) -> Generation:
     """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
     per round. At T>0, `acceptance` picks the rule (see draft_block); both keep the target's distribution."""
     timer, stops, dev = _begin(target, stop_ids)
@@ -627,7 +627,7 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
 
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
              max_new_tokens: int = 256, temperature: float = 0.0, generator=None, stop_ids=None, cost=None,
-             ngram=None, acceptance: str = "rejection", draft_temperature: float | None = None) -> Generation:
+             ngram=None, acceptance: str = "match", draft_temperature: float | None = None) -> Generation:
     """One entry point for every method name of `parse_method`; `budget` applies to a bare 'ddtree' or 'hybrid';
     `acceptance` is the chain's rule at T>0 (trees accept a node iff it is the target's own sample)."""
     kind, n = parse_method(method)
