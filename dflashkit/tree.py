@@ -113,7 +113,10 @@ def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, 
 
     probs[i] is node i's chance to be accepted (probs[0], the root, is ignored). A node is never likelier than its
     parent, so taking nodes in descending probability (parents first on ties) keeps every candidate prefix-closed;
-    the best of these len(tree) candidates is exact for the flattened cost and a good greedy choice for paths."""
+    the best of these len(tree) candidates is exact for the flattened cost. For paths it is greedy: against an
+    exhaustive search over every prefix-closed subtree of 400 random trees of 4-11 nodes (linear cost curves of slope
+    0.02-0.3 per token) it fell short of the best rate by 0.9% on average, by more than 1% on 75 trees, by at most
+    20% (measured 2026-12-01)."""
     p = list(map(float, probs))
     parents = tree.parents.tolist()
     for i, par in enumerate(parents):  # parents precede children: one pass makes p monotone
