@@ -82,24 +82,27 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: li
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, temperature, seed, warmup, progress, curve,
                 acceptance) -> list[dict]:
-    """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike)."""
-    from rich.progress import Progress
+    """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike).
+    The progress bar (tqdm: it also prints where the output is not a terminal) names the prompt and method running
+    and the tokens/s of the last one, with an ETA."""
+    from tqdm import tqdm
 
     lookups: dict[str, NgramLookup] = {}  # one per method: n-gram acceptance statistics carry across prompts
     if warmup:
         for m in methods:
             _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), temperature, seed, curve, lookups)
     runs = []
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("bench", total=len(prompts) * len(methods))
+    with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress,
+              mininterval=2.0) as bar:
         for i, (pid, ids) in enumerate(prompts):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for m in order:
-                bar.update(task, description=f"{pid} {m}")
+                bar.set_description(f"bench {pid} {m}")
                 g = _run(target, proposer, ids, m, max_new_tokens, temperature, seed + i, curve, lookups, acceptance)
                 runs.append({"prompt": pid, "method": m, "prompt_tokens": len(ids), "tokens": g.tokens,
                              "accepted": g.accepted, "times": g.times})
-                bar.advance(task)
+                bar.set_postfix_str(f"last {m}: {len(g.tokens) / g.times['total']:.1f} tok/s", refresh=False)
+                bar.update()
     return runs
 
 
