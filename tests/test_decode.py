@@ -320,3 +320,38 @@ def test_online_chain_tau_equals_offline_walk(tiny_targets, tmp_path, arch):
         assert g.accepted[:full] == summary["accepted"][:full], rec.id
         seen += g.accepted[:full]
     assert len(set(seen)) >= 3, f"rounds should differ in length to test anything: {seen}"
+
+
+def test_rounding_divergences_are_reported_and_large_gaps_fail(tiny_targets, monkeypatch):
+    """The lossless check where the kernels give no exactness (CUDA bf16), run on CPU with an injected flip: a token
+    whose logit gap to plain decoding's the dtype's rounding explains is a reported divergence, not a failure; a
+    large gap still fails, and neither message calls a rounding flip a bug."""
+    import dflashkit.decode.bench as bench
+
+    target = tiny_targets["qwen3"]
+    prompts = [(TEXTS[0], target.chat_ids([{"role": "user", "content": TEXTS[0]}]))]
+    ref = generate(target, prompts[0][1], "ar", max_new_tokens=6).tokens
+    k = 3
+    with torch.no_grad():
+        logits = target.forward(torch.tensor([prompts[0][1] + ref[:k]])).logits[0, -1].float()
+    order = logits.argsort(descending=True)
+    assert int(order[0]) == ref[k]
+    near, far = int(order[1]), int(order[-1])
+    gap_near, gap_far = float(logits[order[0]] - logits[near]), float(logits[order[0]] - logits[far])
+    monkeypatch.setattr(bench, "exact_kernels", lambda t: False)
+    monkeypatch.setattr(bench, "rounding_tolerance", lambda dtype, a, b: (gap_near + gap_far) / 2)
+    real = bench.generate
+    for flip, fails in ((near, False), (far, True)):
+        def flipped(target, ids, method, *a, flip=flip, **kw):
+            g = real(target, ids, method, *a, **kw)
+            if method == "ngram":
+                g.tokens[k] = flip
+            return g
+
+        monkeypatch.setattr(bench, "generate", flipped)
+        res = run_bench(target, None, prompts, ["ar", "ngram"], max_new_tokens=6, progress=False, warmup=False)
+        assert bool(res["mismatches"]) == fails and bool(res["divergences"]) != fails
+        md = bench.bench_markdown(res)
+        assert ("LOSSLESS CHECK FAILED" in md) == fails and ("Rounding divergences" in md) != fails
+        assert "bug" not in md
+    assert res["mismatches"][0]["gap"] == pytest.approx(gap_far, rel=1e-4)
