@@ -391,3 +391,38 @@ def test_stepwise_linear_attention_is_what_one_token_steps_compute(bf16_hybrid):
         assert type(layer).__name__.startswith("Stepwise")
     assert torch.equal(block, steps)
     assert not type(layer).__name__.startswith("Stepwise")
+
+
+def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, monkeypatch):
+    """bf16 on a CPU: `ar` (the token reference) and our methods run the row-invariant kernels, while ar-stock,
+    prompt lookup and transformers' generate run the model's own; speedups are against ar-stock, and both ar
+    timings are in the results. In float32 nothing differs and no ar-stock is added."""
+    from dflashkit.decode import bench
+
+    t = bf16_llama
+    prompts = [("p", t.chat_ids([{"role": "user", "content": REPEATING[0]}]))]
+    kernels, current = {}, []
+    real_generate, real_forward = bench.generate, t.model.forward
+
+    def spy_generate(target, ids, method, *a, **k):  # which method is running
+        current.append(method if not bench.stock_kernels_active() else method + " (stock)")
+        return real_generate(target, ids, method, *a, **k)
+
+    def spy_forward(*a, **k):  # which kernels its forwards see
+        kernels.setdefault(current[-1] if current else "cost curve", set()).add(t.model.config._attn_implementation)
+        return real_forward(*a, **k)
+
+    monkeypatch.setattr(bench, "generate", spy_generate)
+    monkeypatch.setattr(t.model, "forward", spy_forward)
+    res = bench.run_bench(t, None, prompts, ["ar", "ngram", "prompt-lookup"], max_new_tokens=8, progress=False,
+                          warmup=False)
+    monkeypatch.undo()
+    assert res["config"]["methods"] == ["ar", "ar-stock", "ngram", "prompt-lookup"]
+    assert res["mismatches"] == []
+    assert kernels["ar"] == kernels["ngram"] == kernels["cost curve"] == {ROW_INVARIANT}
+    assert ROW_INVARIANT not in kernels["ar (stock)"] | kernels["prompt-lookup (stock)"]
+    assert res["methods"]["ar-stock"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert res["methods"]["ar"]["tokens_per_s"] and res["methods"]["ar-stock"]["tokens_per_s"]
+    f32 = bench.run_bench(tiny_targets["llama"], None, prompts, ["ar", "ngram"], max_new_tokens=4, progress=False,
+                          warmup=False)
+    assert f32["config"]["methods"] == ["ar", "ngram"]

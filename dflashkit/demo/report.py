@@ -14,7 +14,7 @@ from pathlib import Path
 from dflashkit.fileio import read_json, write_json, write_text
 
 BAR = {"best_speedup": 1.6, "ahead_of_prompt_lookup": 0.3, "ddtree8_tau": 2.0, "verify9_ratio": 1.25}
-BASELINES = ("ar", "hf-generate")  # not ours; prompt-lookup (transformers) is one too
+BASELINES = ("ar", "ar-stock", "hf-generate")  # not ours; prompt-lookup (transformers) is one too
 DRAFTERS = ("trained", "first-checkpoint", "untrained")
 ANCHORS = ("stride", "walk")
 

@@ -22,6 +22,7 @@ much faster, so the function leaves float32 models alone.
 
 from __future__ import annotations
 
+import contextvars
 from contextlib import contextmanager
 
 import torch
@@ -66,7 +67,29 @@ def _register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask)  # additive float masks, as the eager path uses
 
 
+_STOCK = contextvars.ContextVar("stock_kernels", default=False)
 _STEPWISE: dict[type, type] = {}
+
+
+def needs_switch(model: nn.Module) -> bool:
+    """True for a low-precision CPU model: the one that decoding switches to row-invariant kernels."""
+    param = next(model.parameters())
+    return param.dtype != torch.float32 and param.device.type == "cpu"
+
+
+def stock_kernels_active() -> bool:
+    return _STOCK.get()
+
+
+@contextmanager
+def stock_kernels():
+    """Inside, row_invariant() switches nothing: plain decoding runs the model's own, fastest kernels. That is the
+    fair timing baseline; its tokens may part from the invariant reference in low precision."""
+    token = _STOCK.set(True)
+    try:
+        yield
+    finally:
+        _STOCK.reset(token)
 
 
 def _stepwise(cls: type) -> type:
@@ -92,8 +115,7 @@ def row_invariant(model: nn.Module):
     """Row-invariant kernels on a low-precision CPU model inside the block, the model's own ones restored after;
     yields True if it switched anything (nested use is a no-op). Linear attention (Gated DeltaNet) layers step
     token by token after the prefill."""
-    param = next(model.parameters())
-    if param.dtype == torch.float32 or param.device.type != "cpu" or model.config._attn_implementation == NAME:
+    if _STOCK.get() or not needs_switch(model) or model.config._attn_implementation == NAME:
         yield model.config._attn_implementation == NAME
         return
     before = model.config._attn_implementation
