@@ -35,6 +35,8 @@ def register(sub) -> None:
 def _common(p) -> None:
     p.add_argument("--target", default="smollm2-135m", help="registry name or local Hugging Face folder")
     p.add_argument("--drafter", help="drafter folder (z-lab or dflashkit format); not needed for ar / prompt-lookup")
+    p.add_argument("--allow-skipped", action="store_true",
+                   help="load a drafter with tensors its config has no place for (the load report names the model run)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts of the suite")
     p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the drafter's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; above 0 samples, still lossless")
@@ -74,7 +76,10 @@ def _load(args, need_drafter: bool):
     if args.drafter:
         from dflashkit.drafter.checkpoint import load_drafter
 
-        drafter = load_drafter(args.drafter, target=target, device=target.device, dtype=target.dtype)
+        drafter = load_drafter(args.drafter, target=target, device=target.device, dtype=target.dtype,
+                               allow_skipped=args.allow_skipped)
+        if args.allow_skipped:
+            print(drafter.load_report[-1], file=sys.stderr)
     elif need_drafter:
         raise DFlashError("--drafter is required for chain, ddtree and hybrid methods; pass a drafter folder, or use "
                           "ar, ngram, prompt-lookup or hf-generate")

@@ -13,7 +13,7 @@ def register(sub) -> None:
     i.add_argument("path")
     i.add_argument("--target", help="also check the drafter against this target")
     i.add_argument("--allow-skipped", action="store_true",
-                   help="load even with tensors the config has no place for (the report names the model run)")
+                   help="load a drafter with tensors its config has no place for (the load report names the model run)")
     add_threads_option(i)
     i.set_defaults(func=cmd_info)
     n = dsub.add_parser("init", help="write a fresh randomly initialised drafter for a target")

@@ -22,6 +22,8 @@ def register(sub) -> None:
                    help="stride: every block_size tokens (comparable across drafters); walk: next = anchor + streak + 1")
     p.add_argument("--out", help="run folder to write (default: runs/eval-DRAFTER-CACHE-TIME)")
     p.add_argument("--show-matches", action="store_true", help="print each block's match string")
+    p.add_argument("--allow-skipped", action="store_true",
+                   help="load a drafter with tensors its config has no place for (the load report names the model run)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--force", action="store_true", help="replace an existing run folder")
     add_threads_option(p)
@@ -59,7 +61,7 @@ def cmd_eval(args) -> int:
     target = load_target(target_ref, device=args.device)
     check_target(cache.path, cache.manifest, target.identity())  # weights included: a fine-tune is another target
     runs.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,
-                     show_matches=args.show_matches, say=tqdm.write)
+                     show_matches=args.show_matches, say=tqdm.write, allow_skipped=args.allow_skipped)
     return 0
 
 

@@ -167,12 +167,13 @@ def save_run(run_dir, result: dict, log_lines: list[str], drafter_path):
 
 
 def run_eval(drafter_path, target, cache, run_dir, anchors: str = "stride", trees=DEFAULT_TREES,
-             max_blocks: int | None = None, show_matches: bool = False, progress: bool = True, say=print) -> dict:
+             max_blocks: int | None = None, show_matches: bool = False, progress: bool = True, say=print,
+             allow_skipped: bool = False) -> dict:
     """Evaluate a checkpoint on an opened cache and write its run folder: what `dflashkit eval` does."""
     trees = parse_trees(trees)
     check_mode(anchors, max_blocks)
     ckpt = Path(drafter_path)
-    drafter = load_drafter(ckpt, target=target, device=target.device)
+    drafter = load_drafter(ckpt, target=target, device=target.device, allow_skipped=allow_skipped)
     drafter_info = {"path": str(ckpt.resolve()), "sha256": sha256_file(ckpt / "model.safetensors"),
                     "load_report": list(drafter.load_report), "config": drafter.config.to_dict(),
                     "contract": drafter.contract}
