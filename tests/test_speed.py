@@ -11,7 +11,7 @@ from dflashkit.decode.cost import CostCurve, measure_cost_curve
 from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.speculative import TreeDrafts, generate, generate_tree
-from dflashkit.target.invariant import NAME as ROW_INVARIANT, RowInvariantLinear, row_invariant
+from dflashkit.target.invariant import NAME as ROW_INVARIANT, RowInvariantLinear, row_invariant, stock_kernels_active
 from dflashkit.tree import Tree, accepted_path, add_branch, build_tree, prune_by_cost
 from helpers import KINDS, Oracle, chi_square, greedy_reference, sampling_setup
 
@@ -405,7 +405,7 @@ def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, mo
     real_generate, real_forward = bench.generate, t.model.forward
 
     def spy_generate(target, ids, method, *a, **k):  # which method is running
-        current.append(method if not bench.stock_kernels_active() else method + " (stock)")
+        current.append(method if not stock_kernels_active() else method + " (stock)")
         return real_generate(target, ids, method, *a, **k)
 
     def spy_forward(*a, **k):  # which kernels its forwards see

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from dflashkit.tree import common_prefix
-
 from dflashkit.errors import DFlashError
+from dflashkit.tree import common_prefix
 
 SETTINGS_SHOWN = ("dtype", "device", "attention", "linear_attention", "max_new_tokens", "enable_thinking",
                   "target_config_hash", "layer_ids")

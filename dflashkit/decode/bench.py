@@ -22,7 +22,7 @@ from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
 from dflashkit.tree import common_prefix
-from dflashkit.target.invariant import needs_switch, row_invariant, stock_kernels, stock_kernels_active  # noqa: F401
+from dflashkit.target.invariant import needs_switch, row_invariant, stock_kernels
 from dflashkit.fileio import write_json, write_text
 
 PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split

@@ -149,8 +149,7 @@ class DFlashProposer:
         if not self.selector_trees:
             return draft_tree(logits, budget, root, self.to_tokens)
         t = self.drafter.candidate_selector.tree(self.hidden[0], logits, int(root), budget, self.to_tokens)
-        tokens = torch.cat([root.cpu(), self.to_tokens(t.tokens[1:].to(logits.device)).cpu()])
-        return Tree(tokens=tokens, depths=t.depths, parents=t.parents, log_probs=t.log_probs)
+        return rooted(t, root, self.to_tokens, logits.device)
 
     def to_tokens(self, idx):
         return self.head.to_tokens(idx)
@@ -174,16 +173,12 @@ def draft_block(proposer, features, anchor, start: int, temperature: float, gene
     own choice. `rejection` samples the drafts from q at T>0 and accepts them with min(1, p/q); q is the drafter's
     softmax at `draft_temperature` (default T, as the reference; any q keeps the output exact, a sharper one suits
     an under-confident drafter, and 0 makes rejection accept exactly as `match`)."""
-    if draft_temperature is not None and temperature > 0:
-        temperature = draft_temperature
-    if acceptance == "rejection" and temperature > 0:
-        if hasattr(proposer, "draft"):
-            return proposer.draft(features, anchor, start, temperature, generator)
-        logits = proposer.propose(features, anchor, start)
-        return sample_drafts(logits, temperature, generator, proposer.to_tokens, logits.shape[-1])
+    sampled = acceptance == "rejection" and temperature > 0
+    t_q = (temperature if draft_temperature is None else draft_temperature) if sampled else 0.0
     if hasattr(proposer, "draft"):
-        return proposer.draft(features, anchor, start, 0.0, generator)
-    return proposer.to_tokens(proposer.propose(features, anchor, start).argmax(-1)), None
+        return proposer.draft(features, anchor, start, t_q, generator)
+    logits = proposer.propose(features, anchor, start)
+    return sample_drafts(logits, t_q, generator, proposer.to_tokens, logits.shape[-1])
 
 
 def rejection_accept(drafts, q, logits, temperature: float, generator) -> tuple[int, torch.Tensor]:
@@ -388,8 +383,12 @@ def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_to
 
 def draft_tree(logits: torch.Tensor, budget: int, root: torch.Tensor, to_tokens) -> Tree:
     """build_tree over the drafter's [L, V'] logits, with node tokens mapped to target ids and the bonus as root."""
-    tree = build_tree(logits, budget)
-    tokens = torch.cat([root.cpu(), to_tokens(tree.tokens[1:].to(logits.device)).cpu()])
+    return rooted(build_tree(logits, budget), root, to_tokens, logits.device)
+
+
+def rooted(tree: Tree, root: torch.Tensor, to_tokens, device) -> Tree:
+    """A drafter's tree (node tokens are draft-vocabulary indices) with target token ids and the bonus as root."""
+    tokens = torch.cat([root.cpu(), to_tokens(tree.tokens[1:].to(device)).cpu()])
     return Tree(tokens=tokens, depths=tree.depths, parents=tree.parents, log_probs=tree.log_probs)
 
 

@@ -265,12 +265,10 @@ class CandidateSelector(nn.Module):
         token ids the codebooks read); the root holds `anchor`."""
         unary, index = torch.topk(logits.float(), min(self.top_k, logits.shape[-1]), dim=-1)  # [L, k]
         cands = index if to_tokens is None else to_tokens(index)
-        proj = self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)  # [L, R]
-        succ = self.successor_codebook[cands]  # [L, k, R]
 
         def children(depth: int, prev: int):
-            s = unary[depth] + (succ[depth] @ (self.predecessor_codebook[prev] * proj[depth])).float()
-            lp, order = s.log_softmax(-1).sort(descending=True)
+            s = self.scores(hidden[depth], torch.tensor(prev, device=cands.device), cands[depth], unary[depth])
+            lp, order = s.float().log_softmax(-1).sort(descending=True)
             return lp.tolist(), index[depth][order].tolist(), cands[depth][order].tolist()
 
         tokens, ids, depths, parents, lps = [anchor], [anchor], [0], [-1], [0.0]
@@ -356,7 +354,7 @@ class DFlashDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         return (emb.cos() * self.rope_scaling_factor).to(dtype), (emb.sin() * self.rope_scaling_factor).to(dtype)
 
-    def _layer_masks(self, mask, q_pos, k_pos) -> list:
+    def _layer_masks(self, mask, q_pos, k_pos) -> list:  # k_pos: a callable, only a restricted layer needs keys
         """Each layer's mask: `mask` (who may see whom) narrowed by the layer's causality and sliding window,
         both by absolute position (docs/design.md section 2): causal keeps keys at or before the query,
         a window keeps keys less than `window` positions before it (and after it, when non-causal)."""
@@ -369,7 +367,7 @@ class DFlashDrafter(nn.Module):
             elif isinstance(mask, (ChunkedBlocks, FlexBlocks)):
                 masks[kind] = mask.restricted(causal, window)
             else:
-                near = position_mask(q_pos, k_pos, causal, window)[:, None]
+                near = position_mask(q_pos, k_pos(), causal, window)[:, None]
                 masks[kind] = near if mask is None else mask & near
         return [masks[k] for k in kinds]
 
@@ -385,8 +383,8 @@ class DFlashDrafter(nn.Module):
         cos_q, sin_q = self._rope(q_positions, n)
         rope = (cos_c, sin_c, cos_q, sin_q)
         past = context_kv.get_seq_length() if context_kv is not None else 0
-        k_pos = torch.cat([self._with_past_positions(ctx_positions, past), q_positions], dim=1)
-        masks = self._layer_masks(mask, q_positions, k_pos)
+        masks = self._layer_masks(mask, q_positions, lambda: torch.cat(
+            [self._with_past_positions(ctx_positions, past), q_positions], dim=1))
         h = block_embeds
         for layer, layer_mask in zip(self.layers, masks):
             h = layer(h, ctx, rope, layer_mask, context_kv, segment or h.shape[1])

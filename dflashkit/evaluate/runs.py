@@ -37,7 +37,6 @@ def tree_note(trees) -> str:
     return "; ".join(parts) or "no trees requested"
 
 
-
 # ---- console and run folder ---------------------------------------------------------------------------------
 
 def _f(v, digits: int = 2) -> str:

@@ -240,17 +240,14 @@ def weights_hash(path) -> str | None:
     except (DFlashError, OSError):
         memo = {}
     known = memo.get("files", {}) if isinstance(memo, dict) and memo.get("folder") == str(path.resolve()) else {}
-    entries, changed = {}, False
+    entries = {}
     for f in files:
         st = f.stat()
         stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
         e = known.get(f.name)
-        if st.st_size < MEMO_MIN_BYTES or not (isinstance(e, dict) and e.get("sha256")
-                                                and all(e.get(k) == v for k, v in stamp.items())):
-            e = {**stamp, "sha256": sha256_file(f)}
-            changed = changed or st.st_size >= MEMO_MIN_BYTES or known.get(f.name) != e
-        entries[f.name] = e
-    if changed or set(known) != set(entries):
+        remembered = isinstance(e, dict) and e.get("sha256") and all(e.get(k) == v for k, v in stamp.items())
+        entries[f.name] = e if remembered and st.st_size >= MEMO_MIN_BYTES else {**stamp, "sha256": sha256_file(f)}
+    if entries != known:
         try:
             write_json(memo_path, {"folder": str(path.resolve()), "files": entries})
         except OSError:  # a read-only home only costs the hash again next time

@@ -362,7 +362,7 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
     for m, (idx, batch) in enumerate(micro):
         feats, block_embeds, last_states = micro_inputs(r.source, idx, batch, r.target, r.layer_ids, cfg.loss == "kl",
                                                         cfg.noise_std, [mix_seed(cfg.seed, epoch, i, 3) for i in idx],
-                                                        r.drafter.config.input_embedding_scale)
+                                                        lambda ids: r.drafter.embed_block(r.target.embed_tokens, ids))
         with grad_sync(r, last=m == len(micro) - 1):
             with autocast(r):
                 hidden = r.model(feats, block_embeds, batch.anchors, batch.valid)
@@ -385,7 +385,7 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
 
 
 def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bool, noise_std: float, noise_seeds,
-                 embed_scale: float = 1.0):
+                 embed=None):
     """(features [b, T, K*H] for the drafter, possibly noised; block embeddings [b, n*B, H]; the target's clean
     final-normed last-layer states [b, T, H] for kl, else None). Noise is applied to a copy, after the target
     states are taken, so labels and target distributions never see it."""
@@ -393,9 +393,8 @@ def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bo
     feats = feats.to(target.device)
     with torch.no_grad():
         last_states = target.final_norm(last.to(target.device, target.dtype)) if need_last else None
-        block_embeds = target.embed_tokens(batch.block_ids.reshape(len(idx), -1))
-        if embed_scale != 1.0:  # the drafter's input_embedding_scale, as the reference applies it
-            block_embeds = block_embeds * embed_scale
+        # the drafter's embed_block applies its input_embedding_scale, as the reference does
+        block_embeds = (embed or target.embed_tokens)(batch.block_ids.reshape(len(idx), -1))
     if noise_std > 0:
         feats = add_noise(feats, noise_std, target.hidden_size, noise_seeds)
     return feats, block_embeds, last_states
