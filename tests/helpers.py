@@ -122,3 +122,13 @@ def perturb(drafter, conv_std: float = 0.3):
             elif "_conv." in name:
                 p.normal_(0, conv_std)
     return drafter
+
+
+def standard_set(rel: str):
+    """A standard prompt set: `../shared/data/<rel>` when this checkout sits beside the shared data, else the
+    stand-in of the same format under tests/data/."""
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    shared = tests.parent.parent / "shared" / "data" / rel
+    return shared if shared.is_file() else tests / "data" / rel

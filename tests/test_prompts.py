@@ -206,9 +206,11 @@ def test_not_an_object(tmp_path):
     assert "bad.jsonl:1" in msg
 
 
-def test_missing_id(tmp_path):
-    msg = _error(tmp_path, ['{"id": "a", "prompt": "ok"}', "", '{"prompt": "no id"}'])
-    assert "bad.jsonl:3" in msg and "'id'" in msg
+def test_missing_id_gets_file_stem_and_line_but_a_clash_is_an_error(tmp_path):
+    path = _write(tmp_path, ['{"id": "a", "prompt": "ok"}', "", '{"prompt": "no id"}'], "set.jsonl")
+    assert load_prompts(path).ids() == ["a", "set-3"]
+    msg = _error(tmp_path, ['{"id": "bad-2", "prompt": "ok"}', '{"prompt": "no id"}'])
+    assert "bad.jsonl:2" in msg and "duplicate id 'bad-2'" in msg
 
 
 def test_missing_prompt_and_messages(tmp_path):

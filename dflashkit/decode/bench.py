@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.methods import needs_drafter, parse_method
@@ -24,6 +25,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.tree import common_prefix
 from dflashkit.target.invariant import needs_switch, row_invariant, stock_kernels
 from dflashkit.fileio import write_json, write_text
+from dflashkit.prompts import PromptItem
 
 PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split
 STOCK_AR = "ar-stock"  # plain decoding on the model's own kernels: the speed baseline where `ar` runs invariant ones
@@ -42,27 +44,35 @@ def parse_methods(spec: str) -> list[str]:
     return ["ar"] + [m for m in names if m != "ar"]
 
 
-def _run(target, proposer, ids, method, max_new_tokens, temperature, seed, cost, lookups, acceptance="match"):
-    """One generation; the baselines (ar-stock, transformers' loops) on the model's own kernels, ours on the
-    kernels that keep them exact."""
+def _run(target, proposer, item, method, max_new_tokens, temperature, seed, cost, lookups, acceptance="match"):
+    """One conversation (every turn, conversation.py); the baselines (ar-stock, transformers' loops) on the model's
+    own kernels, ours on the kernels that keep them exact."""
     gen = torch.Generator(device=target.device).manual_seed(seed)
     torch.manual_seed(seed)  # transformers' generate samples from the global generator
     if method == STOCK_AR or parse_method(method)[0] in PEERS:
-        with stock_kernels():
-            g = generate(target, ids, "ar" if method == STOCK_AR else method, max_new_tokens=max_new_tokens,
-                         temperature=temperature, generator=gen)
-        g.method = method
-        return g
-    ngram = lookups.setdefault(method, new_lookup(method)) if parse_method(method)[0] in ("ngram", "hybrid") else None
-    return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, temperature=temperature,
-                    generator=gen, cost=cost, ngram=ngram, acceptance=acceptance)
+        def one(ids):
+            with stock_kernels():
+                g = generate(target, ids, "ar" if method == STOCK_AR else method, max_new_tokens=max_new_tokens,
+                             temperature=temperature, generator=gen)
+            g.method = method
+            return g
+    else:
+        ngram = (lookups.setdefault(method, new_lookup(method)) if parse_method(method)[0] in ("ngram", "hybrid")
+                 else None)
+
+        def one(ids):
+            return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, temperature=temperature,
+                            generator=gen, cost=cost, ngram=ngram, acceptance=acceptance)
+    return decode_conversation(target, item, one)
 
 
-def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: list[str], max_new_tokens: int = 128,
-              block_size: int | None = None, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
+def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]], methods: list[str],
+              max_new_tokens: int = 128, block_size: int | None = None, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
               progress: bool = True, cost: CostCurve | None = None, acceptance: str = "match") -> dict:
-    """prompts: (id, prompt token ids). Returns {"config", "cost", "methods": {name: summary}, "runs", "mismatches"}.
-    `cost`: a curve measured earlier on this target (else measured here, about 10 s on a CPU)."""
+    """prompts: (id, prompt token ids or a PromptItem, whose user turns each follow the method's own answer to the
+    one before). Returns {"config", "cost", "methods": {name: summary}, "categories": {category: {name: summary}},
+    "runs", "mismatches", "divergences"}. `cost`: a curve measured earlier on this target (else measured here, about
+    10 s on a CPU)."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
@@ -72,25 +82,29 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: li
     with row_invariant(target.model):  # the cost curve times the kernels the speculative methods run
         curve = cost or measure_cost_curve(target, extra=(9,))
         costs = cost_report(target, curve)
-    runs = _timed_runs(target, proposer, prompts, methods, max_new_tokens, temperature, seed, warmup, progress,
-                       curve, acceptance)
+    runs, turns = _timed_runs(target, proposer, prompts, methods, max_new_tokens, temperature, seed, warmup,
+                              progress, curve, acceptance)
     stock = (STOCK_AR,) + PEERS if switched else ()  # on other kernels: their tokens may part in low precision
     mismatches = check_lossless([r for r in runs if r["method"] not in stock]) if temperature == 0 else []
     divergences = []
     if mismatches and not exact_kernels(target):  # CUDA low precision: a rounding-sized near-tie is not a bug
-        mismatches, divergences = explain_by_rounding(target, dict(prompts), runs, mismatches)
+        mismatches, divergences = explain_by_rounding(target, turns, runs, mismatches)
     B = proposer.block_size if proposer else None
-    summary = {m: summarize([r for r in runs if r["method"] == m],
-                            None if m in ("ar", STOCK_AR) or parse_method(m)[0] in PEERS else (B or 1)) for m in methods}
-    add_ratios(summary)
+    categories = {pid: getattr(item, "category", None) for pid, item in prompts}
+    summary = summarize_methods(runs, methods, B)
+    by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
+                   for c in dict.fromkeys(categories.values()) if c is not None}
     return {
         "config": {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
                    "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
-                   "prompts": [p for p, _ in prompts], "max_new_tokens": max_new_tokens, "temperature": temperature,
+                   "prompts": [p for p, _ in prompts], "categories": categories,
+                   "turns": {pid: len(t[0]) for pid, t in turns.items()}, "max_new_tokens": max_new_tokens,
+                   "temperature": temperature,
                    "acceptance": acceptance if temperature > 0 else None,
                    "seed": seed, "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None},
         "cost": costs,
         "methods": summary,
+        "categories": by_category,
         "mismatches": mismatches,
         "divergences": divergences,
         "runs": runs,
@@ -98,29 +112,33 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int]]], methods: li
 
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, temperature, seed, warmup, progress, curve,
-                acceptance) -> list[dict]:
+                acceptance) -> tuple[list[dict], dict]:
     """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike).
     The progress bar (tqdm: it also prints where the output is not a terminal) names the prompt and method running
-    and the tokens/s of the last one, with an ETA."""
+    and the tokens/s of the last one, with an ETA. Also returns plain decoding's turns per prompt: (prompt ids per
+    turn, answer lengths), what a divergence is explained from."""
     from tqdm import tqdm
 
     lookups: dict[str, NgramLookup] = {}  # one per method: n-gram acceptance statistics carry across prompts
     if warmup:
         for m in methods:
             _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), temperature, seed, curve, lookups)
-    runs = []
+    runs, turns = [], {}
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress,
               mininterval=2.0) as bar:
-        for i, (pid, ids) in enumerate(prompts):
+        for i, (pid, item) in enumerate(prompts):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for m in order:
                 bar.set_description(f"bench {pid} {m}")
-                g = _run(target, proposer, ids, m, max_new_tokens, temperature, seed + i, curve, lookups, acceptance)
-                runs.append({"prompt": pid, "method": m, "prompt_tokens": len(ids), "tokens": g.tokens,
-                             "accepted": g.accepted, "times": g.times})
+                c = _run(target, proposer, item, m, max_new_tokens, temperature, seed + i, curve, lookups, acceptance)
+                g = c.generation
+                runs.append({"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]), "turns": c.lengths,
+                             "tokens": g.tokens, "accepted": g.accepted, "times": g.times})
+                if m == "ar":
+                    turns[pid] = (c.prompts, c.lengths)
                 bar.set_postfix_str(f"last {m}: {len(g.tokens) / g.times['total']:.1f} tok/s", refresh=False)
                 bar.update()
-    return runs
+    return runs, turns
 
 
 def exact_kernels(target) -> bool:
@@ -136,10 +154,11 @@ def rounding_tolerance(dtype: torch.dtype, a: float, b: float) -> float:
     return 8 * eps * max(abs(a), abs(b), 1.0)
 
 
-def explain_by_rounding(target, prompt_ids: dict, runs: list[dict], mismatches: list[dict]):
+def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[dict]):
     """Split mismatches into (unexplained, divergences): at the first differing token, plain decoding's logits of
     its own token and of the speculative one; a gap within rounding_tolerance is a reported divergence (with its
-    margin), a larger one stays a failure."""
+    margin), a larger one stays a failure. turns: prompt id -> (plain decoding's prompt ids per turn, answer
+    lengths), from _timed_runs."""
     ref = {r["prompt"]: r["tokens"] for r in runs if r["method"] == "ar"}
     other = {(r["prompt"], r["method"]): r["tokens"] for r in runs}
     failed, explained = [], []
@@ -149,7 +168,9 @@ def explain_by_rounding(target, prompt_ids: dict, runs: list[dict], mismatches: 
         if i >= len(want) or i >= len(got):  # one output stops where the other goes on: not a rounding flip
             failed.append(x)
             continue
-        ids = torch.tensor([prompt_ids[x["prompt"]] + want[:i]], device=target.device)
+        prompts, lengths = turns[x["prompt"]]
+        k, offset = turn_of(lengths, i)
+        ids = torch.tensor([prompts[k] + want[i - offset:i]], device=target.device)
         with torch.no_grad():
             logits = target.forward(ids, logits_to_keep=1).logits[0, -1].float()
         a, b = float(logits[want[i]]), float(logits[got[i]])
@@ -171,6 +192,15 @@ def check_lossless(runs: list[dict]) -> list[dict]:
     return bad
 
 
+def summarize_methods(runs: list[dict], methods: list[str], block_size: int | None) -> dict:
+    """{method: summary with its ratios}, over the given runs."""
+    out = {m: summarize([r for r in runs if r["method"] == m],
+                        None if m in ("ar", STOCK_AR) or parse_method(m)[0] in PEERS else (block_size or 1))
+           for m in methods}
+    add_ratios(out)
+    return out
+
+
 def summarize(runs: list[dict], block_size: int | None = None) -> dict:
     """Totals of one method's runs; `block_size` (speculative methods only) adds the accepted-length histogram."""
     t = {k: sum(r["times"][k] for r in runs) for k in ("prefill", "draft", "verify", "other", "total")}
@@ -187,7 +217,8 @@ def summarize(runs: list[dict], block_size: int | None = None) -> dict:
         out["ms_per_round"]["total"] = 1000 * decode / rounds
         out["split"] = {k: t[k] / decode for k in ("draft", "verify", "other")} if decode > 0 else None
         out["overhead"] = t["other"] / decode if decode > 0 else None
-        out["decode_tokens_per_s"] = sum(len(r["tokens"]) - 1 for r in runs) / decode if decode > 0 else None
+        out["decode_tokens_per_s"] = (sum(len(r["tokens"]) - len(r.get("turns") or [1]) for r in runs) / decode
+                                     if decode > 0 else None)  # each turn's first token comes from its prefill
         if block_size:
             size = max(block_size, max(accepted))  # a DDTree round never exceeds B; keep every bin anyway
             out["accepted_hist"] = [sum(a == k for a in accepted) / rounds for k in range(1, size + 1)]
@@ -231,6 +262,7 @@ def bench_markdown(result: dict) -> str:
                      s["speedup_vs_prompt_lookup"], s["decode_speedup_vs_ar"], s["ceiling"], r.get("draft"),
                      r.get("verify"), r.get("other"), None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"])
     lines += ["## Methods", "", markdown_table(headers, rows, digits=2)]
+    lines += category_markdown(result)
     lines += ["tau: mean tokens committed per round (accepted drafts + the bonus). ar is plain decoding in our engine "
               "(same dtype and kernels as every method); hf-generate is transformers' greedy `generate` and "
               "prompt-lookup its `generate(prompt_lookup_num_tokens=...)`, both timed end to end. ngram: continuation "
@@ -258,6 +290,26 @@ def bench_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def category_markdown(result: dict, image: str = "categories.png") -> list[str]:
+    """Per category (and overall): tau, tokens/s and speedup of every method, as report lines."""
+    from dflashkit.report import markdown_table
+
+    cats = result.get("categories") or {}
+    if not cats:
+        return []
+    c = result["config"]
+    multi = sum(n > 1 for n in (c.get("turns") or {}).values())
+    rows = []
+    for name, summary in [*cats.items(), ("overall", result["methods"])]:
+        for m, s in summary.items():
+            rows.append([name, m, s["prompts"], s["new_tokens"], s["tau"], s["tokens_per_s"], s["speedup_vs_ar"]])
+    return ["## Per category", "",
+            f"{len(cats)} categories; {multi} of {len(c['prompts'])} prompts are multi-turn (each user turn asked after "
+            "the method's own answer to the one before; tokens and time count every answer).", "",
+            markdown_table(["category", "method", "prompts", "new tokens", "tau", "tokens/s", "speedup vs ar"], rows,
+                           digits=2), f"![speedup per category]({image})", ""]
+
+
 def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
     """The cost curve table and the memory-bound floor, as report lines."""
     from dflashkit.report import markdown_table
@@ -275,7 +327,8 @@ def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
 
 
 def write_bench(result: dict, out) -> list[Path]:
-    """results.json, report.md, speedup.png, accepted.png and cost.png under `out`."""
+    """results.json, report.md, speedup.png, accepted.png, cost.png and (with categories) categories.png under
+    `out`."""
     from dflashkit.report import bar_plot, hist_plot, line_plot
 
     out = Path(out)
@@ -287,6 +340,12 @@ def write_bench(result: dict, out) -> list[Path]:
                   "decode ceiling": s["ceiling"] or 0.0} for m, s in result["methods"].items()}
     paths.append(bar_plot(out / "speedup.png", groups, f"Speedup over plain decoding ({result['config']['target']})",
                           "x plain decoding"))
+    if result.get("categories"):
+        ar = STOCK_AR if STOCK_AR in result["methods"] else "ar"
+        groups = {name: {m: s["speedup_vs_ar"] or 0.0 for m, s in summary.items() if m != ar}
+                  for name, summary in [*result["categories"].items(), ("overall", result["methods"])]}
+        paths.append(bar_plot(out / "categories.png", groups, f"Speedup per category ({result['config']['target']})",
+                              "x plain decoding"))
     hists = {m: s["accepted_hist"] for m, s in result["methods"].items() if s["accepted_hist"]}
     if hists:
         paths.append(hist_plot(out / "accepted.png", hists, "Tokens committed per round", "tokens per round", start=1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -15,7 +16,8 @@ def register(sub) -> None:
     _common(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message")
-    src.add_argument("--prompts", help="a built-in suite (coding-10, train-mix) or a JSONL file")
+    src.add_argument("--prompts", help="a built-in suite (coding-10, train-mix) or JSONL files (ours, OpenAI chat, "
+                     "ShareGPT, z-lab turns, Spec-Bench; several joined by commas)")
     g.add_argument("--method", default="chain", help=f"one of {METHODS_HELP} (default chain)")
     g.add_argument("--budget", type=int, default=8,
                    help="drafter tree nodes per round for a bare ddtree or hybrid, root excluded (default 8)")
@@ -25,7 +27,9 @@ def register(sub) -> None:
 
     b = sub.add_parser("bench", help="all decoding methods on the same prompts: tau, tokens/s, speedup, time split")
     _common(b)
-    b.add_argument("--prompts", default="coding-10", help="a built-in suite or a JSONL file (default coding-10)")
+    b.add_argument("--prompts", default="coding-10",
+                   help="a built-in suite or JSONL files (ours, OpenAI chat, ShareGPT, z-lab turns, Spec-Bench; several "
+                   "joined by commas make one suite with a category per file); default coding-10")
     b.add_argument("--methods", default=None, help=f"comma list (default {DEFAULT_METHODS})")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
@@ -38,6 +42,8 @@ def _common(p) -> None:
     p.add_argument("--allow-skipped", action="store_true",
                    help="load a drafter with tensors its config has no place for (the load report names the model run)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts of the suite")
+    p.add_argument("--per-category", type=int, default=None, metavar="N",
+                   help="use the first N prompts of each category (Spec-Bench's, or one per file)")
     p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the drafter's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; above 0 samples, still lossless")
     p.add_argument("--acceptance", choices=("match", "rejection"), default="match",
@@ -64,6 +70,8 @@ def _check(args) -> None:
         raise DFlashError(f"--block-size {args.block_size}: must be at least 2 (the anchor plus one draft)")
     if getattr(args, "budget", 1) < 1:
         raise DFlashError(f"--budget {args.budget}: a DDTree needs at least 1 node")
+    if args.per_category is not None and args.per_category < 1:
+        raise DFlashError(f"--per-category {args.per_category}: must be at least 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise DFlashError(f"--num-prompts {args.num_prompts}: must be at least 1")
 
@@ -86,18 +94,20 @@ def _load(args, need_drafter: bool):
     return target, drafter
 
 
-def _prompts(args, target) -> list[tuple[str, list[int]]]:
-    if getattr(args, "prompt", None) is not None:
-        return [("prompt", target.chat_ids([{"role": "user", "content": args.prompt}]))]
-    from dflashkit.prompts import select_prompts
+def _prompts(args) -> list:
+    """(id, PromptItem) per conversation; multi-turn items are decoded turn after turn (decode/conversation.py)."""
+    from dflashkit.prompts import PromptItem, select_prompts
 
-    suite = select_prompts(args.prompts, args.num_prompts)
-    return [(item.id, target.chat_ids(item.messages)) for item in suite.items]
+    if getattr(args, "prompt", None) is not None:
+        return [("prompt", PromptItem("prompt", ({"role": "user", "content": args.prompt},)))]
+    suite = select_prompts(args.prompts, args.num_prompts, args.per_category)
+    return [(item.id, item) for item in suite.items]
 
 
 def cmd_generate(args) -> int:
     import torch
 
+    from dflashkit.decode.conversation import decode_conversation
     from dflashkit.decode.cost import measure_cost_curve
     from dflashkit.decode.methods import needs_drafter, parse_method
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
@@ -114,20 +124,24 @@ def cmd_generate(args) -> int:
         cost = measure_cost_curve(target, repeats=3) if size == "auto" else None
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
     records = []
-    for i, (pid, ids) in enumerate(_prompts(args, target)):
+    for i, (pid, item) in enumerate(_prompts(args)):
         gen = torch.Generator(device=target.device).manual_seed(args.seed + i)
         torch.manual_seed(args.seed + i)
-        g = generate(target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
-                     temperature=args.temperature, generator=gen, cost=cost, ngram=ngram, acceptance=args.acceptance,
-                     draft_temperature=args.draft_temperature)
-        rec = {"id": pid, "method": g.method, "prompt_tokens": len(ids), "tokens": g.tokens,
-               "text": target.decode(g.tokens), "accepted": g.accepted, "tau": g.tau if g.accepted else None,
-               "tokens_per_s": len(g.tokens) / g.times["total"], "times": g.times}
+        c = decode_conversation(target, item, lambda ids: generate(
+            target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, generator=gen, cost=cost, ngram=ngram, acceptance=args.acceptance,
+            draft_temperature=args.draft_temperature))
+        g, ends = c.generation, list(itertools.accumulate(c.lengths))
+        texts = [target.decode(g.tokens[e - n:e]) for e, n in zip(ends, c.lengths)]
+        rec = {"id": pid, "category": item.category, "method": g.method, "prompt_tokens": [len(p) for p in c.prompts],
+               "tokens": g.tokens, "turns": texts, "text": texts[-1], "accepted": g.accepted,
+               "tau": g.tau if g.accepted else None, "tokens_per_s": len(g.tokens) / g.times["total"], "times": g.times}
         records.append(rec)
         if not args.json:
             tau = f"tau {g.tau:.2f}, " if g.accepted else ""
             print(f"== {pid} [{g.method}] {len(g.tokens)} tokens, {tau}{rec['tokens_per_s']:.1f} tokens/s")
-            print(rec["text"])
+            for k, text in enumerate(texts):
+                print(f"-- turn {k + 1} --\n{text}" if len(texts) > 1 else text)
     if args.json:
         json.dump(records, sys.stdout, indent=1)
         print()
@@ -141,7 +155,7 @@ def cmd_bench(args) -> int:
     _check(args)
     methods = parse_methods(args.methods or DEFAULT_METHODS)
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
-    prompts = _prompts(args, target)
+    prompts = _prompts(args)
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, temperature=args.temperature, seed=args.seed,
                        acceptance=args.acceptance)

@@ -1,8 +1,19 @@
-"""Built-in prompt suites and a JSONL prompt loader.
+"""Built-in prompt suites and a JSONL prompt loader that reads the formats the field uses.
 
-A prompt file is JSON Lines: one object per line with a unique string ``id`` and
-either a ``prompt`` string or a chat ``messages`` list of ``{"role", "content"}``
-objects.  Blank lines are ignored.
+A prompt file is JSON Lines, one conversation per line (blank lines ignored); the format of each row is told by
+its fields:
+
+* ours: ``id`` + ``prompt`` (one user message) or ``messages`` (a chat list of ``{"role", "content"}``);
+* OpenAI chat: ``messages``, assistant turns included, ``id`` optional;
+* z-lab / DeepSpec: ``turns``, a list of user turns;
+* Spec-Bench: ``question_id``, ``category``, ``turns``;
+* ShareGPT: ``conversations``, a list of ``{"from", "value"}`` (human / gpt / system).
+
+A row without an id gets a stable one, the file stem and its line number (``mt-bench-12``); a ``category`` is
+kept (per-category results), and a row without one takes the file stem (``gsm8k``) or the built-in suite's name.
+A conversation with several user turns is multi-turn: each turn is asked after the target's own answer to the one
+before (MT-Bench, Spec-Bench); a file's own assistant answers are kept for the one use that asks for them by name
+(``data generate --use-file-responses``).
 
     >>> suite = load_prompts("coding-10")
     >>> suite.ids()[:2]
@@ -13,6 +24,9 @@ Built-in suites:
 * ``coding-10`` -- ten Python coding tasks used for evaluation.
 * ``train-mix`` -- 600+ mixed prompts (mostly coding) for drafter training; it
   deliberately contains no task that duplicates a ``coding-10`` topic.
+
+Several files joined by commas (``gsm8k.jsonl,math500.jsonl``) make one suite with a category per file, so that a
+per-set table comes out of one run.
 """
 
 from __future__ import annotations
@@ -35,10 +49,50 @@ _EXAMPLE = '{"id": "task-1", "prompt": "..."}'
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One prompt: a unique id and its chat messages."""
+    """One conversation: a unique id, its chat messages (one or more user turns, maybe the file's own answers)
+    and the category the file gave it."""
 
     id: str
     messages: tuple[dict, ...]  # [{"role": "user", "content": ...}, ...]
+    category: str | None = None
+
+    @property
+    def num_turns(self) -> int:
+        return sum(m["role"] == "user" for m in self.messages)
+
+    def _segments(self) -> tuple[list[dict], list[list[dict]]]:
+        """(what precedes the first user turn, [[user turn, the messages that answer it], ...])."""
+        head, turns = [], []
+        for m in self.messages:
+            if m["role"] == "user":
+                turns.append([m])
+            elif turns:
+                turns[-1].append(m)
+            else:
+                head.append(m)
+        return head, turns
+
+    def turn(self, k: int, answers: list[str] | None = None) -> list[dict]:
+        """The messages that ask user turn k (0-based): the head (a system prompt), then each earlier user turn
+        followed by `answers[j]`, the target's own answer (MT-Bench's protocol), or, with answers None, by the
+        file's own messages after it."""
+        head, turns = self._segments()
+        if not 0 <= k < len(turns):
+            raise IndexError(f"{self.id}: turn {k} of a conversation with {len(turns)} user turns")
+        out = list(head)
+        for j in range(k):
+            if answers is not None:
+                out += [turns[j][0], {"role": "assistant", "content": answers[j]}]
+            elif len(turns[j]) == 1:
+                raise ValueError(f"{self.id}: the file holds no answer to user turn {j + 1}; let the target answer it")
+            else:
+                out += turns[j]
+        return out + [turns[k][0]]
+
+    def file_answer(self, k: int) -> str | None:
+        """The file's own assistant answer to user turn k, if it has one."""
+        answer = [m["content"] for m in self._segments()[1][k][1:] if m["role"] == "assistant"]
+        return "\n".join(answer) if answer else None
 
 
 @dataclass(frozen=True)
@@ -57,6 +111,22 @@ class PromptSuite:
         _check_size(n)
         items = self.items[:n]
         return PromptSuite(name=self.name, items=items, content_hash=_content_hash(items))
+
+    def per_category(self, n: int) -> "PromptSuite":
+        """The first ``n`` items of each category, in suite order (a short run that still covers every category)."""
+        _check_size(n)
+        seen: Counter = Counter()
+        keep = []
+        for it in self.items:
+            seen[it.category] += 1
+            if seen[it.category] <= n:
+                keep.append(it)
+        items = tuple(keep)
+        return PromptSuite(name=f"{self.name} (first {n} per category)", items=items, content_hash=_content_hash(items))
+
+    def categories(self) -> list[str]:
+        """The categories in order of first appearance."""
+        return list(dict.fromkeys(it.category for it in self.items if it.category))
 
     def nearest(self, reference: "PromptSuite", n: int) -> "PromptSuite":
         """The ``n`` items closest to ``reference``'s topic (TF-IDF cosine to its centroid), in this suite's
@@ -93,9 +163,24 @@ def _words(item: PromptItem) -> list[str]:
 
 
 def _content_hash(items: tuple[PromptItem, ...]) -> str:
+    """The prompts' identity (ids and messages; a category is a label, not content: relabelling keeps caches)."""
     payload = [{"id": item.id, "messages": list(item.messages)} for item in items]
     blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+_FIELDS = ("prompt", "messages", "turns", "conversations")
+_EXPECTED = ('"prompt" or "messages" (ours, OpenAI chat), "turns" (z-lab, DeepSpec, Spec-Bench) or '
+             '"conversations" (ShareGPT)')
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+                  "system": "system"}
+
+
+def _from_prompt(value, where: str) -> tuple[dict, ...]:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: 'prompt' is empty or not a string; give the prompt text as a string")
+    return ({"role": "user", "content": value},)
 
 
 def _parse_messages(value, where: str) -> tuple[dict, ...]:
@@ -115,7 +200,64 @@ def _parse_messages(value, where: str) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def _parse_lines(text: str, source: str) -> tuple[PromptItem, ...]:
+def _from_turns(value, where: str) -> tuple[dict, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(t, str) and t.strip() for t in value):
+        raise ValueError(f"{where}: 'turns' must be a non-empty list of user messages (strings), as in "
+                         '{"turns": ["first question", "follow-up"]}')
+    return tuple({"role": "user", "content": t} for t in value)
+
+
+def _from_sharegpt(value, where: str) -> tuple[dict, ...]:
+    fix = 'use a list like [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]'
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: 'conversations' must be a non-empty list of {{from, value}} objects; {fix}")
+    out = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict) or not isinstance(msg.get("value"), str):
+            raise ValueError(f"{where}: conversations[{i}] needs a string 'value'; {fix}")
+        role = SHAREGPT_ROLES.get(str(msg.get("from", "")).lower())
+        if role is None:
+            raise ValueError(f"{where}: conversations[{i}] has 'from' {msg.get('from')!r}; use one of "
+                             f"{', '.join(SHAREGPT_ROLES)}")
+        out.append({"role": role, "content": msg["value"]})
+    return tuple(out)
+
+
+def _row_id(obj: dict, where: str, default: str) -> str:
+    """The row's `id` (or Spec-Bench's `question_id`), as a string; rows with neither get `default`."""
+    for key in ("id", "question_id"):
+        if key in obj:
+            v = obj[key]
+            if isinstance(v, int) and not isinstance(v, bool):
+                return str(v)
+            if not isinstance(v, str) or not v.strip():
+                raise ValueError(f"{where}: {key!r} is empty or not a string or integer; give a unique id such as "
+                                 f"{_EXAMPLE}, or leave it out for one made of the file name and line")
+            return v
+    return default
+
+
+def _parse_row(obj: dict, where: str, default_id: str, stem: str) -> PromptItem:
+    """One row in any of the formats (told by its fields, see the module docstring)."""
+    keys = [k for k in _FIELDS if k in obj]
+    if not keys:
+        raise ValueError(f"{where}: no prompt field (it has {', '.join(sorted(obj)) or 'none'}); "
+                         f"expected {_EXPECTED}, e.g. {_EXAMPLE}")
+    if len(keys) > 1:
+        raise ValueError(f"{where}: has both {keys[0]!r} and {keys[1]!r}; keep only one of them")
+    pid = _row_id(obj, where, default_id)
+    parse = {"prompt": _from_prompt, "messages": _parse_messages, "turns": _from_turns,
+             "conversations": _from_sharegpt}[keys[0]]
+    messages = parse(obj[keys[0]], f"{where} (id {pid!r})")
+    if not any(m["role"] == "user" for m in messages):
+        raise ValueError(f"{where}: item {pid!r} has no user message; a conversation needs at least one user turn")
+    category = obj.get("category")
+    if category is not None and (not isinstance(category, str) or not category.strip()):
+        raise ValueError(f"{where}: 'category' must be a non-empty string (or left out)")
+    return PromptItem(id=pid, messages=messages, category=category or stem)
+
+
+def _parse_lines(text: str, source: str, stem: str) -> tuple[PromptItem, ...]:
     items: list[PromptItem] = []
     first_line: dict[str, int] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -131,71 +273,73 @@ def _parse_lines(text: str, source: str) -> tuple[PromptItem, ...]:
             ) from None
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}; write it as {_EXAMPLE}")
-        pid = obj.get("id")
-        if not isinstance(pid, str) or not pid.strip():
-            raise ValueError(f"{where}: missing or empty string 'id'; add a unique id, e.g. {_EXAMPLE}")
-        has_prompt, has_messages = "prompt" in obj, "messages" in obj
-        if not has_prompt and not has_messages:
-            raise ValueError(
-                f"{where}: item {pid!r} has neither 'prompt' nor 'messages'; "
-                f"add a \"prompt\" string or a chat \"messages\" list"
-            )
-        if has_prompt and has_messages:
-            raise ValueError(f"{where}: item {pid!r} has both 'prompt' and 'messages'; keep only one of them")
-        if has_prompt:
-            prompt = obj["prompt"]
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError(f"{where}: item {pid!r} has an empty or non-string 'prompt'; give the prompt text as a string")
-            messages: tuple[dict, ...] = ({"role": "user", "content": prompt},)
-        else:
-            messages = _parse_messages(obj["messages"], where)
-        if pid in first_line:
-            raise ValueError(
-                f"{where}: duplicate id {pid!r} (first used on line {first_line[pid]}); make every id unique"
-            )
-        first_line[pid] = lineno
-        items.append(PromptItem(id=pid, messages=messages))
+        item = _parse_row(obj, where, f"{stem}-{lineno}", stem)
+        if item.id in first_line:
+            raise ValueError(f"{where}: duplicate id {item.id!r} (first used on line {first_line[item.id]}); "
+                             "make every id unique")
+        first_line[item.id] = lineno
+        items.append(item)
     if not items:
         raise ValueError(f"{source}: file is empty (no prompts found); add one JSON object per line, e.g. {_EXAMPLE}")
     return tuple(items)
 
 
+def _load_one(spec: str) -> tuple[str, tuple[PromptItem, ...]]:
+    """(stem, items) of a built-in suite or one file."""
+    if spec in BUILTIN_SUITES:
+        text = resources.files(__name__).joinpath(f"{spec}.jsonl").read_text(encoding="utf-8")
+        return spec, _parse_lines(text, f"{spec}.jsonl", spec)
+    if not os.path.isfile(spec):
+        raise ValueError(
+            f"unknown prompt suite {spec!r}: it is not a built-in suite ({', '.join(BUILTIN_SUITES)}) and no such "
+            "file exists; pass one of the built-in names or a path to a JSONL file (several joined by commas)")
+    try:
+        with open(spec, encoding="utf-8-sig") as fh:
+            text = fh.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{spec}: not valid UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8") from None
+    stem = os.path.basename(spec).split(".")[0] or "prompts"
+    return stem, _parse_lines(text, spec, stem)
+
+
 def load_prompts(spec: str | os.PathLike) -> PromptSuite:
-    """Load a built-in suite by name (see BUILTIN_SUITES) or a JSONL file by path.
+    """Load a built-in suite by name (see BUILTIN_SUITES), a JSONL file by path, or several joined by commas (one
+    suite; a row without a category takes its file's stem as one).
 
     Raises ValueError naming the file, line and fix for any malformed input.
     """
     spec_str = os.fspath(spec)
-    if spec_str in BUILTIN_SUITES:
-        source = f"{spec_str}.jsonl"
-        text = resources.files(__name__).joinpath(source).read_text(encoding="utf-8")
-        name = spec_str
+    parts = [spec_str] if spec_str in BUILTIN_SUITES or os.path.isfile(spec_str) or "," not in spec_str else \
+        [p.strip() for p in spec_str.split(",") if p.strip()]
+    if len(parts) == 1:
+        items = _load_one(parts[0])[1]
     else:
-        if not os.path.isfile(spec_str):
-            raise ValueError(
-                f"unknown prompt suite {spec_str!r}: it is not a built-in suite "
-                f"({', '.join(BUILTIN_SUITES)}) and no such file exists; "
-                f"pass one of the built-in names or a path to a JSONL file"
-            )
-        source = spec_str
-        try:
-            with open(spec_str, encoding="utf-8-sig") as fh:
-                text = fh.read()
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{source}: not valid UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8") from None
-        name = spec_str
-    items = _parse_lines(text, source)
-    return PromptSuite(name=name, items=items, content_hash=_content_hash(items))
+        items, where = [], {}
+        for part in parts:
+            rows = _load_one(part)[1]
+            for it in rows:
+                if it.id in where:
+                    raise ValueError(f"{part}: id {it.id!r} is also in {where[it.id]}; ids must be unique across "
+                                     "the files of one suite")
+                where[it.id] = part
+                items.append(it)
+        items = tuple(items)
+    return PromptSuite(name=spec_str, items=items, content_hash=_content_hash(items))
 
 
-def select_prompts(spec: str, num_prompts: int | None = None) -> PromptSuite:
-    """What a CLI's `--prompts SPEC [--num-prompts N]` means: the suite, or its first N items; one clear error."""
+def select_prompts(spec: str, num_prompts: int | None = None, per_category: int | None = None) -> PromptSuite:
+    """What a CLI's `--prompts SPEC [--num-prompts N] [--per-category N]` means: the suite, the first N of each
+    category, then the first N items; one clear error."""
     from dflashkit.errors import DFlashError
 
     try:
         suite = load_prompts(spec)
     except ValueError as e:
         raise DFlashError(f"--prompts: {e}") from None
+    if per_category is not None:
+        if per_category < 1:
+            raise DFlashError(f"--per-category {per_category}: must be at least 1")
+        suite = suite.per_category(per_category)
     if num_prompts is not None:
         if num_prompts > len(suite):
             raise DFlashError(f"--num-prompts {num_prompts}: suite {suite.name} holds only {len(suite)} prompts")

@@ -1,0 +1,47 @@
+"""Multi-turn decoding as MT-Bench and Spec-Bench run it: each user turn is asked after the target's own answer
+to the turn before, and a conversation's decoding counts every answer (tokens, rounds, time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dflashkit.decode.speculative import Generation
+
+
+@dataclass
+class Conversation:
+    """One conversation decoded by one method: the joined Generation, each turn's prompt ids and answer length."""
+
+    generation: Generation
+    prompts: list[list[int]] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # new tokens per turn; they sum to len(generation.tokens)
+
+
+def decode_conversation(target, item, run) -> Conversation:
+    """`item`: a PromptItem (every user turn, in order) or a single prompt's token ids. `run(prompt_ids)` decodes
+    one turn and returns its Generation. The answer text (special tokens dropped) goes back into the chat for the
+    next turn, as the benchmarks' reference loops do."""
+    if not hasattr(item, "turn"):
+        g = run(list(item))
+        return Conversation(g, [list(item)], [len(g.tokens)])
+    answers: list[str] = []
+    out = Conversation(Generation("", [], []))
+    for k in range(item.num_turns):
+        ids = target.chat_ids(item.turn(k, answers))
+        g = run(ids)
+        answers.append(target.decode(g.tokens))
+        out.prompts.append(ids)
+        out.lengths.append(len(g.tokens))
+        j = out.generation
+        j.method, j.tokens, j.accepted = g.method, j.tokens + g.tokens, j.accepted + g.accepted
+        j.times = {key: j.times.get(key, 0.0) + v for key, v in g.times.items()}
+    return out
+
+
+def turn_of(lengths: list[int], i: int) -> tuple[int, int]:
+    """(turn, offset in that turn's answer) of token i of the joined answers."""
+    for k, n in enumerate(lengths):
+        if i < n:
+            return k, i
+        i -= n
+    return len(lengths) - 1, i + lengths[-1]

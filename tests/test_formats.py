@@ -1,0 +1,165 @@
+"""Prompt files in the formats the field uses, multi-turn decoding and per-category results (issue 21)."""
+
+import json
+
+import pytest
+
+from dflashkit.prompts import PromptItem, load_prompts, select_prompts
+from helpers import standard_set
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+SHAREGPT = [
+    {"id": "s1", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Name a fruit."},
+                                   {"from": "gpt", "value": "FILE-ANSWER-ONE"}, {"from": "human", "value": "Another?"},
+                                   {"from": "gpt", "value": "FILE-ANSWER-TWO"}]},
+    {"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "hi"}]},
+]
+
+
+def test_every_format_by_its_fields(tmp_path):
+    rows = [{"id": "ours", "prompt": "p"},
+            {"id": "chat", "messages": [{"role": "user", "content": "m"}]},
+            {"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+                          {"role": "user", "content": "q2"}]},
+            {"turns": ["t1", "t2"]},
+            {"question_id": 81, "category": "writing", "turns": ["w"]},
+            SHAREGPT[0]]
+    suite = load_prompts(_write(tmp_path / "mixed.jsonl", rows))
+    assert suite.ids() == ["ours", "chat", "mixed-3", "mixed-4", "81", "s1"]  # no id: file stem + line
+    assert [it.category for it in suite.items] == ["mixed"] * 4 + ["writing", "mixed"]
+    assert [it.num_turns for it in suite.items] == [1, 1, 2, 2, 1, 2]
+    openai, turns, share = suite.items[2], suite.items[3], suite.items[5]
+    assert turns.messages == ({"role": "user", "content": "t1"}, {"role": "user", "content": "t2"})
+    assert share.messages[0] == {"role": "system", "content": "Be brief."}
+    assert share.messages[2] == {"role": "assistant", "content": "FILE-ANSWER-ONE"}
+    # turn k: the head, earlier turns with the given answers (the target's) or the file's own, then user turn k
+    assert share.turn(1, ["mine"]) == [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Name a fruit."},
+                                       {"role": "assistant", "content": "mine"}, {"role": "user", "content": "Another?"}]
+    assert share.turn(1)[2]["content"] == "FILE-ANSWER-ONE"
+    assert share.file_answer(1) == "FILE-ANSWER-TWO" and openai.file_answer(1) is None
+    assert openai.turn(1)[1] == {"role": "assistant", "content": "a1"}
+    with pytest.raises(ValueError, match="no answer to user turn 1"):
+        turns.turn(1)  # a turns file holds no answers: the target must give them
+    (tmp_path / "b").mkdir()
+    rows[4]["category"] = "relabelled"
+    again = load_prompts(_write(tmp_path / "b" / "mixed.jsonl", rows))
+    assert again.content_hash == suite.content_hash  # categories are labels; the hash is ids + messages
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"conversations": [{"from": "robot", "value": "x"}]}, ["conversations[0]", "'robot'", "human"]),
+    ({"conversations": [{"from": "human"}]}, ["conversations[0]", "'value'"]),
+    ({"turns": "just text"}, ["'turns'", "list"]),
+    ({"turns": ["ok", ""]}, ["'turns'"]),
+    ({"text": "x", "label": 1}, ["no prompt field", "label, text", "conversations", "turns", "messages"]),
+    ({"turns": ["a"], "prompt": "b"}, ["both 'prompt' and 'turns'"]),
+    ({"id": "", "prompt": "x"}, ["'id'", "empty"]),
+    ({"question_id": 3.5, "turns": ["x"]}, ["'question_id'"]),
+    ({"prompt": "x", "category": 7}, ["'category'"]),
+    ({"messages": [{"role": "system", "content": "s"}]}, ["no user message"]),
+])
+def test_bad_rows_name_line_field_and_fix(tmp_path, row, words):
+    path = _write(tmp_path / "bad.jsonl", [{"prompt": "fine"}, row])
+    with pytest.raises(ValueError) as info:
+        load_prompts(path)
+    msg = str(info.value)
+    assert "bad.jsonl:2" in msg and "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_files_joined_by_commas_and_per_category(tmp_path):
+    a = _write(tmp_path / "gsm.jsonl", [{"turns": [f"g{i}"]} for i in range(3)])
+    b = _write(tmp_path / "mt.jsonl", [{"turns": [f"m{i}", "more"]} for i in range(3)])
+    suite = load_prompts(f"{a},{b}")
+    assert suite.categories() == ["gsm", "mt"] and suite.ids()[:2] == ["gsm-1", "gsm-2"]
+    picked = select_prompts(f"{a},{b}", per_category=2)
+    assert picked.ids() == ["gsm-1", "gsm-2", "mt-1", "mt-2"]
+    assert select_prompts(f"{a},{b}", num_prompts=3, per_category=2).ids() == ["gsm-1", "gsm-2", "mt-1"]
+    c = _write(tmp_path / "c.jsonl", [{"id": "gsm-1", "prompt": "x"}])
+    with pytest.raises(ValueError, match="also in"):
+        load_prompts(f"{a},{c}")
+
+
+@pytest.mark.parametrize("rel", ["spec-bench/question.jsonl", "deepspec/gsm8k.jsonl", "deepspec/math500.jsonl",
+                                 "deepspec/mbpp.jsonl", "deepspec/mt-bench.jsonl"])
+def test_standard_sets_load(rel):
+    suite = load_prompts(standard_set(rel))
+    assert len(set(suite.ids())) == len(suite) >= 2
+    if rel.startswith("spec-bench"):
+        assert {"writing", "math", "translation"} <= set(suite.categories())
+        assert all(it.num_turns == 2 for it in suite.items if it.category == "writing")
+    else:
+        assert suite.categories() == [rel.split("/")[1].removesuffix(".jsonl")]
+    if "mt-bench" in rel:
+        assert all(it.num_turns == 2 for it in suite.items)
+
+
+def test_second_turn_is_asked_after_the_targets_own_answer(tiny_targets):
+    from dflashkit.decode.conversation import decode_conversation
+    from dflashkit.decode.speculative import generate
+
+    target = tiny_targets["llama"]
+    item = PromptItem("c", ({"role": "user", "content": "first question"},
+                            {"role": "assistant", "content": "FILE ANSWER"},
+                            {"role": "user", "content": "second question"}))
+    seen = []
+
+    def run(ids):
+        seen.append(ids)
+        return generate(target, ids, "ar", max_new_tokens=5)
+
+    c = decode_conversation(target, item, run)
+    first = c.generation.tokens[: c.lengths[0]]
+    answer = target.decode(first)
+    assert seen == c.prompts and len(c.prompts) == 2 and sum(c.lengths) == len(c.generation.tokens)
+    assert c.prompts[1] == target.chat_ids([item.messages[0], {"role": "assistant", "content": answer},
+                                            item.messages[2]])
+    assert answer in target.decode(c.prompts[1]) and "FILE ANSWER" not in target.decode(c.prompts[1])
+    assert len(c.generation.accepted) == len(c.generation.tokens) - 2  # ar: one round per token after each prefill
+
+
+def test_bench_runs_every_turn_and_reports_per_category(tiny_targets, tmp_path):
+    from dflashkit.decode.bench import bench_markdown, run_bench, write_bench
+
+    target = tiny_targets["llama"]
+    suite = select_prompts(str(standard_set("spec-bench/question.jsonl")), per_category=1)
+    prompts = [(it.id, it) for it in suite.items]
+    res = run_bench(target, None, prompts, ["ar", "ngram"], max_new_tokens=5, progress=False, warmup=False)
+    assert res["mismatches"] == [] and set(res["categories"]) == set(suite.categories())
+    for r in res["runs"]:
+        item = next(it for it in suite.items if it.id == r["prompt"])
+        assert len(r["turns"]) == item.num_turns and sum(r["turns"]) == len(r["tokens"])
+    overall = res["methods"]["ar"]["new_tokens"]
+    assert overall == sum(s["ar"]["new_tokens"] for s in res["categories"].values())
+    md = bench_markdown(res)
+    assert "## Per category" in md and "| writing | ngram |" in md and "| overall | ar |" in md
+    paths = write_bench(res, tmp_path / "b")
+    assert tmp_path / "b" / "categories.png" in paths
+
+
+def test_cli_bench_on_spec_bench_deepspec_and_sharegpt(tiny_dirs, tmp_path, capsys):
+    from dflashkit.cli import main
+
+    share = _write(tmp_path / "share.jsonl", SHAREGPT)
+    base = ["bench", "--target", str(tiny_dirs["llama"]), "--methods", "ar,ngram", "--max-new-tokens", "3",
+            "--per-category", "2"]
+    for path in (standard_set("spec-bench/question.jsonl"), standard_set("deepspec/mt-bench.jsonl"), share):
+        out = tmp_path / path.stem
+        assert main(base + ["--prompts", str(path), "--out", str(out)]) == 0
+        printed = capsys.readouterr().out
+        res = json.loads((out / "results.json").read_text())
+        cats = load_prompts(path).categories()
+        assert list(res["categories"]) == cats and "## Per category" in printed
+        assert all(len(ids) <= 2 for ids in [[p for p in res["config"]["prompts"]
+                                              if res["config"]["categories"][p] == c] for c in cats])
+    assert main(base[:-2] + ["--per-category", "0", "--prompts", str(share)]) == 2
+    assert "--per-category 0" in capsys.readouterr().err
