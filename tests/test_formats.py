@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from dflashkit.prompts import PromptItem, load_prompts, select_prompts
 from helpers import standard_set
@@ -141,7 +142,7 @@ def test_bench_runs_every_turn_and_reports_per_category(tiny_targets, tmp_path):
     overall = res["methods"]["ar"]["new_tokens"]
     assert overall == sum(s["ar"]["new_tokens"] for s in res["categories"].values())
     md = bench_markdown(res)
-    assert "## Per category" in md and "| writing | ngram |" in md and "| overall | ar |" in md
+    assert "## Per category" in md and "| writing | 1 |" in md and "| overall | " in md
     paths = write_bench(res, tmp_path / "b")
     assert tmp_path / "b" / "categories.png" in paths
 
@@ -163,3 +164,102 @@ def test_cli_bench_on_spec_bench_deepspec_and_sharegpt(tiny_dirs, tmp_path, caps
                                               if res["config"]["categories"][p] == c] for c in cats])
     assert main(base[:-2] + ["--per-category", "0", "--prompts", str(share)]) == 2
     assert "--per-category 0" in capsys.readouterr().err
+    assert main(["generate", "--target", str(tiny_dirs["llama"]), "--prompts", str(share), "--method", "ngram",
+                 "--max-new-tokens", "3", "--json"]) == 0
+    recs = json.loads(capsys.readouterr().out)
+    assert [len(r["turns"]) for r in recs] == [2, 1] and recs[0]["category"] == "share"
+    assert len(recs[0]["prompt_tokens"]) == 2 and recs[0]["prompt_tokens"][1] > recs[0]["prompt_tokens"][0]
+
+
+# ---- training data and caches from these formats ------------------------------------------------------------
+
+def test_data_generate_regenerates_every_turn_unless_asked_for_the_files_answers(tiny_dirs, tiny_targets, tmp_path,
+                                                                                  capsys):
+    from dflashkit.cache.sequences import read_sequences
+    from dflashkit.cli import main
+    from dflashkit.errors import DFlashError
+    from dflashkit.train.data import generate_sequences
+    from helpers import greedy_reference
+
+    target = tiny_targets["llama"]
+    share = _write(tmp_path / "share.jsonl", SHAREGPT)
+    out = tmp_path / "seq.jsonl"
+    base = ["data", "generate", "--target", str(tiny_dirs["llama"]), "--prompts", str(share), "--max-new-tokens", "6"]
+    assert main(base + ["--out", str(out)]) == 0
+    assert "the target's own answers" in capsys.readouterr().out
+    head, recs = read_sequences(out)
+    by_id = {r["id"]: r for r in recs}
+    assert head["responses"] == "target" and set(by_id) == {"s1#1", "s1#2", "share-2"}
+    item = load_prompts(share).items[0]
+    first, second = by_id["s1#1"], by_id["s1#2"]
+    assert second["prompt_ids"] == target.chat_ids(item.turn(1, [first["completion"]]))  # the target's own answer
+    stops = set(target.stop_token_ids)
+    for r in recs:  # every assistant turn is the target's greedy answer, none the file's
+        assert r["completion_ids"] == greedy_reference(target, r["prompt_ids"], 6, stops)
+        assert "FILE-ANSWER" not in target.tokenizer.decode(r["prompt_ids"] + r["completion_ids"])
+    assert [r["turn"] for r in recs] == [1, 1, 2]  # round by round: every first turn before any second one
+
+    own = tmp_path / "own.jsonl"
+    assert main(base + ["--out", str(own), "--use-file-responses"]) == 0
+    assert "the file's own answers" in capsys.readouterr().out
+    head, recs = read_sequences(own)
+    by_id = {r["id"]: r for r in recs}
+    assert head["responses"] == "file" and by_id["s1#1"]["completion"] == "FILE-ANSWER-ONE"
+    assert "FILE-ANSWER-ONE" in target.tokenizer.decode(by_id["s1#2"]["prompt_ids"])
+    assert by_id["s1#2"]["completion_ids"][-1] in stops
+    with pytest.raises(DFlashError, match="responses='file', now 'target'"):
+        generate_sequences(target, str(share), own, 6, progress=False)  # one file never mixes the two
+    turns_only = _write(tmp_path / "t.jsonl", [{"turns": ["a", "b"]}])
+    assert main(base[:5] + [str(turns_only)] + base[6:] + ["--out", str(tmp_path / "x.jsonl"), "--use-file-responses"]) == 2
+    assert "no assistant answer to user turn 1" in capsys.readouterr().err
+
+
+def test_extract_answers_every_turn_and_records_categories(tiny_targets, tmp_path, capsys):
+    from dflashkit.cache import open_cache
+    from dflashkit.cache.extraction import extract
+    from dflashkit.cache.sequences import read_sequences
+
+    target = tiny_targets["llama"]
+    share = _write(tmp_path / "share.jsonl", SHAREGPT)
+    path = extract(target, load_prompts(share), tmp_path / "cache", layer_ids=[1, 2], max_new_tokens=5,
+                   progress=False)
+    cache = open_cache(path)
+    turns = {r["id"]: r for r in read_sequences(tmp_path / "cache.turns.jsonl")[1]}
+    assert cache.prompt_ids == ["s1#1", "s1#2", "share-2"]
+    for rec in cache:
+        t = turns[rec.id]
+        assert rec.tokens.tolist() == t["prompt_ids"] + t["completion_ids"] and rec.category == "share"
+        assert "FILE-ANSWER" not in target.tokenizer.decode(rec.tokens.tolist())
+    again = extract(target, load_prompts(share), tmp_path / "cache", layer_ids=[1, 2], max_new_tokens=5)
+    assert again == path and "nothing to do" in capsys.readouterr().out
+
+
+def test_eval_and_compare_per_category(tiny_targets, tmp_path):
+    from dflashkit.cache import open_cache
+    from dflashkit.cache.extraction import extract
+    from dflashkit.drafter.checkpoint import new_drafter, save_drafter
+    from dflashkit.evaluate.compare import compare_runs
+    from dflashkit.evaluate.runs import run_eval
+
+    t = tiny_targets["llama"]
+    a = _write(tmp_path / "gsm.jsonl", [{"turns": [f"Add {i} and {i + 1}."]} for i in range(2)])
+    b = _write(tmp_path / "code.jsonl", [{"turns": [f"Write a loop that prints {i}."]} for i in range(2)])
+    path = extract(t, load_prompts(f"{a},{b}"), tmp_path / "cache", layer_ids=[1, 2], max_new_tokens=12,
+                   progress=False)
+    runs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        save_drafter(new_drafter(t, num_layers=1, target_layer_ids=[1, 2], block_size=4), tmp_path / f"d{seed}",
+                     target_identity=t.identity())
+        res = run_eval(tmp_path / f"d{seed}", t, open_cache(path), tmp_path / f"run{seed}", trees=("budget:4",),
+                       progress=False, say=lambda line: None)
+        runs.append(tmp_path / f"run{seed}")
+        per = res["per_category"]
+        assert list(per) == ["gsm", "code"] and sum(v["blocks"] for v in per.values()) == res["overall"]["blocks"]
+        gsm = [blk for blk in res["blocks"] if blk["prompt"].startswith("gsm")]
+        assert per["gsm"]["streak"] == pytest.approx(sum(blk["streak"] for blk in gsm) / len(gsm))
+        summary = (tmp_path / f"run{seed}" / "summary.md").read_text()
+        assert "## Per category" in summary and (tmp_path / f"run{seed}" / "categories.png").is_file()
+    cmp = compare_runs(runs, out=tmp_path / "cmp")
+    assert cmp["categories"] == ["gsm", "code"] and "## Per category: tau" in cmp["markdown"]
+    assert "categories.png" in cmp["files"]

@@ -661,3 +661,20 @@ def test_num_target_layers_picks_that_many_layers_by_zlabs_rule(llama):
     assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # SmolLM2: what configs/smollm2-cpu.yaml resolves to
     with pytest.raises(DFlashError, match=r"num_target_layers=0 must be at least 1"):
         load_config(None, {"num_target_layers": 0})
+
+
+def test_warm_start_copies_the_targets_top_layers(llama, data, tmp_path, capsys):
+    from dflashkit.drafter.checkpoint import load_drafter
+
+    out = train(cfg_for(tmp_path, "warm", num_layers=2, warm_start=True, steps=1, lr=0.0), target=llama,
+                source=source(data))
+    assert "drafter layer 1 <- target layer" in capsys.readouterr().out
+    d = load_drafter(out["checkpoint"], target=llama)
+    top = llama.model.model.layers[-2:]
+    for mine, theirs in zip(d.layers, top):  # lr 0: the one step leaves the copied weights as they were
+        assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+        assert torch.equal(mine.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight)
+        assert torch.equal(mine.input_layernorm.weight, theirs.input_layernorm.weight)
+    with pytest.raises(DFlashError, match="warm_start and init=.* both"):
+        train(cfg_for(tmp_path, "both", num_layers=2, warm_start=True, init=out["checkpoint"]), target=llama,
+              source=source(data))

@@ -13,11 +13,15 @@ from dflashkit.threads import add_threads_option
 def register(sub) -> None:
     p = sub.add_parser("extract", help="generate the target's completions and cache its hidden states (resumable)")
     p.add_argument("--target", default="smollm2-135m", help="registry name or local Hugging Face folder")
-    p.add_argument("--prompts", required=True, help="built-in suite (coding-10, train-mix) or a JSONL file")
+    p.add_argument("--prompts", required=True,
+                   help="built-in suite (coding-10, train-mix) or JSONL files: ours, OpenAI chat, ShareGPT, z-lab turns, "
+                   "Spec-Bench (several joined by commas); every turn of a multi-turn row is answered by the target, "
+                   "after its own earlier answers (kept in OUT.turns.jsonl)")
     p.add_argument("--out", required=True, help="cache folder (created; an unfinished one is resumed)")
     p.add_argument("--target-layers", type=target_layers_arg, default="auto", metavar="IDS",
                    help="target layer ids to cache: auto (5 layers, z-lab rule) or ids like 1,8,14")
     p.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts of the suite")
+    p.add_argument("--per-category", type=int, default=None, metavar="N", help="only the first N of each category")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch (and per capture forward)")
     p.add_argument("--dtype", default="auto",
@@ -28,7 +32,8 @@ def register(sub) -> None:
                    help="gated-delta-rule backend of hybrid targets (recorded in the manifest)")
     p.add_argument("--thinking", action="store_true", help="enable_thinking=True in chat templates that have it")
     p.add_argument("--completions-from", default=None, metavar="CACHE",
-                   help="reuse another cache's completions instead of generating (compare backends on the same tokens)")
+                   help="reuse another cache's completions (compare backends on the same tokens), or a sequences "
+                   "JSONL's from `dflashkit data generate`, instead of generating")
     p.add_argument("--allow-final-layers", action="store_true", help="permit the last two decoder layers")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_threads_option(p)
@@ -63,7 +68,7 @@ def cmd_extract(args) -> int:
     from dflashkit.prompts import select_prompts
     from dflashkit.target.model import load_target
 
-    suite = select_prompts(args.prompts, args.num_prompts)
+    suite = select_prompts(args.prompts, args.num_prompts, args.per_category)
     d = init_distributed(args.device)  # under torchrun: one GPU per rank (cuda:LOCAL_RANK), or the CPU
     target = load_target(args.target, device=str(d.device), dtype=args.dtype)
     extract(target, suite, args.out, layer_ids=args.target_layers, max_new_tokens=args.max_new_tokens,

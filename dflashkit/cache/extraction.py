@@ -72,8 +72,11 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
     out = Path(out)
     layer_ids = _check_args(target, layer_ids, max_new_tokens, batch_size, allow_final_layers)
     d = init_distributed(target.device.type)
+    if any(it.num_turns > 1 for it in suite.items) and completions_from is None:
+        suite, completions_from = answer_turns(target, suite, out, max_new_tokens, batch_size, enable_thinking,
+                                               progress, d)
     items, pids = suite.items, suite.ids()
-    prompts = [target.chat_ids(it.messages, enable_thinking=enable_thinking) for it in items]
+    prompts = [target.chat_ids(it.prompt(), enable_thinking=enable_thinking) for it in items]
     reused, source = ({}, None) if completions_from is None else _completions_from(completions_from, target, pids)
     settings = _settings(target, suite, layer_ids, max_new_tokens, resolve_backend(target, linear_attention),
                          enable_thinking, source)
@@ -101,6 +104,29 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
                   f"{t['bytes'] / 2**20:.1f} MiB")
     barrier(d)
     return out
+
+
+def answer_turns(target, suite, out: Path, max_new_tokens: int, batch_size: int, enable_thinking: bool, progress: bool,
+                 d: Dist):
+    """A multi-turn suite as one prompt per turn, and where their completions are: the target answers every turn,
+    each after its own earlier answers (cache/sequences.py), into <out>.turns.jsonl beside the cache (resumable; rank
+    0 writes it); turn k of a conversation becomes the prompt `id#k` whose completion extraction then reuses."""
+    from dflashkit.cache.sequences import generate_sequences, read_sequences, turn_id
+    from dflashkit.prompts import PromptItem, PromptSuite
+
+    if enable_thinking:
+        raise DFlashError(f"{suite.name}: multi-turn prompts are answered without thinking mode; drop --thinking")
+    turns = out.parent / f"{out.name}.turns.jsonl"
+    if d.master:
+        generate_sequences(target, suite, turns, max_new_tokens, batch_size, progress=progress)
+    barrier(d)
+    recs = {r["id"]: r for r in read_sequences(turns)[1]}
+    flat = []
+    for it in suite.items:
+        answers = [recs[turn_id(it, k)]["completion"] for k in range(it.num_turns)]
+        flat += [PromptItem(turn_id(it, k), tuple(it.turn(k, answers)), it.category) for k in range(it.num_turns)]
+    flat = tuple(flat)
+    return PromptSuite(f"{suite.name} (one prompt per turn)", flat, suite.content_hash), str(turns)
 
 
 def _check_args(target, layer_ids, max_new_tokens, batch_size, allow_final_layers) -> list[int]:
@@ -222,7 +248,8 @@ def _my_entries(run: _Run, target, items) -> list[tuple[int, dict, dict]]:
     for i in run.mine:
         p, c, done = run.prompts[i], run.completions[i], run.done[i]
         entries.append((i, {
-            "id": run.pids[i], "file": done["file"], "prompt_len": len(p), "completion_len": len(c),
+            "id": run.pids[i], "category": items[i].category, "file": done["file"], "prompt_len": len(p),
+            "completion_len": len(c),
             "num_tokens": len(p) + len(c), "bytes": done["bytes"], "sha256": done["sha256"],
         }, {
             "id": run.pids[i], "messages": list(items[i].messages),
@@ -328,7 +355,16 @@ def _read_logs(out: Path) -> dict[str, dict]:
 
 
 def _completions_from(path, target, prompt_ids: list[str]) -> tuple[dict, str]:
-    """Reuse another cache's completions, so that two backends are compared on identical tokens."""
+    """Reuse another cache's completions, so that two backends are compared on identical tokens, or those of a
+    sequences JSONL (`dflashkit data generate`; a multi-turn suite's turns)."""
+    if Path(path).is_file():
+        from dflashkit.cache.sequences import read_sequences, same_target
+
+        header, recs = read_sequences(path)
+        if not same_target(header.get("target"), target.identity()):
+            raise DFlashError(f"--completions-from {path}: written by target {header.get('target', {}).get('name')}, "
+                              f"not {target.name}; generate it with this target")
+        return {r["id"]: r for r in recs}, f"{Path(path).resolve()}#{sha256_file(path)[:16]}"
     m = store.read_manifest(path)
     store.check_target(path, m, target.identity())
     f = Path(path) / COMPLETIONS

@@ -75,6 +75,7 @@ class CacheRecord:
 
     def __init__(self, cache: "Cache", entry: dict):
         self.id: str = entry["id"]
+        self.category: str | None = entry.get("category")  # caches from before categories: None
         self.prompt_len: int = int(entry["prompt_len"])
         self.num_tokens: int = int(entry["num_tokens"])
         self.file: Path = cache.path / entry["file"]

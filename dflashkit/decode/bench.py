@@ -262,7 +262,6 @@ def bench_markdown(result: dict) -> str:
                      s["speedup_vs_prompt_lookup"], s["decode_speedup_vs_ar"], s["ceiling"], r.get("draft"),
                      r.get("verify"), r.get("other"), None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"])
     lines += ["## Methods", "", markdown_table(headers, rows, digits=2)]
-    lines += category_markdown(result)
     lines += ["tau: mean tokens committed per round (accepted drafts + the bonus). ar is plain decoding in our engine "
               "(same dtype and kernels as every method); hf-generate is transformers' greedy `generate` and "
               "prompt-lookup its `generate(prompt_lookup_num_tokens=...)`, both timed end to end. ngram: continuation "
@@ -270,6 +269,7 @@ def bench_markdown(result: dict) -> str:
               "n-gram branch in one verify; -auto: the tree cut per round to the nodes that maximize expected tokens "
               "per second under the cost curve. decode speedup excludes prefill; ceiling = tau * t_ar / (t_draft + "
               "t_verify); overhead = time outside drafter and target forwards / decode time.", ""]
+    lines += category_markdown(result)
     if c["temperature"] == 0:
         divergences = result.get("divergences") or []
         if result["mismatches"]:
@@ -291,23 +291,30 @@ def bench_markdown(result: dict) -> str:
 
 
 def category_markdown(result: dict, image: str = "categories.png") -> list[str]:
-    """Per category (and overall): tau, tokens/s and speedup of every method, as report lines."""
-    from dflashkit.report import markdown_table
+    """Per category and overall: every method's speedup with its tau, and its tokens/s, as report lines."""
+    from dflashkit.report import fmt, markdown_table
 
     cats = result.get("categories") or {}
     if not cats:
         return []
-    c = result["config"]
+    c, methods = result["config"], list(result["methods"])
     multi = sum(n > 1 for n in (c.get("turns") or {}).values())
-    rows = []
-    for name, summary in [*cats.items(), ("overall", result["methods"])]:
-        for m, s in summary.items():
-            rows.append([name, m, s["prompts"], s["new_tokens"], s["tau"], s["tokens_per_s"], s["speedup_vs_ar"]])
+    groups = [*cats.items(), ("overall", result["methods"])]
+
+    def cell(s):
+        tau = f" (tau {s['tau']:.2f})" if s["tau"] and s["accepted_hist"] is not None else ""
+        return f"{fmt(s['speedup_vs_ar'], 2)}x{tau}" if s["speedup_vs_ar"] else ""
+
+    speed = [[name, summary["ar"]["prompts"], summary["ar"]["new_tokens"]] + [cell(summary[m]) for m in methods]
+             for name, summary in groups]
+    tps = [[name] + [summary[m]["tokens_per_s"] for m in methods] for name, summary in groups]
     return ["## Per category", "",
-            f"{len(cats)} categories; {multi} of {len(c['prompts'])} prompts are multi-turn (each user turn asked after "
-            "the method's own answer to the one before; tokens and time count every answer).", "",
-            markdown_table(["category", "method", "prompts", "new tokens", "tau", "tokens/s", "speedup vs ar"], rows,
-                           digits=2), f"![speedup per category]({image})", ""]
+            f"{len(cats)} categories; {multi} of {len(c['prompts'])} conversations are multi-turn (each user turn asked "
+            "after the method's own answer to the one before; tokens and time count every answer). Speedup against "
+            "plain decoding in the same category, with tau for the speculative methods:", "",
+            markdown_table(["category", "prompts", "new tokens (ar)"] + methods, speed, digits=2),
+            "Tokens per second:", "", markdown_table(["category"] + methods, tps, digits=1),
+            f"![speedup per category]({image})", ""]
 
 
 def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:

@@ -221,3 +221,33 @@ def new_drafter(target, num_layers: int = 5, target_layer_ids=None, allow_final_
     cfg = DrafterConfig.for_target(target, num_layers=num_layers, target_layer_ids=target_layer_ids, **overrides)
     target.check_layer_ids(cfg.target_layer_ids, allow_final=allow_final_layers)
     return DFlashDrafter(cfg)
+
+
+WARM_START = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+              "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+              "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+@torch.no_grad()
+def warm_start_from_target(drafter: DFlashDrafter, target) -> list[str]:
+    """Copy the target's top decoder layers into the drafter's (layer i <- target layer L - n + i): attention, MLP
+    and norms have the same shapes, so the drafter starts from weights that already model the language. Tensors the
+    target lacks (q_norm/k_norm of a Llama) keep their initial values. Returns what was copied, one line per layer."""
+    layers = target.model.model.layers
+    n, L = len(drafter.layers), len(layers)
+    if n > L:
+        raise DFlashError(f"warm_start: the drafter has {n} layers, the target only {L}; use num_layers <= {L}")
+    report = []
+    for i, layer in enumerate(drafter.layers):
+        src = dict(layers[L - n + i].named_parameters())
+        own = dict(layer.named_parameters())
+        copied = []
+        for name in WARM_START:
+            if name in src and name in own:
+                if src[name].shape != own[name].shape:
+                    raise DFlashError(f"warm_start: {name} is {tuple(src[name].shape)} in target layer {L - n + i} "
+                                      f"but {tuple(own[name].shape)} in drafter layer {i}; train without warm_start")
+                own[name].copy_(src[name].to(own[name].dtype))
+                copied.append(name)
+        report.append(f"drafter layer {i} <- target layer {L - n + i}: {len(copied)} tensors")
+    return report

@@ -99,8 +99,11 @@ def _numbers(runs: list[dict], names: list[str]) -> dict:
     by_prompt = [{p["id"]: p for p in r["per_prompt"]} for r in runs]
     per_prompt = {m: {pid: {n: bp.get(pid, {}).get(m) for n, bp in zip(names, by_prompt)} for pid in prompts}
                   for m in ["streak"] + trees}
+    cats = [c for c in (runs[0].get("per_category") or {}) if all(c in (r.get("per_category") or {}) for r in runs[1:])]
+    per_category = {m: {c: {n: r["per_category"][c].get(m) for n, r in zip(names, runs)} for c in cats}
+                    for m in ["tau"] + trees} if cats else {}
     return {"metrics": metrics, "trees": trees, "prompts": prompts, "overall": overall, "expected": expected,
-            "per_prompt": per_prompt,
+            "per_prompt": per_prompt, "categories": cats, "per_category": per_category,
             "differences_vs_reference": {m: {n: _diff(overall[m][n], overall[m][ref]) for n in others} for m in metrics},
             "ratios": {m: {n: _ratio(overall[m][n], overall[m][ref]) for n in others} for m in metrics}}
 
@@ -134,6 +137,13 @@ def _markdown(res: dict, runs: list[dict], run_dirs, names: list[str]) -> str:
     md.append(markdown_table(heads, rows))
     md += [f"{label[m]}: {n} / {ref} = {ratios[m][n]:.2f}" for m in res["metrics"] for n in others
            if ratios[m][n] is not None]
+    for m, by_cat in res["per_category"].items():
+        md += ["", f"## Per category: {label[m]}", ""]
+        rows = [[c] + [v[n] for n in names] + [x for n in others for x in (_diff(v[n], v[ref]), _ratio(v[n], v[ref]))]
+                for c, v in by_cat.items()]
+        md.append(markdown_table(["category"] + heads[1:], rows))
+    if res["per_category"]:
+        md += ["![tau per category](categories.png)"]
     for m in ["streak"] + res["trees"]:
         md += ["", f"## Per prompt: {label[m]}", ""]
         rows = []

@@ -263,9 +263,9 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
              progress: bool = False, on_prompt=None) -> dict:
     """Evaluate `drafter` on every selected prompt of an opened cache (dflashkit.cache.open_cache).
 
-    Returns {"settings", "cache", "shortfall", "overall", "per_prompt", "blocks"}; overall holds streak, tau,
-    pos1_acc, one mean per tree spec (e.g. "budget:8"), "expected", per-position accuracies, histogram, budget
-    curve, blocks and prompts.
+    Returns {"settings", "cache", "shortfall", "overall", "per_category", "per_prompt", "blocks"}; overall (and
+    each category's entry, where the cache records categories) holds streak, tau, pos1_acc, one mean per tree spec
+    (e.g. "budget:8"), "expected", per-position accuracies, histogram, budget curve, blocks and prompts.
     For walk, each per-prompt entry also lists "accepted": tau per round (accepted drafts + 1), like online decoding.
     on_prompt(prompt_summary, block_records) is called after each prompt (console lines).
     """
@@ -287,7 +287,7 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
                                  rec.prompt_len, anchors=anchors, trees=trees, max_blocks=max_blocks)
         for i, r in enumerate(recs):
             r["prompt"], r["block"] = rec.id, i
-        summary = {"id": rec.id, "prompt_len": rec.prompt_len, "tokens": int(tokens.shape[0]),
+        summary = {"id": rec.id, "category": rec.category, "prompt_len": rec.prompt_len, "tokens": int(tokens.shape[0]),
                    "seconds": time.perf_counter() - t0, **aggregate(recs, B, trees)}
         if anchors == "walk":
             summary["accepted"] = [r["streak"] + 1 for r in recs]
@@ -298,6 +298,10 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     if not blocks:
         raise DFlashError(f"cache {cache.path}: no block to score: every selected completion has fewer than 2 tokens")
     overall = {**aggregate(blocks, B, trees), "prompts": len(per_prompt)}
+    category = {p["id"]: p["category"] for p in per_prompt}
+    per_category = {c: {**aggregate([b for b in blocks if category[b["prompt"]] == c], B, trees),
+                        "prompts": sum(v == c for v in category.values())}
+                    for c in dict.fromkeys(category.values()) if c is not None}
     settings = {
         "anchors": anchors,
         "block_size": B,
@@ -309,7 +313,7 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
         "draft_vocab": head.size if head.vocab_ids is not None else None,
     }
     return {"settings": settings, "cache": cache_info(cache), "shortfall": cache.shortfall, "overall": overall,
-            "per_prompt": per_prompt, "blocks": blocks}
+            "per_category": per_category, "per_prompt": per_prompt, "blocks": blocks}
 
 
 def check_inputs(drafter, target, cache) -> None:

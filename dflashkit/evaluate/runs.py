@@ -10,7 +10,7 @@ from dflashkit.drafter.checkpoint import load_drafter
 from dflashkit.evaluate.offline import (DEFAULT_TREES, cache_info, check_mode, evaluate, parse_trees,
                                         stride_anchors)
 from dflashkit.fileio import atomic_dir, sha256_file, write_json, write_text
-from dflashkit.report import hist_plot, line_plot, markdown_table
+from dflashkit.report import bar_plot, hist_plot, line_plot, markdown_table
 from dflashkit.tree import parse_tree_spec
 
 
@@ -81,6 +81,13 @@ def summary_markdown(result: dict, header: list[str]) -> str:
             for p in result["per_prompt"]]
     rows.append(["**overall**", o["blocks"], o["streak"], o["tau"], o["pos1_acc"]] + [o[t] for t in trees])
     md = ["# Offline evaluation", "", "```", *header, "```", "", markdown_table(heads, rows), ""]
+    per_cat = result.get("per_category") or {}
+    if per_cat:
+        rows = [[c, v["prompts"], v["blocks"], v["streak"], v["tau"], v["pos1_acc"]] + [v[t] for t in trees]
+                for c, v in per_cat.items()]
+        rows.append(["**overall**", o["prompts"], o["blocks"], o["streak"], o["tau"], o["pos1_acc"]] + [o[t] for t in trees])
+        md += ["## Per category", "", markdown_table(["category", "prompts"] + heads[1:], rows),
+               "![tau per category](categories.png)", ""]
     md.append("Means are over blocks. streak = leading draft tokens equal to the target's (bonus excluded; tau = streak + 1).")
     md.append(f"Trees: {tree_note(trees)}.")
     exp = [f"{tree_label(t)} {_f(o['expected'][t])}" for t in trees if t in o["expected"]]
@@ -120,7 +127,14 @@ def write_plots(out_dir, results: dict[str, dict]) -> list[str]:
         curve[f"measured{sfx}"] = (b, list(o["budget_curve"].values()))
         curve[f"drafter-expected{sfx}"] = (b, list(o["budget_curve_expected"].values()))
     line_plot(out / "budget_curve.png", curve, "DDTree budget curve", "node budget", "mean accepted depth")
-    return ["acceptance.png", "streak_hist.png", "budget_curve.png"]
+    files = ["acceptance.png", "streak_hist.png", "budget_curve.png"]
+    if all(r.get("per_category") for r in results.values()):
+        groups = {c: {n: r["per_category"].get(c, {}).get("tau") or 0.0 for n, r in results.items()}
+                  for r in results.values() for c in r["per_category"]}
+        groups["overall"] = {n: r["overall"]["tau"] or 0.0 for n, r in results.items()}
+        bar_plot(out / "categories.png", groups, "tau per category (offline)", "tau")
+        files.append("categories.png")
+    return files
 
 
 def header_lines(drafter_info: dict, load_report: list[str], target_ident: dict, cache_info: dict, settings: dict,

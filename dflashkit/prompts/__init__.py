@@ -89,6 +89,11 @@ class PromptItem:
                 out += turns[j]
         return out + [turns[k][0]]
 
+    def prompt(self) -> list[dict]:
+        """The messages up to the last user turn (a trailing answer of the file dropped): one prompt to answer."""
+        last = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
+        return list(self.messages[: last + 1])
+
     def file_answer(self, k: int) -> str | None:
         """The file's own assistant answer to user turn k, if it has one."""
         answer = [m["content"] for m in self._segments()[1][k][1:] if m["role"] == "assistant"]

@@ -34,6 +34,8 @@ class TrainConfig:
     max_seq_len: int = _f(2048, "truncate sequences (prompt + response) to this many tokens")
     # the drafter
     init: str | None = _f(None, "start from this drafter folder instead of random weights")
+    warm_start: bool = _f(False, "copy the target's top num_layers decoder layers (attention, MLP, norms: same shapes) "
+                                 "into the new drafter's layers before the first step")
     num_layers: int = _f(5, "drafter decoder layers")
     target_layer_ids: list[int] | None = _f(None, "target layers fed to the drafter (null: z-lab's rule for "
                                                   "num_target_layers)")

@@ -131,7 +131,7 @@ class Run:
 def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     """Load and check everything before the first step: a wrong path, layer id or resume setting fails now, not
     an hour in."""
-    from dflashkit.drafter.checkpoint import new_drafter
+    from dflashkit.drafter.checkpoint import new_drafter, warm_start_from_target
     from dflashkit.drafter.head import DraftHead, scaling_of
     from dflashkit.target.model import load_target
 
@@ -167,6 +167,12 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
         block_size=cfg.block_size, mask_token_id=mask_id, **drafter_shape(cfg))
     if drafter.config.mask_token_id != mask_id:
         raise DFlashError(f"init={cfg.init}: mask_token_id {drafter.config.mask_token_id} != {mask_id}; set mask_token_id")
+    if cfg.warm_start and not state:
+        if init is not None:
+            raise DFlashError(f"warm_start and init={cfg.init} both set the drafter's first weights; keep one")
+        lines = warm_start_from_target(drafter, target)
+        if d.master:
+            print("warm start: " + "; ".join(lines))
     identity = target.identity()
     contract = resume_contract(drafter, cfg, gamma, identity)
     if state:

@@ -1,0 +1,129 @@
+"""The target's small-M linear products on this CPU: eager vs compiled kernel choices, per number of rows M.
+
+    python benchmarks/cpu_kernels.py [--dtype float32] [--ms 1,2,4,8,16,32] [--choices eager,inductor,max-autotune]
+
+A verify of M tokens runs every decoder linear of the target on M rows; on a CPU without native bf16 those
+products, not attention, are most of a round. Per choice and M: median ms over all decoder linears (in layer
+order, the weights streamed from memory as in decoding), its ratio to M = 1, the compile seconds, whether the
+output equals eager bit for bit, and whether each row equals the same row computed alone (M = 1): the row
+invariance that keeps speculative decoding token-exact. Choices: eager (F.linear, the stock kernels), inductor
+(torch.compile with freezing, no autotuning: compiles fast) and max-autotune (inductor's CPP GEMM templates,
+autotuned per shape). Writes benchmarks/results/cpu-DATE-kernels.{md,json}, naming the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash2_vs_dflash import cpu_name  # noqa: E402
+from dflashkit.fileio import write_json, write_text  # noqa: E402
+from dflashkit.report import markdown_table  # noqa: E402
+from dflashkit.target.model import load_target  # noqa: E402
+
+
+class DecoderLinears(torch.nn.Module):
+    """Every linear of the target's decoder layers, applied in order as one verify applies them."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(torch.nn.ModuleList([a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                                                    m.down_proj]))
+
+    def forward(self, x):
+        outs = []
+        for q, k, v, o, gate, up, down in self.layers:
+            outs += [o(q(x)), k(x), v(x), down(torch.nn.functional.silu(gate(x)) * up(x))]
+        return outs
+
+
+def timed(fn, x, repeats: int) -> float:
+    for _ in range(2):
+        fn(x)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(x)
+        ts.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(ts)
+
+
+def build(choice: str, module):
+    import torch._inductor.config as ind
+
+    if choice == "eager":
+        return module
+    torch._dynamo.reset()
+    ind.freezing = True
+    torch._dynamo.config.cache_size_limit = 64
+    if choice == "inductor":
+        return torch.compile(module, dynamic=False)
+    ind.max_autotune_gemm_backends = "CPP,ATEN"
+    return torch.compile(module, mode="max-autotune", dynamic=False)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--ms", default="1,2,4,8,16,32")
+    ap.add_argument("--choices", default="eager,inductor,max-autotune")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--results", default="benchmarks/results")
+    args = ap.parse_args()
+    target = load_target(args.target, device="cpu", dtype=args.dtype)
+    module = DecoderLinears(target.model).eval()
+    hidden = target.hidden_size
+    ms = [int(m) for m in args.ms.split(",")]
+    g = torch.Generator().manual_seed(0)
+    x = {m: torch.randn(m, hidden, generator=g).to(target.dtype) for m in ms}
+    rows, out = [], {"machine": cpu_name(), "target": target.name, "dtype": args.dtype, "torch": torch.__version__,
+                     "results": {}}
+    with torch.no_grad():
+        ref = {m: module(x[m]) for m in ms}
+        for choice in args.choices.split(","):
+            fn = build(choice, module)
+            res = {}
+            for m in ms:
+                t0 = time.perf_counter()
+                y = fn(x[m])  # the first call compiles this shape
+                compile_s = time.perf_counter() - t0
+                alone = [fn(x[m][i:i + 1]) for i in range(m)] if m > 1 else [y]
+                res[m] = {"ms": timed(fn, x[m], args.repeats), "compile_s": compile_s,
+                          "equals_eager": all(torch.equal(a, b) for a, b in zip(y, ref[m])),
+                          "row_invariant": all(torch.equal(y[j][i:i + 1], alone[i][j]) for i in range(m)
+                                               for j in range(len(y)))}
+                print(f"{choice:>13} M={m:<3} {res[m]['ms']:8.2f} ms  compile {compile_s:6.1f} s  "
+                      f"equals eager {res[m]['equals_eager']}  row-invariant {res[m]['row_invariant']}", flush=True)
+            out["results"][choice] = res
+            base = res[ms[0]]["ms"]
+            rows += [[choice, m, r["ms"], r["ms"] / base, r["ms"] / out["results"]["eager"][m]["ms"]
+                      if "eager" in out["results"] else None, r["compile_s"], r["equals_eager"], r["row_invariant"]]
+                     for m, r in res.items()]
+    day = time.strftime("%Y-%m-%d")
+    stem = Path(args.results) / f"cpu-{day}-kernels"
+    md = [f"# Small-M linear products of {target.name} ({args.dtype}) on the CPU ({day})", "",
+          f"Machine: {out['machine']}; torch {torch.__version__}. All {len(module.layers)} decoder layers' linears "
+          "applied to M rows, median of "
+          f"{args.repeats}. Produced by benchmarks/cpu_kernels.py.", "",
+          markdown_table(["choice", "M", "ms", "vs M=1", "vs eager", "compile s", "equals eager", "row-invariant"],
+                         rows, digits=2)]
+    write_text(f"{stem}.md", "\n".join(md))
+    write_json(f"{stem}.json", out)
+    print(f"wrote {stem}.md, {stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
