@@ -103,13 +103,17 @@ def main() -> int:
                 res[m] = {"ms": timed(fn, x[m], args.repeats), "compile_s": compile_s,
                           "equals_eager": all(torch.equal(a, b) for a, b in zip(y, ref[m])),
                           "row_invariant": all(torch.equal(y[j][i:i + 1], alone[i][j]) for i in range(m)
-                                               for j in range(len(y)))}
+                                               for j in range(len(y))),
+                          "max_row_diff": max(float((y[j][i:i + 1].float() - alone[i][j].float()).abs().max())
+                                              for i in range(m) for j in range(len(y)))}
                 print(f"{choice:>13} M={m:<3} {res[m]['ms']:8.2f} ms  compile {compile_s:6.1f} s  "
-                      f"equals eager {res[m]['equals_eager']}  row-invariant {res[m]['row_invariant']}", flush=True)
+                      f"equals eager {res[m]['equals_eager']}  row-invariant {res[m]['row_invariant']} "
+                      f"(max diff {res[m]['max_row_diff']:.2e})", flush=True)
             out["results"][choice] = res
             base = res[ms[0]]["ms"]
             rows += [[choice, m, r["ms"], r["ms"] / base, r["ms"] / out["results"]["eager"][m]["ms"]
-                      if "eager" in out["results"] else None, r["compile_s"], r["equals_eager"], r["row_invariant"]]
+                      if "eager" in out["results"] else None, r["compile_s"], r["equals_eager"], r["row_invariant"],
+                      r["max_row_diff"]]
                      for m, r in res.items()]
     day = time.strftime("%Y-%m-%d")
     stem = Path(args.results) / f"cpu-{day}-kernels"
@@ -117,7 +121,8 @@ def main() -> int:
           f"Machine: {out['machine']}; torch {torch.__version__}. All {len(module.layers)} decoder layers' linears "
           "applied to M rows, median of "
           f"{args.repeats}. Produced by benchmarks/cpu_kernels.py.", "",
-          markdown_table(["choice", "M", "ms", "vs M=1", "vs eager", "compile s", "equals eager", "row-invariant"],
+          markdown_table(["choice", "M", "ms", "vs M=1", "vs eager", "compile s", "equals eager", "row-invariant",
+                          "max row diff"],
                          rows, digits=2)]
     write_text(f"{stem}.md", "\n".join(md))
     write_json(f"{stem}.json", out)
