@@ -113,7 +113,7 @@ def main() -> int:
             base = res[ms[0]]["ms"]
             rows += [[choice, m, r["ms"], r["ms"] / base, r["ms"] / out["results"]["eager"][m]["ms"]
                       if "eager" in out["results"] else None, r["compile_s"], r["equals_eager"], r["row_invariant"],
-                      r["max_row_diff"]]
+                      f"{r['max_row_diff']:.1e}"]
                      for m, r in res.items()]
     day = time.strftime("%Y-%m-%d")
     stem = Path(args.results) / f"cpu-{day}-kernels"
