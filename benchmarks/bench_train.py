@@ -33,7 +33,8 @@ from dflashkit.fileio import write_json, write_text
 from dflashkit.report import markdown_table
 from dflashkit.target.model import load_target
 from dflashkit.train.config import load_config
-from dflashkit.train.data import MemorySource, OnlineSource, Sequence, generate_sequences
+from dflashkit.cache.sequences import generate_sequences  # noqa: E402
+from dflashkit.train.data import MemorySource, OnlineSource, Sequence
 from dflashkit.train.loop import train
 
 LAYERS = [1, 8, 14, 20, 27]

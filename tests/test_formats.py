@@ -175,10 +175,9 @@ def test_cli_bench_on_spec_bench_deepspec_and_sharegpt(tiny_dirs, tmp_path, caps
 
 def test_data_generate_regenerates_every_turn_unless_asked_for_the_files_answers(tiny_dirs, tiny_targets, tmp_path,
                                                                                   capsys):
-    from dflashkit.cache.sequences import read_sequences
+    from dflashkit.cache.sequences import generate_sequences, read_sequences
     from dflashkit.cli import main
     from dflashkit.errors import DFlashError
-    from dflashkit.train.data import generate_sequences
     from helpers import greedy_reference
 
     target = tiny_targets["llama"]

@@ -20,8 +20,8 @@ from dflashkit.drafter.checkpoint import load_drafter, new_drafter
 from dflashkit.drafter.head import DraftHead
 from dflashkit.errors import DFlashError
 from dflashkit.train.config import TrainConfig, default_gamma, load_config
-from dflashkit.train.data import (MemorySource, OnlineSource, Sequence, build_batch, generate_sequences,
-                                  read_sequences, sample_anchors)
+from dflashkit.cache.sequences import generate_sequences, read_sequences
+from dflashkit.train.data import MemorySource, OnlineSource, Sequence, build_batch, sample_anchors
 from dflashkit.train.loop import micro_inputs, train
 from dflashkit.train.loss import ChunkedHeadLoss, block_loss, slot_weights, step_weight
 

@@ -111,8 +111,8 @@ def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_si
         suite = suite.subset(num_prompts)
     out = Path(out)
     done = _start_or_resume(out, header, target)
-    turns = [(item, k) for k in range(max((it.num_turns for it in suite.items), default=0)) for item in suite.items
-             if k < item.num_turns]
+    rounds = max((it.num_turns for it in suite.items), default=0)
+    turns = [(item, k) for k in range(rounds) for item in suite.items if k < item.num_turns]
     bar = tqdm(total=len(turns), initial=sum(turn_id(it, k) in done for it, k in turns), desc="generate",
                unit="turn", disable=not progress)
     pending: list[dict] = []
@@ -130,8 +130,9 @@ def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_si
     if use_file_responses:
         pending += [file_record(target, it, k, suite.name) for it, k in turns if turn_id(it, k) not in done]
         flush()
+        rounds = 0  # nothing for the target to answer
     stops = set(target.stop_token_ids)
-    for k in range(0 if use_file_responses else max((k for _, k in turns), default=-1) + 1):
+    for k in range(rounds):
         todo = [it for it, j in turns if j == k and turn_id(it, k) not in done]
         answers = [[done[turn_id(it, j)]["completion"] for j in range(k)] for it in todo]
         prompt_ids = [target.chat_ids(it.turn(k, a), enable_thinking=False) for it, a in zip(todo, answers)]

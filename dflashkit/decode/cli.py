@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 
@@ -70,8 +69,6 @@ def _check(args) -> None:
         raise DFlashError(f"--block-size {args.block_size}: must be at least 2 (the anchor plus one draft)")
     if getattr(args, "budget", 1) < 1:
         raise DFlashError(f"--budget {args.budget}: a DDTree needs at least 1 node")
-    if args.per_category is not None and args.per_category < 1:
-        raise DFlashError(f"--per-category {args.per_category}: must be at least 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise DFlashError(f"--num-prompts {args.num_prompts}: must be at least 1")
 
@@ -118,21 +115,21 @@ def cmd_generate(args) -> int:
         _, size = parse_method(args.method)
     except ValueError as e:
         raise DFlashError(f"--method: {e}") from None
+    prompts = _prompts(args)  # a bad prompt file fails before the target loads
     target, drafter = _load(args, need_drafter=needs_drafter(args.method))
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
     with row_invariant(target.model):  # the -auto pruning needs the cost of the kernels decoding runs
         cost = measure_cost_curve(target, repeats=3) if size == "auto" else None
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
     records = []
-    for i, (pid, item) in enumerate(_prompts(args)):
+    for i, (pid, item) in enumerate(prompts):
         gen = torch.Generator(device=target.device).manual_seed(args.seed + i)
         torch.manual_seed(args.seed + i)
         c = decode_conversation(target, item, lambda ids: generate(
             target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, generator=gen, cost=cost, ngram=ngram, acceptance=args.acceptance,
             draft_temperature=args.draft_temperature))
-        g, ends = c.generation, list(itertools.accumulate(c.lengths))
-        texts = [target.decode(g.tokens[e - n:e]) for e, n in zip(ends, c.lengths)]
+        g, texts = c.generation, c.answers
         rec = {"id": pid, "category": item.category, "method": g.method, "prompt_tokens": [len(p) for p in c.prompts],
                "tokens": g.tokens, "turns": texts, "text": texts[-1], "accepted": g.accepted,
                "tau": g.tau if g.accepted else None, "tokens_per_s": len(g.tokens) / g.times["total"], "times": g.times}
@@ -154,8 +151,8 @@ def cmd_bench(args) -> int:
 
     _check(args)
     methods = parse_methods(args.methods or DEFAULT_METHODS)
+    prompts = _prompts(args)  # a bad prompt file fails before the target loads
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
-    prompts = _prompts(args)
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, temperature=args.temperature, seed=args.seed,
                        acceptance=args.acceptance)

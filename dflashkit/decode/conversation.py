@@ -10,11 +10,13 @@ from dflashkit.decode.speculative import Generation
 
 @dataclass
 class Conversation:
-    """One conversation decoded by one method: the joined Generation, each turn's prompt ids and answer length."""
+    """One conversation decoded by one method: the joined Generation, each turn's prompt ids, answer length and
+    answer text."""
 
     generation: Generation
     prompts: list[list[int]] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)  # new tokens per turn; they sum to len(generation.tokens)
+    answers: list[str] = field(default_factory=list)
 
 
 def decode_conversation(target, item, run) -> Conversation:
@@ -23,13 +25,12 @@ def decode_conversation(target, item, run) -> Conversation:
     next turn, as the benchmarks' reference loops do."""
     if not hasattr(item, "turn"):
         g = run(list(item))
-        return Conversation(g, [list(item)], [len(g.tokens)])
-    answers: list[str] = []
+        return Conversation(g, [list(item)], [len(g.tokens)], [target.decode(g.tokens)])
     out = Conversation(Generation("", [], []))
     for k in range(item.num_turns):
-        ids = target.chat_ids(item.turn(k, answers))
+        ids = target.chat_ids(item.turn(k, out.answers))
         g = run(ids)
-        answers.append(target.decode(g.tokens))
+        out.answers.append(target.decode(g.tokens))
         out.prompts.append(ids)
         out.lengths.append(len(g.tokens))
         j = out.generation

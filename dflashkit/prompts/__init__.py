@@ -289,11 +289,11 @@ def _parse_lines(text: str, source: str, stem: str) -> tuple[PromptItem, ...]:
     return tuple(items)
 
 
-def _load_one(spec: str) -> tuple[str, tuple[PromptItem, ...]]:
-    """(stem, items) of a built-in suite or one file."""
+def _load_one(spec: str) -> tuple[PromptItem, ...]:
+    """The items of a built-in suite or one file."""
     if spec in BUILTIN_SUITES:
         text = resources.files(__name__).joinpath(f"{spec}.jsonl").read_text(encoding="utf-8")
-        return spec, _parse_lines(text, f"{spec}.jsonl", spec)
+        return _parse_lines(text, f"{spec}.jsonl", spec)
     if not os.path.isfile(spec):
         raise ValueError(
             f"unknown prompt suite {spec!r}: it is not a built-in suite ({', '.join(BUILTIN_SUITES)}) and no such "
@@ -303,8 +303,7 @@ def _load_one(spec: str) -> tuple[str, tuple[PromptItem, ...]]:
             text = fh.read()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{spec}: not valid UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8") from None
-    stem = os.path.basename(spec).split(".")[0] or "prompts"
-    return stem, _parse_lines(text, spec, stem)
+    return _parse_lines(text, spec, os.path.basename(spec).split(".")[0] or "prompts")
 
 
 def load_prompts(spec: str | os.PathLike) -> PromptSuite:
@@ -316,19 +315,15 @@ def load_prompts(spec: str | os.PathLike) -> PromptSuite:
     spec_str = os.fspath(spec)
     parts = [spec_str] if spec_str in BUILTIN_SUITES or os.path.isfile(spec_str) or "," not in spec_str else \
         [p.strip() for p in spec_str.split(",") if p.strip()]
-    if len(parts) == 1:
-        items = _load_one(parts[0])[1]
-    else:
-        items, where = [], {}
-        for part in parts:
-            rows = _load_one(part)[1]
-            for it in rows:
-                if it.id in where:
-                    raise ValueError(f"{part}: id {it.id!r} is also in {where[it.id]}; ids must be unique across "
-                                     "the files of one suite")
-                where[it.id] = part
-                items.append(it)
-        items = tuple(items)
+    items, where = [], {}
+    for part in parts:  # a file's own duplicate ids are refused with their lines by _parse_lines
+        for it in _load_one(part):
+            if it.id in where:
+                raise ValueError(f"{part}: id {it.id!r} is also in {where[it.id]}; ids must be unique across "
+                                 "the files of one suite")
+            where[it.id] = part
+            items.append(it)
+    items = tuple(items)
     return PromptSuite(name=spec_str, items=items, content_hash=_content_hash(items))
 
 

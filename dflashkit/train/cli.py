@@ -57,7 +57,7 @@ def cmd_generate(args) -> int:
     from dflashkit.errors import DFlashError
     from dflashkit.prompts import select_prompts
     from dflashkit.target.model import load_target
-    from dflashkit.train.data import generate_sequences, read_sequences
+    from dflashkit.cache.sequences import generate_sequences, read_sequences
 
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise DFlashError("--max-new-tokens and --batch-size must be at least 1")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.cache.sequences import FORMAT, generate_sequences, read_sequences, same_target  # noqa: F401
+from dflashkit.cache.sequences import read_sequences, same_target
 from dflashkit.errors import DFlashError
 
 
