@@ -1,19 +1,23 @@
 """The target's small-M linear products on this CPU: eager vs compiled kernel choices, per number of rows M.
 
-    python benchmarks/cpu_kernels.py [--dtype float32] [--ms 1,2,4,8,16,32] [--choices eager,inductor,max-autotune]
+    python benchmarks/cpu_kernels.py [--dtype float32] [--ms 1,2,4,8,16,32]
+                                     [--choices eager,inductor,max-autotune,dynamic]
 
 A verify of M tokens runs every decoder linear of the target on M rows; on a CPU without native bf16 those
 products, not attention, are most of a round. Per choice and M: median ms over all decoder linears (in layer
 order, the weights streamed from memory as in decoding), its ratio to M = 1, the compile seconds, whether the
 output equals eager bit for bit, and whether each row equals the same row computed alone (M = 1): the row
 invariance that keeps speculative decoding token-exact. Choices: eager (F.linear, the stock kernels), inductor
-(torch.compile with freezing, no autotuning: compiles fast) and max-autotune (inductor's CPP GEMM templates,
-autotuned per shape). Writes benchmarks/results/cpu-DATE-kernels.{md,json}, naming the CPU.
+(torch.compile with freezing, no autotuning: compiles fast) max-autotune (inductor's CPP GEMM templates,
+autotuned per shape) and dynamic (the same templates compiled once for every M: dynamic shapes with size-oblivious
+guards, so M = 1 is not specialised; inductor's Jinja templates memoised, which halves the compile).
+Writes benchmarks/results/cpu-DATE-kernels[-TAG].{md,json}, naming the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -59,8 +63,18 @@ def timed(fn, x, repeats: int) -> float:
     return 1000 * statistics.median(ts)
 
 
+def memoise_templates() -> None:
+    """Inductor re-parses the same Jinja template source for every GEMM it renders (half of a CPU compile here)."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    raw = KernelTemplate._template_from_string
+    if not hasattr(raw, "cache_info"):
+        KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(raw))
+
+
 def build(choice: str, module):
     import torch._inductor.config as ind
+    import torch.fx.experimental._config as fx_config
 
     if choice == "eager":
         return module
@@ -70,7 +84,15 @@ def build(choice: str, module):
     if choice == "inductor":
         return torch.compile(module, dynamic=False)
     ind.max_autotune_gemm_backends = "CPP,ATEN"
-    return torch.compile(module, mode="max-autotune", dynamic=False)
+    if choice == "max-autotune":
+        return torch.compile(module, mode="max-autotune", dynamic=False)
+    memoise_templates()
+    compiled = torch.compile(module, mode="max-autotune", dynamic=True)
+
+    def run(x):
+        with fx_config.patch(backed_size_oblivious=True):
+            return compiled(x)
+    return run
 
 
 def main() -> int:
@@ -78,9 +100,10 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--ms", default="1,2,4,8,16,32")
-    ap.add_argument("--choices", default="eager,inductor,max-autotune")
+    ap.add_argument("--choices", default="eager,inductor,max-autotune,dynamic")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--results", default="benchmarks/results")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names")
     args = ap.parse_args()
     target = load_target(args.target, device="cpu", dtype=args.dtype)
     module = DecoderLinears(target.model).eval()
@@ -124,6 +147,8 @@ def main() -> int:
           markdown_table(["choice", "M", "ms", "vs M=1", "vs eager", "compile s", "equals eager", "row-invariant",
                           "max row diff"],
                          rows, digits=2)]
+    if args.tag:
+        stem = stem.with_name(f"{stem.name}-{args.tag}")
     write_text(f"{stem}.md", "\n".join(md))
     write_json(f"{stem}.json", out)
     print(f"wrote {stem}.md, {stem}.json")

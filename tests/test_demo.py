@@ -42,6 +42,20 @@ def test_every_stage_writes_its_outputs(demo_run):
     holdout = json.loads((out / "bench-holdout/results.json").read_text())
     assert holdout["config"]["suite"] == "complete-12" and not holdout["mismatches"]
     assert bench["cost"]["ns"][0] == 1 and "## Cost of one target forward" in text
+    assert "Numerics: dtype float32" in text and "Decoding kernels: the stock kernels" in text
+
+
+def test_stage_estimates_come_from_a_probe_of_this_machine_and_the_report_sets_them_against_the_actuals(demo_run):
+    cfg, out, _ = demo_run
+    probe = json.loads((out / "probe.json").read_text())
+    assert all(v > 0 for v in probe["probe"].values())
+    assert probe["probe"]["batch"] == cfg.gen_batch_size
+    built = {k: v for k, v in stamps(out).items()}
+    assert set(built) == {"data", "cache", "train", "eval", "bench"}
+    for name, stamp in built.items():
+        assert stamp["estimate_s"] == pytest.approx(probe["estimates_s"][name]), name
+    assert probe["estimates_s"]["train"] > cfg.minutes * 60  # the time box plus its loading and saving
+    assert "| stage | seconds | estimated s | actual / estimate |" in (out / "report.md").read_text()
 
 
 def test_every_image_the_report_links_exists(demo_run):

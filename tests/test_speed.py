@@ -395,8 +395,8 @@ def test_stepwise_linear_attention_is_what_one_token_steps_compute(bf16_hybrid):
 
 def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, monkeypatch):
     """bf16 on a CPU: `ar` (the token reference) and our methods run the row-invariant kernels, while ar-stock,
-    prompt lookup and transformers' generate run the model's own; speedups are against ar-stock, and both ar
-    timings are in the results. In float32 nothing differs and no ar-stock is added."""
+    prompt lookup and transformers' generate run the model's own; speedups are against the faster of ar and
+    ar-stock, and both ar timings are in the results. In float32 nothing differs and no ar-stock is added."""
     from dflashkit.decode import bench
 
     t = bf16_llama
@@ -421,8 +421,9 @@ def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, mo
     assert res["mismatches"] == []
     assert kernels["ar"] == kernels["ngram"] == kernels["cost curve"] == {ROW_INVARIANT}
     assert ROW_INVARIANT not in kernels["ar (stock)"] | kernels["prompt-lookup (stock)"]
-    assert res["methods"]["ar-stock"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert res["methods"]["ar"]["tokens_per_s"] and res["methods"]["ar-stock"]["tokens_per_s"]
+    ups = sorted(res["methods"][m]["speedup_vs_ar"] for m in ("ar", "ar-stock"))  # against the faster of the two
+    assert ups[1] == pytest.approx(1.0) and ups[0] <= 1.0
     f32 = bench.run_bench(tiny_targets["llama"], None, prompts, ["ar", "ngram"], max_new_tokens=4, progress=False,
                           warmup=False)
     assert f32["config"]["methods"] == ["ar", "ngram"]

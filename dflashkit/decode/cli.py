@@ -55,6 +55,9 @@ def _common(p) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
                    "float32 | bfloat16")
+    p.add_argument("--kernels", choices=("auto", "eager", "compiled"), default="auto",
+                   help="float32 CPU targets: compiled linears make a 2-8 token verify cost about one token's "
+                   "(about 2 min to compile, once per run); auto compiles for targets of 50M+ parameters")
     add_threads_option(p)
 
 
@@ -76,7 +79,10 @@ def _check(args) -> None:
 def _load(args, need_drafter: bool):
     from dflashkit.target.model import load_target
 
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    target = load_target(args.target, device=args.device, dtype=args.dtype, kernels=args.kernels)
+    if target.kernels == "compiled":
+        print("kernels: compiled linears for this float32 CPU (the first forward compiles them, about 2 min on 2 "
+              "cores; --kernels eager skips that)", file=sys.stderr)
     drafter = None
     if args.drafter:
         from dflashkit.drafter.checkpoint import load_drafter

@@ -31,6 +31,8 @@ class DemoConfig:
     out: str = "runs/demo"
     target: str = "smollm2-135m"
     device: str = "auto"
+    dtype: str = "auto"  # float32 forces the float32 path on a bf16 CPU (to measure what an AVX2-only CPU sees)
+    kernels: str = "auto"  # decoding's linears on a float32 CPU: auto | eager | compiled (target/compiled.py)
     minutes: float = 15.0  # training budget
     recipe: str = str(RECIPE)  # the training settings (a `dflashkit train --config` file)
     train_prompts: int | None = 360  # of the built-in train-mix suite, the ones nearest the eval suite
@@ -75,14 +77,15 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     target, seconds = load_demo_target(cfg)
     runner.timings["target"] = Timing(seconds, skipped=False)
     recipe = load_recipe(cfg)
-    stages = declare_stages(cfg, p, target, recipe, device)
+    stages = declare_stages(cfg, p, target, recipe, device, console)
     runner.estimates = {s.name: s.estimate_s for s in stages}
     for stage in stages:
         runner.run(stage)
 
     from dflashkit.demo.report import write_report
 
-    report = write_report(p.root, cfg, device, runner.timings)  # always rewritten: cheap, and carries the timings
+    # always rewritten: cheap, and carries the timings
+    report = write_report(p.root, cfg, device, runner.timings, numerics=describe_numerics(target, cfg.dtype))
     runner.header("report")
     for line in report["console"]:
         console.print(line)
@@ -90,9 +93,13 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     return report
 
 
-def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[Stage]:
-    """The demo's stages in order: what each reads (its fingerprint), writes, and how long it takes on 2 cores."""
+def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device, console=None) -> list[Stage]:
+    """The demo's stages in order: what each reads (its fingerprint), writes, and how long it takes here (from a
+    short probe of this machine, see probe.py)."""
+    from dflashkit.decode.bench import parse_methods
+    from dflashkit.demo import probe
     from dflashkit.prompts import load_prompts
+    from dflashkit.target.invariant import needs_switch
     from dflashkit.train.loop import feature_layers
 
     tid = {k: v for k, v in target.identity().items() if k != "path"}
@@ -105,32 +112,57 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
     bench_suite = suite.subset(cfg.bench_prompts) if cfg.bench_prompts else suite
     if cfg.bench_prompts:
         holdout = holdout.subset(cfg.bench_prompts)
-    cpu = device.type == "cpu"
-    decoded = (cfg.bench_prompts or 10) * cfg.bench_max_new_tokens * (len(cfg.bench_methods.split(","))
-                                                                        + len(cfg.holdout_methods.split(",")))
+    def mean_prompt(s) -> int:
+        return round(sum(len(target.chat_ids(it.messages)) for it in s.items) / max(1, len(s.items)))
+
+    train_context, eval_context = mean_prompt(train_suite), mean_prompt(eval_suite)
+    if console is not None:
+        console.print("[dim]timing this machine for the stage estimates (under a minute)...[/dim]")
+    measured = probe.probe(target, target.chat_ids(train_suite.items[0].messages), cfg.gen_batch_size,
+                           train_context + cfg.train_max_new_tokens // 2)
+    stock = ["ar-stock"] if needs_switch(target.model) else []  # bench adds plain decoding on the stock kernels
+    bench_runs = [(len(bench_suite), parse_methods(cfg.bench_methods) + stock),
+                  (len(holdout), parse_methods(cfg.holdout_methods) + stock)]
+    estimates = {
+        "data": probe.data_seconds(measured, len(train_suite), cfg.gen_batch_size, cfg.train_max_new_tokens,
+                                   train_context),
+        "cache": probe.data_seconds(measured, len(eval_suite), len(eval_suite), cfg.eval_max_new_tokens, eval_context),
+        "train": cfg.minutes * 60 + probe.TRAIN_OVERHEAD_S,
+        "eval": probe.eval_seconds(measured, len(eval_suite) * (eval_context + cfg.eval_max_new_tokens)),
+        "bench": probe.bench_seconds(measured, bench_runs, cfg.bench_max_new_tokens, target.kernels == "compiled"),
+    }
+    write_json(p.root / "probe.json", {"probe": measured.to_dict(), "estimates_s": estimates})
     return [
         Stage("data", {"target": tid, "suite": train_suite.content_hash, "layers": layer_ids,
                        "max_new_tokens": cfg.train_max_new_tokens}, [p.data],
               lambda: build_cache(target, train_suite, p.data, layer_ids, cfg.train_max_new_tokens, cfg.gen_batch_size,
                                   cfg.progress),
-              estimate_s=len(train_suite) * cfg.train_max_new_tokens * 0.85 / (110 if cpu else 2000)),
+              estimate_s=estimates["data"]),
         Stage("cache", {"target": tid, "suite": eval_suite.content_hash, "layers": layer_ids,
                         "max_new_tokens": cfg.eval_max_new_tokens}, [p.eval_cache],
               lambda: build_cache(target, eval_suite, p.eval_cache, layer_ids, cfg.eval_max_new_tokens,
                                   len(eval_suite), cfg.progress),
-              estimate_s=45 if cpu else 15),
+              estimate_s=estimates["cache"]),
         Stage("train", {"recipe": recipe.to_dict(), "minutes": cfg.minutes, "device": str(device),
                         "schedule": "time-fitted cosine"}, [p.train, p.drafters],
-              lambda: train_drafters(cfg, p, target, recipe), estimate_s=cfg.minutes * 60 + 30, after=("data", "cache")),
-        Stage("eval", {}, [p.eval], lambda: evaluate_drafters(cfg, p, target), estimate_s=60 if cpu else 20,
+              lambda: train_drafters(cfg, p, target, recipe), estimate_s=estimates["train"], after=("data", "cache")),
+        Stage("eval", {}, [p.eval], lambda: evaluate_drafters(cfg, p, target), estimate_s=estimates["eval"],
               after=("train", "cache")),
         Stage("bench", {"suite": bench_suite.content_hash, "methods": cfg.bench_methods,
                         "holdout": [holdout.content_hash, cfg.holdout_methods],
                         "max_new_tokens": cfg.bench_max_new_tokens, "device": str(device)}, [p.bench, p.holdout],
               lambda: bench_methods(cfg, p, target, [(bench_suite, cfg.bench_methods, p.bench),
                                                      (holdout, cfg.holdout_methods, p.holdout)]),
-              estimate_s=decoded * (0.035 if cpu else 0.02), after=("train",)),
+              estimate_s=estimates["bench"], after=("train",)),
     ]
+
+
+def describe_numerics(target, asked: str = "auto") -> str:
+    from dflashkit.target.invariant import describe_kernels
+    from dflashkit.target.model import dtype_reason
+
+    return (f"Numerics: dtype {dtype_reason(target.dtype, target.device, asked)}. Decoding kernels: "
+            f"{describe_kernels(target.model)}.")
 
 
 # ---- the stages ------------------------------------------------------------------------------------------------
@@ -144,7 +176,7 @@ def load_demo_target(cfg: DemoConfig):
     t0 = time.time()
     if cfg.target in REGISTRY:
         prepare(cfg.target)
-    return load_target(cfg.target, device=cfg.device), time.time() - t0
+    return load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels), time.time() - t0
 
 
 def load_recipe(cfg: DemoConfig):
@@ -252,6 +284,10 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="the whole pipeline on the embedded default target (what `make demo` runs)")
     p.add_argument("--minutes", type=float, default=15.0, help="training budget in minutes (default 15)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | float32 | bfloat16")
+    p.add_argument("--kernels", choices=("auto", "eager", "compiled"), default="auto",
+                   help="decoding's linears on a float32 CPU (auto: compiled for the embedded target)")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--recipe", default=str(RECIPE), help="training settings file (default configs/smollm2-cpu.yaml)")
     p.add_argument("--out", default="runs/demo")
@@ -266,7 +302,9 @@ def register(sub) -> None:
 
 
 def cmd_demo(args) -> int:
-    cfg = DemoConfig(out=args.out, target=args.target, device=args.device, minutes=args.minutes, recipe=args.recipe,
+    cfg = DemoConfig(out=args.out, target=args.target, device=args.device, dtype=args.dtype, kernels=args.kernels,
+                     minutes=args.minutes,
+                     recipe=args.recipe,
                      train_prompts=args.train_prompts, eval_prompts=args.eval_prompts, bench_prompts=args.bench_prompts,
                      bench_max_new_tokens=args.bench_max_new_tokens)
     run_demo(cfg, fresh=args.fresh)

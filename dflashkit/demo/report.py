@@ -241,14 +241,15 @@ def stage_rates(res: DemoResults, timings: dict) -> dict[str, str]:
 
 
 # ---- the report ----------------------------------------------------------------------------------------------------
-def write_report(root: Path, cfg, device, timings: dict) -> dict:
+def write_report(root: Path, cfg, device, timings: dict, numerics: str = "") -> dict:
     """report.md and report.json from what the stages wrote; returns the checks and the console summary."""
     from dflashkit.decode.bench import cost_markdown
     from dflashkit.report import markdown_table
 
     res = DemoResults.read(root)
     lines = ["# dflashkit demo report", "",
-             f"Target `{cfg.target}` on `{device}`; training budget {cfg.minutes:g} min; eval suite `{cfg.eval_suite}`.", ""]
+             f"Target `{cfg.target}` on `{device}`; training budget {cfg.minutes:g} min; eval suite `{cfg.eval_suite}`.", "",
+             *([numerics, ""] if numerics else [])]
     rows = [[a, d, o.prompts, o.blocks, o.streak, o.tau, o.pos1_acc, o.dds4, o.dds8] for (a, d), o in res.offline.items()]
     lines += ["## Offline evaluation (eval cache, temperature 0)", "",
               "dds4/dds8 = DDTree node-budget trees budget:4/8 (the paper's tree, docs/design.md section 5).", "",
@@ -276,9 +277,11 @@ def write_report(root: Path, cfg, device, timings: dict) -> dict:
                   f"vocabulary {t.draft_vocab_size or 'full'}; stopped: {t.stop_reason}.", "", "![loss](train/loss.png)", ""]
     rates = stage_rates(res, timings)
     lines += ["## Stage timings", "", "Seconds each stage took when it was built (a skipped stage reused that output), "
-              "and what it produced per second.", "",
-              markdown_table(["stage", "seconds", "skipped", "throughput"],
-                             [[k, v.seconds, v.skipped, rates.get(k, "")] for k, v in timings.items()])]
+              "the estimate printed before it ran (from the probe of this machine at the start, probe.json), and what "
+              "it produced per second.", "",
+              markdown_table(["stage", "seconds", "estimated s", "actual / estimate", "skipped", "throughput"],
+                             [[k, v.seconds, v.estimate_s, v.seconds / v.estimate_s if v.estimate_s else None, v.skipped,
+                               rates.get(k, "")] for k, v in timings.items()])]
     write_text(root / "report.md", "\n".join(lines) + "\n")
     write_json(root / "report.json", {"checks": checks, "timings": {k: asdict(v) for k, v in timings.items()},
                                       "config": asdict(cfg)})

@@ -32,6 +32,7 @@ class Stage:
 class Timing:
     seconds: float
     skipped: bool  # a skipped stage reports the seconds it took when it was built
+    estimate_s: float | None = None  # what the demo predicted before the stage ran (probe.py)
 
 
 def fingerprint(paths: list[Path]) -> str:
@@ -78,7 +79,7 @@ class StageRunner:
             if fingerprint(stage.outputs) == stamp.get("outputs"):
                 self.console.print(f"[dim]{n}: unchanged, skipped[/dim]")
                 self.digests[stage.name] = stamp["outputs"]
-                self.timings[stage.name] = Timing(stamp.get("seconds", 0.0), skipped=True)
+                self.timings[stage.name] = Timing(stamp.get("seconds", 0.0), skipped=True, estimate_s=stamp.get("estimate_s"))
                 return
             self.console.print(f"[yellow]{n}: outputs changed or corrupted since they were written; rebuilding[/yellow]")
             stamp = {}
@@ -94,9 +95,10 @@ class StageRunner:
             missing = ", ".join(str(p) for p in stage.outputs if not p.exists())
             raise DFlashError(f"demo stage {stage.name} did not write {missing}")
         seconds = time.time() - t0
-        write_json(stamp_file, {"inputs": key, "done": True, "outputs": digest, "seconds": seconds})
+        write_json(stamp_file, {"inputs": key, "done": True, "outputs": digest, "seconds": seconds,
+                                "estimate_s": stage.estimate_s})
         self.digests[stage.name] = digest
-        self.timings[stage.name] = Timing(seconds, skipped=False)
+        self.timings[stage.name] = Timing(seconds, skipped=False, estimate_s=stage.estimate_s)
 
 
 def _mins(s: float) -> str:

@@ -18,6 +18,7 @@ import torch
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import home, read_json, sha256_file, sha256_json, write_json
+from dflashkit.target.compiled import ATTRIBUTE, choose_kernels
 from dflashkit.target.registry import resolve
 
 
@@ -51,6 +52,18 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     if dtype not in table:
         raise DFlashError(f"unknown dtype {dtype!r}; use one of {', '.join(table)}")
     return table[dtype]
+
+
+def dtype_reason(dtype: torch.dtype, device: torch.device, asked: str | None = "auto") -> str:
+    """One line for reports: the dtype a run used and why."""
+    name = str(dtype).removeprefix("torch.")
+    if asked not in (None, "auto"):
+        return f"{name}, as asked (--dtype {asked})"
+    if device.type == "cuda":
+        return f"{name}: the default on CUDA"
+    if dtype == torch.float32:
+        return f"{name}: this CPU has no native bf16 dot products (avx512_bf16/AMX), where bf16 is emulated and slower"
+    return f"{name}: this CPU has native bf16 dot products"
 
 
 def default_layer_ids(num_layers: int, num_features: int) -> list[int]:
@@ -99,6 +112,11 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @property
+    def kernels(self) -> str:
+        """eager or compiled: the linears decoding runs (target/compiled.py)."""
+        return getattr(self.model, ATTRIBUTE, "eager")
 
     @property
     def architecture(self) -> str:
@@ -332,8 +350,10 @@ def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
     raise DFlashError("the target has no mask token, no spare embedding row and no unused special token; pass a mask id explicitly")
 
 
-def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = "auto", dtype=None) -> Target:
-    """Load a registry target or a local Hugging Face folder, offline, frozen."""
+def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = "auto", dtype=None,
+                kernels: str = "eager") -> Target:
+    """Load a registry target or a local Hugging Face folder, offline, frozen. `kernels`: what decoding runs on a
+    float32 CPU, eager (the stock ones), compiled or auto (target/compiled.py); decoding commands pass auto."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -348,4 +368,6 @@ def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
     except (OSError, ValueError, KeyError) as e:
         raise DFlashError(f"{path}: cannot load as a causal LM ({str(e).splitlines()[0]})") from e
-    return Target(model.to(dev), tokenizer, path, name)
+    target = Target(model.to(dev), tokenizer, path, name)
+    setattr(target.model, ATTRIBUTE, choose_kernels(target.model, kernels))
+    return target

@@ -1,0 +1,103 @@
+"""How long each demo stage will take on this machine, from a short measurement at the start (under a minute).
+
+Constants measured on one CPU were off by 2x on another (a float32-only CPU ran the data stage in 17 min against
+an estimate of 9), so the demo times the operations its stages repeat and scales them:
+- a batched greedy step and prefill at the data stage's batch size and typical context (data, cache stages);
+- a one-token forward on the stock kernels (bench, and the offline eval, which scales with the machine); compiled
+  kernels (target/compiled.py) cost about the same for one token, plus their compile.
+Per-method factors (time per token relative to plain decoding) come from measured demo runs; they are the one
+part that depends on the drafter, so the bench estimate is the loosest.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+# time per generated token relative to plain decoding, from measured runs on coding-10: float32 on compiled kernels
+# (benchmarks/results/cpu-2026-12-01-compiled-coding-10.md) and the bf16 demo report, which agree within 10%
+METHOD_FACTOR = {"ar": 1.0, "ar-stock": 1.1, "ngram": 0.6, "hybrid": 0.6, "ddtree": 1.2, "chain": 1.0,
+                 "prompt-lookup": 0.7, "hf-generate": 1.05}
+ANSWER_FILL = 0.9  # answers stop early: coding-10's 10 answers filled 2281 of 2560 tokens
+DATA_CALIBRATION = 1.6  # the probe's steps and prefills are 63% of a real data stage (feature writes, growing KV):
+#                         1043 s measured vs 653 s from the probe alone, float32 on a 2-core EPYC, 360 prompts
+EVAL_STEPS_PER_TOKEN = 0.15  # offline eval of one cached token (3 drafters x 2 anchor schedules), in verify steps
+TRAIN_OVERHEAD_S = 45.0  # loading the cache, the untrained twin and the last checkpoint, around the time box
+BENCH_OVERHEAD_S = 20.0  # the cost curve and the warm-up
+COMPILE_S = 100.0  # compiling the linears of a 135M float32 target on 2 cores (target/compiled.py)
+
+
+@dataclass
+class Probe:
+    batch: int
+    context: int
+    batch_step_s: float  # one greedy step of `batch` rows at `context` tokens
+    prefill_token_s: float  # per token of a batched prefill (generation and feature capture)
+    verify_s: float  # a one-token forward at `context` tokens
+    seconds: float  # what the probe itself took
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def probe(target, prompt_ids: list[int], batch: int, context: int) -> Probe:
+    """Times the data stage's own generation (iter_generate_greedy) for 4 and 12 new tokens on `batch` copies of a
+    prompt stretched to `context` tokens: the difference is 8 steps, the rest is the prefill."""
+    from dflashkit.decode.cost import measure_cost_curve
+    from dflashkit.target.generation import iter_generate_greedy
+
+    t0 = time.perf_counter()
+    ids = (prompt_ids * math.ceil(context / max(1, len(prompt_ids))))[:context]
+    stops, target.stop_token_ids = target.stop_token_ids, []  # every row runs the full count of steps
+    try:
+        run = lambda n: list(iter_generate_greedy(target, [ids] * batch, n, batch_size=batch))  # noqa: E731
+        run(2)  # warm-up
+        short, long = statistics.median(_timed(lambda: run(4)) for _ in range(2)), _timed(lambda: run(12))
+    finally:
+        target.stop_token_ids = stops
+    step = max(1e-6, (long - short) / 8)
+    prefill = max(1e-6, short - 4 * step) / (batch * context)
+    verify = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)  # stock kernels: no compile here
+    return Probe(batch, context, step, prefill, verify, time.perf_counter() - t0)
+
+
+def data_seconds(p: Probe, num_prompts: int, batch: int, max_new_tokens: int, context: int) -> float:
+    """Generation (every batch runs to max_new_tokens: one long answer keeps the batch going) plus the feature
+    capture, a prefill over every prompt and answer. `context`: the mean prompt length. A step scales with the
+    batch rows and the mid-answer context from the probe's."""
+    batches, mid = math.ceil(num_prompts / batch), context + max_new_tokens / 2
+    step = p.batch_step_s * (batch / p.batch) ** 0.5 * (0.5 + 0.5 * mid / p.context)
+    tokens = num_prompts * mid
+    return DATA_CALIBRATION * (batches * max_new_tokens * step + 2 * tokens * p.prefill_token_s)
+
+
+def method_factor(method: str) -> float:
+    from dflashkit.decode.methods import parse_method
+
+    try:
+        family = parse_method(method)[0]
+    except ValueError:
+        family = method
+    return METHOD_FACTOR.get(method, METHOD_FACTOR.get(family, 1.0))
+
+
+def bench_seconds(p: Probe, runs: list[tuple[int, list[str]]], max_new_tokens: int, compiled: bool = False) -> float:
+    """runs: (prompts, methods) per suite. Tokens x a one-token verify x the method's factor (+ the compile)."""
+    tokens = max_new_tokens * ANSWER_FILL
+    return BENCH_OVERHEAD_S + COMPILE_S * compiled + sum(n * tokens * p.verify_s * method_factor(m)
+                                                         for n, methods in runs for m in methods)
+
+
+def eval_seconds(p: Probe, cached_tokens: int) -> float:
+    return 10 + cached_tokens * EVAL_STEPS_PER_TOKEN * p.verify_s

@@ -1,0 +1,32 @@
+"""Stage estimates scale the probe's measured step costs by what each stage repeats (demo/probe.py)."""
+
+import pytest
+
+from dflashkit.demo.probe import (ANSWER_FILL, COMPILE_S, DATA_CALIBRATION, METHOD_FACTOR, Probe, bench_seconds, data_seconds,
+                                  eval_seconds, method_factor)
+
+PROBE = Probe(batch=32, context=350, batch_step_s=0.4, prefill_token_s=1e-4, verify_s=0.06, seconds=15.0)
+
+
+def test_data_seconds_is_steps_of_every_batch_plus_the_feature_capture():
+    # 64 prompts of 300 tokens in batches of 32, mid-answer at the probe's context (350): 2 batches x 100 steps
+    # x 0.4 s, then prefill twice over every prompt and half an answer (generation's, then the feature capture)
+    got = data_seconds(PROBE, num_prompts=64, batch=32, max_new_tokens=100, context=300)
+    assert got == pytest.approx(DATA_CALIBRATION * (2 * 100 * 0.4 + 2 * 64 * (300 + 50) * 1e-4))
+    # a partial last batch still runs every step; a smaller batch costs less per step (sqrt of the rows)
+    assert data_seconds(PROBE, 65, 32, 100, 300) > got
+    assert data_seconds(PROBE, 8, 8, 100, 300) < data_seconds(PROBE, 8, 32, 100, 300)
+
+
+def test_bench_seconds_sums_tokens_times_the_verify_cost_and_each_methods_factor():
+    runs = [(10, ["ar", "ngram", "ddtree-8"]), (12, ["ar", "hybrid-auto"])]
+    want = 20.0 + 0.06 * 256 * ANSWER_FILL * (10 * (1.0 + METHOD_FACTOR["ngram"] + METHOD_FACTOR["ddtree"])
+                                             + 12 * (1.0 + METHOD_FACTOR["hybrid"]))
+    assert bench_seconds(PROBE, runs, 256) == pytest.approx(want)
+    assert bench_seconds(PROBE, runs, 256, compiled=True) == pytest.approx(want + COMPILE_S)
+    assert method_factor("hybrid-auto") == METHOD_FACTOR["hybrid"] and method_factor("ar-stock") == METHOD_FACTOR["ar-stock"]
+    assert method_factor("something-new") == 1.0
+
+
+def test_eval_seconds_grow_with_the_cached_tokens():
+    assert eval_seconds(PROBE, 2000) > eval_seconds(PROBE, 1000) > 10
