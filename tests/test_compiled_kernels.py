@@ -71,11 +71,14 @@ def test_speculative_decoding_on_compiled_kernels_equals_plain_greedy_decoding_o
 
 
 def test_bench_times_the_stock_baseline_too_and_measures_speedups_against_the_faster(compiled_target):
+    from dflashkit.prompts import PromptItem
+
     target = compiled_target
-    ids = target.chat_ids([{"role": "user", "content": "count to ten"}])
-    result = run_bench(target, None, [("p", ids)], ["ar", "ngram", "prompt-lookup"], max_new_tokens=12, warmup=False,
-                       progress=False)
+    two_turns = PromptItem("c", ({"role": "user", "content": "count to ten"}, {"role": "user", "content": "and back"}))
+    result = run_bench(target, None, [("c", two_turns)], ["ar", "ngram", "prompt-lookup"], max_new_tokens=12,
+                       warmup=False, progress=False)
     methods = result["methods"]
     assert set(methods) == {"ar", "ar-stock", "ngram", "prompt-lookup"} and not result["mismatches"]
+    assert result["config"]["turns"]["c"] == 2  # every method, the peers on compiled kernels too, answered both
     fastest = max(methods["ar"]["tokens_per_s"], methods["ar-stock"]["tokens_per_s"])
     assert methods["ngram"]["speedup_vs_ar"] == pytest.approx(methods["ngram"]["tokens_per_s"] / fastest)

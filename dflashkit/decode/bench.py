@@ -52,10 +52,10 @@ def _run(target, proposer, item, method, max_new_tokens, temperature, seed, cost
     torch.manual_seed(seed)  # transformers' generate samples from the global generator
     if method == STOCK_AR or parse_method(method)[0] in PEERS:
         # transformers' loops verify several tokens too: on compiled kernels when ours use them (faster for them)
-        kernels = row_invariant(target.model) if method != STOCK_AR and uses_compiled(target.model) else stock_kernels()
+        on_ours = method != STOCK_AR and uses_compiled(target.model)
 
-        def one(ids):
-            with kernels:
+        def one(ids):  # a fresh context per turn: a conversation calls this once per user turn
+            with row_invariant(target.model) if on_ours else stock_kernels():
                 g = generate(target, ids, "ar" if method == STOCK_AR else method, max_new_tokens=max_new_tokens,
                              temperature=temperature, generator=gen)
             g.method = method

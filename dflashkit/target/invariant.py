@@ -84,16 +84,16 @@ def describe_kernels(model: nn.Module) -> str:
     """One line for reports: the kernels decoding runs on this model and why."""
     if uses_compiled(model):
         return ("compiled linears (inductor's CPP GEMM micro-kernels, weights frozen, one compile for every number of "
-                "tokens) for every method, plain decoding included: a 2-8 token verify costs 1.1-1.3x one token "
-                "instead of 1.7-1.9x, and each row is computed the same whatever shares its call; ar-stock runs the "
+                "tokens) for every method, plain decoding included: a 2-8 token verify costs 1.1-1.4x one token "
+                "instead of 1.5-1.8x, and each row is computed the same whatever shares its call; ar-stock runs the "
                 "stock kernels, and speedups are against the faster of ar and ar-stock")
     if needs_switch(model):
         return ("row-invariant kernels (one-row products run as two rows, attention as matmul + float32 softmax), so "
                 "that speculative output equals plain greedy output token for token in low precision; the speed "
                 "baseline ar-stock runs the stock kernels")
     return ("the stock kernels (MKL/oneDNN linears, SDPA attention) for every method, ar included: in float32 their "
-            "row-to-row rounding differences (1e-7) have not flipped a token in our runs, and inductor's compiled CPU "
-            "GEMMs, faster alone, do not yet pay inside a whole forward (benchmarks/results/*-compiled-forward.md)")
+            "row-to-row rounding differences (1e-7) have not flipped a token in our runs; compiled linears were not "
+            "chosen (--kernels eager, a target too small to win back the compile, or not a float32 CPU)")
 
 
 def stock_kernels_active() -> bool:
