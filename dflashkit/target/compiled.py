@@ -94,7 +94,6 @@ def _units(model: nn.Module) -> list[CompiledUnit]:
     units = model.__dict__.get("_dflashkit_units")
     if units is None:  # built once per model and kept: the compiled code lives as long as the model
         _memoise_templates()
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
         units = [CompiledUnit(getattr(parent, name), i) for i, (parent, name) in enumerate(_slots(model))]
         model.__dict__["_dflashkit_units"] = units  # not a submodule: state_dict and .to() never see it
     return units
