@@ -17,7 +17,6 @@ Writes benchmarks/results/cpu-DATE-kernels[-TAG].{md,json}, naming the CPU.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from dflash2_vs_dflash import cpu_name  # noqa: E402
 from dflashkit.fileio import write_json, write_text  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402
+from dflashkit.target.compiled import memoise_templates  # noqa: E402
 from dflashkit.target.model import load_target  # noqa: E402
 
 
@@ -61,15 +61,6 @@ def timed(fn, x, repeats: int) -> float:
         fn(x)
         ts.append(time.perf_counter() - t0)
     return 1000 * statistics.median(ts)
-
-
-def memoise_templates() -> None:
-    """Inductor re-parses the same Jinja template source for every GEMM it renders (half of a CPU compile here)."""
-    from torch._inductor.codegen.common import KernelTemplate
-
-    raw = KernelTemplate._template_from_string
-    if not hasattr(raw, "cache_info"):
-        KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(raw))
 
 
 def build(choice: str, module):

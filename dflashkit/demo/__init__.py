@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflashkit.demo.stages import Stage, StageRunner, Timing
@@ -77,8 +77,7 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     target, seconds = load_demo_target(cfg)
     runner.timings["target"] = Timing(seconds, skipped=False)
     recipe = load_recipe(cfg)
-    stages = declare_stages(cfg, p, target, recipe, device, console)
-    runner.estimates = {s.name: s.estimate_s for s in stages}
+    stages, runner.estimator = declare_stages(cfg, p, target, recipe, device, console)
     for stage in stages:
         runner.run(stage)
 
@@ -93,9 +92,10 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     return report
 
 
-def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device, console=None) -> list[Stage]:
-    """The demo's stages in order: what each reads (its fingerprint), writes, and how long it takes here (from a
-    short probe of this machine, see probe.py)."""
+def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device, console=None):
+    """(stages, estimator): the demo's stages in order, what each reads (its fingerprint) and writes, and a function
+    that says how long each takes here from a short probe of this machine (probe.py; the runner calls it only when
+    a stage has to be built, so a rerun of cached stages pays nothing)."""
     from dflashkit.decode.bench import parse_methods
     from dflashkit.demo import probe
     from dflashkit.prompts import load_prompts
@@ -112,49 +112,51 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device, console=No
     bench_suite = suite.subset(cfg.bench_prompts) if cfg.bench_prompts else suite
     if cfg.bench_prompts:
         holdout = holdout.subset(cfg.bench_prompts)
-    def mean_prompt(s) -> int:
-        return round(sum(len(target.chat_ids(it.messages)) for it in s.items) / max(1, len(s.items)))
+    def estimate() -> dict[str, float]:
+        def mean_prompt(s) -> int:
+            return round(sum(len(target.chat_ids(it.messages)) for it in s.items) / max(1, len(s.items)))
 
-    train_context, eval_context = mean_prompt(train_suite), mean_prompt(eval_suite)
-    if console is not None:
-        console.print("[dim]timing this machine for the stage estimates (under a minute)...[/dim]")
-    measured = probe.probe(target, target.chat_ids(train_suite.items[0].messages), cfg.gen_batch_size,
-                           train_context + cfg.train_max_new_tokens // 2)
-    stock = ["ar-stock"] if needs_switch(target.model) else []  # bench adds plain decoding on the stock kernels
-    bench_runs = [(len(bench_suite), parse_methods(cfg.bench_methods) + stock),
-                  (len(holdout), parse_methods(cfg.holdout_methods) + stock)]
-    estimates = {
-        "data": probe.data_seconds(measured, len(train_suite), cfg.gen_batch_size, cfg.train_max_new_tokens,
-                                   train_context),
-        "cache": probe.data_seconds(measured, len(eval_suite), len(eval_suite), cfg.eval_max_new_tokens, eval_context),
-        "train": cfg.minutes * 60 + probe.TRAIN_OVERHEAD_S,
-        "eval": probe.eval_seconds(measured, len(eval_suite) * (eval_context + cfg.eval_max_new_tokens)),
-        "bench": probe.bench_seconds(measured, bench_runs, cfg.bench_max_new_tokens, target.kernels == "compiled"),
-    }
-    write_json(p.root / "probe.json", {"probe": measured.to_dict(), "estimates_s": estimates})
+        train_context, eval_context = mean_prompt(train_suite), mean_prompt(eval_suite)
+        if console is not None:
+            console.print("[dim]timing this machine for the stage estimates (under a minute)...[/dim]")
+        measured = probe.probe(target, target.chat_ids(train_suite.items[0].messages), cfg.gen_batch_size,
+                               train_context + cfg.train_max_new_tokens // 2)
+        stock = ["ar-stock"] if needs_switch(target.model) else []  # bench adds plain decoding on the stock kernels
+        bench_runs = [(len(bench_suite), parse_methods(cfg.bench_methods) + stock),
+                      (len(holdout), parse_methods(cfg.holdout_methods) + stock)]
+        out = {
+            "data": probe.data_seconds(measured, len(train_suite), cfg.gen_batch_size, cfg.train_max_new_tokens,
+                                       train_context),
+            "cache": probe.data_seconds(measured, len(eval_suite), len(eval_suite), cfg.eval_max_new_tokens,
+                                        eval_context),
+            "train": cfg.minutes * 60 + probe.TRAIN_OVERHEAD_S,
+            "eval": probe.eval_seconds(measured, len(eval_suite) * (eval_context + cfg.eval_max_new_tokens)),
+            "bench": probe.bench_seconds(measured, bench_runs, cfg.bench_max_new_tokens, target.kernels == "compiled"),
+        }
+        write_json(p.root / "probe.json", {"probe": asdict(measured), "estimates_s": out})
+        return out
+
     return [
         Stage("data", {"target": tid, "suite": train_suite.content_hash, "layers": layer_ids,
                        "max_new_tokens": cfg.train_max_new_tokens}, [p.data],
               lambda: build_cache(target, train_suite, p.data, layer_ids, cfg.train_max_new_tokens, cfg.gen_batch_size,
-                                  cfg.progress),
-              estimate_s=estimates["data"]),
+                                  cfg.progress)),
         Stage("cache", {"target": tid, "suite": eval_suite.content_hash, "layers": layer_ids,
                         "max_new_tokens": cfg.eval_max_new_tokens}, [p.eval_cache],
               lambda: build_cache(target, eval_suite, p.eval_cache, layer_ids, cfg.eval_max_new_tokens,
-                                  len(eval_suite), cfg.progress),
-              estimate_s=estimates["cache"]),
+                                  len(eval_suite), cfg.progress)),
         Stage("train", {"recipe": recipe.to_dict(), "minutes": cfg.minutes, "device": str(device),
                         "schedule": "time-fitted cosine"}, [p.train, p.drafters],
-              lambda: train_drafters(cfg, p, target, recipe), estimate_s=estimates["train"], after=("data", "cache")),
-        Stage("eval", {}, [p.eval], lambda: evaluate_drafters(cfg, p, target), estimate_s=estimates["eval"],
+              lambda: train_drafters(cfg, p, target, recipe), after=("data", "cache")),
+        Stage("eval", {}, [p.eval], lambda: evaluate_drafters(cfg, p, target),
               after=("train", "cache")),
         Stage("bench", {"suite": bench_suite.content_hash, "methods": cfg.bench_methods,
                         "holdout": [holdout.content_hash, cfg.holdout_methods],
                         "max_new_tokens": cfg.bench_max_new_tokens, "device": str(device)}, [p.bench, p.holdout],
               lambda: bench_methods(cfg, p, target, [(bench_suite, cfg.bench_methods, p.bench),
                                                      (holdout, cfg.holdout_methods, p.holdout)]),
-              estimate_s=estimates["bench"], after=("train",)),
-    ]
+              after=("train",)),
+    ], estimate
 
 
 def describe_numerics(target, asked: str = "auto") -> str:

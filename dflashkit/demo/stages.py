@@ -7,6 +7,7 @@ Each stage writes `<out>/stages/<name>.json`: {"inputs": hash, "done": bool, "ou
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import time
@@ -24,7 +25,6 @@ class Stage:
     inputs: dict  # what the outputs depend on, besides the outputs of the stages in `after`
     outputs: list[Path]
     build: Callable[[], None]
-    estimate_s: float  # measured on 2 CPU cores; shown so that a user knows what to expect
     after: tuple[str, ...] = ()  # earlier stages whose outputs this one reads
 
 
@@ -53,10 +53,14 @@ class StageRunner:
     console: object
     digests: dict[str, str] = field(default_factory=dict)
     timings: dict[str, Timing] = field(default_factory=dict)
-    estimates: dict[str, float] = field(default_factory=dict)
+    estimator: Callable[[], dict[str, float]] | None = None  # stage -> seconds here; called once, when first needed
 
     def __post_init__(self):
         (self.root / "stages").mkdir(parents=True, exist_ok=True)
+
+    @functools.cached_property
+    def estimates(self) -> dict[str, float]:
+        return self.estimator() if self.estimator else {}
 
     def label(self, name: str) -> str:
         return f"[{self.names.index(name) + 1}/{len(self.names)}] {name}"
@@ -87,7 +91,8 @@ class StageRunner:
             for p in stage.outputs:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         write_json(stamp_file, {"inputs": key, "done": False})
-        self.header(stage.name, stage.estimate_s)
+        estimate_s = self.estimates.get(stage.name)
+        self.header(stage.name, estimate_s)
         t0 = time.time()
         stage.build()
         digest = fingerprint(stage.outputs)
@@ -96,9 +101,9 @@ class StageRunner:
             raise DFlashError(f"demo stage {stage.name} did not write {missing}")
         seconds = time.time() - t0
         write_json(stamp_file, {"inputs": key, "done": True, "outputs": digest, "seconds": seconds,
-                                "estimate_s": stage.estimate_s})
+                                "estimate_s": estimate_s})
         self.digests[stage.name] = digest
-        self.timings[stage.name] = Timing(seconds, skipped=False, estimate_s=stage.estimate_s)
+        self.timings[stage.name] = Timing(seconds, skipped=False, estimate_s=estimate_s)
 
 
 def _mins(s: float) -> str:

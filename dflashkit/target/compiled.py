@@ -21,6 +21,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from dflashkit.errors import DFlashError
+
 ATTRIBUTE = "_dflashkit_kernels"  # the mode a Target chose for its model: "eager" or "compiled"
 MIN_PARAMETERS = 50_000_000  # below this a compile costs more than the decoding it speeds up
 KERNELS = ("auto", "eager", "compiled")
@@ -28,8 +30,6 @@ KERNELS = ("auto", "eager", "compiled")
 
 def choose_kernels(model: nn.Module, asked: str = "auto") -> str:
     """auto: compiled for a float32 CPU model of the Llama layout with at least MIN_PARAMETERS weights."""
-    from dflashkit.errors import DFlashError
-
     if asked not in KERNELS:
         raise DFlashError(f"--kernels {asked!r}: use one of {', '.join(KERNELS)}")
     if asked == "eager":
@@ -81,7 +81,7 @@ class CompiledUnit(nn.Module):
         return self.fn(x)  # compiled_linears() holds the settings a (re)compile needs
 
 
-def _memoise_templates() -> None:
+def memoise_templates() -> None:
     """inductor re-parses the same Jinja template for every GEMM it renders: half of a CPU compile here."""
     from torch._inductor.codegen.common import KernelTemplate
 
@@ -93,7 +93,7 @@ def _memoise_templates() -> None:
 def _units(model: nn.Module) -> list[CompiledUnit]:
     units = model.__dict__.get("_dflashkit_units")
     if units is None:  # built once per model and kept: the compiled code lives as long as the model
-        _memoise_templates()
+        memoise_templates()
         units = [CompiledUnit(getattr(parent, name), i) for i, (parent, name) in enumerate(_slots(model))]
         model.__dict__["_dflashkit_units"] = units  # not a submodule: state_dict and .to() never see it
     return units
