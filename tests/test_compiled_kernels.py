@@ -10,6 +10,7 @@ from dflashkit.decode.bench import run_bench
 from dflashkit.decode.speculative import DFlashProposer, generate
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.errors import DFlashError
+from dflashkit.target import compiled
 from dflashkit.target.compiled import CompiledUnit, choose_kernels, compiled_linears
 from dflashkit.target.invariant import row_invariant
 from dflashkit.target.model import load_target
@@ -36,22 +37,53 @@ def test_auto_compiles_only_large_float32_cpu_targets_and_compiled_refuses_other
         choose_kernels(tiny_targets["qwen3_5"].model, "compiled")
 
 
-def test_units_are_swapped_in_for_decoding_only_and_compute_every_row_as_if_alone(compiled_target):
+def _each_row_alone(fn, *rows):
+    """fn over all rows, and over each row alone, concatenated (fn returns one tensor or a tuple of them). The rows
+    go in as the model's forward passes them: compiled._rows marks them dynamic."""
+    def parts(out):
+        return out if isinstance(out, tuple) else (out,)
+    together = parts(fn(*map(compiled._rows, rows)))
+    alone = [parts(fn(*(compiled._rows(r[i:i + 1]) for r in rows))) for i in range(rows[0].shape[0])]
+    return together, tuple(torch.cat(col) for col in zip(*alone))
+
+
+def test_llama_layers_run_as_two_compiled_halves_for_decoding_only_and_every_row_as_if_alone(compiled_target):
     model = compiled_target.model
-    first = model.model.layers[0].self_attn
+    layer, g = model.model.layers[0], torch.Generator().manual_seed(0)
+    x = torch.randn(7, compiled_target.hidden_size, generator=g)
+    head_dim = layer.self_attn.head_dim
+    cos, sin = torch.randn(7, head_dim, generator=g), torch.randn(7, head_dim, generator=g)
+    stock = layer.mlp(layer.post_attention_layernorm(x + layer.self_attn.o_proj(x))) + x + layer.self_attn.o_proj(x)
     with row_invariant(model) as switched:
-        assert switched and isinstance(first.q_proj, CompiledUnit) and isinstance(model.lm_head, CompiledUnit)
+        fused = compiled._units(model)[0][0]
+        assert switched and "forward" in layer.__dict__ and isinstance(model.lm_head, CompiledUnit)
         with compiled_linears(model):  # nested: a no-op
-            assert isinstance(first.q_proj, CompiledUnit)
-        x = torch.randn(7, compiled_target.hidden_size, generator=torch.Generator().manual_seed(0))
-        rows = first.q_proj(x)
-        alone = torch.cat([first.q_proj(x[i:i + 1]) for i in range(7)])
-        mlp = model.model.layers[0].mlp
-        assert torch.equal(rows, alone)  # bitwise: one compiled kernel for every number of rows
-        assert torch.equal(mlp(x), torch.cat([mlp(x[i:i + 1]) for i in range(7)]))
-        torch.testing.assert_close(rows, torch.nn.functional.linear(x, first.q_proj.inner.weight), atol=1e-5, rtol=1e-5)
-    assert type(first.q_proj) is torch.nn.Linear and type(model.lm_head) is torch.nn.Linear
+            assert "forward" in layer.__dict__
+        assert "forward" in layer.__dict__
+        for fn, rows in ((fused.before, (x, cos, sin)), (fused.after, (x, x)), (model.lm_head, (x,))):
+            together, alone = _each_row_alone(fn, *rows)
+            assert all(torch.equal(t, a) for t, a in zip(together, alone))  # bitwise: one kernel for any rows
+        x = compiled._rows(x)
+        torch.testing.assert_close(fused.after(x, x), stock, atol=1e-5, rtol=1e-5)
+        q = layer.self_attn.q_proj(layer.input_layernorm(x)).view(7, -1, head_dim)
+        rotated = q * cos[:, None] + torch.cat((-q[..., head_dim // 2:], q[..., :head_dim // 2]), -1) * sin[:, None]
+        torch.testing.assert_close(fused.before(x, *map(compiled._rows, (cos, sin)))[0], rotated, atol=1e-5, rtol=1e-5)
+    assert "forward" not in layer.__dict__ and type(model.lm_head) is torch.nn.Linear
     assert not any("inner" in k for k in model.state_dict())
+
+
+def test_other_layouts_get_one_compiled_unit_per_linear_for_any_batch_of_rows(tiny_dirs):
+    target = load_target(tiny_dirs["qwen3"], device="cpu", dtype="float32", kernels="compiled")
+    first = target.model.model.layers[0].self_attn
+    x = torch.randn(2, 3, target.hidden_size, generator=torch.Generator().manual_seed(0))
+    with row_invariant(target.model):
+        assert isinstance(first.q_proj, CompiledUnit)
+        together, alone = _each_row_alone(first.q_proj, x.reshape(6, -1))
+        assert torch.equal(together[0], alone[0])
+        assert torch.equal(first.q_proj(x), together[0].view(2, 3, -1))  # a batch of sequences: the same rows
+        torch.testing.assert_close(first.q_proj(x), torch.nn.functional.linear(x, first.q_proj.inner.weight),
+                                   atol=1e-5, rtol=1e-5)
+    assert type(first.q_proj) is torch.nn.Linear
 
 
 def test_speculative_decoding_on_compiled_kernels_equals_plain_greedy_decoding_on_them(compiled_target):

@@ -38,16 +38,17 @@ def test_every_stage_writes_its_outputs(demo_run):
     assert "## Quality bar" in text and " tau > ngram tau" in text and "## Held-out suite" in text
     bench = json.loads((out / "bench/results.json").read_text())
     assert not bench["mismatches"]
-    assert set(bench["methods"]) == {"ar", "ngram", "ddtree-8", "hybrid-8", "hybrid-auto", "prompt-lookup", "hf-generate"}
+    assert set(bench["methods"]) == {"ar", "ngram", "ddtree-8", "hybrid-auto", "prompt-lookup"}
     holdout = json.loads((out / "bench-holdout/results.json").read_text())
     assert holdout["config"]["suite"] == "complete-12" and not holdout["mismatches"]
+    assert holdout["config"]["max_new_tokens"] == cfg.holdout_max_new_tokens
     assert bench["cost"]["ns"][0] == 1 and "## Cost of one target forward" in text
     assert "Numerics: dtype float32" in text and "Decoding kernels: the stock kernels" in text
 
 
 def test_stage_estimates_come_from_a_probe_of_this_machine_and_the_report_sets_them_against_the_actuals(demo_run):
     cfg, out, _ = demo_run
-    probe = json.loads((out / "probe.json").read_text())
+    probe = json.loads((out / "plan.json").read_text())  # the plan: the probe, the sizes, the estimates
     assert all(v > 0 for v in probe["probe"].values())
     assert probe["probe"]["batch"] == cfg.gen_batch_size
     built = {k: v for k, v in stamps(out).items()}
@@ -55,7 +56,9 @@ def test_stage_estimates_come_from_a_probe_of_this_machine_and_the_report_sets_t
     for name, stamp in built.items():
         assert stamp["estimate_s"] == pytest.approx(probe["estimates_s"][name]), name
     assert probe["estimates_s"]["train"] > cfg.minutes * 60  # the time box plus its loading and saving
-    assert "| stage | seconds | estimated s | actual / estimate |" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "| stage | seconds | estimated s | actual / estimate |" in text
+    assert f"Plan: fits the {cfg.budget_minutes:g}-minute budget as asked: 6 training prompts" in text
 
 
 def test_every_image_the_report_links_exists(demo_run):
@@ -71,9 +74,10 @@ def test_every_image_the_report_links_exists(demo_run):
 
 def test_rerun_skips_cached_stages_and_rebuilds_a_corrupted_one(demo_run, capsys):
     cfg, out, _ = demo_run
-    before = stamps(out)
+    before, planned = stamps(out), (out / "plan.json").stat().st_mtime_ns
     run_demo(cfg)
     after = stamps(out)
+    assert (out / "plan.json").stat().st_mtime_ns == planned  # the same plan: no second probe
     assert after == before  # nothing rebuilt: same inputs, same outputs
     assert "unchanged, skipped" in capsys.readouterr().out
     # corrupt one prompt file of the eval cache: the cache stage and everything downstream rebuild

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dflashkit.demo.stages import Stage, StageRunner, Timing
@@ -33,7 +33,8 @@ class DemoConfig:
     device: str = "auto"
     dtype: str = "auto"  # float32 forces the float32 path on a bf16 CPU (to measure what an AVX2-only CPU sees)
     kernels: str = "auto"  # decoding's linears on a float32 CPU: auto | eager | compiled (target/compiled.py)
-    minutes: float = 15.0  # training budget
+    minutes: float = 15.0  # training time box, before the plan fits it to the budget
+    budget_minutes: float | None = 40.0  # the whole demo on this machine (plan.py); None or 0: the sizes as given
     recipe: str = str(RECIPE)  # the training settings (a `dflashkit train --config` file)
     train_prompts: int | None = 360  # of the built-in train-mix suite, the ones nearest the eval suite
     train_max_new_tokens: int = 192
@@ -43,10 +44,11 @@ class DemoConfig:
     eval_max_new_tokens: int = 256
     bench_prompts: int | None = None
     bench_max_new_tokens: int = 256
-    bench_methods: str = "ar,ngram,ddtree-8,hybrid-8,hybrid-auto,prompt-lookup,hf-generate"
+    bench_methods: str = "ar,ngram,ddtree-8,hybrid-auto,prompt-lookup"  # bench adds ar-stock where kernels differ
     # a second suite in another style, never used for training or selection: does the speedup hold there?
     holdout_suite: str = "complete-12"
     holdout_methods: str = "ar,ngram,hybrid-auto,prompt-lookup"
+    holdout_max_new_tokens: int = 128  # a function body; the shorter answers keep the demo in its budget
     train: dict = field(default_factory=dict)  # overrides of the recipe (e.g. steps for a smoke run)
     progress: bool = True
 
@@ -70,21 +72,25 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     console, p, device = Console(), Paths(Path(cfg.out), cfg.eval_suite), pick_device(cfg.device)
     if fresh and p.root.exists():
         shutil.rmtree(p.root)
-    console.print(f"dflashkit demo: target {cfg.target} on [bold]{device}[/bold], training budget {cfg.minutes:g} min, "
-                  f"output {p.root}")
+    budget = f"budget {cfg.budget_minutes:g} min" if cfg.budget_minutes else "no time budget"
+    console.print(f"dflashkit demo: target {cfg.target} on [bold]{device}[/bold], {budget}, output {p.root}")
     runner = StageRunner(p.root, STEPS, console)
     runner.header("target")
     target, seconds = load_demo_target(cfg)
     runner.timings["target"] = Timing(seconds, skipped=False)
     recipe = load_recipe(cfg)
-    stages, runner.estimator = declare_stages(cfg, p, target, recipe, device, console)
-    for stage in stages:
+    plan = plan_demo(cfg, p, target, console, spent_s=seconds)
+    console.print(f"plan: {plan.note}")
+    cfg = replace(cfg, train_prompts=plan.train_prompts, minutes=plan.minutes)
+    runner.estimates = plan.estimates_s
+    for stage in declare_stages(cfg, p, target, recipe, device):
         runner.run(stage)
 
     from dflashkit.demo.report import write_report
 
     # always rewritten: cheap, and carries the timings
-    report = write_report(p.root, cfg, device, runner.timings, numerics=describe_numerics(target, cfg.dtype))
+    report = write_report(p.root, cfg, device, runner.timings, numerics=describe_numerics(target, cfg.dtype),
+                          plan=plan.note)
     runner.header("report")
     for line in report["console"]:
         console.print(line)
@@ -92,71 +98,94 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     return report
 
 
-def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device, console=None):
-    """(stages, estimator): the demo's stages in order, what each reads (its fingerprint) and writes, and a function
-    that says how long each takes here from a short probe of this machine (probe.py; the runner calls it only when
-    a stage has to be built, so a rerun of cached stages pays nothing)."""
-    from dflashkit.decode.bench import parse_methods
-    from dflashkit.demo import probe
+@dataclass
+class Suites:
+    train: object  # the training prompts (the train-mix prompts nearest the eval suite)
+    eval: object
+    bench: object
+    holdout: object
+
+
+def demo_suites(cfg: DemoConfig) -> Suites:
     from dflashkit.prompts import load_prompts
+
+    suite, holdout, train = load_prompts(cfg.eval_suite), load_prompts(cfg.holdout_suite), load_prompts("train-mix")
+    if cfg.train_prompts:  # on-domain data: the training prompts closest to the eval suite's topic
+        train = train.nearest(suite, min(cfg.train_prompts, len(train.items)))
+    return Suites(train, suite.subset(cfg.eval_prompts) if cfg.eval_prompts else suite,
+                  suite.subset(cfg.bench_prompts) if cfg.bench_prompts else suite,
+                  holdout.subset(cfg.bench_prompts) if cfg.bench_prompts else holdout)
+
+
+def plan_demo(cfg: DemoConfig, p: Paths, target, console, spent_s: float):
+    """The plan of an earlier run with the same settings, or a new one from a short probe of this machine."""
+    from dflashkit.decode.bench import parse_methods
+    from dflashkit.demo import plan, probe
     from dflashkit.target.invariant import needs_switch
+
+    key, path = plan.settings_key(cfg), p.root / "plan.json"
+    old = plan.load_plan(path, key)
+    if old is not None:
+        return old
+    s = demo_suites(cfg)
+
+    def mean_prompt(suite) -> int:
+        return round(sum(len(target.chat_ids(it.messages)) for it in suite.items) / max(1, len(suite.items)))
+
+    train_context, eval_context = mean_prompt(s.train), mean_prompt(s.eval)
+    console.print("[dim]timing this machine to plan the demo (under a minute)...[/dim]")
+    measured = probe.probe(target, target.chat_ids(s.train.items[0].messages), cfg.gen_batch_size,
+                           train_context + cfg.train_max_new_tokens // 2)
+    stock = ["ar-stock"] if needs_switch(target.model) else []  # bench adds plain decoding on the stock kernels
+    bench_runs = [(len(s.bench.items), parse_methods(cfg.bench_methods) + stock, cfg.bench_max_new_tokens),
+                  (len(s.holdout.items), parse_methods(cfg.holdout_methods) + stock, cfg.holdout_max_new_tokens)]
+    compiled = target.kernels == "compiled"
+    fixed = {
+        "cache": probe.data_seconds(measured, len(s.eval.items), len(s.eval.items), cfg.eval_max_new_tokens,
+                                    eval_context),
+        "eval": probe.eval_seconds(measured, len(s.eval.items) * (eval_context + cfg.eval_max_new_tokens)),
+        "bench": probe.bench_seconds(measured, bench_runs, compiled),
+    }
+
+    def estimate(prompts: int, minutes: float) -> dict[str, float]:
+        data = probe.data_seconds(measured, prompts, cfg.gen_batch_size, cfg.train_max_new_tokens, train_context)
+        return {"data": data, "cache": fixed["cache"], "train": minutes * 60 + probe.TRAIN_OVERHEAD_S,
+                "eval": fixed["eval"], "bench": fixed["bench"]}
+
+    made = plan.make_plan(cfg, key, spent_s + measured.seconds, asdict(measured), estimate, len(s.train.items))
+    plan.save_plan(path, made)
+    return made
+
+
+def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[Stage]:
+    """The demo's stages in order: what each reads (its fingerprint) and writes."""
     from dflashkit.train.loop import feature_layers
 
     tid = {k: v for k, v in target.identity().items() if k != "path"}
     layer_ids = feature_layers(recipe, target, None)
-    suite, holdout = load_prompts(cfg.eval_suite), load_prompts(cfg.holdout_suite)
-    train_suite = load_prompts("train-mix")
-    if cfg.train_prompts:  # on-domain data: the training prompts closest to the eval suite's topic
-        train_suite = train_suite.nearest(suite, cfg.train_prompts)
-    eval_suite = suite.subset(cfg.eval_prompts) if cfg.eval_prompts else suite
-    bench_suite = suite.subset(cfg.bench_prompts) if cfg.bench_prompts else suite
-    if cfg.bench_prompts:
-        holdout = holdout.subset(cfg.bench_prompts)
-    def estimate() -> dict[str, float]:
-        def mean_prompt(s) -> int:
-            return round(sum(len(target.chat_ids(it.messages)) for it in s.items) / max(1, len(s.items)))
-
-        train_context, eval_context = mean_prompt(train_suite), mean_prompt(eval_suite)
-        if console is not None:
-            console.print("[dim]timing this machine for the stage estimates (under a minute)...[/dim]")
-        measured = probe.probe(target, target.chat_ids(train_suite.items[0].messages), cfg.gen_batch_size,
-                               train_context + cfg.train_max_new_tokens // 2)
-        stock = ["ar-stock"] if needs_switch(target.model) else []  # bench adds plain decoding on the stock kernels
-        bench_runs = [(len(bench_suite), parse_methods(cfg.bench_methods) + stock),
-                      (len(holdout), parse_methods(cfg.holdout_methods) + stock)]
-        out = {
-            "data": probe.data_seconds(measured, len(train_suite), cfg.gen_batch_size, cfg.train_max_new_tokens,
-                                       train_context),
-            "cache": probe.data_seconds(measured, len(eval_suite), len(eval_suite), cfg.eval_max_new_tokens,
-                                        eval_context),
-            "train": cfg.minutes * 60 + probe.TRAIN_OVERHEAD_S,
-            "eval": probe.eval_seconds(measured, len(eval_suite) * (eval_context + cfg.eval_max_new_tokens)),
-            "bench": probe.bench_seconds(measured, bench_runs, cfg.bench_max_new_tokens, target.kernels == "compiled"),
-        }
-        write_json(p.root / "probe.json", {"probe": asdict(measured), "estimates_s": out})
-        return out
-
+    s = demo_suites(cfg)
     return [
-        Stage("data", {"target": tid, "suite": train_suite.content_hash, "layers": layer_ids,
+        Stage("data", {"target": tid, "suite": s.train.content_hash, "layers": layer_ids,
                        "max_new_tokens": cfg.train_max_new_tokens}, [p.data],
-              lambda: build_cache(target, train_suite, p.data, layer_ids, cfg.train_max_new_tokens, cfg.gen_batch_size,
+              lambda: build_cache(target, s.train, p.data, layer_ids, cfg.train_max_new_tokens, cfg.gen_batch_size,
                                   cfg.progress)),
-        Stage("cache", {"target": tid, "suite": eval_suite.content_hash, "layers": layer_ids,
+        Stage("cache", {"target": tid, "suite": s.eval.content_hash, "layers": layer_ids,
                         "max_new_tokens": cfg.eval_max_new_tokens}, [p.eval_cache],
-              lambda: build_cache(target, eval_suite, p.eval_cache, layer_ids, cfg.eval_max_new_tokens,
-                                  len(eval_suite), cfg.progress)),
+              lambda: build_cache(target, s.eval, p.eval_cache, layer_ids, cfg.eval_max_new_tokens,
+                                  len(s.eval.items), cfg.progress)),
         Stage("train", {"recipe": recipe.to_dict(), "minutes": cfg.minutes, "device": str(device),
                         "schedule": "time-fitted cosine"}, [p.train, p.drafters],
               lambda: train_drafters(cfg, p, target, recipe), after=("data", "cache")),
         Stage("eval", {}, [p.eval], lambda: evaluate_drafters(cfg, p, target),
               after=("train", "cache")),
-        Stage("bench", {"suite": bench_suite.content_hash, "methods": cfg.bench_methods,
-                        "holdout": [holdout.content_hash, cfg.holdout_methods],
+        Stage("bench", {"suite": s.bench.content_hash, "methods": cfg.bench_methods,
+                        "holdout": [s.holdout.content_hash, cfg.holdout_methods, cfg.holdout_max_new_tokens],
                         "max_new_tokens": cfg.bench_max_new_tokens, "device": str(device)}, [p.bench, p.holdout],
-              lambda: bench_methods(cfg, p, target, [(bench_suite, cfg.bench_methods, p.bench),
-                                                     (holdout, cfg.holdout_methods, p.holdout)]),
+              lambda: bench_methods(cfg, p, target, [(s.bench, cfg.bench_methods, cfg.bench_max_new_tokens, p.bench),
+                                                     (s.holdout, cfg.holdout_methods, cfg.holdout_max_new_tokens,
+                                                      p.holdout)]),
               after=("train",)),
-    ], estimate
+    ]
 
 
 def describe_numerics(target, asked: str = "auto") -> str:
@@ -263,16 +292,16 @@ def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
 
 
 def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
-    """Online decoding of each (suite, methods, out folder), one cost curve measured for both."""
+    """Online decoding of each (suite, methods, max new tokens, out folder), one cost curve measured for all."""
     from dflashkit.decode.bench import parse_methods, run_bench, write_bench
     from dflashkit.decode.cost import CostCurve
     from dflashkit.drafter.checkpoint import load_drafter
 
     drafter = load_drafter(final_checkpoint(p), target=target, device=target.device, dtype=target.dtype)
     cost = None
-    for suite, methods, out in runs:
+    for suite, methods, max_new_tokens, out in runs:
         prompts = [(it.id, target.chat_ids(it.messages)) for it in suite.items]
-        result = run_bench(target, drafter, prompts, parse_methods(methods), max_new_tokens=cfg.bench_max_new_tokens,
+        result = run_bench(target, drafter, prompts, parse_methods(methods), max_new_tokens=max_new_tokens,
                            progress=cfg.progress, cost=cost)
         cost = CostCurve.from_dict(result["cost"])
         result["config"]["suite"] = suite.name
@@ -284,7 +313,11 @@ def register(sub) -> None:
     from dflashkit.threads import add_threads_option
 
     p = sub.add_parser("demo", help="the whole pipeline on the embedded default target (what `make demo` runs)")
-    p.add_argument("--minutes", type=float, default=15.0, help="training budget in minutes (default 15)")
+    p.add_argument("--minutes", type=float, default=15.0,
+                   help="training time box in minutes (default 15; the budget may shorten it)")
+    p.add_argument("--budget-minutes", type=float, default=40.0,
+                   help="fit the whole demo to this many minutes on this machine by sizing the training data and "
+                        "time from a probe (default 40; 0 = the sizes as given)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda")
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | float32 | bfloat16")
@@ -305,7 +338,7 @@ def register(sub) -> None:
 
 def cmd_demo(args) -> int:
     cfg = DemoConfig(out=args.out, target=args.target, device=args.device, dtype=args.dtype, kernels=args.kernels,
-                     minutes=args.minutes,
+                     minutes=args.minutes, budget_minutes=args.budget_minutes or None,
                      recipe=args.recipe,
                      train_prompts=args.train_prompts, eval_prompts=args.eval_prompts, bench_prompts=args.bench_prompts,
                      bench_max_new_tokens=args.bench_max_new_tokens)

@@ -3,8 +3,8 @@
 Constants measured on one CPU were off by 2x on another (a float32-only CPU ran the data stage in 17 min against
 an estimate of 9), so the demo times the operations its stages repeat and scales them:
 - a batched greedy step and prefill at the data stage's batch size and typical context (data, cache stages);
-- a one-token forward on the stock kernels (bench, and the offline eval, which scales with the machine); compiled
-  kernels (target/compiled.py) cost about the same for one token, plus their compile.
+- a one-token forward on the stock kernels (bench, and the offline eval, which scales with the machine); on compiled
+  kernels (target/compiled.py) a token costs COMPILED_TOKEN of that, plus their compile.
 Per-method factors (time per token relative to plain decoding) come from measured demo runs; they are the one
 part that depends on the drafter, so the bench estimate is the loosest.
 """
@@ -20,14 +20,16 @@ import torch
 
 # time per generated token relative to plain decoding, from measured runs on coding-10: float32 on compiled kernels
 # (benchmarks/results/cpu-2026-12-01-compiled-coding-10.md) and the bf16 demo report, which agree within 10%
-METHOD_FACTOR = {"ar": 1.0, "ar-stock": 1.1, "ngram": 0.6, "hybrid": 0.6, "ddtree": 1.2, "chain": 1.0,
+METHOD_FACTOR = {"ar": 1.0, "ar-stock": 1.0, "ngram": 0.6, "hybrid": 0.6, "ddtree": 1.2, "chain": 1.0,
                  "prompt-lookup": 0.7, "hf-generate": 1.05}
 ANSWER_FILL = 0.9  # answers stop early: coding-10's 10 answers filled 2281 of 2560 tokens
 EVAL_STEPS_PER_TOKEN = 0.3  # offline eval of one cached token (3 drafters x 2 anchor schedules), in verify steps:
 #                             103 s for coding-10's cache at an 82 ms verify (runs/demo-small)
 TRAIN_OVERHEAD_S = 10.0  # saving the untrained twin and the first checkpoint after the time box (measured 3 s)
 BENCH_OVERHEAD_S = 20.0  # the cost curve and the warm-up
-COMPILE_S = 100.0  # compiling the linears of a 135M float32 target on 2 cores (target/compiled.py)
+COMPILE_S = 120.0  # compiling a 135M float32 target's layers on 2 cores (target/compiled.py): 115-132 s measured
+COMPILED_TOKEN = 0.75  # a one-token forward on compiled kernels against the stock ones: 61 vs 76-95 ms measured
+#                        (benchmarks/results/cpu-2026-12-01-compiled-forward.md); ar-stock keeps the stock cost
 
 
 @dataclass
@@ -88,11 +90,14 @@ def method_factor(method: str) -> float:
     return METHOD_FACTOR.get(method, METHOD_FACTOR.get(family, 1.0))
 
 
-def bench_seconds(p: Probe, runs: list[tuple[int, list[str]]], max_new_tokens: int, compiled: bool = False) -> float:
-    """runs: (prompts, methods) per suite. Tokens x a one-token verify x the method's factor (+ the compile)."""
-    tokens = max_new_tokens * ANSWER_FILL
-    return BENCH_OVERHEAD_S + COMPILE_S * compiled + sum(n * tokens * p.verify_s * method_factor(m)
-                                                         for n, methods in runs for m in methods)
+def bench_seconds(p: Probe, runs: list[tuple[int, list[str], int]], compiled: bool = False) -> float:
+    """runs: (prompts, methods, max new tokens) per suite. Tokens x a one-token forward on the kernels the method
+    runs on x the method's factor (+ the compile)."""
+    def token_s(method: str) -> float:
+        return p.verify_s * (COMPILED_TOKEN if compiled and method != "ar-stock" else 1.0) * method_factor(method)
+
+    return BENCH_OVERHEAD_S + COMPILE_S * compiled + sum(n * tokens * ANSWER_FILL * token_s(m)
+                                                         for n, methods, tokens in runs for m in methods)
 
 
 def eval_seconds(p: Probe, cached_tokens: int) -> float:

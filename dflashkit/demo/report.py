@@ -241,7 +241,7 @@ def stage_rates(res: DemoResults, timings: dict) -> dict[str, str]:
 
 
 # ---- the report ----------------------------------------------------------------------------------------------------
-def write_report(root: Path, cfg, device, timings: dict, numerics: str = "") -> dict:
+def write_report(root: Path, cfg, device, timings: dict, numerics: str = "", plan: str = "") -> dict:
     """report.md and report.json from what the stages wrote; returns the checks and the console summary."""
     from dflashkit.decode.bench import cost_markdown
     from dflashkit.report import markdown_table
@@ -249,7 +249,7 @@ def write_report(root: Path, cfg, device, timings: dict, numerics: str = "") -> 
     res = DemoResults.read(root)
     lines = ["# dflashkit demo report", "",
              f"Target `{cfg.target}` on `{device}`; training budget {cfg.minutes:g} min; eval suite `{cfg.eval_suite}`.", "",
-             *([numerics, ""] if numerics else [])]
+             *([numerics, ""] if numerics else []), *([f"Plan: {plan}." , ""] if plan else [])]
     rows = [[a, d, o.prompts, o.blocks, o.streak, o.tau, o.pos1_acc, o.dds4, o.dds8] for (a, d), o in res.offline.items()]
     lines += ["## Offline evaluation (eval cache, temperature 0)", "",
               "dds4/dds8 = DDTree node-budget trees budget:4/8 (the paper's tree, docs/design.md section 5).", "",
@@ -277,7 +277,7 @@ def write_report(root: Path, cfg, device, timings: dict, numerics: str = "") -> 
                   f"vocabulary {t.draft_vocab_size or 'full'}; stopped: {t.stop_reason}.", "", "![loss](train/loss.png)", ""]
     rates = stage_rates(res, timings)
     lines += ["## Stage timings", "", "Seconds each stage took when it was built (a skipped stage reused that output), "
-              "the estimate printed before it ran (from the probe of this machine at the start, probe.json), and what "
+              "the estimate printed before it ran (from the probe of this machine at the start, plan.json), and what "
               "it produced per second.", "",
               markdown_table(["stage", "seconds", "estimated s", "actual / estimate", "skipped", "throughput"],
                              [[k, v.seconds, v.estimate_s, v.seconds / v.estimate_s if v.estimate_s else None, v.skipped,

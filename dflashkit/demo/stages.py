@@ -7,7 +7,6 @@ Each stage writes `<out>/stages/<name>.json`: {"inputs": hash, "done": bool, "ou
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import time
@@ -53,14 +52,10 @@ class StageRunner:
     console: object
     digests: dict[str, str] = field(default_factory=dict)
     timings: dict[str, Timing] = field(default_factory=dict)
-    estimator: Callable[[], dict[str, float]] | None = None  # stage -> seconds here; called once, when first needed
+    estimates: dict[str, float] = field(default_factory=dict)  # stage -> seconds expected here (plan.py)
 
     def __post_init__(self):
         (self.root / "stages").mkdir(parents=True, exist_ok=True)
-
-    @functools.cached_property
-    def estimates(self) -> dict[str, float]:
-        return self.estimator() if self.estimator else {}
 
     def label(self, name: str) -> str:
         return f"[{self.names.index(name) + 1}/{len(self.names)}] {name}"

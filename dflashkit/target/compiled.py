@@ -4,10 +4,12 @@ With the stock kernels on a float32-only CPU (AVX2) a 2-token forward costs 1.5-
 8-token forward 1.8x, so speculative decoding barely pays there. inductor's CPP GEMM micro-kernels, with the
 weights frozen (packed once), bring that to 1.1-1.3x for 2-4 tokens and 1.4x for 8, and a one-token forward gets
 faster too (benchmarks/results/cpu-2026-12-01-compiled-forward.md; on coding-10 hybrid-auto went from 1.30x to
-1.69x plain decoding, cpu-2026-12-01-compiled-coding-10.md). Each attention projection, each MLP and the LM head
-becomes one compiled unit, compiled once for every number of rows (dynamic, size-oblivious shapes: one row is not
-a special case), so a row's output does not depend on how many rows share the call: the row invariance that keeps
-speculative decoding token-exact holds by construction, for plain decoding as much as for a tree verify.
+1.69x plain decoding, cpu-2026-12-01-compiled-coding-10.md). A Llama decoder layer runs as two compiled halves
+around its attention (FusedLayer: norms, projections, rotary embedding, residuals and MLP fused; a one-token forward
+75 -> 61 ms on SmolLM2), other layouts as one compiled unit per projection and MLP, and the LM head as one unit.
+Each is compiled once for every number of rows (dynamic, size-oblivious shapes: one row is not a special case), so
+a row's output does not depend on how many rows share the call: the row invariance that keeps speculative decoding
+token-exact holds by construction, for plain decoding as much as for a tree verify.
 
 Compiling costs about 2 minutes per process on 2 cores (the first forward pays it), which is why `auto` uses it
 only for a target large enough to win that back; `kernels="compiled"` forces it, `"eager"` never compiles.
@@ -63,10 +65,17 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return out + [(model, "lm_head")]
 
 
+def _compile(fn, name: str):
+    """torch.compile for every number of rows; its own code object, so that a call checks its own guards only, not
+    those of 150 siblings (that search cost 0.7 ms per call)."""
+    fn.__code__ = fn.__code__.replace(co_name=name)
+    return torch.compile(fn, mode="max-autotune-no-cudagraphs")  # dynamic in the rows: _rows() marks them
+
+
 class CompiledUnit(nn.Module):
     """One linear or MLP, compiled on first use for every number of rows, with inductor's CPP GEMM template only
-    (ATen's kernels are not row-invariant). Each unit gets its own code object, so that a call checks its own
-    guards only, not those of 150 siblings (that search cost 0.7 ms per call)."""
+    (ATen's kernels are not row-invariant). Rows are flattened to one contiguous matrix first: one graph serves any
+    batch and any view (a strided batch of rows also hit a codegen bug of the CPP template)."""
 
     def __init__(self, inner: nn.Module, index: int):
         super().__init__()
@@ -74,11 +83,61 @@ class CompiledUnit(nn.Module):
 
         def unit(x):
             return inner(x)
-        unit.__code__ = unit.__code__.replace(co_name=f"dflashkit_unit_{index}")
-        self.fn = torch.compile(unit, dynamic=True, mode="max-autotune-no-cudagraphs")
+        self.fn = _compile(unit, f"dflashkit_unit_{index}")
 
     def forward(self, x):
-        return self.fn(x)  # compiled_linears() holds the settings a (re)compile needs
+        return self.fn(_rows(x)).view(*x.shape[:-1], -1)  # compiled_linears() holds the settings a compile needs
+
+
+class FusedLayer:
+    """A Llama decoder layer as two compiled halves around its attention: norm, q/k/v projections and rotary
+    embedding before; output projection, residuals, norm and MLP after. Per layer that is 2 compiled calls instead
+    of 5 plus about 20 eager operations. Attention (and the KV cache) stays the model's own."""
+
+    def __init__(self, layer: nn.Module, index: int):
+        attn = self.attn = layer.self_attn
+
+        def before(x, cos, sin):  # x: (rows, hidden); cos, sin: (rows, head_dim)
+            h = layer.input_layernorm(x)
+            q, k = (proj(h).view(x.shape[0], -1, attn.head_dim) for proj in (attn.q_proj, attn.k_proj))
+            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+            return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, attn.v_proj(h)
+
+        def after(x, a):  # x: the layer's input rows; a: the attention's output rows
+            x = x + attn.o_proj(a)
+            return x + layer.mlp(layer.post_attention_layernorm(x))
+
+        self.before, self.after = _compile(before, f"dflashkit_before_{index}"), _compile(after, f"dflashkit_after_{index}")
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        b, t, width = hidden_states.shape
+        attn, x = self.attn, _rows(hidden_states)
+        cos, sin = (_rows(e.expand(b, t, -1)) for e in position_embeddings)
+        q, k, v = (y.reshape(b, t, -1, attn.head_dim).transpose(1, 2) for y in self.before(x, cos, sin))
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, attn.layer_idx)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+        out, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
+                        **kwargs)
+        return self.after(x, _rows(out.reshape(b, t, -1))).view(b, t, width)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as one contiguous (rows, features) matrix that is not a view, the rows marked dynamic: dynamo guards a
+    view's base, whose strides change with the batch and the sequence, and would recompile for each; the features
+    stay static (the rows need no gradient here)."""
+    rows = x.reshape(-1, x.shape[-1]).detach()
+    torch._dynamo.mark_dynamic(rows, 0)
+    return rows
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def memoise_templates() -> None:
@@ -90,11 +149,19 @@ def memoise_templates() -> None:
         KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(raw.__func__))
 
 
-def _units(model: nn.Module) -> list[CompiledUnit]:
+def _fusable(model: nn.Module) -> bool:
+    """Llama's own decoder layers, whose forward FusedLayer restates; other layouts get per-linear units."""
+    layers = model.model.layers
+    return all(type(layer).__name__ == "LlamaDecoderLayer" for layer in layers)
+
+
+def _units(model: nn.Module) -> tuple[list[FusedLayer], list[CompiledUnit]]:
     units = model.__dict__.get("_dflashkit_units")
     if units is None:  # built once per model and kept: the compiled code lives as long as the model
         memoise_templates()
-        units = [CompiledUnit(getattr(parent, name), i) for i, (parent, name) in enumerate(_slots(model))]
+        slots = [(model, "lm_head")] if _fusable(model) else _slots(model)
+        fused = [FusedLayer(layer, i) for i, layer in enumerate(model.model.layers)] if _fusable(model) else []
+        units = fused, [CompiledUnit(getattr(parent, name), i) for i, (parent, name) in enumerate(slots)]
         model.__dict__["_dflashkit_units"] = units  # not a submodule: state_dict and .to() never see it
     return units
 
@@ -105,12 +172,17 @@ def compiled_linears(model: nn.Module):
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
 
-    slots = _slots(model)
+    fused, units = _units(model)
+    layers = list(model.model.layers)[: len(fused)]
+    slots = [(model, "lm_head")] if fused else _slots(model)
     originals = [getattr(parent, name) for parent, name in slots]
+    forwards = [layer.__dict__.get("forward") for layer in layers]  # set when nested
     try:
-        for (parent, name), unit in zip(slots, _units(model)):
+        for (parent, name), unit in zip(slots, units):
             setattr(parent, name, unit)
-        # what any (re)compile inside needs, set once per block rather than per call (150 calls per forward):
+        for layer, unit in zip(layers, fused):
+            layer.forward = unit.forward  # the module stays: hooks that record hidden states still fire
+        # what any (re)compile inside needs, set once per block rather than per call (60-150 calls per forward):
         # one-row inputs not special-cased, frozen (packed) weights, the CPP template only; no_grad for freezing
         with (fx_config.patch(backed_size_oblivious=True), torch.no_grad(),
               inductor_config.patch(freezing=True, max_autotune_gemm_backends="CPP")):
@@ -118,3 +190,8 @@ def compiled_linears(model: nn.Module):
     finally:
         for (parent, name), original in zip(slots, originals):
             setattr(parent, name, original)
+        for layer, forward in zip(layers, forwards):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward

@@ -1,0 +1,91 @@
+"""How much the demo does on this machine: its training data and training time sized to a wall-clock budget.
+
+The same demo took 71 minutes on a float32-only CPU and about 35 on a bf16 one, so fixed sizes cannot fit one
+budget everywhere. The probe (probe.py) says what each stage costs here; the plan keeps every stage and every
+bench method and shrinks the two elastic quantities, the number of training prompts and the training minutes, by
+one common factor until the estimated total fits the budget with a margin. The plan is written to
+`<out>/plan.json` once and reused by a rerun with the same settings, so a resumed demo builds the same stages and
+pays no second probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from dflashkit.fileio import read_json, sha256_json, write_json
+
+MARGIN = 0.9  # plan for 90% of the budget: a stage's estimate is good to about 25%, their sum to about 10%
+MIN_PROMPTS = 64  # below this the drafter learns too little to show anything
+MIN_MINUTES = 3.0
+
+
+@dataclass
+class Plan:
+    key: str  # hash of the settings the plan was made for
+    budget_minutes: float | None  # None: the sizes as given, estimated only
+    train_prompts: int
+    minutes: float  # training time box
+    estimates_s: dict[str, float]  # stage -> seconds expected here
+    spent_s: float  # loading the target and probing the machine, before the first stage
+    probe: dict
+    note: str  # what the plan changed and why, for the console and the report
+
+    def total_minutes(self) -> float:
+        return (self.spent_s + sum(self.estimates_s.values())) / 60
+
+
+def fit(budget_s: float, spent_s: float, estimate: Callable[[int, float], dict[str, float]], prompts: int,
+        minutes: float) -> tuple[int, float]:
+    """The largest (prompts, minutes), both scaled by one factor f <= 1 and no smaller than the minimums, whose
+    estimated stages fit MARGIN x budget after `spent_s`. At the minimums when even they do not fit."""
+    def sized(f: float) -> tuple[int, float]:
+        return max(min(MIN_PROMPTS, prompts), min(prompts, int(prompts * f))), max(min(MIN_MINUTES, minutes), minutes * f)
+
+    def fits(f: float) -> bool:
+        return spent_s + sum(estimate(*sized(f)).values()) <= MARGIN * budget_s
+
+    if fits(1.0):
+        return sized(1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(20):  # bisection: the total grows with f
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return sized(lo)
+
+
+def settings_key(cfg) -> str:
+    """What a plan depends on: the settings, not the out folder or the progress display."""
+    return sha256_json({k: v for k, v in asdict(cfg).items() if k not in ("out", "progress")})
+
+
+def load_plan(path: Path, key: str) -> Plan | None:
+    if not path.is_file():
+        return None
+    data = read_json(path)
+    return Plan(**data) if data.get("key") == key else None
+
+
+def make_plan(cfg, key: str, spent_s: float, probe: dict, estimate: Callable[[int, float], dict[str, float]],
+              prompts: int) -> Plan:
+    """Sizes the demo to cfg.budget_minutes (none: as given). `prompts`: the training prompts the settings ask for."""
+    budget = cfg.budget_minutes or None
+    sized_prompts, minutes = (prompts, cfg.minutes) if budget is None else fit(budget * 60, spent_s, estimate, prompts,
+                                                                              cfg.minutes)
+    estimates = estimate(sized_prompts, minutes)
+    total = (spent_s + sum(estimates.values())) / 60
+    if budget is None:
+        note = f"no budget set: {prompts} training prompts, {minutes:g} training minutes (about {total:.0f} min here)"
+    elif (sized_prompts, minutes) == (prompts, cfg.minutes):
+        note = (f"fits the {budget:g}-minute budget as asked: {prompts} training prompts, {minutes:g} training minutes "
+                f"(about {total:.0f} min here)")
+    else:
+        note = (f"sized to the {budget:g}-minute budget from this machine's probe: {sized_prompts} of {prompts} training "
+                f"prompts and {minutes:.1f} of {cfg.minutes:g} training minutes (about {total:.0f} min here"
+                + (", over the budget even at the smallest sizes" if total > budget else "") + ")")
+    return Plan(key, budget, sized_prompts, round(minutes, 2), estimates, spent_s, probe, note)
+
+
+def save_plan(path: Path, plan: Plan) -> None:
+    write_json(path, asdict(plan))

@@ -1,0 +1,47 @@
+"""The demo's plan (demo/plan.py): training data and time shrink together until the estimates fit the budget."""
+
+import pytest
+
+from dflashkit.demo import DemoConfig
+from dflashkit.demo.plan import MARGIN, MIN_MINUTES, MIN_PROMPTS, fit, load_plan, make_plan, save_plan, settings_key
+
+
+def estimate(prompts: int, minutes: float) -> dict[str, float]:
+    """2 s per prompt of data, the training minutes, and 600 s of fixed stages."""
+    return {"data": 2.0 * prompts, "train": 60 * minutes, "bench": 600.0}
+
+
+def total(prompts, minutes, spent=50.0):
+    return spent + sum(estimate(prompts, minutes).values())
+
+
+def test_a_budget_that_fits_keeps_the_sizes_asked_for():
+    assert fit(3600, 50, estimate, 360, 15) == (360, 15)
+
+
+def test_a_tight_budget_shrinks_prompts_and_minutes_by_one_factor_to_the_largest_that_fits():
+    prompts, minutes = fit(1800, 50, estimate, 360, 15)
+    assert total(prompts, minutes) <= MARGIN * 1800
+    assert prompts / 360 == pytest.approx(minutes / 15, abs=0.01)  # one factor for both
+    assert total(prompts + 4, minutes * (prompts + 4) / prompts) > MARGIN * 1800  # not needlessly small
+
+
+def test_minimums_hold_even_when_nothing_fits():
+    assert fit(300, 50, estimate, 360, 15) == (MIN_PROMPTS, MIN_MINUTES)
+    assert fit(300, 50, estimate, 10, 1) == (10, 1)  # never more than asked
+
+
+def test_the_plan_says_what_it_cut_and_is_reused_only_for_the_same_settings(tmp_path):
+    cfg = DemoConfig(minutes=15, budget_minutes=30)
+    plan = make_plan(cfg, settings_key(cfg), 50.0, {"verify_s": 0.1}, estimate, 360)
+    assert plan.train_prompts < 360 and plan.minutes < 15
+    assert f"{plan.train_prompts} of 360 training prompts" in plan.note and "30-minute budget" in plan.note
+    assert plan.total_minutes() <= MARGIN * 30
+    over = make_plan(DemoConfig(budget_minutes=5), "k", 50.0, {}, estimate, 360)
+    assert "over the budget even at the smallest sizes" in over.note
+    unbounded = make_plan(DemoConfig(budget_minutes=None), "k", 50.0, {}, estimate, 360)
+    assert (unbounded.train_prompts, unbounded.minutes) == (360, 15) and "no budget set" in unbounded.note
+    save_plan(tmp_path / "plan.json", plan)
+    assert load_plan(tmp_path / "plan.json", settings_key(cfg)) == plan
+    assert load_plan(tmp_path / "plan.json", settings_key(DemoConfig(minutes=15, budget_minutes=31))) is None
+    assert settings_key(DemoConfig(out="a")) == settings_key(DemoConfig(out="b"))
