@@ -410,3 +410,14 @@ def test_smollm2_extract_matches_forward(tmp_path, smollm2):
         out = smollm2.model(torch.tensor([[comp[-1]]]), past_key_values=out.past_key_values, use_cache=True)
         comp.append(int(out.logits[0, -1].argmax()))
     assert rec.tokens[rec.prompt_len:].tolist() == comp
+
+
+def test_progress_bars_rate_a_whole_batch_finishing_at_once_over_the_whole_run():
+    """A batch of 32 prompts lands in one instant: a moving-average rate read that as 51 s per prompt and printed an
+    ETA of an hour for a two-minute stage. The bar's rate is the run's average instead."""
+    from dflashkit.cache.extraction import _bar
+
+    bar = _bar(96, "generate", enabled=True)
+    bar.update(32)
+    assert bar.smoothing == 0
+    bar.close()

@@ -114,7 +114,7 @@ def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_si
     rounds = max((it.num_turns for it in suite.items), default=0)
     turns = [(item, k) for k in range(rounds) for item in suite.items if k < item.num_turns]
     bar = tqdm(total=len(turns), initial=sum(turn_id(it, k) in done for it, k in turns), desc="generate",
-               unit="turn", disable=not progress)
+               unit="turn", disable=not progress, smoothing=0)  # batches finish at once: whole-run rate
     pending: list[dict] = []
 
     def flush():

@@ -8,8 +8,10 @@ faster too (benchmarks/results/cpu-2026-12-01-compiled-forward.md; on coding-10 
 around its attention (FusedLayer: norms, projections, rotary embedding, residuals and MLP fused; a one-token forward
 75 -> 61 ms on SmolLM2), other layouts as one compiled unit per projection and MLP, and the LM head as one unit.
 Each is compiled once for every number of rows (dynamic, size-oblivious shapes: one row is not a special case), so
-a row's output does not depend on how many rows share the call: the row invariance that keeps speculative decoding
-token-exact holds by construction, for plain decoding as much as for a tree verify.
+a row's output does not depend on how many rows share the call. That holds for every linear, norm and MLP by
+construction; attention (PyTorch's SDPA) is not row-invariant: a multi-token verify's rows round differently from
+a one-token step by up to about 3e-7 in float32 (measured, with or without the mask), so exactness rests on such a
+difference not flipping a greedy choice. It has not in any run so far, and bench checks every output.
 
 Compiling costs about 2 minutes per process on 2 cores (the first forward pays it), which is why `auto` uses it
 only for a target large enough to win that back; `kernels="compiled"` forces it, `"eager"` never compiles.
@@ -111,19 +113,18 @@ class FusedLayer:
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import eager_attention_forward
-
         b, t, width = hidden_states.shape
         attn, x = self.attn, _rows(hidden_states)
         cos, sin = (_rows(e.expand(b, t, -1)) for e in position_embeddings)
         q, k, v = (y.reshape(b, t, -1, attn.head_dim).transpose(1, 2) for y in self.before(x, cos, sin))
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, attn.layer_idx)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-        out, _ = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
-                        **kwargs)
-        return self.after(x, _rows(out.reshape(b, t, -1))).view(b, t, width)
+        # the grouped key/value heads as they are (enable_gqa), also under a mask, where transformers' sdpa path
+        # copies them out to every query head (7 of 70 ms of a 4-token verify here); bitwise the same result
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, scale=attn.scaling, is_causal=attention_mask is None and t > 1,
+            enable_gqa=True)
+        return self.after(x, _rows(out.transpose(1, 2).reshape(b, t, -1))).view(b, t, width)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
