@@ -94,7 +94,8 @@ class CompiledUnit(nn.Module):
 class FusedLayer:
     """A Llama decoder layer as two compiled halves around its attention: norm, q/k/v projections and rotary
     embedding before; output projection, residuals, norm and MLP after. Per layer that is 2 compiled calls instead
-    of 5 plus about 20 eager operations. Attention (and the KV cache) stays the model's own."""
+    of 5 plus about 20 eager operations. Between them, the model's own KV cache and PyTorch's SDPA on the mask
+    transformers built (Llama layers have no sliding window, soft-capping or dropout at inference to honour)."""
 
     def __init__(self, layer: nn.Module, index: int):
         attn = self.attn = layer.self_attn
