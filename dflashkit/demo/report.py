@@ -249,7 +249,7 @@ def write_report(root: Path, cfg, device, timings: dict, numerics: str = "", pla
     res = DemoResults.read(root)
     lines = ["# dflashkit demo report", "",
              f"Target `{cfg.target}` on `{device}`; training budget {cfg.minutes:g} min; eval suite `{cfg.eval_suite}`.", "",
-             *([numerics, ""] if numerics else []), *([f"Plan: {plan}." , ""] if plan else [])]
+             *([numerics, ""] if numerics else []), *([f"Plan: {plan}.", ""] if plan else [])]
     rows = [[a, d, o.prompts, o.blocks, o.streak, o.tau, o.pos1_acc, o.dds4, o.dds8] for (a, d), o in res.offline.items()]
     lines += ["## Offline evaluation (eval cache, temperature 0)", "",
               "dds4/dds8 = DDTree node-budget trees budget:4/8 (the paper's tree, docs/design.md section 5).", "",
