@@ -3,7 +3,7 @@
     python benchmarks/compiled_forward.py [--ns 1,2,4,8,16] [--rounds 3]
 
 benchmarks/cpu_kernels.py times the decoder's linears back to back in one compiled graph. A verify also runs
-attention, norms and rotary embeddings between them, and calls each compiled unit from Python (151 calls per
+attention, norms and rotary embeddings between them, and calls each compiled unit from Python (61 calls per
 forward on SmolLM2), so this times the product itself: the cost curve `bench` measures (one forward over n new
 tokens after a 400-token KV cache), on the stock kernels and on `--kernels compiled` (dflashkit/target/compiled.py),
 in alternating rounds so that both see the same machine; the compile seconds; and whether plain greedy decoding on

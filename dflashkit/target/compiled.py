@@ -98,13 +98,14 @@ class FusedLayer:
     transformers built (Llama layers have no sliding window, soft-capping or dropout at inference to honour)."""
 
     def __init__(self, layer: nn.Module, index: int):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
         attn = self.attn = layer.self_attn
 
         def before(x, cos, sin):  # x: (rows, hidden); cos, sin: (rows, head_dim)
             h = layer.input_layernorm(x)
             q, k = (proj(h).view(x.shape[0], -1, attn.head_dim) for proj in (attn.q_proj, attn.k_proj))
-            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-            return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, attn.v_proj(h)
+            return *apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1), attn.v_proj(h)
 
         def after(x, a):  # x: the layer's input rows; a: the attention's output rows
             x = x + attn.o_proj(a)
@@ -137,11 +138,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def memoise_templates() -> None:
     """inductor re-parses the same Jinja template for every GEMM it renders: half of a CPU compile here."""
     from torch._inductor.codegen.common import KernelTemplate
@@ -157,14 +153,17 @@ def _fusable(model: nn.Module) -> bool:
     return all(type(layer).__name__ == "LlamaDecoderLayer" for layer in layers)
 
 
-def _units(model: nn.Module) -> tuple[list[FusedLayer], list[CompiledUnit]]:
+def _units(model: nn.Module) -> tuple[list[FusedLayer], list[tuple[nn.Module, str, CompiledUnit]]]:
+    """(fused layers, (parent, attribute, unit) of every other compiled unit): built once per model and kept, as
+    the compiled code lives as long as the model; not submodules, so state_dict and .to() never see them."""
     units = model.__dict__.get("_dflashkit_units")
-    if units is None:  # built once per model and kept: the compiled code lives as long as the model
+    if units is None:
         memoise_templates()
-        slots = [(model, "lm_head")] if _fusable(model) else _slots(model)
-        fused = [FusedLayer(layer, i) for i, layer in enumerate(model.model.layers)] if _fusable(model) else []
-        units = fused, [CompiledUnit(getattr(parent, name), i) for i, (parent, name) in enumerate(slots)]
-        model.__dict__["_dflashkit_units"] = units  # not a submodule: state_dict and .to() never see it
+        fusable = _fusable(model)
+        slots = [(model, "lm_head")] if fusable else _slots(model)
+        fused = [FusedLayer(layer, i) for i, layer in enumerate(model.model.layers)] if fusable else []
+        units = fused, [(parent, name, CompiledUnit(getattr(parent, name), i)) for i, (parent, name) in enumerate(slots)]
+        model.__dict__["_dflashkit_units"] = units
     return units
 
 
@@ -176,11 +175,10 @@ def compiled_linears(model: nn.Module):
 
     fused, units = _units(model)
     layers = list(model.model.layers)[: len(fused)]
-    slots = [(model, "lm_head")] if fused else _slots(model)
-    originals = [getattr(parent, name) for parent, name in slots]
+    originals = [getattr(parent, name) for parent, name, _ in units]
     forwards = [layer.__dict__.get("forward") for layer in layers]  # set when nested
     try:
-        for (parent, name), unit in zip(slots, units):
+        for parent, name, unit in units:
             setattr(parent, name, unit)
         for layer, unit in zip(layers, fused):
             layer.forward = unit.forward  # the module stays: hooks that record hidden states still fire
@@ -190,7 +188,7 @@ def compiled_linears(model: nn.Module):
               inductor_config.patch(freezing=True, max_autotune_gemm_backends="CPP")):
             yield
     finally:
-        for (parent, name), original in zip(slots, originals):
+        for (parent, name, _), original in zip(units, originals):
             setattr(parent, name, original)
         for layer, forward in zip(layers, forwards):
             if forward is None:
