@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one torch thread each
+    import torch
+
     torch.set_num_threads(1)
+# torch is imported in the fixtures, not here: xdist's controller loads this file too, and 2.5 s of importing torch
+# there delays both workers' start (measured on a 2-core machine).
 
 
 @pytest.fixture(autouse=True)
@@ -23,12 +26,19 @@ def float32_by_default(monkeypatch, request):
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory):
-    """kind -> folder of a tiny random target (llama, qwen3, qwen3_5)."""
+def tiny_dirs(tmp_path_factory, worker_id):
+    """kind -> folder of a tiny random target (llama, qwen3, qwen3_5), written once per run: pytest-xdist's
+    workers share this run's folder (behind a lock), as the targets are the same."""
+    from filelock import FileLock
+
     from dflashkit.target.fixtures import KINDS, make_tiny_target
 
-    root = tmp_path_factory.mktemp("targets")
-    return {k: make_tiny_target(k, root / k) for k in KINDS}
+    if worker_id == "master":
+        root = tmp_path_factory.mktemp("targets")
+    else:
+        root = tmp_path_factory.getbasetemp().parent / "targets"
+    with FileLock(f"{root}.lock"):
+        return {k: make_tiny_target(k, root / k) for k in KINDS}
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +51,8 @@ def tiny_targets(tiny_dirs):
 @pytest.fixture(scope="session")
 def smollm2():
     """The real embedded default, prepared once per machine (about 20 s the first time)."""
+    import torch
+
     from dflashkit.target.model import load_target
 
     torch.manual_seed(0)
@@ -51,6 +63,8 @@ def smollm2():
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning threads make
     the tests 10-50x slower; modules opt in with pytestmark and the setting is restored afterwards."""
+    import torch
+
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

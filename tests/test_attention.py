@@ -164,6 +164,7 @@ def test_train_config_attention_setting():
         load_config(None, {"attention": "sparse"})
 
 
+@pytest.mark.slow
 def test_training_losses_equal_across_paths_and_the_setting_is_recorded(tiny_targets, tmp_path):
     import json
 

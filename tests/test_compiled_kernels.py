@@ -13,15 +13,18 @@ from dflashkit.errors import DFlashError
 from dflashkit.target import compiled
 from dflashkit.target.compiled import CompiledUnit, choose_kernels, compiled_linears
 from dflashkit.target.invariant import row_invariant
+from dflashkit.target.fixtures import make_tiny_target
 from dflashkit.target.model import load_target
 from helpers import Oracle, greedy_reference
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # compiling takes about 30 s
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group(name="compiled")]  # one compile (~30 s)
 
 
 @pytest.fixture(scope="module")
-def compiled_target(tiny_dirs):
-    return load_target(tiny_dirs["llama"], device="cpu", dtype="float32", kernels="compiled")
+def compiled_target(tmp_path_factory):
+    """Three decoder layers (a drafter reads the first): every compiled half is compiled once per layer."""
+    folder = make_tiny_target("llama", tmp_path_factory.mktemp("compiled") / "llama", num_layers=3)
+    return load_target(folder, device="cpu", dtype="float32", kernels="compiled")
 
 
 def test_auto_compiles_only_large_float32_cpu_targets_and_compiled_refuses_others(tiny_dirs, tiny_targets):
@@ -89,7 +92,7 @@ def test_other_layouts_get_one_compiled_unit_per_linear_for_any_batch_of_rows(ti
 def test_speculative_decoding_on_compiled_kernels_equals_plain_greedy_decoding_on_them(compiled_target):
     target = compiled_target
     torch.manual_seed(0)
-    proposer = DFlashProposer(target, new_drafter(target, num_layers=1, block_size=6).eval())
+    proposer = DFlashProposer(target, new_drafter(target, num_layers=1, target_layer_ids=[0], block_size=6).eval())
     for text in ("hello world", "def add(a, b):"):
         ids = target.chat_ids([{"role": "user", "content": text}])
         with row_invariant(target.model):

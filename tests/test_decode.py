@@ -42,7 +42,7 @@ def test_lossless_greedy_on_tiny_targets(tiny_targets, drafters, kind):
     oracle that makes planted mistakes (partial blocks, accepted paths through non-first siblings)."""
     target = tiny_targets[kind]
     random_drafter = DFlashProposer(target, drafters[kind])
-    for i, text in enumerate(TEXTS):
+    for i, text in enumerate(TEXTS[:2] if kind == "qwen3_5" else TEXTS):  # the hybrid target is 2x as slow
         ids = target.chat_ids([{"role": "user", "content": text}])
         ref = greedy_reference(target, ids, 20, set(target.stop_token_ids))
         seq = ids + ref + greedy_reference(target, ids + ref, 8)
@@ -117,12 +117,13 @@ def test_max_new_tokens_and_stop_token_mid_block(tiny_targets, monkeypatch, kind
         assert g.tokens == want, method
 
 
+@pytest.mark.slow  # hundreds of seeded decodes for a chi-square test
 def test_sampling_matches_target_softmax(tiny_targets):
     """T>0: the first and second new tokens over many seeded runs follow the target's own distribution. The
     second token is the first one the verify step decides; the oracle's greedy drafts get accepted often, so a
     loop that accepted drafts too easily would over-produce them."""
     target = tiny_targets["llama"]
-    T, n, B = 0.2, 250, 4
+    T, n, B = 0.2, 150, 4
     ids, oracle, p1, p2, p2_given = sampling_setup(target, "def f(x):", T, B)
     ref = oracle.seq[len(ids):]
     # the test has power: a loop that accepted a draft when it is the target's argmax (not its sample) fails it

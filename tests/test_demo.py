@@ -7,7 +7,7 @@ import pytest
 
 from dflashkit.demo import DemoConfig, run_demo
 
-pytestmark = pytest.mark.slow  # the whole pipeline: `make test` runs it, `make test-fast` does not
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="demo")]  # the whole pipeline, once: not in `make test-fast`
 
 
 @pytest.fixture(scope="module")

@@ -152,7 +152,7 @@ def test_cli_bench_on_spec_bench_deepspec_and_sharegpt(tiny_dirs, tmp_path, caps
 
     share = _write(tmp_path / "share.jsonl", SHAREGPT)
     base = ["bench", "--target", str(tiny_dirs["llama"]), "--methods", "ar,ngram", "--max-new-tokens", "3",
-            "--per-category", "2"]
+            "--per-category", "1"]
     for path in (standard_set("spec-bench/question.jsonl"), standard_set("deepspec/mt-bench.jsonl"), share):
         out = tmp_path / path.stem
         assert main(base + ["--prompts", str(path), "--out", str(out)]) == 0
@@ -160,7 +160,7 @@ def test_cli_bench_on_spec_bench_deepspec_and_sharegpt(tiny_dirs, tmp_path, caps
         res = json.loads((out / "results.json").read_text())
         cats = load_prompts(path).categories()
         assert list(res["categories"]) == cats and "## Per category" in printed
-        assert all(len(ids) <= 2 for ids in [[p for p in res["config"]["prompts"]
+        assert all(len(ids) <= 1 for ids in [[p for p in res["config"]["prompts"]
                                               if res["config"]["categories"][p] == c] for c in cats])
     assert main(base[:-2] + ["--per-category", "0", "--prompts", str(share)]) == 2
     assert "--per-category 0" in capsys.readouterr().err

@@ -280,7 +280,7 @@ def _marks(fn: ast.FunctionDef) -> set[str]:
     return out
 
 
-def test_every_smollm2_test_is_marked_slow():
+def test_every_smollm2_training_and_demo_test_is_marked_slow():
     unmarked = []
     for f in sorted(TESTS.glob("test_*.py")):
         tree = ast.parse(f.read_text())
@@ -290,10 +290,11 @@ def test_every_smollm2_test_is_marked_slow():
             if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_"):
                 loads = any(isinstance(c, ast.Call) and getattr(c.func, "id", getattr(c.func, "attr", "")) == "load_target"
                             and c.args and getattr(c.args[0], "value", None) == "smollm2-135m" for c in ast.walk(fn))
-                uses = "smollm2" in [a.arg for a in fn.args.args] or loads
+                trains = any(isinstance(c, ast.Call) and getattr(c.func, "id", "") in ("train", "run_demo") for c in ast.walk(fn))
+                uses = "smollm2" in [a.arg for a in fn.args.args] or loads or trains
                 if uses and "slow" not in _marks(fn) and not module_slow:
                     unmarked.append(f"{f.name}::{fn.name}")
-    assert not unmarked, f"tests load the real SmolLM2 without @pytest.mark.slow: {unmarked}"
+    assert not unmarked, f"tests load the real SmolLM2, train or run the demo without @pytest.mark.slow: {unmarked}"
 
 
 def test_make_test_fast_skips_the_slow_tests():

@@ -179,12 +179,12 @@ def test_greedy_generation_equals_the_reference_loop(tmp_path, tiny_targets, mon
     for text in ("def add(a, b):", "Write a haiku about the sea."):
         ids = target.chat_ids([{"role": "user", "content": text}])
         drafted_theirs.clear()
-        want = ref.dflash_generate(theirs, target.model, torch.tensor([ids]), 40, None, return_stats=True)
+        want = ref.dflash_generate(theirs, target.model, torch.tensor([ids]), 24, None, return_stats=True)
         proposer = DFlashProposer(target, ours)
         real_draft = proposer.draft
         proposer.draft = lambda *a: _record(drafted_ours, real_draft(*a), lambda r: r[0])
         drafted_ours.clear()
-        got = generate(target, ids, "chain", proposer, max_new_tokens=40, stop_ids=[])
+        got = generate(target, ids, "chain", proposer, max_new_tokens=24, stop_ids=[])
         assert got.tokens == want.output_ids[0, len(ids):].tolist()
         full = next(i for i, d in enumerate(drafted_theirs + [[]]) if len(d) < ours.config.block_size - 1)
         assert full > 10 and len(drafted_ours) >= full

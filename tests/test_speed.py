@@ -158,6 +158,7 @@ def test_hybrid_adds_the_ngram_branch_to_the_drafter_tree(tiny_targets):
         assert max(ng.accepted) > 3 and max(hy.accepted) >= max(ng.accepted)
 
 
+@pytest.mark.slow  # hundreds of seeded decodes for a chi-square test
 def test_ngram_and_hybrid_sample_the_target_distribution(tiny_targets):
     """T>0: the first two new tokens follow the target's own distribution under n-gram and hybrid verification."""
     target = tiny_targets["llama"]
@@ -334,6 +335,7 @@ def wide_bf16_target(tiny_dirs):
     return Target(model, AutoTokenizer.from_pretrained(tiny_dirs["llama"]), tiny_dirs["llama"], "wide-bf16")
 
 
+@pytest.mark.slow  # bf16 arithmetic is emulated on CPUs without native bf16
 def test_bf16_branching_trees_equal_bf16_greedy_at_full_width(tiny_dirs):
     """bf16 at SmolLM2's width: DDTree and hybrid trees (verified one path per row) and n-gram chains equal plain
     bf16 greedy decoding token for token, with planted drafter mistakes so that siblings get accepted."""
@@ -354,6 +356,7 @@ def bf16_hybrid(tiny_dirs):
     return load_target(tiny_dirs["qwen3_5"], device="cpu", dtype="bfloat16")
 
 
+@pytest.mark.slow  # bf16 arithmetic is emulated on CPUs without native bf16
 def test_bf16_hybrid_target_speculative_equals_bf16_greedy(bf16_hybrid):
     """Gated DeltaNet layers in bf16: a multi-token verify (chunked rule) rounds differently from one-token steps
     (recurrent rule), so decoding steps them token by token after the prefill; every method then equals plain
@@ -362,11 +365,11 @@ def test_bf16_hybrid_target_speculative_equals_bf16_greedy(bf16_hybrid):
     oracle = Oracle([], 6, t.vocab_size)
     for text in REPEATING[:1] + ["Write a haiku about the sea, then explain it."]:
         ids = t.chat_ids([{"role": "user", "content": text}])
-        ref = generate(t, ids, "ar", max_new_tokens=48, stop_ids=[]).tokens
+        ref = generate(t, ids, "ar", max_new_tokens=32, stop_ids=[]).tokens
         oracle.seq = ids + ref + [0] * 8
         oracle.wrong = {len(ids) + 4, len(ids) + 20}  # full blocks elsewhere: rounds with and without a re-run
         for method in ("chain", "ddtree-8", "ngram", "hybrid-4"):
-            got = generate(t, ids, method, oracle, max_new_tokens=48, stop_ids=[]).tokens
+            got = generate(t, ids, method, oracle, max_new_tokens=32, stop_ids=[]).tokens
             assert got == ref, (text, method)
 
 

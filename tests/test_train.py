@@ -299,6 +299,7 @@ def test_noise_touches_drafter_inputs_only(llama, data, tmp_path):
         assert torch.equal(ref, clean[0])  # and the source itself was not modified in place
 
 
+@pytest.mark.slow
 def test_final_layers_refused_unless_allowed(llama, data, tmp_path):
     with pytest.raises(DFlashError, match=r"target_layer_ids: .*include the last two decoder layers .*allow_final_layers"):
         train(cfg_for(tmp_path, target_layer_ids=[1, 4]), target=llama, source=source(data))
@@ -310,6 +311,7 @@ def test_final_layers_refused_unless_allowed(llama, data, tmp_path):
     assert out["finished"]
 
 
+@pytest.mark.slow
 def test_leak_through_an_inclusive_mask_is_learned_the_strict_mask_stays_at_chance(llama, tmp_path, monkeypatch):
     """Random tokens from 8 symbols; the feature at position p encodes token p+1. Only the anchor's own feature
     (position a, seen only with an inclusive mask) reveals slot 1's label: with the real strict mask, held-out
@@ -358,6 +360,7 @@ def test_leak_through_an_inclusive_mask_is_learned_the_strict_mask_stays_at_chan
     assert acc["strict"] < 0.25, acc  # chance is 0.125
 
 
+@pytest.mark.slow
 def test_smoke_gate_overfitting_one_completion_reaches_the_full_streak(llama, tmp_path):
     """Mask, labels, positions and loss agree end to end: one prompt's completion, overfit, then every stride
     block of it is drafted entirely (streak B-1 = 7), scored independently of the training code."""
@@ -386,6 +389,7 @@ def test_smoke_gate_overfitting_one_completion_reaches_the_full_streak(llama, tm
     assert [r["streak"] for r in recs if r["n_labels"] == B - 1] == [B - 1] * len(A)
 
 
+@pytest.mark.slow
 def test_dflash2_trains_and_its_selector_path_drafts_the_completion(llama, tmp_path):
     """DFlash2 end to end: overfit one completion with the backbone + selector loss; the checkpoint loads as
     DFlash2, the log reports the selector's accuracy, and the selector's own path (offline evaluator, T=0 walk)
@@ -414,6 +418,7 @@ def test_dflash2_trains_and_its_selector_path_drafts_the_completion(llama, tmp_p
 
 # ---- checkpoints, resume, stopping ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_resume_after_ctrl_c_repeats_the_uninterrupted_losses(llama, data, tmp_path):
     kw = dict(steps=20, noise_std=0.1, grad_accum=2, batch_size=1, loss="kl")
     straight = train(cfg_for(tmp_path, "straight", **kw), target=llama, source=source(data))
@@ -437,6 +442,7 @@ def test_resume_after_ctrl_c_repeats_the_uninterrupted_losses(llama, data, tmp_p
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
+@pytest.mark.slow
 def test_resume_contract_refuses_silent_changes(llama, data, tmp_path):
     train(cfg_for(tmp_path, steps=2), target=llama, source=source(data))
     for change, key in ((dict(gamma=2.0), "gamma"), (dict(loss="kl"), "loss"), (dict(block_size=4), "block_size"),
@@ -448,6 +454,7 @@ def test_resume_contract_refuses_silent_changes(llama, data, tmp_path):
     assert train(cfg_for(tmp_path, steps=4, lr=1e-3), target=llama, source=source(data))["steps"] == 4  # lr may change
 
 
+@pytest.mark.slow
 def test_checkpoint_retention_loss_name_and_time_budget(llama, data, tmp_path):
     out = train(cfg_for(tmp_path, steps=7, save_every=2, keep_last=2, loss="kl"), target=llama, source=source(data))
     run = tmp_path / "run"
@@ -466,6 +473,7 @@ def test_checkpoint_retention_loss_name_and_time_budget(llama, data, tmp_path):
     assert "STOPPED EARLY" in (tmp_path / "budget" / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_cache_source_periodic_eval_best_and_kl_needs_the_last_layer(llama, tmp_path):
     from dflashkit.cache import extract
     from dflashkit.prompts import load_prompts
@@ -487,6 +495,7 @@ def test_cache_source_periodic_eval_best_and_kl_needs_the_last_layer(llama, tmp_
     assert out["finished"] and load_drafter(out["checkpoint"], target=llama).config.target_layer_ids == LAYERS
 
 
+@pytest.mark.slow
 def test_bfloat16_autocast_trains(llama, data, tmp_path):
     out = train(cfg_for(tmp_path, dtype="bfloat16", steps=16), target=llama, source=source(data))
     losses = out["losses"]
@@ -498,6 +507,7 @@ def test_bfloat16_autocast_trains(llama, data, tmp_path):
     assert load_file(Path(out["checkpoint"]) / "model.safetensors")["fc.weight"].dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_learning_rate_schedule_by_steps_and_by_time(llama, data, tmp_path, monkeypatch):
     out = train(cfg_for(tmp_path, "steps", steps=50, lr=1e-3, warmup_ratio=0.04), target=llama, source=source(data))
     lrs = [r["lr"] for r in out["history"]]
@@ -523,6 +533,7 @@ def test_learning_rate_schedule_by_steps_and_by_time(llama, data, tmp_path, monk
 
 # ---- data generation, online training, export -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_data_generate_resumes_and_feeds_online_training(tiny_dirs, llama, tmp_path, capsys):
     from dflashkit.target.generation import iter_generate_greedy
 
@@ -566,6 +577,7 @@ def load_target_qwen(tiny_dirs):
     return load_target(tiny_dirs["qwen3"], device="cpu")
 
 
+@pytest.mark.slow
 def test_export_writes_the_zlab_format(llama, data, tmp_path, capsys):
     train(cfg_for(tmp_path, steps=1), target=llama, source=source(data))
     assert main(["drafter", "export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "z"), "--dtype", "float32"]) == 0
@@ -663,6 +675,7 @@ def test_num_target_layers_picks_that_many_layers_by_zlabs_rule(llama):
         load_config(None, {"num_target_layers": 0})
 
 
+@pytest.mark.slow
 def test_warm_start_copies_the_targets_top_layers(llama, data, tmp_path, capsys):
     from dflashkit.drafter.checkpoint import load_drafter
 

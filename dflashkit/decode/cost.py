@@ -8,6 +8,7 @@ size their trees by expected tokens per second read it.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -81,8 +82,10 @@ def weight_bytes(model) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=None)
 def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second of a streaming read (a sum over a buffer far larger than the caches)."""
+    """Bytes per second of a streaming read (a sum over a buffer far larger than the caches); measured once per
+    device and process, as the machine does not change between benches."""
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     times = []
     for _ in range(repeats + 1):
