@@ -80,3 +80,11 @@ def test_citations_resolve_inside_the_repository():
         assert "../" + "shared" not in text or f.parent.name == "tests", f  # tests may read shared data if present
         cited |= {int(n) for n in re.findall(r"design\.md sections? (\d+)", text)}
     assert cited and cited <= sections, cited - sections
+
+
+def test_no_function_is_longer_than_60_lines():
+    """Readable in one sitting: a function that outgrows a screen gets split where its steps are."""
+    long = [f"{p.relative_to(ROOT)}:{n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for p in ROOT.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, long

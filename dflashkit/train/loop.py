@@ -128,10 +128,29 @@ class Run:
             print(line)
 
 
+def initial_drafter(cfg: TrainConfig, target, init, layer_ids, resuming: bool, master: bool):
+    """The drafter's first weights (init=, a warm start from the target's top layers, or random) and its mask id."""
+    from dflashkit.drafter.checkpoint import new_drafter, warm_start_from_target
+
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.mask_token_id
+    torch.manual_seed(cfg.seed)
+    drafter = init if init is not None else new_drafter(
+        target, num_layers=cfg.num_layers, target_layer_ids=layer_ids, allow_final_layers=cfg.allow_final_layers,
+        block_size=cfg.block_size, mask_token_id=mask_id, **drafter_shape(cfg))
+    if drafter.config.mask_token_id != mask_id:
+        raise DFlashError(f"init={cfg.init}: mask_token_id {drafter.config.mask_token_id} != {mask_id}; set mask_token_id")
+    if cfg.warm_start and not resuming:
+        if init is not None:
+            raise DFlashError(f"warm_start and init={cfg.init} both set the drafter's first weights; keep one")
+        lines = warm_start_from_target(drafter, target)
+        if master:
+            print("warm start: " + "; ".join(lines))
+    return drafter, mask_id
+
+
 def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     """Load and check everything before the first step: a wrong path, layer id or resume setting fails now, not
     an hour in."""
-    from dflashkit.drafter.checkpoint import new_drafter, warm_start_from_target
     from dflashkit.drafter.head import DraftHead, scaling_of
     from dflashkit.target.model import load_target
 
@@ -160,19 +179,7 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     state = load_train_state(ckpt) if ckpt else None
     vocab = state["draft_vocab"] if state else draft_vocabulary(cfg.draft_vocab, [source.seqs[i] for i in pool], target)
     gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.mask_token_id
-    torch.manual_seed(cfg.seed)
-    drafter = init if init is not None else new_drafter(
-        target, num_layers=cfg.num_layers, target_layer_ids=layer_ids, allow_final_layers=cfg.allow_final_layers,
-        block_size=cfg.block_size, mask_token_id=mask_id, **drafter_shape(cfg))
-    if drafter.config.mask_token_id != mask_id:
-        raise DFlashError(f"init={cfg.init}: mask_token_id {drafter.config.mask_token_id} != {mask_id}; set mask_token_id")
-    if cfg.warm_start and not state:
-        if init is not None:
-            raise DFlashError(f"warm_start and init={cfg.init} both set the drafter's first weights; keep one")
-        lines = warm_start_from_target(drafter, target)
-        if d.master:
-            print("warm start: " + "; ".join(lines))
+    drafter, mask_id = initial_drafter(cfg, target, init, layer_ids, resuming=bool(state), master=d.master)
     identity = target.identity()
     contract = resume_contract(drafter, cfg, gamma, identity)
     if state:
