@@ -7,6 +7,7 @@ import torch
 
 from dflashkit.errors import DFlashError
 from dflashkit.target import registry
+from dflashkit.target.fixtures import make_tiny_target
 from dflashkit.target.model import choose_mask_token, default_layer_ids, load_target
 
 
@@ -31,11 +32,14 @@ def test_layer_id_l_is_output_of_decoder_layer_l(tiny_targets, kind):
     assert out.logits.shape == (1, ids.shape[1], t.vocab_size)
 
 
-def test_layer_ids_guard_refuses_shortcut_layers(tiny_targets):
+def test_layer_ids_guard_refuses_shortcut_layers(tiny_targets, tmp_path):
     t = tiny_targets["llama"]
-    with pytest.raises(DFlashError, match="last two decoder layers"):
+    with pytest.raises(DFlashError, match=r"last two decoder layers.*use e\.g\. \[1, 3\]"):
         t.check_layer_ids([1, 5])
     assert t.check_layer_ids([1, 5], allow_final=True) == [1, 5]
+    shallow = load_target(make_tiny_target("llama", tmp_path / "two", num_layers=2), device="cpu", dtype="float32")
+    with pytest.raises(DFlashError, match="a 2-layer target has no earlier layer to use, or pass --allow-final-layers"):
+        shallow.check_layer_ids([1])  # no suggestion that the guard itself would refuse
     with pytest.raises(DFlashError, match="out of range"):
         t.check_layer_ids([1, 6])
 

@@ -153,10 +153,12 @@ class Target:
             raise DFlashError(f"target layer ids {bad} out of range for {self.name} (layers 0..{self.num_layers - 1})")
         late = [i for i in ids if i >= self.num_layers - 2]
         if late and not allow_final:
+            early = [i for i in self.default_layer_ids(len(ids)) if i < self.num_layers - 2]
+            hint = f"use e.g. {early}" if early else f"a {self.num_layers}-layer target has no earlier layer to use"
             raise DFlashError(
                 f"target layer ids {late} include the last two decoder layers of {self.name} ({self.num_layers} layers): "
-                "they encode the next-token choice and give the drafter a shortcut that fails in use; "
-                f"use e.g. {self.default_layer_ids(len(ids))}, or pass --allow-final-layers (allow_final_layers=True) to override"
+                f"they encode the next-token choice and give the drafter a shortcut that fails in use; {hint}, "
+                "or pass --allow-final-layers (allow_final_layers=True) to override"
             )
         return ids
 
