@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflashkit.target.model import pick_device
+
 
 @dataclass
 class Dist:
@@ -23,8 +25,6 @@ class Dist:
 def init_distributed(device: str = "auto") -> Dist:
     """Join the torchrun group when there is one: nccl when this process computes on CUDA (cuda:LOCAL_RANK),
     gloo otherwise. `device` as users write it (auto | cpu | cuda | cuda:N); one process picks it as usual."""
-    from dflashkit.target.model import pick_device
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Dist(0, 1, pick_device(device))

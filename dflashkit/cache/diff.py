@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from dflashkit.cache.store import open_cache
 from dflashkit.errors import DFlashError
+from dflashkit.report import markdown_table
 from dflashkit.tree import common_prefix
 
 SETTINGS_SHOWN = ("dtype", "device", "attention", "linear_attention", "max_new_tokens", "enable_thinking",
@@ -51,8 +53,6 @@ def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -
     "min_cosine", "below": [layers whose worst-token cosine is under min_cosine]}.
     """
     from tqdm import tqdm
-
-    from dflashkit.cache.store import open_cache
 
     ca, cb = open_cache(a), open_cache(b)
     if ca.hidden_size != cb.hidden_size:
@@ -101,8 +101,6 @@ def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -
 
 def format_diff(r: dict) -> str:
     """Markdown report of diff_caches' result."""
-    from dflashkit.report import markdown_table
-
     lines = [f"# cache diff: {r['a']} vs {r['b']}", ""]
     if r["settings_differ"]:
         lines.append("settings that differ: " + "; ".join(f"{k} {va!r} vs {vb!r}" for k, (va, vb) in r["settings_differ"].items()))

@@ -20,11 +20,17 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.cache.store import COMPLETIONS, FORMAT, MANIFEST, SHARD_SIZE, read_header, record_name
+from dflashkit import __version__
 from dflashkit.cache import store
+from dflashkit.cache.sequences import generate_sequences, read_sequences, same_target, turn_id
+from dflashkit.cache.store import COMPLETIONS, FORMAT, MANIFEST, SHARD_SIZE, read_header, record_name
 from dflashkit.distributed import Dist, barrier, from_master, gather_all, init_distributed
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_path, sha256_file, write_json
+from dflashkit.prompts import PromptItem, PromptSuite
+from dflashkit.target.backends import linear_attention as la_backend
+from dflashkit.target.backends import resolve_backend
+from dflashkit.target.generation import iter_generate_greedy
 
 LOG_GLOB = ".completions.rank*.jsonl"
 
@@ -67,8 +73,6 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
     capture_tokens: padded tokens per feature-capture forward. callback(event, prompt_id) is called after
     each persisted completion ("completion") and prompt file ("features").
     """
-    from dflashkit.target.backends import linear_attention as la_backend, resolve_backend
-
     out = Path(out)
     layer_ids = _check_args(target, layer_ids, max_new_tokens, batch_size, allow_final_layers)
     d = init_distributed(target.device.type)
@@ -111,9 +115,6 @@ def answer_turns(target, suite, out: Path, max_new_tokens: int, batch_size: int,
     """A multi-turn suite as one prompt per turn, and where their completions are: the target answers every turn,
     each after its own earlier answers (cache/sequences.py), into <out>.turns.jsonl beside the cache (resumable; rank
     0 writes it); turn k of a conversation becomes the prompt `id#k` whose completion extraction then reuses."""
-    from dflashkit.cache.sequences import generate_sequences, read_sequences, turn_id
-    from dflashkit.prompts import PromptItem, PromptSuite
-
     if enable_thinking:
         raise DFlashError(f"{suite.name}: multi-turn prompts are answered without thinking mode; drop --thinking")
     turns = out.parent / f"{out.name}.turns.jsonl"
@@ -201,7 +202,6 @@ def _generate_missing(run: _Run, target, max_new_tokens: int, batch_size: int, l
     todo = [i for i in run.mine if i not in run.completions]
     if not todo:
         return
-    from dflashkit.target.generation import iter_generate_greedy
 
     bar = _bar(len(todo), "generate", show)
     t0, ntok = time.perf_counter(), 0
@@ -308,8 +308,6 @@ def _check_settings(out: Path, manifest: dict, settings: dict) -> None:
 
 def _manifest(target, suite, settings: dict, requested_backend: str, batch_size: int, world: int) -> dict:
     """A new cache's manifest, "in-progress": how it is made (settings and more) and what it will hold."""
-    from dflashkit import __version__
-
     prompt_ids = suite.ids()
     template = target.tokenizer.chat_template or ""
     return {
@@ -358,8 +356,6 @@ def _completions_from(path, target, prompt_ids: list[str]) -> tuple[dict, str]:
     """Reuse another cache's completions, so that two backends are compared on identical tokens, or those of a
     sequences JSONL (`dflashkit data generate`; a multi-turn suite's turns)."""
     if Path(path).is_file():
-        from dflashkit.cache.sequences import read_sequences, same_target
-
         header, recs = read_sequences(path)
         if not same_target(header.get("target"), target.identity()):
             raise DFlashError(f"--completions-from {path}: written by target {header.get('target', {}).get('name')}, "

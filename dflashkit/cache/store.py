@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import read_json, sha256_json
+from dflashkit.fileio import read_json, sha256_file, sha256_json
+from dflashkit.target.model import check_same_target, identity_mismatch
 
 FORMAT = "dflashkit-cache/1"
 MANIFEST, COMPLETIONS = "manifest.json", "completions.json"
@@ -185,8 +186,6 @@ def nearby_caches(path, target: dict | None = None) -> list[tuple[Path, dict]]:
 
 
 def describe_nearby(path, target: dict) -> str:
-    from dflashkit.target.model import identity_mismatch
-
     parts = []
     for d, m in nearby_caches(path)[:5]:
         t = m.get("target", {})
@@ -215,8 +214,6 @@ def scan_entries(path, manifest: dict) -> list[dict]:
 def check_target(path, manifest: dict, expect: dict) -> None:
     """Refuse a cache extracted from another target: other weights (a fine-tune of the same base model
     included), config, architecture, layers or hidden size would all make its features misread."""
-    from dflashkit.target.model import check_same_target
-
     have = manifest["target"]
     if expect.get("hidden_size") is not None and int(expect["hidden_size"]) != int(have["hidden_size"]):
         raise DFlashError(
@@ -357,8 +354,6 @@ def _read_completions(cf: Path, problems: list[str]) -> dict:
 
 def _check_record(path: Path, e: dict, m: dict, comps: dict, complete: bool, problems: list[str]) -> int:
     """One record file against its manifest entry and completions.json; returns the tokens it holds (0 if unread)."""
-    from dflashkit.fileio import sha256_file
-
     f, cf = path / e["file"], path / COMPLETIONS
     if not f.is_file():
         problems.append(f"{f}: missing (listed for prompt {e['id']!r})")

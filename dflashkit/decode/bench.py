@@ -18,15 +18,16 @@ import torch
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
-from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.methods import needs_drafter, parse_method
+from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
-from dflashkit.tree import common_prefix
-from dflashkit.target.compiled import uses_compiled
-from dflashkit.target.invariant import needs_switch, row_invariant, stock_kernels
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
+from dflashkit.report import bar_plot, fmt, hist_plot, line_plot, markdown_table
+from dflashkit.target.compiled import uses_compiled
+from dflashkit.target.invariant import needs_switch, row_invariant, stock_kernels
+from dflashkit.tree import common_prefix
 
 PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split
 STOCK_AR = "ar-stock"  # plain decoding on the model's own kernels: the speed baseline where `ar` runs invariant ones
@@ -250,8 +251,6 @@ def add_ratios(summary: dict) -> None:
 
 
 def bench_markdown(result: dict) -> str:
-    from dflashkit.report import markdown_table
-
     c = result["config"]
     lines = [f"# Decoding benchmark: {c['target']} on {c['device']} ({c['dtype']})", "",
              f"{len(c['prompts'])} prompts, up to {c['max_new_tokens']} new tokens, temperature {c['temperature']}, "
@@ -296,8 +295,6 @@ def bench_markdown(result: dict) -> str:
 
 def category_markdown(result: dict, image: str = "categories.png") -> list[str]:
     """Per category and overall: every method's speedup with its tau, and its tokens/s, as report lines."""
-    from dflashkit.report import fmt, markdown_table
-
     cats = result.get("categories") or {}
     if not cats:
         return []
@@ -323,8 +320,6 @@ def category_markdown(result: dict, image: str = "categories.png") -> list[str]:
 
 def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
     """The cost curve table and the memory-bound floor, as report lines."""
-    from dflashkit.report import markdown_table
-
     if not cost:
         return []
     rows = [[n, ms, r] for n, ms, r in zip(cost["ns"], cost["ms"], cost["ratio"])]
@@ -340,8 +335,6 @@ def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
 def write_bench(result: dict, out) -> list[Path]:
     """results.json, report.md, speedup.png, accepted.png, cost.png and (with categories) categories.png under
     `out`."""
-    from dflashkit.report import bar_plot, hist_plot, line_plot
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", result)

@@ -16,6 +16,8 @@ from time import perf_counter
 
 import torch
 
+from dflashkit.decode.speculative import crop_kv, new_target_kv
+
 DEFAULT_NS = (1, 2, 4, 8, 16, 32)
 
 
@@ -51,8 +53,6 @@ def _sync(device) -> None:
 @torch.no_grad()
 def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int = 7, extra: tuple[int, ...] = ()) -> CostCurve:
     """Median time of one forward over n new tokens after `context` tokens in the target KV, n in ns (+ extra points)."""
-    from dflashkit.decode.speculative import crop_kv, new_target_kv
-
     ns = sorted(set(ns) | set(extra))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, context + max(ns)), generator=gen).to(target.device)

@@ -27,10 +27,12 @@ from typing import Protocol
 import torch
 
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
-from dflashkit.target.invariant import NAME as ROW_INVARIANT, row_invariant
-from dflashkit.tree import (Tree, accepted_path, add_branch, attention_mask, build_tree, common_prefix, prune_by_cost,
-                            walk)
-
+from dflashkit.decode.ngram import NgramLookup
+from dflashkit.drafter.head import DraftHead
+from dflashkit.errors import DFlashError
+from dflashkit.target.invariant import NAME as ROW_INVARIANT
+from dflashkit.target.invariant import row_invariant
+from dflashkit.tree import Tree, accepted_path, add_branch, attention_mask, build_tree, common_prefix, prune_by_cost, walk
 
 # ---- results and timing ---------------------------------------------------------------------------------
 
@@ -101,8 +103,6 @@ class DFlashProposer:
     each call passes just the newly committed features."""
 
     def __init__(self, target, drafter, block_size: int | None = None, selector_trees: bool = False):
-        from dflashkit.drafter.head import DraftHead
-
         self.target, self.drafter = target, drafter
         # DFlash2: DDTree children scored by the candidate selector given their parent, or (default: no gain
         # measured, benchmarks/results/cpu-2026-12-01-selector-trees.md) the marginals as the reference does
@@ -227,8 +227,6 @@ def new_target_kv(target):
     kv = DynamicCache(config=target.config)
     sliding = [i for i, layer in enumerate(kv.layers) if "Sliding" in type(layer).__name__ or "Chunked" in type(layer).__name__]
     if sliding:
-        from dflashkit.errors import DFlashError
-
         window = getattr(target.config.get_text_config(decoder=True), "sliding_window", None)
         raise DFlashError(
             f"target {target.name} has sliding-window attention (window {window}) on layers {sliding}: online speculative "
@@ -604,8 +602,6 @@ def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
 def new_lookup(method: str):
     """The n-gram lookup a method uses: plain `ngram` proposes one 10-token continuation (what transformers' prompt
     lookup does); cost-aware trees get longer continuations from two occurrences and keep what pays."""
-    from dflashkit.decode.ngram import NgramLookup
-
     if parse_method(method)[1] == "auto":
         return NgramLookup(max_tokens=16, branches=2)
     return NgramLookup()

@@ -17,6 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dflashkit.decode.cost import measure_cost_curve
+from dflashkit.decode.methods import parse_method
+from dflashkit.target.generation import iter_generate_greedy
+
 # time per generated token relative to plain decoding, from measured runs on coding-10: float32 on compiled kernels
 # (benchmarks/results/cpu-2026-12-01-compiled-coding-10.md) and the bf16 demo report, which agree within 10%
 METHOD_FACTOR = {"ar": 1.0, "ar-stock": 1.0, "ngram": 0.6, "hybrid": 0.6, "ddtree": 1.2, "chain": 1.0,
@@ -51,9 +55,6 @@ def _timed(fn) -> float:
 def probe(target, prompt_ids: list[int], batch: int, context: int) -> Probe:
     """Times the data stage's own generation (iter_generate_greedy) for 4 and 12 new tokens on `batch` copies of a
     prompt stretched to `context` tokens: the difference is 8 steps, the rest is the prefill."""
-    from dflashkit.decode.cost import measure_cost_curve
-    from dflashkit.target.generation import iter_generate_greedy
-
     t0 = time.perf_counter()
     ids = (prompt_ids * math.ceil(context / max(1, len(prompt_ids))))[:context]
     stops, target.stop_token_ids = target.stop_token_ids, []  # every row runs the full count of steps
@@ -81,8 +82,6 @@ def data_seconds(p: Probe, num_prompts: int, batch: int, max_new_tokens: int, co
 
 
 def method_factor(method: str) -> float:
-    from dflashkit.decode.methods import parse_method
-
     try:
         family = parse_method(method)[0]
     except ValueError:

@@ -14,6 +14,7 @@ from dflashkit.drafter.config import ARCH_CLASS, DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, read_json, write_json
+from dflashkit.target.model import check_same_target
 
 CONTRACT_FILE = "dflashkit.json"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
@@ -86,8 +87,6 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
     if target is not None:
         check_against_target(cfg, target, str(cfg_file))
         if con and con.get("target") and same_target:
-            from dflashkit.target.model import check_same_target
-
             check_same_target(con["target"], target.identity(), f"drafter {path} (its {CONTRACT_FILE})",
                               "use it with the target it was trained for, or train a drafter for this target "
                               "(a warm start from it: same_target=False)")

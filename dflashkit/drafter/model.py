@@ -17,8 +17,8 @@ from torch import nn
 
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.head import scaled
-from dflashkit.tree import Tree
 from dflashkit.errors import DFlashError
+from dflashkit.tree import Tree
 
 
 class RMSNorm(nn.Module):
@@ -39,8 +39,6 @@ def rope_init(cfg: DrafterConfig) -> dict:
     "original_max"}. yarn and longrope scale cos/sin by `attention_scaling` (1.0 for the other types);
     longrope switches to `long_inv_freq` when a forward reaches past `original_max` positions, as transformers'
     rotary embedding does. "dynamic" RoPE (recomputed from the running length) is refused."""
-    from dflashkit.errors import DFlashError
-
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     out = {"attention_scaling": 1.0, "long_inv_freq": None, "original_max": None}

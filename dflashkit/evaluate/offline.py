@@ -16,13 +16,15 @@ block with the drafter's context KV, exactly as the online loop drafts.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
-from dflashkit.drafter.head import LOGIT_ELEMENTS
+from dflashkit.drafter.checkpoint import check_against_target, check_feature_layers
+from dflashkit.drafter.head import LOGIT_ELEMENTS, DraftHead
 from dflashkit.errors import DFlashError
-from dflashkit.tree import (accepted_path, build_tree_topk, parse_tree_spec, paths_streak, top_logprobs,
-                                       width_streak)
+from dflashkit.target.model import check_same_target
+from dflashkit.tree import accepted_path, build_tree_topk, parse_tree_spec, paths_streak, top_logprobs, width_streak
 
 ANCHOR_MODES = ("stride", "walk")
 DEFAULT_TREES = ("budget:4", "budget:8")
@@ -271,8 +273,6 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     """
     from tqdm import tqdm
 
-    from dflashkit.drafter.head import DraftHead
-
     check_mode(anchors, max_blocks)
     trees = parse_trees(trees)
     cfg = drafter.config
@@ -318,9 +318,6 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
 
 def check_inputs(drafter, target, cache) -> None:
     """Drafter, target and cache belong together: same target config, the drafter's layers in the cache."""
-    from dflashkit.drafter.checkpoint import check_against_target, check_feature_layers
-    from dflashkit.target.model import check_same_target
-
     check_against_target(drafter.config, target, "drafter config")
     ident = target.identity()
     check_same_target(cache.target, ident, f"cache {cache.path}", "pass the cache's target with --target")
@@ -331,8 +328,6 @@ def check_inputs(drafter, target, cache) -> None:
 
 def cache_info(cache) -> dict:
     """What a run records about its cache: comparisons refuse runs whose hash or prompts differ."""
-    from pathlib import Path
-
     sf = cache.shortfall
     return {"path": str(Path(cache.path).resolve()), "manifest_hash": cache.manifest_hash, "target": cache.target,
             "prompt_ids": list(cache.prompt_ids), "requested": sf["requested"] if sf else len(cache.prompt_ids),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.drafter.checkpoint import RUN_POINTER, run_latest
+from dflashkit.drafter.checkpoint import RUN_POINTER, run_latest, save_drafter
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, write_json
 
@@ -68,8 +68,6 @@ def latest_checkpoint(run) -> Path | None:
 def save_checkpoint(run, drafter, state: dict, contract_extra: dict, keep_last: int, finished: bool,
                     reason: str) -> Path:
     """Write checkpoints/step-N atomically (drafter folder + train_state.pt), point latest.json at it, prune."""
-    from dflashkit.drafter.checkpoint import save_drafter
-
     run = Path(run)
     path = run / "checkpoints" / f"step-{state['step']:08d}"
     with atomic_dir(path) as tmp:
@@ -93,8 +91,6 @@ def load_train_state(ckpt) -> dict:
 
 
 def save_best(run, drafter, metrics: dict, step: int, contract_extra: dict) -> Path:
-    from dflashkit.drafter.checkpoint import save_drafter
-
     run = Path(run)
     save_drafter(drafter, run / "best", format="dflashkit", **contract_extra, trained_steps=step, eval=metrics)
     write_json(run / "best.json", {"step": step, "metrics": metrics})

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.cache import open_cache
 from dflashkit.cache.sequences import read_sequences, same_target
 from dflashkit.errors import DFlashError
 
@@ -63,8 +64,6 @@ class CacheSource:
     kind = "cache"
 
     def __init__(self, path, target, num_sequences: int | None, max_len: int):
-        from dflashkit.cache import open_cache
-
         self.cache = open_cache(path, num_prompts=num_sequences, expect_target=target.identity())
         self.description = f"cache {path}"
         self.layer_ids = list(self.cache.layer_ids)

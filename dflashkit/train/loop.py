@@ -30,13 +30,36 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflashkit.cache import open_cache
 from dflashkit.distributed import Dist, all_sum, barrier, init_distributed
+from dflashkit.drafter.checkpoint import load_drafter, new_drafter, warm_start_from_target
+from dflashkit.drafter.head import DraftHead, scaling_of
+from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DFlashError
-from dflashkit.train.checkpoint import (check_resume_contract, latest_checkpoint, load_train_state, resume_contract,
-                                        save_best, save_checkpoint)
+from dflashkit.evaluate.offline import evaluate
+from dflashkit.fileio import write_json, write_text
+from dflashkit.report import line_plot, markdown_table
+from dflashkit.target.model import load_target, pick_dtype
+from dflashkit.train.checkpoint import (
+    check_resume_contract,
+    latest_checkpoint,
+    load_train_state,
+    resume_contract,
+    save_best,
+    save_checkpoint,
+)
 from dflashkit.train.config import TrainConfig, default_gamma
-from dflashkit.train.data import (add_noise, build_batch, data_kind, draft_vocabulary, epoch_order, mix_seed,
-                                  open_source, sample_anchors, usable)
+from dflashkit.train.data import (
+    add_noise,
+    build_batch,
+    data_kind,
+    draft_vocabulary,
+    epoch_order,
+    mix_seed,
+    open_source,
+    sample_anchors,
+    usable,
+)
 from dflashkit.train.loss import block_loss, predecessors, slot_weights, step_weight
 
 METRIC_COLUMNS = ["step", "epoch", "loss", "loss_name", "pos1_acc", "slot_acc", "lr", "grad_norm", "blocks",
@@ -130,8 +153,6 @@ class Run:
 
 def initial_drafter(cfg: TrainConfig, target, init, layer_ids, resuming: bool, master: bool):
     """The drafter's first weights (init=, a warm start from the target's top layers, or random) and its mask id."""
-    from dflashkit.drafter.checkpoint import new_drafter, warm_start_from_target
-
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.mask_token_id
     torch.manual_seed(cfg.seed)
     drafter = init if init is not None else new_drafter(
@@ -151,9 +172,6 @@ def initial_drafter(cfg: TrainConfig, target, init, layer_ids, resuming: bool, m
 def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     """Load and check everything before the first step: a wrong path, layer id or resume setting fails now, not
     an hour in."""
-    from dflashkit.drafter.head import DraftHead, scaling_of
-    from dflashkit.target.model import load_target
-
     if source is None:
         data_kind(cfg.data)  # a wrong path fails now, not after the target has loaded
     if target is None:
@@ -210,8 +228,6 @@ def drafter_shape(cfg: TrainConfig) -> dict:
 def load_init(cfg: TrainConfig, target):
     """The warm-start drafter (init=...), or None. Its shape wins: a config that says otherwise is an error, not
     silently ignored."""
-    from dflashkit.drafter.checkpoint import load_drafter
-
     if not cfg.init:
         return None
     init = load_drafter(cfg.init, target=target)
@@ -242,15 +258,12 @@ def open_eval_cache(cfg: TrainConfig, target, layer_ids):
     None when no eval cache is set."""
     if not cfg.eval_cache:
         return None
-    from dflashkit.cache import open_cache
 
     return open_cache(cfg.eval_cache, num_prompts=cfg.eval_prompts, expect_target=target.identity(), layer_ids=layer_ids)
 
 
 def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
     """The training compute dtype (master weights and the loss stay float32)."""
-    from dflashkit.target.model import pick_dtype
-
     return pick_dtype(name, device)
 
 
@@ -530,8 +543,6 @@ def evaluate_now(r: Run, step: int, metrics: "MetricsLog | None") -> dict | None
     msd, _ = full_state(r.model)
     res = None
     if r.d.master:
-        from dflashkit.evaluate.offline import evaluate
-
         copy = plain_drafter(r.drafter.config, msd, r.vocab)
         cfg = r.cfg
         full = evaluate(copy.to(r.target.device), r.target, r.eval_cache, trees=tuple(cfg.eval_trees),
@@ -558,8 +569,6 @@ def full_state(model, optimizer=None):
 
 def plain_drafter(drafter_cfg, model_state: dict, vocab):
     """A standalone CPU copy of the drafter from a full state dict (for saving and evaluation)."""
-    from dflashkit.drafter.model import DFlashDrafter
-
     copy = DFlashDrafter(drafter_cfg)
     copy.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
     copy.contract = {"draft_vocab": vocab}
@@ -638,9 +647,6 @@ class MetricsLog:
 
 
 def write_summary(run: Path, summary: dict, cfg: TrainConfig) -> None:
-    from dflashkit.fileio import write_json, write_text
-    from dflashkit.report import line_plot, markdown_table
-
     hist = summary["history"]
     slim = {k: v for k, v in summary.items() if k != "history"}
     write_json(run / "summary.json", {**slim, "config": cfg.to_dict()})
