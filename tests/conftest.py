@@ -69,3 +69,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Every test of the real SmolLM2 target runs on one xdist worker (`--dist loadgroup`): loaded once, not twice."""
+    for item in items:
+        if "smollm2" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group(name="smollm2"))

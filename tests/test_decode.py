@@ -123,7 +123,7 @@ def test_sampling_matches_target_softmax(tiny_targets):
     second token is the first one the verify step decides; the oracle's greedy drafts get accepted often, so a
     loop that accepted drafts too easily would over-produce them."""
     target = tiny_targets["llama"]
-    T, n, B = 0.2, 150, 4
+    T, n, B = 0.2, 120, 4
     ids, oracle, p1, p2, p2_given = sampling_setup(target, "def f(x):", T, B)
     ref = oracle.seq[len(ids):]
     # the test has power: a loop that accepted a draft when it is the target's argmax (not its sample) fails it

@@ -1,0 +1,55 @@
+"""The demo's stage bookkeeping (demo/stages.py) on three trivial stages: a rerun skips what is unchanged, a
+corrupted output rebuilds its stage, a stage whose earlier stages' outputs changed rebuilds too, and one that was
+interrupted runs again."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from dflashkit.demo.stages import Stage, StageRunner
+
+
+def pipeline(root, builds, value="1"):
+    """a -> b -> c, each writing one file from the one before; `builds` counts the builds per stage."""
+    a, b, c = root / "a.txt", root / "b.txt", root / "c.txt"
+
+    def write(name, path, text):
+        builds[name] = builds.get(name, 0) + 1
+        path.write_text(text)
+
+    return [Stage("a", {"value": value}, [a], lambda: write("a", a, value)),
+            Stage("b", {}, [b], lambda: write("b", b, a.read_text() + "b"), after=("a",)),
+            Stage("c", {}, [c], lambda: write("c", c, b.read_text() + "c"), after=("b",))]
+
+
+def run(root, builds, value="1"):
+    runner = StageRunner(root, ["a", "b", "c"], Console(quiet=True))
+    for stage in pipeline(root, builds, value):
+        runner.run(stage)
+    return runner
+
+
+def test_reruns_skip_rebuild_what_changed_and_only_that(tmp_path):
+    builds = {}
+    run(tmp_path, builds)
+    assert builds == {"a": 1, "b": 1, "c": 1} and (tmp_path / "c.txt").read_text() == "1bc"
+    runner = run(tmp_path, builds)
+    assert builds == {"a": 1, "b": 1, "c": 1} and all(t.skipped for t in runner.timings.values())
+    (tmp_path / "b.txt").write_text("corrupt")  # b rebuilds; it writes what it wrote before, so c is skipped
+    run(tmp_path, builds)
+    assert builds == {"a": 1, "b": 2, "c": 1} and (tmp_path / "b.txt").read_text() == "1b"
+    run(tmp_path, builds, value="2")  # new inputs of a: a's output changes, so b and c, which read it, rebuild
+    assert builds == {"a": 2, "b": 3, "c": 2} and (tmp_path / "c.txt").read_text() == "2bc"
+    stamp = json.loads((tmp_path / "stages" / "c.json").read_text())
+    assert stamp["done"] and stamp["outputs"]
+
+
+def test_an_interrupted_stage_is_run_again(tmp_path):
+    builds = {}
+    run(tmp_path, builds)
+    stamp = tmp_path / "stages" / "b.json"
+    stamp.write_text(json.dumps({**json.loads(stamp.read_text()), "done": False}))  # as if stopped mid-build
+    run(tmp_path, builds)
+    assert builds["a"] == 1 and builds["b"] == 2
