@@ -80,18 +80,21 @@ def test_rerun_skips_cached_stages_and_rebuilds_a_corrupted_one(demo_run, capsys
     assert (out / "plan.json").stat().st_mtime_ns == planned  # the same plan: no second probe
     assert after == before  # nothing rebuilt: same inputs, same outputs
     assert "unchanged, skipped" in capsys.readouterr().out
-    # corrupt one file the eval stage wrote: it rebuilds, and only it (tests/test_stages.py covers what follows a
-    # rebuilt stage; the cache's own integrity checks are in tests/test_cache.py)
-    victim = out / "eval" / "trained-stride" / "results.json"
-    victim.write_text(victim.read_text()[:100])
+    # corrupt one prompt file of the eval cache: the cache stage rebuilds it; the rebuilt cache holds what it held
+    # before (only its manifest's timestamps differ), so what was built from it is not rebuilt
+    victim = sorted((out / "cache" / "coding-10").glob("*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])
     run_demo(cfg)
     printed = capsys.readouterr().out
-    assert "eval: outputs changed or corrupted since they were written; rebuilding" in printed
-    assert "bench: unchanged, skipped" in printed and "cache: unchanged, skipped" in printed
-    json.loads(victim.read_text())  # whole again
+    assert "cache: outputs changed or corrupted since they were written; rebuilding" in printed
+    assert all(f"{s}: unchanged, skipped" in printed for s in ("train", "eval", "bench")), printed
+    from dflashkit.cache.store import verify_cache
+
+    problems, _ = verify_cache(out / "cache" / "coding-10")
+    assert problems == []
     rebuilt = stamps(out)
     assert all(s["done"] for s in rebuilt.values())
-    assert {k for k in rebuilt if rebuilt[k] != after[k]} <= {"eval"}
+    assert {k for k in rebuilt if rebuilt[k] != after[k]} == {"cache"}
 
 
 def test_the_demo_trains_the_recipe_file_with_its_own_overrides_on_top(demo_run, tmp_path):

@@ -53,3 +53,30 @@ def test_an_interrupted_stage_is_run_again(tmp_path):
     stamp.write_text(json.dumps({**json.loads(stamp.read_text()), "done": False}))  # as if stopped mid-build
     run(tmp_path, builds)
     assert builds["a"] == 1 and builds["b"] == 2
+
+
+def test_a_cache_digest_is_what_it_holds_not_how_the_file_was_written(tmp_path):
+    """safetensors writes its header from a hash map: the same tensors saved twice can differ byte for byte. The
+    cache stages' digest reads the tensors, so a rebuild that extracts the same features does not retrain."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dflashkit.cache.store import content_digest, record_digest
+    from dflashkit.fileio import sha256_file, write_json
+
+    x = {"tokens": torch.arange(5), "layer_1": torch.ones(5, 4)}
+    save_file(x, tmp_path / "a.safetensors", metadata={"prompt_id": "p", "format": "f"})
+    save_file(x, tmp_path / "b.safetensors", metadata={"format": "f", "prompt_id": "p"})
+    assert record_digest(tmp_path / "a.safetensors") == record_digest(tmp_path / "b.safetensors")
+    save_file({**x, "layer_1": torch.zeros(5, 4)}, tmp_path / "c.safetensors", metadata={"prompt_id": "p", "format": "f"})
+    assert record_digest(tmp_path / "c.safetensors") != record_digest(tmp_path / "a.safetensors")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "0.safetensors").write_bytes((tmp_path / "a.safetensors").read_bytes())
+    write_json(cache / "manifest.json", {"created": "t0", "prompts": [{"id": "p", "sha256": sha256_file(cache / "0.safetensors")}]})
+    first = content_digest(cache)
+    (cache / "0.safetensors").write_bytes((tmp_path / "b.safetensors").read_bytes())  # rebuilt: same tensors, new bytes
+    write_json(cache / "manifest.json", {"created": "t1", "prompts": [{"id": "p", "sha256": sha256_file(cache / "0.safetensors")}]})
+    assert content_digest(cache) == first
+    (cache / "0.safetensors").write_bytes((tmp_path / "a.safetensors").read_bytes()[:100])  # truncated: not what was built
+    assert content_digest(cache) == ""

@@ -9,6 +9,7 @@ other layers, or another target, is an error unless the caller explicitly accept
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import read_json, sha256_file, sha256_json
@@ -273,6 +274,37 @@ def open_cache(path, num_prompts: int | None = None, allow_partial: bool = False
             raise DFlashError(f"{path / e['file']}: missing, though {path / MANIFEST} lists it; the cache was modified "
                               "after extraction: run `dflashkit cache verify` and re-extract")
     return cache
+
+
+def record_digest(file) -> str:
+    """A record file's tensors and metadata, whatever order safetensors wrote its header in: the header comes from a
+    hash map, so two saves of the same tensors differ byte for byte."""
+    h = hashlib.sha256()
+    with safe_open(str(file), "pt") as f:
+        h.update(json.dumps(sorted((f.metadata() or {}).items())).encode())
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name).contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def content_digest(path) -> str:
+    """What a cache holds, not when or how it was written: the manifest without its timestamps and file hashes, the
+    tensors of every record and the bytes of every other file; '' when the manifest is missing or unreadable. A
+    rebuild that extracts the same features digests the same, so what was built from the cache need not be rebuilt."""
+    path = Path(path)
+    try:
+        m = {k: v for k, v in read_json(path / "manifest.json").items() if k not in ("created", "finished")}
+    except (OSError, DFlashError):
+        return ""
+    m["prompts"] = [{k: v for k, v in e.items() if k != "sha256"} for e in m.get("prompts", [])]
+    files = [f for f in sorted(path.rglob("*")) if f.is_file() and f.name != "manifest.json"]
+    try:
+        rows = [(str(f.relative_to(path)), record_digest(f) if f.suffix == ".safetensors" else sha256_file(f)) for f in files]
+    except (OSError, SafetensorError):  # a truncated or unreadable record: not what was built
+        return ""
+    return sha256_json([m, rows])
 
 
 def cache_size(path) -> int:

@@ -159,7 +159,11 @@ def plan_demo(cfg: DemoConfig, p: Paths, target, console, spent_s: float):
 
 def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[Stage]:
     """The demo's stages in order: what each reads (its fingerprint) and writes."""
+    from dflashkit.cache.store import content_digest
     from dflashkit.train.loop import feature_layers
+
+    def cache_digest(outputs):
+        return content_digest(outputs[0])
 
     tid = {k: v for k, v in target.identity().items() if k != "path"}
     layer_ids = feature_layers(recipe, target, None)
@@ -168,11 +172,11 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
         Stage("data", {"target": tid, "suite": s.train.content_hash, "layers": layer_ids,
                        "max_new_tokens": cfg.train_max_new_tokens}, [p.data],
               lambda: build_cache(target, s.train, p.data, layer_ids, cfg.train_max_new_tokens, cfg.gen_batch_size,
-                                  cfg.progress)),
+                                  cfg.progress), digest=cache_digest),
         Stage("cache", {"target": tid, "suite": s.eval.content_hash, "layers": layer_ids,
                         "max_new_tokens": cfg.eval_max_new_tokens}, [p.eval_cache],
               lambda: build_cache(target, s.eval, p.eval_cache, layer_ids, cfg.eval_max_new_tokens,
-                                  len(s.eval.items), cfg.progress)),
+                                  len(s.eval.items), cfg.progress), digest=cache_digest),
         Stage("train", {"recipe": recipe.to_dict(), "minutes": cfg.minutes, "device": str(device),
                         "schedule": "time-fitted cosine"}, [p.train, p.drafters],
               lambda: train_drafters(cfg, p, target, recipe), after=("data", "cache")),
