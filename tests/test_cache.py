@@ -1,9 +1,6 @@
 """Extraction and caches: consistent files, exact features, resume, strict coverage, verify, diff, CLI."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -373,25 +370,6 @@ def test_cli_exit_codes(tmp_path, tiny_dirs, runs, capsys):
     assert main(["cache", "verify", str(tmp_path)]) == 2
     assert main(["cache", "diff", str(runs / "a"), str(runs / "c")]) == 2  # different targets share no tokens
     assert "share no prompt with identical tokens" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_torchrun_data_parallel_matches_single_process(tmp_path, tiny_dirs, tiny_targets):
-    single = extract(tiny_targets["llama"], CODING.subset(5), tmp_path / "single", layer_ids=LAYERS,
-                     max_new_tokens=4, progress=False)
-    out = tmp_path / "dp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dflashkit.cli",
-           "extract", "--target", str(tiny_dirs["llama"]), "--prompts", "coding-10", "--num-prompts", "5",
-           "--out", str(out), "--target-layers", "1,2,3", "--max-new-tokens", "4", "--quiet", "--device", "cpu", "--dtype", "float32"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert res.returncode == 0, res.stderr[-2000:]
-    a, b = open_cache(single), open_cache(out)
-    assert b.manifest["world_size"] == 2 and b.prompt_ids == a.prompt_ids
-    for ra, rb in zip(a, b):
-        assert torch.equal(ra.tokens, rb.tokens)
-        torch.testing.assert_close(ra.features(), rb.features(), rtol=1e-5, atol=1e-5)
-    assert store.verify_cache(out)[0] == []
 
 
 @pytest.mark.slow

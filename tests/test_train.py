@@ -1,11 +1,9 @@
 """Drafter training: the recipe against straightforward references, the guards (final layers, noise, leaking
-masks, loss names), exact resume, checkpoints, data generation, export, and torchrun DDP/FSDP on CPU."""
+masks, loss names), exact resume, checkpoints, data generation and export (torchrun: test_torchrun.py)."""
 
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from dflashkit.drafter.checkpoint import load_drafter, new_drafter
 from dflashkit.drafter.head import DraftHead
 from dflashkit.errors import DFlashError
 from dflashkit.train.config import TrainConfig, default_gamma, load_config
-from dflashkit.cache.sequences import generate_sequences, read_sequences
+from dflashkit.cache.sequences import read_sequences
 from dflashkit.train.data import MemorySource, OnlineSource, Sequence, build_batch, sample_anchors
 from dflashkit.train.loop import micro_inputs, train
 from dflashkit.train.loss import ChunkedHeadLoss, block_loss, slot_weights, step_weight
@@ -589,42 +587,6 @@ def test_export_writes_the_zlab_format(llama, data, tmp_path, capsys):
     b = load_file(tmp_path / "run" / "checkpoints" / "step-00000001" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "draft vocabulary" in capsys.readouterr().out
-
-
-# ---- torchrun ---------------------------------------------------------------------------------------------
-
-WORKER = """
-import sys
-from dflashkit.cli import main
-for mode in ("ddp", "fsdp"):
-    rc = main(["train", "--config", sys.argv[1], f"out={sys.argv[2]}/{mode}", f"distributed={mode}", "batch_size=2"])
-    assert rc == 0, rc
-"""
-
-
-@pytest.mark.slow
-def test_torchrun_ddp_and_fsdp_match_a_single_process(tiny_dirs, llama, tmp_path):
-    """2 gloo processes x 2 sequences == 1 process x 4 sequences: same losses, same final weights."""
-    seqs = generate_sequences(llama, "coding-10", tmp_path / "seqs.jsonl", max_new_tokens=24, batch_size=8,
-                              num_prompts=8, progress=False)
-    conf = tmp_path / "c.yaml"
-    conf.write_text(yaml.safe_dump(dict(target=str(tiny_dirs["llama"]), data=str(seqs), num_layers=1,
-                                        target_layer_ids=LAYERS, block_size=8, anchors_per_seq=8, steps=4, lr=3e-3,
-                                        noise_std=0.1, progress=False, dtype="float32")))
-    single = train(load_config(conf, [f"out={tmp_path}/single", "batch_size=4"]), target=llama)
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), str(conf), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    ref = load_file(tmp_path / "single" / "checkpoints" / "step-00000004" / "model.safetensors")
-    for mode in ("ddp", "fsdp"):
-        losses = [float(x) for x in read_csv_column(tmp_path / mode / "metrics.csv", "loss")]
-        assert len(losses) == 4
-        assert max(abs(x - y) for x, y in zip(single["losses"], losses)) < 1e-5, (mode, single["losses"], losses)
-        got = load_file(tmp_path / mode / "checkpoints" / "step-00000004" / "model.safetensors")
-        assert all(torch.allclose(ref[k], got[k], atol=1e-5) for k in ref), mode
 
 
 @pytest.mark.slow
