@@ -162,7 +162,7 @@ def test_hybrid_adds_the_ngram_branch_to_the_drafter_tree(tiny_targets):
 def test_ngram_and_hybrid_sample_the_target_distribution(tiny_targets):
     """T>0: the first two new tokens follow the target's own distribution under n-gram and hybrid verification."""
     target = tiny_targets["llama"]
-    T, n, B = 0.2, 250, 4
+    T, n, B = 0.2, 150, 4
     ids, oracle, p1, p2, _ = sampling_setup(target, "def f(x): def f(x):", T, B)
     for method in ("ngram", "hybrid-3"):
         gen = torch.Generator().manual_seed(0)
