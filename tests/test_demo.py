@@ -32,6 +32,7 @@ def test_every_stage_writes_its_outputs(demo_run):
                 "drafters/first-checkpoint/model.safetensors", "eval/trained-stride/results.json",
                 "eval/untrained-walk/results.json", "eval/compare-stride", "bench/results.json", "report.md"]:
         assert (out / rel).exists(), rel
+    assert (out / "eval/compare-walk/acceptance.png").is_file() and not list((out / "eval/trained-walk").glob("*.png"))
     first = json.loads((out / "drafters/first-checkpoint/dflashkit.json").read_text())
     assert first["trained_steps"] == 2  # the first periodic checkpoint, not the final one (step 3)
     text = (out / "report.md").read_text()

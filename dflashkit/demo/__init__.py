@@ -290,7 +290,7 @@ def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
     for anchors in ("stride", "walk"):
         for name, path in drafters.items():
             run_eval(path, target, cache, p.eval / f"{name}-{anchors}", anchors=anchors, trees=("budget:4", "budget:8"),
-                     progress=cfg.progress, say=say)
+                     progress=cfg.progress, say=say, plots=False)  # the comparison draws all three
         compare_runs([p.eval / f"{n}-{anchors}" for n in drafters], out=p.eval / f"compare-{anchors}")
     write_json(p.eval / "limits.json", data_limits(final_checkpoint(p), p.data, cache))
 

@@ -72,8 +72,7 @@ def overall_lines(result: dict) -> list[str]:
     return lines
 
 
-def summary_markdown(result: dict, header: list[str]) -> str:
-
+def summary_markdown(result: dict, header: list[str], plots: bool = True) -> str:
     s, o = result["settings"], result["overall"]
     trees = s["trees"]
     heads = ["prompt", "blocks", "streak", "tau", "pos1"] + [tree_label(t) for t in trees]
@@ -87,7 +86,7 @@ def summary_markdown(result: dict, header: list[str]) -> str:
                 for c, v in per_cat.items()]
         rows.append(["**overall**", o["prompts"], o["blocks"], o["streak"], o["tau"], o["pos1_acc"]] + [o[t] for t in trees])
         md += ["## Per category", "", markdown_table(["category", "prompts"] + heads[1:], rows),
-               "![tau per category](categories.png)", ""]
+               "![tau per category](categories.png)" if plots else "", ""]
     md.append("Means are over blocks. streak = leading draft tokens equal to the target's (bonus excluded; tau = streak + 1).")
     md.append(f"Trees: {tree_note(trees)}.")
     exp = [f"{tree_label(t)} {_f(o['expected'][t])}" for t in trees if t in o["expected"]]
@@ -102,7 +101,8 @@ def summary_markdown(result: dict, header: list[str]) -> str:
            "## DDTree budget curve", "",
            markdown_table(["budget", "accepted depth", "drafter-expected"],
                           [[b, o["budget_curve"][b], o["budget_curve_expected"][b]] for b in o["budget_curve"]]),
-           "![acceptance](acceptance.png) ![streak histogram](streak_hist.png) ![budget curve](budget_curve.png)", ""]
+           "![acceptance](acceptance.png) ![streak histogram](streak_hist.png) ![budget curve](budget_curve.png)"
+           if plots else "", ""]
     return "\n".join(md)
 
 
@@ -160,18 +160,19 @@ def header_lines(drafter_info: dict, load_report: list[str], target_ident: dict,
     ]
 
 
-def save_run(run_dir, result: dict, log_lines: list[str], drafter_path):
-    """Write the run folder atomically: results.json, summary.md, eval.log, plots, and a `drafter` symlink
-    to the checkpoint (a reference, not a copy; results.json holds its path and sha256)."""
+def save_run(run_dir, result: dict, log_lines: list[str], drafter_path, plots: bool = True):
+    """Write the run folder atomically: results.json, summary.md, eval.log, plots (unless a comparison will draw
+    them), and a `drafter` symlink to the checkpoint (a reference, not a copy; results.json holds its path and
+    sha256)."""
     import os
-
 
     run_dir = Path(run_dir)
     with atomic_dir(run_dir) as tmp:
         write_json(tmp / "results.json", result)
-        write_text(tmp / "summary.md", summary_markdown(result, result.get("header", [])))
+        write_text(tmp / "summary.md", summary_markdown(result, result.get("header", []), plots))
         write_text(tmp / "eval.log", "\n".join(log_lines) + "\n")
-        write_plots(tmp, {"run": result})
+        if plots:
+            write_plots(tmp, {"run": result})
         try:
             os.symlink(Path(drafter_path).resolve(), tmp / "drafter", target_is_directory=True)
         except OSError:
@@ -181,7 +182,7 @@ def save_run(run_dir, result: dict, log_lines: list[str], drafter_path):
 
 def run_eval(drafter_path, target, cache, run_dir, anchors: str = "stride", trees=DEFAULT_TREES,
              max_blocks: int | None = None, show_matches: bool = False, progress: bool = True, say=print,
-             allow_skipped: bool = False) -> dict:
+             allow_skipped: bool = False, plots: bool = True) -> dict:
     """Evaluate a checkpoint on an opened cache and write its run folder: what `dflashkit eval` does."""
     trees = parse_trees(trees)
     check_mode(anchors, max_blocks)
@@ -222,5 +223,5 @@ def run_eval(drafter_path, target, cache, run_dir, anchors: str = "stride", tree
                           result["overall"]["blocks"])
     result = {"format": "dflashkit-eval/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "header": header,
               "drafter": drafter_info, "target": target.identity(), **result}
-    save_run(run_dir, result, log, ckpt)
+    save_run(run_dir, result, log, ckpt, plots)
     return result

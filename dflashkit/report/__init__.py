@@ -20,27 +20,24 @@ def markdown_table(headers: list[str], rows: list[list], digits: int = 3) -> str
 
 
 def _figure():
-    import matplotlib
+    """A bare Figure, not pyplot's: no process-wide backend switch and no global figure registry to close."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    return plt, fig, ax
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    return fig, fig.add_subplot()
 
 
-def _save(plt, fig, path) -> Path:
+def _save(fig, path) -> Path:
     path = Path(path)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
-    plt.close(fig)
     return path
 
 
 def line_plot(path, series: dict[str, tuple[list, list]], title: str, xlabel: str, ylabel: str, ylim=None) -> Path:
     """One line per named series of (x, y)."""
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     for name, (x, y) in series.items():
         ax.plot(x, y, marker="o", markersize=3, label=name)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
@@ -49,12 +46,12 @@ def line_plot(path, series: dict[str, tuple[list, list]], title: str, xlabel: st
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend()
-    return _save(plt, fig, path)
+    return _save(fig, path)
 
 
 def bar_plot(path, groups: dict[str, dict[str, float]], title: str, ylabel: str) -> Path:
     """Grouped bars: groups[category][series] = value."""
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     cats = list(groups)
     names = list(dict.fromkeys(n for g in groups.values() for n in g))
     width = 0.8 / max(1, len(names))
@@ -66,12 +63,12 @@ def bar_plot(path, groups: dict[str, dict[str, float]], title: str, ylabel: str)
     ax.grid(alpha=0.3, axis="y")
     if len(names) > 1:
         ax.legend()
-    return _save(plt, fig, path)
+    return _save(fig, path)
 
 
 def hist_plot(path, series: dict[str, list[float]], title: str, xlabel: str, start: int = 0) -> Path:
     """Side-by-side histograms given as per-bin fractions or counts, bins start, start+1, ..."""
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     width = 0.8 / max(1, len(series))
     for i, (name, vals) in enumerate(series.items()):
         ax.bar([start + j + i * width for j in range(len(vals))], vals, width=width, label=name)
@@ -79,4 +76,4 @@ def hist_plot(path, series: dict[str, list[float]], title: str, xlabel: str, sta
     ax.grid(alpha=0.3, axis="y")
     if len(series) > 1:
         ax.legend()
-    return _save(plt, fig, path)
+    return _save(fig, path)
