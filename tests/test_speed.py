@@ -365,11 +365,11 @@ def test_bf16_hybrid_target_speculative_equals_bf16_greedy(bf16_hybrid):
     oracle = Oracle([], 6, t.vocab_size)
     for text in REPEATING[:1] + ["Write a haiku about the sea, then explain it."]:
         ids = t.chat_ids([{"role": "user", "content": text}])
-        ref = generate(t, ids, "ar", max_new_tokens=32, stop_ids=[]).tokens
+        ref = generate(t, ids, "ar", max_new_tokens=24, stop_ids=[]).tokens
         oracle.seq = ids + ref + [0] * 8
-        oracle.wrong = {len(ids) + 4, len(ids) + 20}  # full blocks elsewhere: rounds with and without a re-run
+        oracle.wrong = {len(ids) + 4, len(ids) + 16}  # full blocks elsewhere: rounds with and without a re-run
         for method in ("chain", "ddtree-8", "ngram", "hybrid-4"):
-            got = generate(t, ids, method, oracle, max_new_tokens=32, stop_ids=[]).tokens
+            got = generate(t, ids, method, oracle, max_new_tokens=24, stop_ids=[]).tokens
             assert got == ref, (text, method)
 
 
