@@ -15,7 +15,7 @@ def demo_run(tiny_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     cfg = DemoConfig(out=str(out), target=str(tiny_dirs["llama"]), device="cpu", minutes=5, train_prompts=6,
                      train_max_new_tokens=24, gen_batch_size=6, eval_prompts=2, eval_max_new_tokens=24,
-                     bench_prompts=2, bench_max_new_tokens=20, progress=False,
+                     bench_prompts=2, bench_max_new_tokens=20, holdout_max_new_tokens=16, progress=False,
                      train={"steps": 3, "target_layer_ids": [1, 2, 3], "save_every": 2, "anchors_per_seq": 8,
                             "batch_size": 2})
     report = run_demo(cfg)
