@@ -191,6 +191,7 @@ def test_smollm2_coding_prompts_lossless(smollm2):
         check_feature_stream(target, oracle, ids, g.tokens)
 
 
+@pytest.mark.slow  # a whole bench or compare folder, figures included
 def test_bench_reports_and_flags_mismatches(tiny_targets, drafters, tmp_path, monkeypatch):
     target = tiny_targets["qwen3"]
     ids = [(t, target.chat_ids([{"role": "user", "content": t}])) for t in TEXTS[:2]]

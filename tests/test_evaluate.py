@@ -383,6 +383,7 @@ def test_cli_eval_partial_cache_needs_allow_partial(setup, capsys):
     assert "**Partial: 3 of 5 requested prompts**" in (root / "rp" / "summary.md").read_text()
 
 
+@pytest.mark.slow  # a whole bench or compare folder, figures included
 def test_compare_runs_ratios_and_refusal(setup, capsys):
     root, cache = setup
     assert _eval(root, cache, "d0", "ca") == 0 and _eval(root, cache, "d1", "cb") == 0

@@ -128,6 +128,7 @@ def test_second_turn_is_asked_after_the_targets_own_answer(tiny_targets):
     assert len(c.generation.accepted) == len(c.generation.tokens) - 2  # ar: one round per token after each prefill
 
 
+@pytest.mark.slow  # a whole bench or compare folder, figures included
 def test_bench_runs_every_turn_and_reports_per_category(tiny_targets, tmp_path):
     from dflashkit.decode.bench import bench_markdown, run_bench, write_bench
 
@@ -147,6 +148,7 @@ def test_bench_runs_every_turn_and_reports_per_category(tiny_targets, tmp_path):
     assert tmp_path / "b" / "categories.png" in paths
 
 
+@pytest.mark.slow  # a whole bench or compare folder, figures included
 def test_cli_bench_on_spec_bench_deepspec_and_sharegpt(tiny_dirs, tmp_path, capsys):
     from dflashkit.cli import main
 
