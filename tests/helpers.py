@@ -79,7 +79,9 @@ class SpreadOracle(Oracle):
     """Rejection sampling with a q that is not one-hot: half on the target's greedy token, the rest over three
     others (as a DFlash2 q over its top-k), drafts sampled from q, so the residual max(p - q, 0) gets used."""
 
-    def draft(self, features, anchor, start, temperature, generator):
+    def draft(self, features, anchor, start, temperature, generator, mix=1.0):
+        from dflashkit.drafter.model import mix_greedy
+
         want = self.propose(features, anchor, start).argmax(-1)
         q = torch.zeros(len(want), self.vocab)
         rows = torch.arange(len(want))
@@ -88,7 +90,7 @@ class SpreadOracle(Oracle):
             q[rows, (want + 7 * k) % self.vocab] = 0.5 / 3
         if temperature <= 0:
             return want, None
-        return torch.multinomial(q, 1, generator=generator)[:, 0], q
+        return mix_greedy(q, torch.multinomial(q, 1, generator=generator)[:, 0], mix, generator)
 
 
 def sampling_setup(target, text: str, T: float = 0.2, B: int = 4):

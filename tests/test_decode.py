@@ -137,17 +137,39 @@ def test_sampling_matches_target_softmax(tiny_targets):
     assert stat > crit, (stat, crit)
     spread = SpreadOracle(ids + ref, B, target.vocab_size)
     d2 = dflash2_oracle(target, oracle)
-    for method, acceptance, proposer, t_draft in (("chain", "match", oracle, None), ("chain", "rejection", d2, None),
-                                                  ("chain", "rejection", oracle, 3.0),  # a diffuse q over the vocabulary
-                                                  ("chain", "rejection", spread, None), ("ddtree-4", "match", oracle, None)):
+    schemes = (("chain", "match", oracle, None, 1.0), ("chain", "rejection", d2, None, 1.0),
+               ("chain", "rejection", d2, None, 0.5),  # the selector given the mixed path's own predecessors
+               ("chain", "rejection", oracle, 3.0, 0.5),  # a diffuse q over the vocabulary, half kept greedy
+               ("chain", "rejection", spread, None, 1.0), ("ddtree-4", "match", oracle, None, 1.0))
+    for method, acceptance, proposer, t_draft, mix in schemes:
         gen = torch.Generator().manual_seed(0)
         runs = [generate(target, ids, method, proposer, max_new_tokens=2, temperature=T, generator=gen,
-                         acceptance=acceptance, draft_temperature=t_draft) for _ in range(n)]
+                         acceptance=acceptance, draft_temperature=t_draft, draft_mix=mix) for _ in range(n)]
         assert sum(r.accepted[0] > 1 for r in runs) > n // 10, "the test needs accepted drafts to mean anything"
         for pos, probs in ((0, p1), (1, p2)):
             toks = [r.tokens[pos] for r in runs]
             stat, crit = chi_square({t: toks.count(t) for t in set(toks)}, probs, n)
-            assert stat < crit, (method, acceptance, pos, stat, crit)
+            assert stat < crit, (method, acceptance, mix, pos, stat, crit)
+
+
+def test_mixed_drafts_follow_the_q_they_report():
+    """mix_greedy: picks drawn from q' = mix * q + (1 - mix) * onehot(argmax q), which it returns; mix 0 is the
+    argmax, mix 1 returns the sample and q untouched and draws nothing more from the generator."""
+    from dflashkit.drafter.model import mix_greedy
+
+    q = torch.softmax(torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) * 2, -1)
+    rows = q.repeat(5000, 1)
+    gen = torch.Generator().manual_seed(1)
+    picks, mixed = mix_greedy(rows, torch.multinomial(rows, 1, generator=gen)[:, 0], 0.3, gen)
+    want = 0.3 * q + 0.7 * torch.nn.functional.one_hot(q.argmax(-1), 6)
+    torch.testing.assert_close(mixed[:4], want)
+    freq = torch.stack([torch.bincount(picks[i::4], minlength=6) / 5000 for i in range(4)])
+    assert (freq - want).abs().max() < 0.03, (freq, want)
+    assert torch.equal(mix_greedy(q, torch.zeros(4, dtype=torch.long), 0.0, gen)[0], q.argmax(-1))
+    state = gen.get_state()
+    sample = torch.tensor([5, 4, 3, 2])
+    same, untouched = mix_greedy(q, sample, 1.0, gen)
+    assert same is sample and untouched is q and torch.equal(gen.get_state(), state)
 
 
 def dflash2_oracle(target, oracle):
@@ -357,3 +379,11 @@ def test_rounding_divergences_are_reported_and_large_gaps_fail(tiny_targets, mon
         assert ("LOSSLESS CHECK FAILED" in md) == fails and ("Rounding divergences" in md) != fails
         assert "bug" not in md
     assert res["mismatches"][0]["gap"] == pytest.approx(gap_far, rel=1e-4)
+
+
+def test_generate_refuses_a_draft_mix_outside_zero_to_one(tiny_dirs, capsys):
+    from dflashkit.cli import main
+
+    assert main(["generate", "--target", str(tiny_dirs["llama"]), "--drafter", "none", "--draft-mix", "1.5",
+                 "--prompt", "hi"]) == 2
+    assert "--draft-mix 1.5: must be between 0" in capsys.readouterr().err

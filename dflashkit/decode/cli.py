@@ -51,6 +51,9 @@ def _common(p) -> None:
                    "(drafts sampled from the drafter's q, kept with min(1, p/q), as z-lab's reference)")
     p.add_argument("--draft-temperature", type=float, default=None,
                    help="rejection: the temperature of the drafter's q (default: --temperature, as the reference)")
+    p.add_argument("--draft-mix", type=float, default=1.0,
+                   help="rejection: the share of each draft position sampled from q; the rest keeps the drafter's "
+                   "greedy choice (1 = the reference; 0 accepts exactly as match)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
@@ -66,6 +69,8 @@ def _check(args) -> None:
         raise DFlashError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if args.temperature < 0:
         raise DFlashError(f"--temperature {args.temperature}: must be 0 (greedy) or positive")
+    if not 0 <= args.draft_mix <= 1:
+        raise DFlashError(f"--draft-mix {args.draft_mix}: must be between 0 (greedy drafts) and 1 (drafts sampled from q)")
     if args.draft_temperature is not None and args.draft_temperature < 0:
         raise DFlashError(f"--draft-temperature {args.draft_temperature}: must be 0 (greedy drafts) or positive")
     if args.block_size is not None and args.block_size < 2:
@@ -134,7 +139,7 @@ def cmd_generate(args) -> int:
         c = decode_conversation(target, item, lambda ids: generate(
             target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, generator=gen, cost=cost, ngram=ngram, acceptance=args.acceptance,
-            draft_temperature=args.draft_temperature))
+            draft_temperature=args.draft_temperature, draft_mix=args.draft_mix))
         g, texts = c.generation, c.answers
         rec = {"id": pid, "category": item.category, "method": g.method, "prompt_tokens": [len(p) for p in c.prompts],
                "tokens": g.tokens, "turns": texts, "text": texts[-1], "accepted": g.accepted,

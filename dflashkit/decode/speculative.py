@@ -29,6 +29,7 @@ import torch
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.drafter.head import DraftHead
+from dflashkit.drafter.model import mix_greedy
 from dflashkit.errors import DFlashError
 from dflashkit.target.invariant import NAME as ROW_INVARIANT
 from dflashkit.target.invariant import row_invariant
@@ -130,15 +131,16 @@ class DFlashProposer:
         return self.head.logits(h[0, 1:])  # [B-1, V']
 
     @torch.no_grad()
-    def draft(self, features, anchor, start: int, temperature: float = 0.0, generator=None):
+    def draft(self, features, anchor, start: int, temperature: float = 0.0, generator=None, mix: float = 1.0):
         """The block's B-1 drafts as the reference proposes them: DFlash takes the argmax (T=0) or a sample of
-        q = softmax(logits / T); DFlash2 takes its candidate selector's path. Returns (tokens [B-1], q [B-1, V]
-        over the target's vocabulary, None at T=0)."""
+        q = softmax(logits / T); DFlash2 takes its candidate selector's path; mix < 1 keeps the greedy choice
+        at some positions (mix_greedy). Returns (tokens [B-1], q [B-1, V] over the target's vocabulary, None at
+        T=0)."""
         logits = self.propose(features, anchor, start)
         if self.drafter.config.arch != "dflash2":
-            return sample_drafts(logits, temperature, generator, self.to_tokens, self.target.vocab_size)
+            return sample_drafts(logits, temperature, generator, self.to_tokens, self.target.vocab_size, mix)
         path, candidates, q = self.drafter.candidate_selector.select(
-            self.hidden, logits[None], self.anchor, temperature, self.to_tokens, generator)
+            self.hidden, logits[None], self.anchor, temperature, self.to_tokens, generator, mix)
         if q is None:
             return path[0], None
         full = torch.zeros(q.shape[1], self.target.vocab_size, device=q.device)
@@ -155,30 +157,32 @@ class DFlashProposer:
         return self.head.to_tokens(idx)
 
 
-def sample_drafts(logits, temperature: float, generator, to_tokens, vocab_size: int):
-    """Drafts from logits [L, V']: argmax at T=0 (q None), else samples of q = softmax(logits / T), with q
-    returned over the full vocabulary [L, vocab_size] (zero outside a draft vocabulary)."""
+def sample_drafts(logits, temperature: float, generator, to_tokens, vocab_size: int, mix: float = 1.0):
+    """Drafts from logits [L, V']: argmax at T=0 (q None), else samples of q = softmax(logits / T) (mixed with
+    the argmax when mix < 1, see mix_greedy), with q returned over the full vocabulary [L, vocab_size] (zero
+    outside a draft vocabulary)."""
     if temperature <= 0:
         return to_tokens(logits.argmax(-1)), None
     q = torch.softmax(logits.float() / temperature, dim=-1)
-    idx = torch.multinomial(q, 1, generator=generator)[:, 0]
+    idx, q = mix_greedy(q, torch.multinomial(q, 1, generator=generator)[:, 0], mix, generator)
     all_ids = to_tokens(torch.arange(q.shape[1], device=q.device))
     full = torch.zeros(q.shape[0], vocab_size, device=q.device).index_copy_(1, all_ids, q)
     return to_tokens(idx), full
 
 
 def draft_block(proposer, features, anchor, start: int, temperature: float, generator, acceptance: str,
-                draft_temperature: float | None = None):
+                draft_temperature: float | None = None, draft_mix: float = 1.0):
     """(tokens [B-1], q or None). `match` drafts greedily (q None): a draft is accepted iff it equals the target's
     own choice. `rejection` samples the drafts from q at T>0 and accepts them with min(1, p/q); q is the drafter's
     softmax at `draft_temperature` (default T, as the reference; any q keeps the output exact, a sharper one suits
-    an under-confident drafter, and 0 makes rejection accept exactly as `match`)."""
+    an under-confident drafter, and 0 makes rejection accept exactly as `match`), of which `draft_mix` is sampled
+    and the rest kept on the greedy draft (mix_greedy; 1 = the reference)."""
     sampled = acceptance == "rejection" and temperature > 0
     t_q = (temperature if draft_temperature is None else draft_temperature) if sampled else 0.0
     if hasattr(proposer, "draft"):
-        return proposer.draft(features, anchor, start, t_q, generator)
+        return proposer.draft(features, anchor, start, t_q, generator, draft_mix)
     logits = proposer.propose(features, anchor, start)
-    return sample_drafts(logits, t_q, generator, proposer.to_tokens, logits.shape[-1])
+    return sample_drafts(logits, t_q, generator, proposer.to_tokens, logits.shape[-1], draft_mix)
 
 
 def rejection_accept(drafts, q, logits, temperature: float, generator) -> tuple[int, torch.Tensor]:
@@ -337,7 +341,8 @@ def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
 @torch.no_grad()
 def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                    temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None,
-                   acceptance: str = "match", draft_temperature: float | None = None) -> Generation:
+                   acceptance: str = "match", draft_temperature: float | None = None,
+                   draft_mix: float = 1.0) -> Generation:
     """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
     per round. At T>0, `acceptance` picks the rule (see draft_block); both keep the target's distribution."""
     timer, stops, dev = _begin(target, stop_ids)
@@ -355,7 +360,7 @@ def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_to
     while not done:
         with timer("draft"):
             drafts, q = draft_block(proposer, feats, bonus, start, temperature, generator, acceptance,
-                                    draft_temperature)
+                                    draft_temperature, draft_mix)
         block = torch.cat([bonus, drafts])  # [B]: the bonus, then B-1 drafts
         saved = save_linear_states(kv) if target.is_hybrid else None
         with timer("verify"):
@@ -622,7 +627,8 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
 
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
              max_new_tokens: int = 256, temperature: float = 0.0, generator=None, stop_ids=None, cost=None,
-             ngram=None, acceptance: str = "match", draft_temperature: float | None = None) -> Generation:
+             ngram=None, acceptance: str = "match", draft_temperature: float | None = None,
+             draft_mix: float = 1.0) -> Generation:
     """One entry point for every method name of `parse_method`; `budget` applies to a bare 'ddtree' or 'hybrid';
     `acceptance` is the chain's rule at T>0 (trees accept a node iff it is the target's own sample)."""
     kind, n = parse_method(method)
@@ -635,7 +641,7 @@ def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Pro
         raise ValueError(f"method {method!r} needs a drafter")
     if kind == "chain":
         return generate_chain(target, proposer, prompt_ids, max_new_tokens, temperature, generator, stop_ids,
-                              acceptance, draft_temperature)
+                              acceptance, draft_temperature, draft_mix)
     name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
     return generate_tree(target, tree_drafts(method, proposer, budget, cost, ngram), prompt_ids, max_new_tokens,
                          temperature, generator, stop_ids, method=name)

@@ -214,6 +214,19 @@ class GroupedDynamicConv(nn.Module):
         return dynamic_conv(x, delta, self.base_kernel[1], segment, self.group_size)
 
 
+def mix_greedy(q, sample, mix: float, generator):
+    """Per row, keep `sample` (drawn from q) with probability `mix`, else take q's argmax; returns (picks, q') with
+    q' = mix * q + (1 - mix) * onehot(argmax), the law the picks follow. Rejection sampling against q' accepts the
+    greedy draft as often as the `match` rule (min(1, p/q') >= p where the target is unsure) and spends the rest of
+    the mass on the drafter's runner-ups; mix 1 is the reference's q (and draws nothing more)."""
+    if mix >= 1:
+        return sample, q
+    greedy = q.argmax(-1)
+    keep = torch.rand(sample.shape, generator=generator).to(sample.device) < mix
+    return torch.where(keep, sample, greedy), (q * mix).scatter_add_(-1, greedy[..., None],
+                                                                    torch.full_like(q[..., :1], 1 - mix))
+
+
 class CandidateSelector(nn.Module):
     """DFlash2's reranker: per block position, the top-k of the drafter's logits are rescored as
     unary(c) + < pred[prev] * proj(h), succ[c] >, prev being the token chosen at the position before (the anchor
@@ -234,10 +247,12 @@ class CandidateSelector(nn.Module):
         pair = torch.einsum("...r,...kr->...k", context, self.successor_codebook[candidates])
         return unary + pair.to(unary.dtype)
 
-    def select(self, hidden, logits, anchor_ids, temperature: float = 0.0, to_tokens=None, generator=None):
+    def select(self, hidden, logits, anchor_ids, temperature: float = 0.0, to_tokens=None, generator=None,
+               mix: float = 1.0):
         """hidden [b, L, H]; logits [b, L, V'] (the drafter's unary logits); anchor_ids [b].
         Returns (path [b, L] token ids, candidates [b, L, k] token ids, q [b, L, k] or None at T=0): the greedy
-        path at T=0, else each position sampled from softmax(scores / T) over its candidates."""
+        path at T=0, else each position drawn from softmax(scores / T) over its candidates, given the token drawn
+        before it (mixed with the greedy choice when mix < 1, see mix_greedy)."""
         unary, index = torch.topk(logits, self.top_k, dim=-1, sorted=False)
         candidates = index if to_tokens is None else to_tokens(index)
         prev, path, qs = anchor_ids, [], []
@@ -245,7 +260,7 @@ class CandidateSelector(nn.Module):
             s = self.scores(hidden[:, i], prev, candidates[:, i], unary[:, i])
             if temperature > 0:
                 q = torch.softmax(s.float() / temperature, dim=-1)
-                pick = torch.multinomial(q, 1, generator=generator)[:, 0]
+                pick, q = mix_greedy(q, torch.multinomial(q, 1, generator=generator)[:, 0], mix, generator)
                 qs.append(q)
             else:
                 pick = s.argmax(dim=-1)
