@@ -46,9 +46,10 @@ def _common(p) -> None:
     p.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the drafter's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; above 0 samples, still lossless")
     p.add_argument("--acceptance", choices=("match", "rejection"), default="match",
-                   help="chain's rule at T>0: match (greedy drafts kept iff equal to the target's own sample; accepted "
-                   "more with the CPU drafters, benchmarks/results/cpu-2026-12-01-acceptance-T0.7.md) or rejection "
-                   "(drafts sampled from the drafter's q, kept with min(1, p/q), as z-lab's reference)")
+                   help="chain's rule at T>0: match (greedy drafts kept iff equal to the target's own sample) or rejection "
+                   "(drafts sampled from the drafter's q, kept with min(1, p/q), as z-lab's reference; with the CPU "
+                   "drafters at T=0.7 it accepted less with q at T and as much with q at T/2, "
+                   "benchmarks/results/cpu-2026-12-02-acceptance-T0.7-mix.md)")
     p.add_argument("--draft-temperature", type=float, default=None,
                    help="rejection: the temperature of the drafter's q (default: --temperature, as the reference)")
     p.add_argument("--draft-mix", type=float, default=1.0,
