@@ -216,9 +216,9 @@ class GroupedDynamicConv(nn.Module):
 
 def mix_greedy(q, sample, mix: float, generator):
     """Per row, keep `sample` (drawn from q) with probability `mix`, else take q's argmax; returns (picks, q') with
-    q' = mix * q + (1 - mix) * onehot(argmax), the law the picks follow. Rejection sampling against q' accepts the
-    greedy draft as often as the `match` rule (min(1, p/q') >= p where the target is unsure) and spends the rest of
-    the mass on the drafter's runner-ups; mix 1 is the reference's q (and draws nothing more)."""
+    q' = mix * q + (1 - mix) * onehot(argmax), the law the picks follow. Rejection sampling against q' accepts
+    sum(min(p, q')) >= p(argmax), match's rate, wherever p(argmax) <= q'(argmax), and spends the rest of the mass on
+    the drafter's runner-ups (docs/design.md section 4); mix 1 is the reference's q (and draws nothing more)."""
     if mix >= 1:
         return sample, q
     greedy = q.argmax(-1)
