@@ -133,18 +133,18 @@ def plan_demo(cfg: DemoConfig, p: Paths, target, console, spent_s: float):
         return round(sum(len(target.chat_ids(it.messages)) for it in suite.items) / max(1, len(suite.items)))
 
     train_context, eval_context = mean_prompt(s.train), mean_prompt(s.eval)
-    console.print("[dim]timing this machine to plan the demo (under a minute)...[/dim]")
+    compiling = f", and about {probe.COMPILE_S / 60:.0f} min to compile its kernels first" if target.kernels == "compiled" else ""
+    console.print(f"[dim]timing this machine to plan the demo (under a minute{compiling})...[/dim]")
     measured = probe.probe(target, target.chat_ids(s.train.items[0].messages), cfg.gen_batch_size,
                            train_context + cfg.train_max_new_tokens // 2)
     stock = ["ar-stock"] if needs_switch(target.model) else []  # bench adds plain decoding on the stock kernels
     bench_runs = [(len(s.bench.items), parse_methods(cfg.bench_methods) + stock, cfg.bench_max_new_tokens),
                   (len(s.holdout.items), parse_methods(cfg.holdout_methods) + stock, cfg.holdout_max_new_tokens)]
-    compiled = target.kernels == "compiled"
     fixed = {
         "cache": probe.data_seconds(measured, len(s.eval.items), len(s.eval.items), cfg.eval_max_new_tokens,
                                     eval_context),
         "eval": probe.eval_seconds(measured, len(s.eval.items) * (eval_context + cfg.eval_max_new_tokens)),
-        "bench": probe.bench_seconds(measured, bench_runs, compiled),
+        "bench": probe.bench_seconds(measured, bench_runs),
     }
 
     def estimate(prompts: int, minutes: float) -> dict[str, float]:

@@ -3,8 +3,9 @@
 Constants measured on one CPU were off by 2x on another (a float32-only CPU ran the data stage in 17 min against
 an estimate of 9), so the demo times the operations its stages repeat and scales them:
 - a batched greedy step and prefill at the data stage's batch size and typical context (data, cache stages);
-- a one-token forward on the stock kernels (bench, and the offline eval, which scales with the machine); on compiled
-  kernels (target/compiled.py) a token costs COMPILED_TOKEN of that, plus their compile.
+- a one-token forward on the stock kernels (bench's ar-stock, and the offline eval, which scales with the machine)
+  and, where the target chose compiled kernels (target/compiled.py), on those (every other bench method). The data
+  stage generates on them too, so the probe's own generation compiles them: the compile is paid here, once.
 Per-method factors (time per token relative to plain decoding) come from measured demo runs; they are the one
 part that depends on the drafter, so the bench estimate is the loosest.
 """
@@ -19,6 +20,7 @@ import torch
 
 from dflashkit.decode.cost import measure_cost_curve
 from dflashkit.decode.methods import parse_method
+from dflashkit.target.compiled import compiled_linears, uses_compiled
 from dflashkit.target.generation import iter_generate_greedy
 
 # time per generated token relative to plain decoding, from measured runs on coding-10: float32 on compiled kernels
@@ -31,8 +33,6 @@ EVAL_STEPS_PER_TOKEN = 0.3  # offline eval of one cached token (3 drafters x 2 a
 TRAIN_OVERHEAD_S = 10.0  # saving the untrained twin and the first checkpoint after the time box (measured 3 s)
 BENCH_OVERHEAD_S = 20.0  # the cost curve and the warm-up
 COMPILE_S = 120.0  # compiling a 135M float32 target's layers on 2 cores (target/compiled.py): 115-132 s measured
-COMPILED_TOKEN = 0.75  # a one-token forward on compiled kernels against the stock ones: 61 vs 76-95 ms measured
-#                        (benchmarks/results/cpu-2026-12-01-compiled-forward.md); ar-stock keeps the stock cost
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Probe:
     prefill_token_s: float  # per token of a batched prefill (generation and feature capture)
     verify_s: float  # a one-token forward at `context` tokens
     seconds: float  # what the probe itself took
+    compiled_verify_s: float | None = None  # the same on the compiled kernels decoding runs (None: not chosen)
 
 
 def _timed(fn) -> float:
@@ -67,8 +68,12 @@ def probe(target, prompt_ids: list[int], batch: int, context: int) -> Probe:
         target.stop_token_ids = stops
     step = max(1e-6, (long - short) / 8)
     prefill = max(1e-6, short - 4 * step) / (batch * context)
-    verify = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)  # stock kernels: no compile here
-    return Probe(batch, context, step, prefill, verify, time.perf_counter() - t0)
+    verify = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)  # the stock kernels
+    compiled = None
+    if uses_compiled(target.model):  # compiled by the generation above
+        with compiled_linears(target.model):
+            compiled = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)
+    return Probe(batch, context, step, prefill, verify, time.perf_counter() - t0, compiled)
 
 
 def data_seconds(p: Probe, num_prompts: int, batch: int, max_new_tokens: int, context: int) -> float:
@@ -89,14 +94,14 @@ def method_factor(method: str) -> float:
     return METHOD_FACTOR.get(method, METHOD_FACTOR.get(family, 1.0))
 
 
-def bench_seconds(p: Probe, runs: list[tuple[int, list[str], int]], compiled: bool = False) -> float:
+def bench_seconds(p: Probe, runs: list[tuple[int, list[str], int]]) -> float:
     """runs: (prompts, methods, max new tokens) per suite. Tokens x a one-token forward on the kernels the method
-    runs on x the method's factor (+ the compile)."""
+    runs on (ar-stock: the stock ones) x the method's factor."""
     def token_s(method: str) -> float:
-        return p.verify_s * (COMPILED_TOKEN if compiled and method != "ar-stock" else 1.0) * method_factor(method)
+        fast = p.compiled_verify_s if p.compiled_verify_s and method != "ar-stock" else p.verify_s
+        return fast * method_factor(method)
 
-    return BENCH_OVERHEAD_S + COMPILE_S * compiled + sum(n * tokens * ANSWER_FILL * token_s(m)
-                                                         for n, methods, tokens in runs for m in methods)
+    return BENCH_OVERHEAD_S + sum(n * tokens * ANSWER_FILL * token_s(m) for n, methods, tokens in runs for m in methods)
 
 
 def eval_seconds(p: Probe, cached_tokens: int) -> float:
