@@ -1,4 +1,4 @@
-"""The demo's plan (demo/plan.py): training data and time shrink together until the estimates fit the budget."""
+"""The demo's plan (demo/plan.py): training time, then data, shrink until the estimates fit the budget."""
 
 import pytest
 
@@ -19,11 +19,13 @@ def test_a_budget_that_fits_keeps_the_sizes_asked_for():
     assert fit(3600, 50, estimate, 360, 15) == (360, 15)
 
 
-def test_a_tight_budget_shrinks_prompts_and_minutes_by_one_factor_to_the_largest_that_fits():
+def test_a_tight_budget_shrinks_minutes_faster_than_prompts_to_the_largest_that_fits():
     prompts, minutes = fit(1800, 50, estimate, 360, 15)
     assert total(prompts, minutes) <= MARGIN * 1800
-    assert prompts / 360 == pytest.approx(minutes / 15, abs=0.01)  # one factor for both
-    assert total(prompts + 4, minutes * (prompts + 4) / prompts) > MARGIN * 1800  # not needlessly small
+    f = (minutes / 15) ** (2 / 3)  # one factor: minutes x f^1.5, prompts x f^0.5
+    assert prompts / 360 == pytest.approx(f**0.5, abs=0.01) and prompts / 360 > minutes / 15
+    g = f * 1.02
+    assert total(int(360 * g**0.5), 15 * g**1.5) > MARGIN * 1800  # not needlessly small
 
 
 def test_minimums_hold_even_when_nothing_fits():

@@ -2,8 +2,11 @@
 
 The same demo took 71 minutes on a float32-only CPU and about 35 on a bf16 one, so fixed sizes cannot fit one
 budget everywhere. The probe (probe.py) says what each stage costs here; the plan keeps every stage and every
-bench method and shrinks the two elastic quantities, the number of training prompts and the training minutes, by
-one common factor until the estimated total fits the budget with a margin. The plan is written to
+bench method and shrinks the two elastic quantities, the number of training prompts and the training minutes,
+until the estimated total fits the budget with a margin: by one factor f, prompts as sqrt(f) and minutes as f^1.5.
+Data goes last because a CPU drafter runs out of data before it runs out of steps: on 149 prompts, 5 minutes of
+a step-cheap recipe reached the held-out accuracy of one with 2.6x the steps (benchmarks/results/
+cpu-2026-12-02-recipe-ablation.md, block-4 vs combo-b4). The plan is written to
 `<out>/plan.json` once and reused by a rerun with the same settings, so a resumed demo builds the same stages and
 pays no second probe.
 """
@@ -38,10 +41,11 @@ class Plan:
 
 def fit(budget_s: float, spent_s: float, estimate: Callable[[int, float], dict[str, float]], prompts: int,
         minutes: float) -> tuple[int, float]:
-    """The largest (prompts, minutes), both scaled by one factor f <= 1 and no smaller than the minimums, whose
-    estimated stages fit MARGIN x budget after `spent_s`. At the minimums when even they do not fit."""
+    """The largest (prompts x sqrt(f), minutes x f^1.5), f <= 1, no smaller than the minimums, whose estimated stages
+    fit MARGIN x budget after `spent_s`. At the minimums when even they do not fit."""
     def sized(f: float) -> tuple[int, float]:
-        return max(min(MIN_PROMPTS, prompts), min(prompts, int(prompts * f))), max(min(MIN_MINUTES, minutes), minutes * f)
+        return (max(min(MIN_PROMPTS, prompts), min(prompts, int(prompts * f**0.5))),
+                max(min(MIN_MINUTES, minutes), minutes * f**1.5))
 
     def fits(f: float) -> bool:
         return spent_s + sum(estimate(*sized(f)).values()) <= MARGIN * budget_s

@@ -241,6 +241,24 @@ def stage_rates(res: DemoResults, timings: dict) -> dict[str, str]:
 
 
 # ---- the report ----------------------------------------------------------------------------------------------------
+def recipe_lines(recipe: Path) -> list[str]:
+    """Why the demo trains this recipe: the top rows of the newest recipe ablation committed in the checkout that
+    holds the recipe (benchmarks/recipe_ablation.py), and the old recipe's row; nothing when there is none."""
+    from dflashkit.report import markdown_table
+
+    found = sorted((Path(recipe).resolve().parent.parent / "benchmarks" / "results").glob("*-recipe-ablation.json"))
+    if not found:
+        return []
+    r = read_json(found[-1])
+    ranked = sorted(r["rows"], key=lambda x: -x["ddtree8_tau"])
+    rows = ranked[:3] + [x for x in ranked[3:] if x["lever"] == "recipe"]
+    return [f"Why this recipe: each lever alone and in combination, {r['minutes']:g} training minutes each on "
+            f"{r['machine']} (benchmarks/results/{found[-1].name}, top rows and the previous recipe):", "",
+            markdown_table(["lever", "overrides", "steps", "walk tau", "pos-1 acc (held out)", "online ddtree-8 tau"],
+                           [[x["lever"], " ".join(x["overrides"]) or "-", x["steps"], x["walk_tau"], x["stride_pos1"],
+                             x["ddtree8_tau"]] for x in rows]), ""]
+
+
 def write_report(root: Path, cfg, device, timings: dict, numerics: str = "", plan: str = "") -> dict:
     """report.md and report.json from what the stages wrote; returns the checks and the console summary."""
     from dflashkit.decode.bench import cost_markdown
@@ -274,7 +292,8 @@ def write_report(root: Path, cfg, device, timings: dict, numerics: str = "", pla
     t = res.training
     if t:
         lines += ["## Training", "", f"{t.steps} steps in {t.elapsed_s / 60:.1f} min, loss `{t.loss_name}`, draft "
-                  f"vocabulary {t.draft_vocab_size or 'full'}; stopped: {t.stop_reason}.", "", "![loss](train/loss.png)", ""]
+                  f"vocabulary {t.draft_vocab_size or 'full'}; stopped: {t.stop_reason}.", "", *recipe_lines(cfg.recipe),
+                  "![loss](train/loss.png)", ""]
     rates = stage_rates(res, timings)
     lines += ["## Stage timings", "", "Seconds each stage took when it was built (a skipped stage reused that output), "
               "the estimate printed before it ran (from the probe of this machine at the start, plan.json), and what "
