@@ -107,24 +107,6 @@ def test_speculative_decoding_on_compiled_kernels_equals_plain_greedy_decoding_o
         assert generate(target, ids, "ddtree-12", oracle, max_new_tokens=20).tokens == ref
 
 
-def test_batched_generation_of_training_data_runs_on_the_compiled_kernels_and_equals_greedy_decoding(compiled_target):
-    """iter_generate_greedy (data stage, extraction) on the kernels decoding uses: left-padded rows of a batch give
-    each prompt's own greedy answer."""
-    from dflashkit.target.generation import iter_generate_greedy
-
-    t, kernels = compiled_target, []
-    hook = t.model.register_forward_hook(lambda m, args, out: kernels.append(type(m.lm_head).__name__))
-    prompts = [t.chat_ids([{"role": "user", "content": c}]) for c in ("hi", "def add(a, b):", "count to three please")]
-    try:
-        got = dict(iter_generate_greedy(t, prompts, 10, batch_size=3))
-    finally:
-        hook.remove()
-    assert kernels and set(kernels) == {"CompiledUnit"} and type(t.model.lm_head) is torch.nn.Linear
-    with row_invariant(t.model):
-        want = {i: greedy_reference(t, ids, 10, set(t.stop_token_ids)) for i, ids in enumerate(prompts)}
-    assert got == want
-
-
 def test_bench_times_the_stock_baseline_too_and_measures_speedups_against_the_faster(compiled_target):
     from dflashkit.prompts import PromptItem
 

@@ -4,8 +4,10 @@ Constants measured on one CPU were off by 2x on another (a float32-only CPU ran 
 an estimate of 9), so the demo times the operations its stages repeat and scales them:
 - a batched greedy step and prefill at the data stage's batch size and typical context (data, cache stages);
 - a one-token forward on the stock kernels (bench's ar-stock, and the offline eval, which scales with the machine)
-  and, where the target chose compiled kernels (target/compiled.py), on those (every other bench method). The data
-  stage generates on them too, so the probe's own generation compiles them: the compile is paid here, once.
+  and, where the target chose compiled kernels (target/compiled.py), on those (every other bench method): timing
+  them compiles them, so the compile is paid here, once per process. Generation stays on the stock kernels: on
+  them its step time is predictable (compiled, batched generation ran 1.10x faster, but the probe's step varied
+  0.27-0.37 s against 0.23 s in the stage; benchmarks/results/cpu-2026-12-02-generation-kernels.md).
 Per-method factors (time per token relative to plain decoding) come from measured demo runs; they are the one
 part that depends on the drafter, so the bench estimate is the loosest.
 """
@@ -70,7 +72,7 @@ def probe(target, prompt_ids: list[int], batch: int, context: int) -> Probe:
     prefill = max(1e-6, short - 4 * step) / (batch * context)
     verify = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)  # the stock kernels
     compiled = None
-    if uses_compiled(target.model):  # compiled by the generation above
+    if uses_compiled(target.model):  # compiles them (about 2 minutes), once per process
         with compiled_linears(target.model):
             compiled = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)
     return Probe(batch, context, step, prefill, verify, time.perf_counter() - t0, compiled)

@@ -1,17 +1,10 @@
-"""Batched greedy generation with left padding: the target's own answers, for caches and training data.
-
-A target that chose compiled kernels (a float32 CPU, target/compiled.py) generates on them too: a step of a batch
-of 8-32 rows is a small-M product, where they beat the stock kernels as they do in a verify.
-"""
+"""Batched greedy generation with left padding: the target's own answers, for caches and training data."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import nullcontext
 
 import torch
-
-from dflashkit.target.compiled import compiled_linears, uses_compiled
 
 
 @torch.no_grad()
@@ -37,11 +30,10 @@ def iter_generate_greedy(target, prompts: list[list[int]], max_new_tokens: int,
             p = prompts[i]
             ids[r, width - len(p):] = torch.tensor(p)
             att[r, width - len(p):] = 1
-        with compiled_linears(target.model) if uses_compiled(target.model) else nullcontext():
-            out = target.model.generate(
-                input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=sorted(stops) or None, pad_token_id=pad, top_p=None, top_k=None, temperature=None,
-            )
+        out = target.model.generate(
+            input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=sorted(stops) or None, pad_token_id=pad, top_p=None, top_k=None, temperature=None,
+        )
         for r, i in enumerate(idx):
             comp = out[r, width:].tolist()
             for j, t in enumerate(comp):

@@ -84,8 +84,7 @@ def describe_kernels(model: nn.Module) -> str:
     """One line for reports: the kernels decoding runs on this model and why."""
     if uses_compiled(model):
         return ("compiled linears (inductor's CPP GEMM micro-kernels, weights frozen, one compile for every number of "
-                "tokens) for every method, plain decoding included, and for generating the training data (batched "
-                "steps are small-M products too): a 2-8 token verify costs 1.1-1.5x one token "
+                "tokens) for every method, plain decoding included: a 2-8 token verify costs 1.1-1.5x one token "
                 "instead of 1.5-1.8x, and each linear's row is computed the same whatever shares its call (attention "
                 "rounds a verify's rows within about 3e-7 of a one-token step; every output is checked); ar-stock runs the "
                 "stock kernels, and speedups are against the faster of ar and ar-stock")
