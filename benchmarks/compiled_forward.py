@@ -23,10 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash2_vs_dflash import cpu_name  # noqa: E402
+from dflash2_vs_dflash import cpu_name, write_results  # noqa: E402
 from dflashkit.decode.cost import measure_cost_curve  # noqa: E402
 from dflashkit.decode.speculative import generate  # noqa: E402
-from dflashkit.fileio import write_json, write_text  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402
 from dflashkit.target.invariant import row_invariant, stock_kernels  # noqa: E402
 from dflashkit.target.model import load_target  # noqa: E402
@@ -73,10 +72,8 @@ def main() -> int:
           f"(64 tokens) on the compiled kernels equals the stock one: {same}.", "",
           markdown_table(["n tokens", "stock ms", "stock vs n=1", "compiled ms", "compiled vs n=1", "stock / compiled"],
                          rows, digits=2)]
-    write_text(f"{stem}.md", "\n".join(md))
-    write_json(f"{stem}.json", out)
     print("\n".join(md[4:]))
-    print(f"wrote {stem}.md, {stem}.json")
+    write_results(stem, md, out)
     return 0
 
 

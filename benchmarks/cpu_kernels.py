@@ -33,8 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash2_vs_dflash import cpu_name  # noqa: E402
-from dflashkit.fileio import write_json, write_text  # noqa: E402
+from dflash2_vs_dflash import cpu_name, write_results  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402
 from dflashkit.target.compiled import memoise_templates  # noqa: E402
 from dflashkit.target.model import load_target  # noqa: E402
@@ -180,9 +179,7 @@ def main() -> int:
                          rows, digits=2)]
     if args.tag:
         stem = stem.with_name(f"{stem.name}-{args.tag}")
-    write_text(f"{stem}.md", "\n".join(md))
-    write_json(f"{stem}.json", out)
-    print(f"wrote {stem}.md, {stem}.json")
+    write_results(stem, md, out)
     return 0
 
 

@@ -35,7 +35,7 @@ from dflashkit.demo import DemoConfig, Paths, declare_stages, load_demo_target, 
 from dflashkit.demo.stages import StageRunner  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter, run_latest  # noqa: E402
 from dflashkit.evaluate.runs import run_eval  # noqa: E402
-from dflashkit.fileio import write_json  # noqa: E402
+from dflashkit.fileio import write_json, write_text  # noqa: E402
 from dflashkit.prompts import load_prompts  # noqa: E402
 
 
@@ -44,6 +44,13 @@ def cpu_name() -> str:
     model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
     bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
     return f"{model}, {torch.get_num_threads()} threads, {'native bf16' if bf16 else 'no native bf16 (AVX2)'}"
+
+
+def write_results(stem, md: list[str], data: dict) -> None:
+    """A benchmark's STEM.md (its lines) and STEM.json (its figures), both written atomically."""
+    write_text(f"{stem}.md", "\n".join(md) + "\n")
+    write_json(f"{stem}.json", data)
+    print(f"wrote {stem}.md, {stem}.json")
 
 
 def build_data(demo: DemoConfig):

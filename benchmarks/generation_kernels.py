@@ -22,9 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash2_vs_dflash import cpu_name  # noqa: E402
+from dflash2_vs_dflash import cpu_name, write_results  # noqa: E402
 from dflashkit.demo import DemoConfig, demo_suites  # noqa: E402
-from dflashkit.fileio import write_json, write_text  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402
 from dflashkit.target.generation import iter_generate_greedy  # noqa: E402
 from dflashkit.target.model import load_target  # noqa: E402
@@ -73,10 +72,8 @@ def main() -> int:
           f"{args.batch}, {args.new_tokens} new tokens each ({tokens} generated), median of {args.rounds} alternating "
           f"rounds; compiling took {compile_s:.0f} s. Answers equal on both kernels: {same} of {len(prompts)}.", "",
           markdown_table(["kernels", "seconds", "generated tokens/s", "speedup"], rows, digits=2)]
-    write_text(f"{stem}.md", "\n".join(md) + "\n")
-    write_json(f"{stem}.json", out)
     print("\n".join(md[4:]))
-    print(f"wrote {stem}.md, {stem}.json")
+    write_results(stem, md, out)
     return 0
 
 
