@@ -387,3 +387,27 @@ def test_generate_refuses_a_draft_mix_outside_zero_to_one(tiny_dirs, capsys):
     assert main(["generate", "--target", str(tiny_dirs["llama"]), "--drafter", "none", "--draft-mix", "1.5",
                  "--prompt", "hi"]) == 2
     assert "--draft-mix 1.5: must be between 0" in capsys.readouterr().err
+
+
+def test_hybrid_gate_drafts_while_the_drafter_adds_tokens_and_rechecks_when_idle():
+    """hybrid-auto's gate: with no n-gram proposal, a drafter that has been adding a token per round is run; one that
+    added nothing for twenty drafted rounds sits out, and drafts again on the eighth idle round."""
+    from dflashkit.decode.cost import CostCurve
+    from dflashkit.decode.ngram import NgramLookup
+    from dflashkit.decode.speculative import TreeDrafts
+
+    drafts = TreeDrafts(Oracle([1, 2, 3], 4, 10), 8, NgramLookup(), CostCurve([1, 8], [0.050, 0.060]))
+    drafts.t_draft, drafts.fixed = 0.010, 0.004
+    assert drafts._worth_drafting([])  # first rounds: the prior (one token) pays for a 10 ms forward
+
+    def drafted_round(added: int, force: bool = False):
+        drafts.drafted = force or drafts._worth_drafting([])
+        drafts.observe(list(range(added)), 0)
+        return drafts.drafted
+
+    assert all(drafted_round(1) for _ in range(20))
+    for _ in range(20):
+        drafted_round(0, force=True)
+    assert not drafts._worth_drafting([])
+    idle = [drafted_round(0) for _ in range(9)]
+    assert idle == [False] * 8 + [True]

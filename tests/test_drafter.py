@@ -273,3 +273,32 @@ def test_fc_expecting_five_layers_against_three_offered():
 def test_new_drafter_refuses_shortcut_layers(tiny_targets):
     with pytest.raises(DFlashError, match="last two decoder layers"):
         new_drafter(tiny_targets["llama"], num_layers=1, target_layer_ids=[5])
+
+
+def test_few_rows_linear_is_the_linear_in_decoding_and_exactly_it_elsewhere():
+    """Decoding's few-row products (weight @ x.T) equal F.linear up to float rounding; outside decoding_products()
+    (training, offline evaluation) and for long inputs F.linear itself runs, bit for bit, and the drafter's output
+    does not depend on which ran."""
+    from dflashkit.drafter.head import FEW_ROWS, decoding_products, few_rows_linear
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    for shape in [(1, 24), (3, 24), (2, 5, 24), (FEW_ROWS, 24), (FEW_ROWS + 1, 24)]:
+        x = torch.randn(*shape, generator=g)
+        want = torch.nn.functional.linear(x, w, b)
+        with torch.no_grad(), decoding_products():
+            got = few_rows_linear(x, w, b)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            assert torch.equal(few_rows_linear(x, w, b), want)  # not decoding: F.linear itself
+    cfg = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                        num_hidden_layers=2, target_layer_ids=[0, 1], num_target_layers=3, block_size=4,
+                        mask_token_id=0, vocab_size=50)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).eval()
+    feats, block = torch.randn(1, 3, 64), torch.randn(1, 4, 32)
+    pos = torch.arange(7)[None]
+    train_path = drafter(feats, block, pos)
+    with torch.no_grad(), decoding_products():
+        torch.testing.assert_close(drafter(feats, block, pos), train_path, atol=1e-5, rtol=1e-4)

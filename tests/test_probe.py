@@ -9,11 +9,12 @@ from dflashkit.demo.probe import ANSWER_FILL, METHOD_FACTOR, Probe, bench_second
 PROBE = Probe(batch=32, context=350, batch_step_s=0.4, prefill_token_s=1e-4, verify_s=0.06, seconds=15.0)
 
 
-def test_data_seconds_is_steps_of_every_batch_plus_the_feature_capture():
-    # 64 prompts of 300 tokens in batches of 32, mid-answer at the probe's context (350): 2 batches x 100 steps
-    # x 0.4 s, then prefill twice over every prompt and half an answer (generation's, then the feature capture)
+def test_data_seconds_is_steps_of_every_batch_plus_the_prefill():
+    # 64 prompts of 300 tokens in batches of 32, mid-answer at the probe's context (350): 2 batches x (100 steps + the
+    # one that records the last token's features) x 0.4 s, and the prefill over every prompt (features are recorded
+    # while generating: no second pass over prompt + answer)
     got = data_seconds(PROBE, num_prompts=64, batch=32, max_new_tokens=100, context=300)
-    assert got == pytest.approx(2 * 100 * 0.4 + 2 * 64 * (300 + 50) * 1e-4)
+    assert got == pytest.approx(2 * 101 * 0.4 + 64 * 300 * 1e-4)
     # a partial last batch still runs every step; a smaller batch costs less per step (sqrt of the rows)
     assert data_seconds(PROBE, 65, 32, 100, 300) > got
     assert data_seconds(PROBE, 8, 8, 100, 300) < data_seconds(PROBE, 8, 32, 100, 300)

@@ -155,3 +155,27 @@ def test_smollm2_prepare_reuses_and_conversion_matches_gguf(smollm2, monkeypatch
     assert smollm2.identity()["weights_hash"]
     monkeypatch.setattr(target_model, "sha256_file", never)  # remembered: the 540 MB are not read again
     assert weights_hash(path) == smollm2.identity()["weights_hash"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_features_recorded_while_generating_equal_a_forward_over_the_result(tiny_targets, kind):
+    """Batched generation records the chosen layers' features as it goes (left padding, one step per token, one more
+    step for the last token): same completions as plain batched generation, and features equal to one forward over
+    prompt + completion, the last token included; prompts of different lengths share a batch."""
+    from dflashkit.target.generation import iter_generate_greedy, iter_generate_with_features
+
+    t = tiny_targets[kind]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, t.vocab_size, (n,), generator=g).tolist() for n in (3, 7, 5, 9, 4)]
+    layers = [1, 2]
+    plain = dict(iter_generate_greedy(t, prompts, 6, batch_size=3))
+    seen = set()
+    for i, comp, feats in iter_generate_with_features(t, prompts, 6, layers, batch_size=3):
+        assert comp == plain[i] and sorted(feats) == layers
+        seen.add(i)
+        seq = prompts[i] + comp
+        ref = t.forward(torch.tensor([seq]), layer_ids=layers, use_cache=False).features[0]
+        got = torch.cat([feats[layer] for layer in layers], dim=-1)
+        assert got.shape == ref.shape == (len(seq), 2 * t.hidden_size)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert seen == set(range(len(prompts)))

@@ -1,9 +1,11 @@
-"""Extraction: the target's greedy completion of every prompt, then the hidden states of chosen layers over
-prompt + completion, written as a cache (see store.py for the layout).
+"""Extraction: the target's greedy completion of every prompt and the hidden states of chosen layers over
+prompt + completion, written as a cache (see store.py for the layout). The features are recorded while
+generating; completions that come from elsewhere (an earlier run's log, --completions-from, multi-turn answers)
+get theirs from one forward over prompt + completion.
 
-Resumable by construction: completions are appended to a per-rank log as each generation batch finishes,
-and each prompt's features land in their own atomically written file, so a killed run loses at most one
-batch; a rerun with the same settings picks up what is missing, and one with other settings is refused.
+Resumable by construction: each prompt's features land in their own atomically written file and its completion
+in a per-rank log as each generation batch finishes, so a killed run loses at most one batch; a rerun with the
+same settings picks up what is missing, and one with other settings is refused.
 Under torchrun (WORLD_SIZE > 1) each rank takes every WORLD_SIZE-th prompt and rank 0 writes the manifest.
 """
 
@@ -30,7 +32,7 @@ from dflashkit.fileio import atomic_path, sha256_file, write_json
 from dflashkit.prompts import PromptItem, PromptSuite
 from dflashkit.target.backends import linear_attention as la_backend
 from dflashkit.target.backends import resolve_backend
-from dflashkit.target.generation import iter_generate_greedy
+from dflashkit.target.generation import iter_generate_with_features
 
 LOG_GLOB = ".completions.rank*.jsonl"
 
@@ -96,8 +98,8 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
     _find_done(run, layer_ids, target.hidden_size)
     _find_completions(run, reused, completions_from)
     with la_backend(target, linear_attention):
-        _generate_missing(run, target, max_new_tokens, batch_size, out / f".completions.rank{d.rank}.jsonl", show,
-                          callback)
+        _generate_missing(run, target, layer_ids, max_new_tokens, batch_size, out / f".completions.rank{d.rank}.jsonl",
+                          show, callback)
         _capture_missing(run, target, layer_ids, batch_size, capture_tokens, show, callback)
 
     parts = gather_all(_my_entries(run, target, items), d)
@@ -195,21 +197,28 @@ def _find_completions(run: _Run, reused: dict, completions_from) -> None:
                               f"{len(lost)} prompts ({', '.join(lost[:5])}); use a cache of the same suite and target")
 
 
-def _generate_missing(run: _Run, target, max_new_tokens: int, batch_size: int, log: Path, show: bool,
+def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_size: int, log: Path, show: bool,
                       callback) -> None:
-    """Greedy completions for my prompts that have none, batched; each is appended to this rank's log as its
-    batch finishes, so a kill loses at most the batch being generated."""
+    """Greedy completions, and their features, for my prompts that have no completion, batched; as each batch
+    finishes, every prompt's feature file is written, then its completion is appended to this rank's log, so a kill
+    loses at most the batch being generated."""
     todo = [i for i in run.mine if i not in run.completions]
     if not todo:
         return
 
     bar = _bar(len(todo), "generate", show)
     t0, ntok = time.perf_counter(), 0
-    it = iter_generate_greedy(target, [run.prompts[i] for i in todo], max_new_tokens, batch_size=batch_size)
+    it = iter_generate_with_features(target, [run.prompts[i] for i in todo], max_new_tokens, layer_ids,
+                                     batch_size=batch_size)
     with open(log, "a") as fh:
-        for j, comp in it:
+        for j, comp, feats in it:
             i = todo[j]
             run.completions[i] = comp
+            rel = record_name(i, run.pids[i], run.sharded)
+            size, digest = _write_record(run.out / rel, run.prompts[i] + comp, len(run.prompts[i]), run.pids[i], feats)
+            run.done[i] = {"file": rel, "bytes": size, "sha256": digest}
+            if callback:
+                callback("features", run.pids[i])
             _append(fh, {"id": run.pids[i], "prompt_ids": run.prompts[i], "completion_ids": comp})
             ntok += len(comp)
             bar.update(1)

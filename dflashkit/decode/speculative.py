@@ -28,7 +28,7 @@ import torch
 
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
-from dflashkit.drafter.head import DraftHead
+from dflashkit.drafter.head import DraftHead, decoding_products
 from dflashkit.drafter.model import mix_greedy
 from dflashkit.errors import DFlashError
 from dflashkit.target.invariant import NAME as ROW_INVARIANT
@@ -125,10 +125,11 @@ class DFlashProposer:
         ids = torch.cat([anchor, self.mask_ids])
         block_embeds = self.drafter.embed_block(self.target.embed_tokens, ids, self.dtype)[None]  # [1, B, H]
         positions = torch.arange(start - n, start + self.block_size, device=block_embeds.device)[None]  # context, block
-        h = self.drafter(features.to(self.dtype), block_embeds, positions, past_key_values=self.context_kv,
-                         use_cache=True)
-        self.hidden, self.anchor = h[:, 1:], anchor  # DFlash2's selector reads them in draft()
-        return self.head.logits(h[0, 1:])  # [B-1, V']
+        with decoding_products():
+            h = self.drafter(features.to(self.dtype), block_embeds, positions, past_key_values=self.context_kv,
+                             use_cache=True)
+            self.hidden, self.anchor = h[:, 1:], anchor  # DFlash2's selector reads them in draft()
+            return self.head.logits(h[0, 1:])  # [B-1, V']
 
     @torch.no_grad()
     def draft(self, features, anchor, start: int, temperature: float = 0.0, generator=None, mix: float = 1.0):
@@ -425,6 +426,10 @@ def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
     return out.logits[row_of.to(dev), torch.tensor(depths, device=dev)], out, row_of
 
 
+ADDED_PRIOR = (1.0, 1.0)  # what the gate assumes the drafter adds before it has drafted: one token, worth one round
+ADDED_DECAY = 0.9  # per drafted round: a mean over about ten, not a moving average that two misses can shut
+
+
 class TreeDrafts:
     """What one round verifies: the drafter's DDTree (`budget` nodes), n-gram continuations as extra branches, or
     both merged. With a cost curve the tree is cut to the nodes that maximize expected tokens per second (`budget`
@@ -439,7 +444,7 @@ class TreeDrafts:
         self.by_paths = False  # set by the loop: branching trees are verified one root-to-leaf path per batch row
         self.branches: list[tuple[list[int], int]] = []  # this round's verified n-gram proposals, matched lengths
         self.t_draft = 0.0  # running mean of one drafter forward
-        self.added: dict[int, list[float]] = {}  # n-gram confidence bucket -> [tokens the drafter added, rounds idle]
+        self.added: dict[int, list[float]] = {}  # n-gram confidence bucket -> [tokens added, weight, rounds idle]
         self.bucket, self.drafted, self.pending = 0, False, None
 
     def reset(self, prompt_ids) -> None:
@@ -482,18 +487,24 @@ class TreeDrafts:
 
     def _worth_drafting(self, found) -> bool:
         """Draft unless, at this n-gram confidence, the tokens the drafter has been adding do not pay for its
-        forward and a few more verified nodes; every eighth idle round drafts anyway to keep the estimate fresh."""
+        forward and a few more verified nodes, against the best n-gram prefix alone (what pruning would keep);
+        every eighth idle round drafts anyway to keep the estimate fresh."""
         if not self.gated:
             return True
         q1 = max((qs[0] for _, _, qs in found), default=0.0)
         self.bucket = 0 if not found else 1 + int(4 * q1)
-        added, idle = self.added.setdefault(self.bucket, [1.0, 0])
+        total, weight, idle = self.added.setdefault(self.bucket, list(ADDED_PRIOR) + [0])
         if idle >= 8 or not self.t_draft:
             return True
-        ng = max((sum(qs) for _, _, qs in found), default=0.0)
-        n = 1 + max((len(c) for c, _, _ in found), default=0)
-        without = (1 + ng) / (self.fixed + self.cost(n))
-        with_ = (1 + ng + added) / (self.fixed + self.t_draft + self.cost(n + 4))
+        gain, n = 1.0, 1  # expected tokens and verified tokens of the best n-gram prefix (root included)
+        for _, _, qs in found:
+            g = 1.0
+            for depth, q in enumerate(qs, start=1):
+                g += q
+                if g / (self.fixed + self.cost(depth + 1)) > gain / (self.fixed + self.cost(n)):
+                    gain, n = g, depth + 1
+        without = gain / (self.fixed + self.cost(n))
+        with_ = (gain + total / weight) / (self.fixed + self.t_draft + self.cost(n + 4))
         return with_ > without
 
     def observe(self, new: list[int], bonus: int) -> None:
@@ -509,10 +520,10 @@ class TreeDrafts:
                 best = max(best, depth)
         if self.gated:
             stat = self.added[self.bucket]
-            if self.drafted:
-                stat[0], stat[1] = 0.8 * stat[0] + 0.2 * (len(new) - best), 0
+            if self.drafted:  # a decayed mean over about the last ten drafted rounds of this bucket
+                stat[:] = [ADDED_DECAY * stat[0] + len(new) - best, ADDED_DECAY * stat[1] + 1, 0]
             else:
-                stat[1] += 1
+                stat[2] += 1
         self.ngram.extend(new)
 
 

@@ -23,7 +23,7 @@ import torch
 from dflashkit.decode.cost import measure_cost_curve
 from dflashkit.decode.methods import parse_method
 from dflashkit.target.compiled import compiled_linears, uses_compiled
-from dflashkit.target.generation import iter_generate_greedy
+from dflashkit.target.generation import iter_generate_with_features
 
 # time per generated token relative to plain decoding, from measured runs on coding-10: float32 on compiled kernels
 # (benchmarks/results/cpu-2026-12-01-compiled-coding-10.md) and the bf16 demo report, which agree within 10%
@@ -42,7 +42,7 @@ class Probe:
     batch: int
     context: int
     batch_step_s: float  # one greedy step of `batch` rows at `context` tokens
-    prefill_token_s: float  # per token of a batched prefill (generation and feature capture)
+    prefill_token_s: float  # per token of a batched prefill
     verify_s: float  # a one-token forward at `context` tokens
     seconds: float  # what the probe itself took
     compiled_verify_s: float | None = None  # the same on the compiled kernels decoding runs (None: not chosen)
@@ -56,20 +56,22 @@ def _timed(fn) -> float:
 
 @torch.no_grad()
 def probe(target, prompt_ids: list[int], batch: int, context: int) -> Probe:
-    """Times the data stage's own generation (iter_generate_greedy) for 4 and 12 new tokens on `batch` copies of a
-    prompt stretched to `context` tokens: the difference is 8 steps, the rest is the prefill."""
+    """Times the data stage's own generation (iter_generate_with_features, five layers recorded) for 4 and 12 new
+    tokens on `batch` copies of a prompt stretched to `context` tokens: the difference is 8 steps, the rest is the
+    prefill and one more step (the one that records the last token's features)."""
     t0 = time.perf_counter()
     ids = (prompt_ids * math.ceil(context / max(1, len(prompt_ids))))[:context]
     stops, target.stop_token_ids = target.stop_token_ids, []  # every row runs the full count of steps
     try:
-        run = lambda n: list(iter_generate_greedy(target, [ids] * batch, n, batch_size=batch))  # noqa: E731
+        layers = target.default_layer_ids(5)
+        run = lambda n: list(iter_generate_with_features(target, [ids] * batch, n, layers, batch_size=batch))  # noqa: E731
         run(2)  # warm-up
         # the fastest of two: a busy moment only adds time, and one slow run(12) once made every step 1.6x
         short, long = min(_timed(lambda: run(4)) for _ in range(2)), min(_timed(lambda: run(12)) for _ in range(2))
     finally:
         target.stop_token_ids = stops
     step = max(1e-6, (long - short) / 8)
-    prefill = max(1e-6, short - 4 * step) / (batch * context)
+    prefill = max(1e-6, short - 5 * step) / (batch * context)
     verify = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)  # the stock kernels
     compiled = None
     if uses_compiled(target.model):  # compiles them (about 2 minutes), once per process
@@ -79,13 +81,12 @@ def probe(target, prompt_ids: list[int], batch: int, context: int) -> Probe:
 
 
 def data_seconds(p: Probe, num_prompts: int, batch: int, max_new_tokens: int, context: int) -> float:
-    """Generation (every batch runs to max_new_tokens: one long answer keeps the batch going) plus the feature
-    capture, a prefill over every prompt and answer. `context`: the mean prompt length. A step scales with the
-    batch rows and the mid-answer context from the probe's."""
+    """Generation, features recorded as it goes: every batch runs to max_new_tokens (one long answer keeps the
+    batch going) and one step more, after a prefill over its prompts. `context`: the mean prompt length. A step
+    scales with the batch rows and the mid-answer context from the probe's."""
     batches, mid = math.ceil(num_prompts / batch), context + max_new_tokens / 2
     step = p.batch_step_s * (batch / p.batch) ** 0.5 * (0.5 + 0.5 * mid / p.context)
-    tokens = num_prompts * mid
-    return batches * max_new_tokens * step + 2 * tokens * p.prefill_token_s  # 155 s vs 150 s measured (64 prompts)
+    return batches * (max_new_tokens + 1) * step + num_prompts * context * p.prefill_token_s
 
 
 def method_factor(method: str) -> float:

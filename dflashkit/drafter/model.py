@@ -16,9 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.drafter.head import scaled
+from dflashkit.drafter.head import few_rows_linear, scaled
 from dflashkit.errors import DFlashError
 from dflashkit.tree import Tree
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict keys) whose few-row inference calls on a CPU take the faster
+    product of decoding (few_rows_linear)."""
+
+    def forward(self, x):
+        return few_rows_linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -111,10 +119,10 @@ class Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.layer, self.n_heads, self.n_kv, self.head_dim = layer, cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = Linear(self.n_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -142,9 +150,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -197,7 +205,7 @@ class GroupedDynamicConv(nn.Module):
         super().__init__()
         self.kernel_size, self.group_size = kernel_size, group_size
         self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden))
-        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * (hidden // group_size), bias=False)
+        self.kernel_projection = Linear(hidden, 2 * kernel_size * (hidden // group_size), bias=False)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -237,7 +245,7 @@ class CandidateSelector(nn.Module):
         self.top_k = cfg.selector_top_k
         self.predecessor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
         self.successor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
-        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+        self.hidden_projection = Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
         nn.init.normal_(self.predecessor_codebook, std=0.02)
         nn.init.normal_(self.successor_codebook, std=0.02)
 
@@ -307,7 +315,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(cfg.num_features * h, h, bias=False)
+        self.fc = Linear(cfg.num_features * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)

@@ -1,4 +1,11 @@
-"""Batched greedy generation with left padding: the target's own answers, for caches and training data."""
+"""Batched greedy generation with left padding: the target's own answers, for caches and training data.
+
+Prompts are batched by length to waste little on padding; a completion ends with the first stop token (kept, since
+the target produced it) or at max_new_tokens. Output equals batch-size-1 greedy decoding. With `layer_ids` the
+chosen layers' features are recorded while generating (every step feeds the token before, so one more step after
+the last one completes them): on a CPU that saves the second forward over prompt + completion, a quarter of the
+data stage (benchmarks/results/cpu-2026-12-02-fused-capture.md).
+"""
 
 from __future__ import annotations
 
@@ -7,20 +14,10 @@ from collections.abc import Iterator
 import torch
 
 
-@torch.no_grad()
-def iter_generate_greedy(target, prompts: list[list[int]], max_new_tokens: int,
-                         batch_size: int = 8) -> Iterator[tuple[int, list[int]]]:
-    """Yield (prompt index, completion ids) batch by batch, so callers can persist as they go.
-
-    Prompts are batched by length to waste little on padding; a completion ends with the first stop token
-    (kept, since the target produced it) or at max_new_tokens. Output equals batch-size-1 greedy decoding.
-    """
+def _batches(target, prompts: list[list[int]], batch_size: int):
+    """(prompt indices, left-padded ids, attention mask) per batch, shortest prompts first."""
     todo = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    pad = target.tokenizer.pad_token_id
-    if pad is None:
-        pad = target.stop_token_ids[0] if target.stop_token_ids else 0
-    stops = set(target.stop_token_ids)
-    dev = target.device
+    pad = _pad_id(target)
     for s in range(0, len(todo), batch_size):
         idx = todo[s : s + batch_size]
         width = max(len(prompts[i]) for i in idx)
@@ -30,14 +27,65 @@ def iter_generate_greedy(target, prompts: list[list[int]], max_new_tokens: int,
             p = prompts[i]
             ids[r, width - len(p):] = torch.tensor(p)
             att[r, width - len(p):] = 1
-        out = target.model.generate(
-            input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=sorted(stops) or None, pad_token_id=pad, top_p=None, top_k=None, temperature=None,
-        )
+        yield idx, ids.to(target.device), att.to(target.device)
+
+
+def _pad_id(target) -> int:
+    pad = target.tokenizer.pad_token_id
+    if pad is None:
+        pad = target.stop_token_ids[0] if target.stop_token_ids else 0
+    return pad
+
+
+def _generate(target, ids, att, max_new_tokens: int, **extra):
+    stops = sorted(set(target.stop_token_ids))
+    return target.model.generate(
+        input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops or None,
+        pad_token_id=_pad_id(target), top_p=None, top_k=None, temperature=None, **extra)
+
+
+def _cut(tokens: list[int], stops: set[int]) -> list[int]:
+    for j, t in enumerate(tokens):
+        if t in stops:
+            return tokens[: j + 1]
+    return tokens
+
+
+@torch.no_grad()
+def iter_generate_greedy(target, prompts: list[list[int]], max_new_tokens: int,
+                         batch_size: int = 8) -> Iterator[tuple[int, list[int]]]:
+    """Yield (prompt index, completion ids) batch by batch, so callers can persist as they go."""
+    stops = set(target.stop_token_ids)
+    for idx, ids, att in _batches(target, prompts, batch_size):
+        out = _generate(target, ids, att, max_new_tokens)
         for r, i in enumerate(idx):
-            comp = out[r, width:].tolist()
-            for j, t in enumerate(comp):
-                if t in stops:
-                    comp = comp[: j + 1]
-                    break
-            yield i, comp
+            yield i, _cut(out[r, ids.shape[1]:].tolist(), stops)
+
+
+@torch.no_grad()
+def iter_generate_with_features(target, prompts: list[list[int]], max_new_tokens: int, layer_ids,
+                                batch_size: int = 8) -> Iterator[tuple[int, list[int], dict[int, torch.Tensor]]]:
+    """Yield (prompt index, completion ids, {layer id: [prompt + completion, H] features on the CPU}) batch by batch.
+    The features are the target's hidden states as generation computed them (a token's row after its own step, in a
+    left-padded batch), equal to a separate forward's up to float rounding."""
+    stops = set(target.stop_token_ids)
+    for idx, ids, att in _batches(target, prompts, batch_size):
+        width = ids.shape[1]
+        with target.recording(layer_ids) as steps:
+            out = _generate(target, ids, att, max_new_tokens, return_dict_in_generate=True)
+            seq = out.sequences
+            generated = seq.shape[1] - width
+            full = torch.cat([att, torch.ones_like(seq[:, width:])], dim=1)  # the last token is still to be fed
+            target.model.model(input_ids=seq[:, -1:], attention_mask=full, past_key_values=out.past_key_values,
+                               position_ids=full.sum(1, keepdim=True) - 1, use_cache=True)
+        feats = {}
+        for layer, outs in steps.items():
+            prefill, rest = outs[0], torch.cat(outs[1:], dim=1)  # rest[:, k]: completion token k's row
+            if rest.shape[1] != generated:  # a generate loop that did not feed one token per step
+                raise RuntimeError(f"recorded {rest.shape[1]} steps for {generated} generated tokens")
+            feats[layer] = (prefill.cpu(), rest.cpu())
+        for r, i in enumerate(idx):
+            comp = _cut(seq[r, width:].tolist(), stops)
+            p = len(prompts[i])
+            yield i, comp, {layer: torch.cat([pre[r, width - p:], rest[r, : len(comp)]]).clone()
+                            for layer, (pre, rest) in feats.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,7 @@ class Target:
         self.mask_token_id, self.mask_token_source = choose_mask_token(tokenizer, self.vocab_size)
         self.stop_token_ids = _stop_tokens(model, tokenizer)
         self._capture: dict[int, torch.Tensor] | None = None
+        self._recording = False  # inside recording(): hooks append every forward's output instead of keeping one
         self._weights_hash: str | None = None
         for i, layer in enumerate(self.layers):
             layer.register_forward_hook(self._hook(i))
@@ -184,8 +186,22 @@ class Target:
     def _hook(self, i: int):
         def hook(module, args, output):
             if self._capture is not None and i in self._capture:
-                self._capture[i] = output[0] if isinstance(output, tuple) else output
+                out = output[0] if isinstance(output, tuple) else output
+                if self._recording:
+                    self._capture[i].append(out)
+                else:
+                    self._capture[i] = out
         return hook
+
+    @contextmanager
+    def recording(self, layer_ids):
+        """Inside, every forward (transformers' generate included) appends the chosen layers' outputs
+        [b, t, H] to the yielded {layer id: list}: features captured while generating, not in a second pass."""
+        self._capture, self._recording = {int(i): [] for i in layer_ids}, True
+        try:
+            yield self._capture
+        finally:
+            self._capture, self._recording = None, False
 
     @torch.no_grad()
     def forward(self, input_ids, layer_ids=None, past_key_values=None, position_ids=None, attention_mask=None,
