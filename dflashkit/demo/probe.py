@@ -15,6 +15,7 @@ part that depends on the drafter, so the bench estimate is the loosest.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,6 @@ import torch
 from dflashkit.decode.cost import measure_cost_curve
 from dflashkit.decode.methods import parse_method
 from dflashkit.target.compiled import compiled_linears, uses_compiled
-from dflashkit.target.generation import iter_generate_with_features
 
 # time per generated token relative to plain decoding, from measured runs on coding-10: float32 on compiled kernels
 # (benchmarks/results/cpu-2026-12-01-compiled-coding-10.md) and the bf16 demo report, which agree within 10%
@@ -48,30 +48,30 @@ class Probe:
     compiled_verify_s: float | None = None  # the same on the compiled kernels decoding runs (None: not chosen)
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+STEPS = 8  # timed greedy steps; the median is the step time
 
 
 @torch.no_grad()
 def probe(target, prompt_ids: list[int], batch: int, context: int) -> Probe:
-    """Times the data stage's own generation (iter_generate_with_features, five layers recorded) for 4 and 12 new
-    tokens on `batch` copies of a prompt stretched to `context` tokens: the difference is 8 steps, the rest is the
-    prefill and one more step (the one that records the last token's features)."""
+    """Times the data stage's operations on `batch` copies of a prompt stretched to `context` tokens, with five
+    layers recorded as generation records them: the batched prefill once, then STEPS one-token steps on its KV, each
+    timed (the median is the step). Taking the step as the difference of two whole generations of 4 and 12 tokens
+    read 0.10-0.40 s for a 0.25 s step: 8 steps are a small difference between two 12 s prefills."""
     t0 = time.perf_counter()
-    ids = (prompt_ids * math.ceil(context / max(1, len(prompt_ids))))[:context]
-    stops, target.stop_token_ids = target.stop_token_ids, []  # every row runs the full count of steps
-    try:
-        layers = target.default_layer_ids(5)
-        run = lambda n: list(iter_generate_with_features(target, [ids] * batch, n, layers, batch_size=batch))  # noqa: E731
-        run(2)  # warm-up
-        # the fastest of two: a busy moment only adds time, and one slow run(12) once made every step 1.6x
-        short, long = min(_timed(lambda: run(4)) for _ in range(2)), min(_timed(lambda: run(12)) for _ in range(2))
-    finally:
-        target.stop_token_ids = stops
-    step = max(1e-6, (long - short) / 8)
-    prefill = max(1e-6, short - 5 * step) / (batch * context)
+    ids = torch.tensor([(prompt_ids * math.ceil(context / max(1, len(prompt_ids))))[:context]] * batch,
+                       device=target.device)
+    with target.recording(target.default_layer_ids(5)):
+        target.model(input_ids=ids[:, :8], use_cache=True, logits_to_keep=1)  # warm-up
+        t = time.perf_counter()
+        out = target.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        prefill = (time.perf_counter() - t) / ids.numel()
+        steps = []
+        for k in range(STEPS + 1):  # the first step warms the one-token shapes up
+            t = time.perf_counter()
+            out = target.model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values,
+                               use_cache=True, logits_to_keep=1)
+            steps.append(time.perf_counter() - t)
+    step = statistics.median(steps[1:])
     verify = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)  # the stock kernels
     compiled = None
     if uses_compiled(target.model):  # compiles them (about 2 minutes), once per process
