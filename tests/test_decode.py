@@ -411,3 +411,23 @@ def test_hybrid_gate_drafts_while_the_drafter_adds_tokens_and_rechecks_when_idle
     assert not drafts._worth_drafting([])
     idle = [drafted_round(0) for _ in range(9)]
     assert idle == [False] * 8 + [True]
+
+
+def test_compact_kv_keeps_the_accepted_slots_in_order_and_copies_only_what_moves():
+    """After a tree verify, the target KV keeps the positions before the tree and the accepted path's slots, moved
+    down in path order; a path that is already in place (a chain, or the root alone) equals the same result."""
+    from types import SimpleNamespace
+
+    from dflashkit.decode.speculative import compact_kv
+
+    g = torch.Generator().manual_seed(0)
+    start = 5
+    for keep in ([0], [0, 1, 2], [0, 2, 5], [0, 1, 4, 6], [0, 3]):
+        layers = [SimpleNamespace(keys=torch.randn(1, 2, start + 8, 4, generator=g),
+                                  values=torch.randn(1, 2, start + 8, 4, generator=g)) for _ in range(3)]
+        want = [(torch.cat([t[:, :, :start], t[:, :, [start + k for k in keep]]], dim=2) for t in (l.keys, l.values))
+                for l in layers]
+        want = [tuple(x.clone() for x in pair) for pair in want]
+        compact_kv(SimpleNamespace(layers=layers), start, torch.tensor(keep))
+        for layer, (k, v) in zip(layers, want):
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v), keep

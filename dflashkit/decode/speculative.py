@@ -260,11 +260,17 @@ def crop_kv(kv, length: int) -> None:
 
 def compact_kv(kv, start: int, keep: torch.Tensor) -> None:
     """Keep positions < start plus the tree slots start + keep (the accepted path, in order): the kept slots
-    move down to start..start+len(keep)-1 (only the tail is copied), then the rest is cropped off."""
-    for layer in _attention_layers(kv):
-        for t in (layer.keys, layer.values):
-            t[:, :, start : start + len(keep)] = t.index_select(2, start + keep)
-    crop_kv(kv, start + len(keep))
+    move down to start..start+len(keep)-1, then the rest is cropped off. Slots already in place (a path that is
+    the tree's first nodes: every chain, and every round that accepts no draft) are not copied: 60 small copies
+    cost 2-3 ms of a 70 ms round on a CPU."""
+    order = keep.tolist()
+    moved = next((i for i, slot in enumerate(order) if slot != i), len(order))
+    if moved < len(order):
+        src = start + keep[moved:]
+        for layer in _attention_layers(kv):
+            for t in (layer.keys, layer.values):
+                t[:, :, start + moved : start + len(order)] = t.index_select(2, src)
+    crop_kv(kv, start + len(order))
 
 
 def save_linear_states(kv) -> list:

@@ -3,8 +3,8 @@
 Prompts are batched by length to waste little on padding; a completion ends with the first stop token (kept, since
 the target produced it) or at max_new_tokens. Output equals batch-size-1 greedy decoding. With `layer_ids` the
 chosen layers' features are recorded while generating (every step feeds the token before, so one more step after
-the last one completes them): on a CPU that saves the second forward over prompt + completion, a quarter of the
-data stage (benchmarks/results/cpu-2026-12-02-fused-capture.md).
+the last one completes them): that saves the second forward over prompt + completion, 1.21x the data stage's
+tokens/s on a float32 CPU (benchmarks/results/cpu-2026-12-02-fused-capture.md).
 """
 
 from __future__ import annotations
