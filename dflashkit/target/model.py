@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from contextlib import contextmanager
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
