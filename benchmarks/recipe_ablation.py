@@ -1,6 +1,7 @@
 """Which recipe lever buys the most drafter per CPU-minute? Each lever alone and a combination, at equal wall time.
 
     python benchmarks/recipe_ablation.py [--minutes 5] [--levers recipe,kl,anchors-32,...] [--combo NAME:k=v,k=v ...]
+                                         [--dtype float32|auto]
 
 Every run trains from configs/smollm2-cpu.yaml for the same minutes (time-fitted schedule, all threads, one run at
 a time: the regime of the demo's training stage) on the same cache, then is scored on the held-out coding-10 cache:
@@ -15,7 +16,9 @@ against the target, every output checked against plain greedy decoding). Levers 
                positions, so a shorter block buys more anchors per minute for the positions that get accepted
   warm-start   the drafter's layers start as copies of the target's top layers
   dflash2      DFlash2's convolutions and candidate selector
-  --combo NAME:k=v,k=v   a combination of levers as recipe overrides, under its own name (repeatable)
+  --combo NAME:k=v,k=v   a combination of levers as recipe overrides, under its own name (repeatable); data=CACHE
+                         trains on other data (e.g. more prompts, or sampled answers: `dflashkit extract --samples`)
+--dtype auto trains and decodes in bf16 where the CPU has native bf16 dot products, as the demo does there.
 Each finished run leaves <out>/<lever>/row.json; a rerun skips it, so an interrupted ablation resumes. Writes
 benchmarks/results/cpu-DATE-recipe-ablation.{md,json} after every row, naming the CPU and the dtype.
 """
@@ -73,13 +76,14 @@ def kl_cache(data: Path, out: Path, target) -> Path:
     return out
 
 
-def train(lever: str, extra: list[str], data: Path, eval_cache: Path, out: Path, minutes: float, threads: int) -> Path:
+def train(lever: str, extra: list[str], data: Path, eval_cache: Path, out: Path, minutes: float, threads: int,
+          dtype: str) -> Path:
     run = out / lever / "train"
     if (run / "summary.json").is_file():
         return run
     cmd = [sys.executable, "-m", "dflashkit.cli", "train", "--threads", str(threads), "--config",
            str(ROOT / "configs" / "smollm2-cpu.yaml"), f"out={run}", f"data={data}", f"eval_cache={eval_cache}",
-           f"max_minutes={minutes}", f"schedule_minutes={minutes}", "progress=false", "dtype=float32", *extra]
+           f"max_minutes={minutes}", f"schedule_minutes={minutes}", "progress=false", f"dtype={dtype}", *extra]
     print(f"[{lever}] training {minutes:g} min: {' '.join(extra) or '(the recipe)'}", flush=True)
     (out / lever).mkdir(parents=True, exist_ok=True)
     with open(out / lever / "train.log", "w") as log:
@@ -91,7 +95,9 @@ def train(lever: str, extra: list[str], data: Path, eval_cache: Path, out: Path,
 def score(lever: str, run: Path, target, cache, prompts, ar: dict, max_new: int, out: Path) -> dict:
     """Offline stride + walk on the eval cache and online drafter-only ddtree-8, lossless-checked."""
     ckpt, summary = run_latest(run), read_json(run / "summary.json")
-    row = {"lever": lever, "steps": summary["steps"], "minutes": summary["elapsed_s"] / 60}
+    data = read_json(Path(summary["config"]["data"]) / "manifest.json")["totals"]
+    row = {"lever": lever, "steps": summary["steps"], "minutes": summary["elapsed_s"] / 60,
+           "train_prompts": data["prompts"], "train_tokens": data["completion_tokens"]}
     for anchors in ("stride", "walk"):
         o = run_eval(ckpt, target, cache, out / lever / f"eval-{anchors}", anchors=anchors, trees=("budget:8",),
                      progress=False, say=lambda line: None, plots=False)["overall"]
@@ -111,17 +117,18 @@ def score(lever: str, run: Path, target, cache, prompts, ar: dict, max_new: int,
 
 def markdown(r: dict) -> str:
     best = max(r["rows"], key=lambda x: x["ddtree8_tau"])["lever"] if r["rows"] else "-"
-    rows = [[x["lever"], " ".join(x["overrides"]) or "-", x["steps"], x["stride_tau"], x["walk_tau"], x["stride_pos1"],
-             x["ddtree8_tau"]] for x in r["rows"]]
+    rows = [[x["lever"], " ".join(x["overrides"]) or "-", x["steps"], x.get("train_tokens", r["train_tokens"]),
+             x["stride_tau"], x["walk_tau"], x["stride_pos1"], x["ddtree8_tau"]] for x in r["rows"]]
     return "\n".join([
         f"# Recipe levers at equal wall time ({r['date']})", "",
-        f"Machine: {r['machine']}; torch {r['torch']}; dtype float32 (target and drafter). Each run: "
+        f"Machine: {r['machine']}; torch {r['torch']}; dtype {r.get('dtype', 'float32')} (target and drafter). Each run: "
         f"configs/smollm2-cpu.yaml for {r['minutes']:g} min (time-fitted schedule), one run at a time, on "
-        f"{r['data']} ({r['train_tokens']:,} response tokens from {r['train_prompts']} prompts). Held out: coding-10 "
+        f"{r['data']} ({r['train_tokens']:,} response tokens from {r['train_prompts']} prompts) unless a row's overrides "
+        "name other data. Held out: coding-10 "
         f"({r['prompts']} prompts): offline stride and walk tau and stride position-1 accuracy on its cache; online "
         f"drafter-only DDTree-8 tau over {r['max_new_tokens']} new tokens per prompt (every output equals plain greedy "
         "decoding). Produced by benchmarks/recipe_ablation.py.", "",
-        markdown_table(["lever", "overrides", "steps", "stride tau", "walk tau", "pos-1 acc (held out)",
+        markdown_table(["lever", "overrides", "steps", "train tokens", "stride tau", "walk tau", "pos-1 acc (held out)",
                         "online ddtree-8 tau"], rows, digits=3), "",
         f"Highest online DDTree-8 tau: {best}.", ""])
 
@@ -137,6 +144,8 @@ def main() -> int:
     ap.add_argument("--eval-cache", default="runs/demo/cache/coding-10")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--dtype", default="float32", help="target and training dtype: float32 | auto (bf16 on a CPU with "
+                    "native bf16 dot products, as the demo runs there)")
     ap.add_argument("--out", default="runs/ablation")
     ap.add_argument("--results", default=None)
     args = ap.parse_args()
@@ -153,12 +162,12 @@ def main() -> int:
     levers = [lv for lv in args.levers.split(",") if lv] + list(combos)
     plan = {lv: overrides(lv, combos) for lv in levers}
     manifest = read_json(data / "manifest.json")
-    target = load_target(manifest["target"]["name"], device="cpu", dtype="float32")
+    target = load_target(manifest["target"]["name"], device="cpu", dtype=args.dtype)
     runs = {}
     for lever, extra in plan.items():  # train everything first: one compile of the target for all the scoring
         kl = any(e == "loss=kl" for e in extra)
         runs[lever] = train(lever, extra, kl_cache(data, Path(args.kl_data), target) if kl else data,
-                            eval_cache, out, args.minutes, args.threads)
+                            eval_cache, out, args.minutes, args.threads, args.dtype)
     cache = open_cache(eval_cache, expect_target=target.identity())
     prompts = [(it.id, target.chat_ids(it.messages)) for it in load_prompts("coding-10").items]
     ar_file = out / f"ar-{args.max_new_tokens}.json"
@@ -167,6 +176,7 @@ def main() -> int:
                              for pid, ids in prompts})
     ar = read_json(ar_file)
     r = {"date": date, "machine": cpu_name(), "torch": torch.__version__, "minutes": args.minutes, "data": str(data),
+         "dtype": str(target.dtype).removeprefix("torch."),
          "train_prompts": manifest["totals"]["prompts"], "train_tokens": manifest["totals"]["completion_tokens"],
          "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": []}
     for lever, run in runs.items():

@@ -107,6 +107,38 @@ def test_features_equal_target_forward(tmp_path, tiny_targets, short_suite, kind
     assert sel.layer_ids == LAYERS and sel.record("p0").features().shape[1] == 2 * H
 
 
+def test_sampled_answers_are_extra_prompts_with_their_own_features(tmp_path, tiny_targets, short_suite):
+    t = tiny_targets["llama"]
+    greedy = extract(t, short_suite, tmp_path / "greedy", layer_ids=LAYERS, max_new_tokens=6, progress=False)
+    out = extract(t, short_suite, tmp_path / "s", layer_ids=LAYERS, max_new_tokens=6, batch_size=4, progress=False,
+                  samples=2, temperature=1.5, seed=3)
+    m = json.loads((out / "manifest.json").read_text())
+    ids = short_suite.ids()
+    assert m["suite"]["prompt_ids"] == ids + [f"{p}~s{k}" for k in (1, 2) for p in ids]
+    assert m["generation"]["samples"] == 2 and m["generation"]["sample_temperature"] == 1.5
+    comps = {c["id"]: c for c in json.loads((out / "completions.json").read_text())}
+    ref = {c["id"]: c for c in json.loads((greedy / "completions.json").read_text())}
+    for p in ids:  # the greedy answers are unchanged; the sampled ones ask the same prompt and mostly differ
+        assert comps[p]["completion_ids"] == ref[p]["completion_ids"]
+        assert comps[f"{p}~s1"]["prompt_ids"] == comps[p]["prompt_ids"]
+    assert sum(comps[f"{p}~s{k}"]["completion_ids"] != ref[p]["completion_ids"] for p in ids for k in (1, 2)) >= 5
+    cache = open_cache(out, expect_target=t.identity())
+    for rec in cache:  # a sampled answer's features are the target's over its own tokens
+        want = t.forward(rec.tokens[None], layer_ids=LAYERS, use_cache=False).features[0]
+        torch.testing.assert_close(rec.features(), want, rtol=1e-5, atol=1e-5)
+    # sampled answers added to an existing cache's greedy ones: those are reused, only the samples are generated
+    more = extract(t, short_suite, tmp_path / "more", layer_ids=LAYERS, max_new_tokens=6, progress=False,
+                   completions_from=greedy, samples=1, temperature=1.5, seed=3)
+    added = {c["id"]: c["completion_ids"] for c in json.loads((more / "completions.json").read_text())}
+    assert sorted(added) == sorted(ids + [f"{p}~s1" for p in ids])
+    assert all(added[p] == ref[p]["completion_ids"] for p in ids)
+    with pytest.raises(DFlashError, match="samples"):  # other settings into the same folder are refused
+        extract(t, short_suite, out, layer_ids=LAYERS, max_new_tokens=6, progress=False, samples=1, temperature=1.5)
+    with pytest.raises(DFlashError, match="temperature"):
+        extract(t, short_suite, tmp_path / "bad", layer_ids=LAYERS, max_new_tokens=6, progress=False, samples=1,
+                temperature=0)
+
+
 def test_resume_after_interruption_equals_clean_run(tmp_path, tiny_targets, short_suite):
     t = tiny_targets["qwen3_5"]
     kw = dict(layer_ids=LAYERS, max_new_tokens=6, batch_size=2, progress=False)

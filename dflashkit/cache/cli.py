@@ -24,6 +24,10 @@ def register(sub) -> None:
     p.add_argument("--per-category", type=int, default=None, metavar="N", help="only the first N of each category")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch (and per capture forward)")
+    p.add_argument("--samples", type=int, default=0, metavar="K",
+                   help="also K answers per prompt sampled at --temperature (prompts ID~s1..ID~sK): more training data "
+                   "from the same prompts once their greedy answers are used")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of --samples (default 0.8)")
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on CUDA and on CPUs with native bf16 dot products, else float32), float32, "
                    "bfloat16, float16")
@@ -74,7 +78,7 @@ def cmd_extract(args) -> int:
     extract(target, suite, args.out, layer_ids=args.target_layers, max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size, linear_attention=args.linear_attention, progress=not args.quiet,
             enable_thinking=args.thinking, completions_from=args.completions_from,
-            allow_final_layers=args.allow_final_layers)
+            allow_final_layers=args.allow_final_layers, samples=args.samples, temperature=args.temperature)
     return 0
 
 

@@ -1,5 +1,6 @@
-"""Extraction: the target's greedy completion of every prompt and the hidden states of chosen layers over
-prompt + completion, written as a cache (see store.py for the layout). The features are recorded while
+"""Extraction: the target's greedy completion of every prompt (and, on request, sampled ones: more data from the
+same prompts) and the hidden states of chosen layers over prompt + completion, written as a cache (see store.py for
+the layout). The features are recorded while
 generating; completions that come from elsewhere (an earlier run's log, --completions-from, multi-turn answers)
 get theirs from one forward over prompt + completion.
 
@@ -57,6 +58,7 @@ class _Run:
     prompts: list[list[int]]  # every prompt's chat-template tokens
     mine: list[int]  # the prompt indices this rank handles: every world-th one
     sharded: bool
+    sampled: set[int] = field(default_factory=set)  # indices whose answer is sampled, not greedy
     completions: dict[int, list[int]] = field(default_factory=dict)  # index -> completion tokens
     done: dict[int, dict] = field(default_factory=dict)  # index -> {"file", "bytes", "sha256"} of its feature file
 
@@ -64,7 +66,7 @@ class _Run:
 def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch_size: int = 8,
             linear_attention: str = "auto", progress: bool = True, enable_thinking: bool = False,
             completions_from=None, capture_tokens: int = 4096, allow_final_layers: bool = False,
-            callback=None) -> Path:
+            callback=None, samples: int = 0, temperature: float = 0.8, seed: int = 0) -> Path:
     """Write (or finish) the cache of `suite` under `out`; returns `out`.
 
     layer_ids: target layers to store (default target.default_layer_ids(5)), kept once each, ascending.
@@ -74,10 +76,13 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
     on identical tokens).
     capture_tokens: padded tokens per feature-capture forward. callback(event, prompt_id) is called after
     each persisted completion ("completion") and prompt file ("features").
+    samples: sampled answers per prompt besides its greedy one, at `temperature` from generator seed `seed`, stored
+    as prompts `ID~sK` (K = 1..samples).
     """
     out = Path(out)
     layer_ids = _check_args(target, layer_ids, max_new_tokens, batch_size, allow_final_layers)
     d = init_distributed(target.device.type)
+    suite, sampled = with_samples(suite, samples, temperature)
     if any(it.num_turns > 1 for it in suite.items) and completions_from is None:
         suite, completions_from = answer_turns(target, suite, out, max_new_tokens, batch_size, enable_thinking,
                                                progress, d)
@@ -86,6 +91,8 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
     reused, source = ({}, None) if completions_from is None else _completions_from(completions_from, target, pids)
     settings = _settings(target, suite, layer_ids, max_new_tokens, resolve_backend(target, linear_attention),
                          enable_thinking, source)
+    if samples:  # only then: caches made before sampling existed keep their settings
+        settings.update(samples=int(samples), temperature=float(temperature), seed=int(seed))
     show = progress and d.master
 
     fresh = _manifest(target, suite, settings, linear_attention, batch_size, d.world)
@@ -94,12 +101,13 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
             print(f"{out}: complete ({len(pids)} prompts, same settings); nothing to do")
         return out
     manifest = store.read_manifest(out)
-    run = _Run(out, pids, prompts, mine=list(range(d.rank, len(items), d.world)), sharded=manifest["layout"]["sharded"])
+    run = _Run(out, pids, prompts, mine=list(range(d.rank, len(items), d.world)), sharded=manifest["layout"]["sharded"],
+               sampled=sampled)
     _find_done(run, layer_ids, target.hidden_size)
     _find_completions(run, reused, completions_from)
     with la_backend(target, linear_attention):
         _generate_missing(run, target, layer_ids, max_new_tokens, batch_size, out / f".completions.rank{d.rank}.jsonl",
-                          show, callback)
+                          show, callback, temperature, seed + d.rank)
         _capture_missing(run, target, layer_ids, batch_size, capture_tokens, show, callback)
 
     parts = gather_all(_my_entries(run, target, items), d)
@@ -110,6 +118,23 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
                   f"{t['bytes'] / 2**20:.1f} MiB")
     barrier(d)
     return out
+
+
+def with_samples(suite, samples: int, temperature: float) -> tuple[PromptSuite, set[int]]:
+    """The suite, then `samples` more copies of each prompt (ids `ID~s1`...), and the indices of those copies, whose
+    answers are sampled (with --completions-from, the greedy answers can come from an existing cache)."""
+    if not samples:
+        return suite, set()
+    if int(samples) < 0 or not temperature > 0:
+        raise DFlashError(f"samples ({samples}) must be 0 or more and temperature ({temperature}) above 0")
+    if any(it.num_turns > 1 for it in suite.items):
+        raise DFlashError(f"{suite.name}: sampled answers are for single-turn prompts; drop --samples or the "
+                          "multi-turn prompts")
+    copies = tuple(PromptItem(f"{it.id}~s{k}", it.messages, it.category)
+                   for k in range(1, int(samples) + 1) for it in suite.items)
+    n = len(suite.items)
+    return (PromptSuite(f"{suite.name} (+{samples} sampled answers each at T={temperature:g})", suite.items + copies,
+                        suite.content_hash), set(range(n, n + len(copies))))
 
 
 def answer_turns(target, suite, out: Path, max_new_tokens: int, batch_size: int, enable_thinking: bool, progress: bool,
@@ -184,35 +209,47 @@ def _find_done(run: _Run, layer_ids, hidden: int) -> None:
 
 def _find_completions(run: _Run, reused: dict, completions_from) -> None:
     """Take the completions that earlier runs logged, or that --completions-from supplies, for the prompts still
-    lacking one, when they were made from the same prompt tokens; with --completions-from every prompt needs one."""
+    lacking one, when they were made from the same prompt tokens; with --completions-from every prompt needs one
+    (but sampled answers, which are generated here)."""
     known = _read_logs(run.out)
     for i in run.mine:
         rec = known.get(run.pids[i]) or reused.get(run.pids[i])
         if i not in run.completions and rec is not None and rec["prompt_ids"] == run.prompts[i]:
             run.completions[i] = list(rec["completion_ids"])
     if completions_from is not None:
-        lost = [run.pids[i] for i in run.mine if i not in run.completions]
+        lost = [run.pids[i] for i in run.mine if i not in run.completions and i not in run.sampled]
         if lost:
             raise DFlashError(f"--completions-from {completions_from}: no completion with the same prompt tokens for "
                               f"{len(lost)} prompts ({', '.join(lost[:5])}); use a cache of the same suite and target")
 
 
 def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_size: int, log: Path, show: bool,
-                      callback) -> None:
-    """Greedy completions, and their features, for my prompts that have no completion, batched; as each batch
-    finishes, every prompt's feature file is written, then its completion is appended to this rank's log, so a kill
-    loses at most the batch being generated."""
+                      callback, temperature: float, seed: int) -> None:
+    """Greedy completions (then sampled ones), and their features, for my prompts that have no completion, batched;
+    as each batch finishes, every prompt's feature file is written, then its completion is appended to this rank's
+    log, so a kill loses at most the batch being generated."""
     todo = [i for i in run.mine if i not in run.completions]
     if not todo:
         return
 
     bar = _bar(len(todo), "generate", show)
     t0, ntok = time.perf_counter(), 0
-    it = iter_generate_with_features(target, [run.prompts[i] for i in todo], max_new_tokens, layer_ids,
-                                     batch_size=batch_size)
+
+    def answers():
+        greedy = [i for i in todo if i not in run.sampled]
+        for j, comp, feats in iter_generate_with_features(target, [run.prompts[i] for i in greedy], max_new_tokens,
+                                                          layer_ids, batch_size=batch_size):
+            yield greedy[j], comp, feats
+        sampled = [i for i in todo if i in run.sampled]
+        if sampled:
+            torch.manual_seed(seed + len(run.completions))  # a resumed run draws new samples for what is missing
+            for j, comp, feats in iter_generate_with_features(target, [run.prompts[i] for i in sampled],
+                                                              max_new_tokens, layer_ids, batch_size=batch_size,
+                                                              temperature=temperature):
+                yield sampled[j], comp, feats
+
     with open(log, "a") as fh:
-        for j, comp, feats in it:
-            i = todo[j]
+        for i, comp, feats in answers():
             run.completions[i] = comp
             rel = record_name(i, run.pids[i], run.sharded)
             size, digest = _write_record(run.out / rel, run.prompts[i] + comp, len(run.prompts[i]), run.pids[i], feats)
@@ -334,6 +371,7 @@ def _manifest(target, suite, settings: dict, requested_backend: str, batch_size:
         "linear_attention": {"requested": requested_backend, "backend": settings["linear_attention"]},
         "generation": {
             "greedy": True, "max_new_tokens": settings["max_new_tokens"], "batch_size": int(batch_size),
+            "samples": settings.get("samples", 0), "sample_temperature": settings.get("temperature"),
             "enable_thinking": settings["enable_thinking"], "template_has_thinking": "enable_thinking" in template,
             "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16],
             "stop_token_ids": list(target.stop_token_ids), "completions_from": settings["completions_from"],

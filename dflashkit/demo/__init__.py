@@ -38,7 +38,9 @@ class DemoConfig:
     recipe: str = str(RECIPE)  # the training settings (a `dflashkit train --config` file)
     train_prompts: int | None = 360  # of the built-in train-mix suite, the ones nearest the eval suite
     train_max_new_tokens: int = 192
-    gen_batch_size: int = 32
+    # answers generated per batch: 96 gave 1.42x the answer tokens/s of 32 on a 2-core bf16 CPU (batch 64 1.08x, 16
+    # 0.81x; benchmarks/results/cpu-2026-12-02-bfloat16-generation-batch.md): one weight read serves more rows
+    gen_batch_size: int = 96
     eval_suite: str = "coding-10"
     eval_prompts: int | None = None
     eval_max_new_tokens: int = 256

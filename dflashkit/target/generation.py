@@ -1,7 +1,9 @@
-"""Batched greedy generation with left padding: the target's own answers, for caches and training data.
+"""Batched generation with left padding: the target's own answers, for caches and training data.
 
 Prompts are batched by length to waste little on padding; a completion ends with the first stop token (kept, since
-the target produced it) or at max_new_tokens. Output equals batch-size-1 greedy decoding. With `layer_ids` the
+the target produced it) or at max_new_tokens. Greedy output equals batch-size-1 greedy decoding; with a temperature
+the answers are sampled from the target's own distribution at that temperature (no top-k or top-p cut), more data
+from the same prompts once their greedy answers are all used. With `layer_ids` the
 chosen layers' features are recorded while generating (every step feeds the token before, so one more step after
 the last one completes them): that saves the second forward over prompt + completion, 1.21x the data stage's
 tokens/s on a float32 CPU (benchmarks/results/cpu-2026-12-02-fused-capture.md).
@@ -37,11 +39,12 @@ def _pad_id(target) -> int:
     return pad
 
 
-def _generate(target, ids, att, max_new_tokens: int, **extra):
+def _generate(target, ids, att, max_new_tokens: int, temperature: float = 0.0, **extra):
     stops = sorted(set(target.stop_token_ids))
-    return target.model.generate(
-        input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops or None,
-        pad_token_id=_pad_id(target), top_p=None, top_k=None, temperature=None, **extra)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False, top_p=None, top_k=None, temperature=None)
+    return target.model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens,
+                                 eos_token_id=stops or None, pad_token_id=_pad_id(target), **sampling, **extra)
 
 
 def _cut(tokens: list[int], stops: set[int]) -> list[int]:
@@ -64,15 +67,17 @@ def iter_generate_greedy(target, prompts: list[list[int]], max_new_tokens: int,
 
 @torch.no_grad()
 def iter_generate_with_features(target, prompts: list[list[int]], max_new_tokens: int, layer_ids,
-                                batch_size: int = 8) -> Iterator[tuple[int, list[int], dict[int, torch.Tensor]]]:
+                                batch_size: int = 8, temperature: float = 0.0,
+                                ) -> Iterator[tuple[int, list[int], dict[int, torch.Tensor]]]:
     """Yield (prompt index, completion ids, {layer id: [prompt + completion, H] features on the CPU}) batch by batch.
     The features are the target's hidden states as generation computed them (a token's row after its own step, in a
-    left-padded batch), equal to a separate forward's up to float rounding."""
+    left-padded batch), equal to a separate forward's up to float rounding. temperature > 0 samples the answers
+    (torch's global generator: seed it for repeatable samples)."""
     stops = set(target.stop_token_ids)
     for idx, ids, att in _batches(target, prompts, batch_size):
         width = ids.shape[1]
         with target.recording(layer_ids) as steps:
-            out = _generate(target, ids, att, max_new_tokens, return_dict_in_generate=True)
+            out = _generate(target, ids, att, max_new_tokens, temperature, return_dict_in_generate=True)
             seq = out.sequences
             generated = seq.shape[1] - width
             full = torch.cat([att, torch.ones_like(seq[:, width:])], dim=1)  # the last token is still to be fed
