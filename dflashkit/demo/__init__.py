@@ -136,7 +136,7 @@ def plan_demo(cfg: DemoConfig, p: Paths, target, console, spent_s: float):
 
     train_context, eval_context = mean_prompt(s.train), mean_prompt(s.eval)
     compiling = f", and about {probe.COMPILE_S / 60:.0f} min to compile its kernels first" if target.kernels == "compiled" else ""
-    console.print(f"[dim]timing this machine to plan the demo (under a minute{compiling})...[/dim]")
+    console.print(f"[dim]timing this machine to plan the demo (about a minute{compiling})...[/dim]")
     measured = probe.probe(target, target.chat_ids(s.train.items[0].messages), cfg.gen_batch_size,
                            train_context + cfg.train_max_new_tokens // 2)
     stock = ["ar-stock"] if needs_switch(target.model) else []  # bench adds plain decoding on the stock kernels

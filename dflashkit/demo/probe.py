@@ -1,4 +1,4 @@
-"""How long each demo stage will take on this machine, from a short measurement at the start (under a minute).
+"""How long each demo stage will take on this machine, from a short measurement at the start (about a minute).
 
 Constants measured on one CPU were off by 2x on another (a float32-only CPU ran the data stage in 17 min against
 an estimate of 9), so the demo times the operations its stages repeat and scales them:
@@ -10,6 +10,11 @@ an estimate of 9), so the demo times the operations its stages repeat and scales
   0.27-0.37 s against 0.23 s in the stage; benchmarks/results/cpu-2026-12-02-generation-kernels.md).
 Per-method factors (time per token relative to plain decoding) come from measured demo runs; they are the one
 part that depends on the drafter, so the bench estimate is the loosest.
+On a 2-core bf16 CPU the probe reads the batched step 1.5x slow: at 32 or 96 rows its step at the mid-answer context
+is 0.20 s (0.49 s) where the stage's real prompts average 0.13 s (0.32 s) per step, so the plan gives that machine
+about 30% less than its budget (cpu-2026-12-02-demo-bf16.md). A step of stretched prompts grows with the context
+(0.13 s at 53 tokens, 0.22 s at 149) more than the stage's steps do; not denormals, not the attention mask, not
+generate vs a direct call. Float32 estimates landed within 25%.
 """
 
 from __future__ import annotations
