@@ -1,8 +1,7 @@
 """Extraction: the target's greedy completion of every prompt (and, on request, sampled ones: more data from the
 same prompts) and the hidden states of chosen layers over prompt + completion, written as a cache (see store.py for
-the layout). The features are recorded while
-generating; completions that come from elsewhere (an earlier run's log, --completions-from, multi-turn answers)
-get theirs from one forward over prompt + completion.
+the layout). The features are recorded while generating; completions that come from elsewhere (an earlier run's
+log, --completions-from, multi-turn answers) get theirs from one forward over prompt + completion.
 
 Resumable by construction: each prompt's features land in their own atomically written file and its completion
 in a per-rank log as each generation batch finishes, so a killed run loses at most one batch; a rerun with the
