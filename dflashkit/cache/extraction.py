@@ -235,17 +235,13 @@ def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_s
     t0, ntok = time.perf_counter(), 0
 
     def answers():
-        greedy = [i for i in todo if i not in run.sampled]
-        for j, comp, feats in iter_generate_with_features(target, [run.prompts[i] for i in greedy], max_new_tokens,
-                                                          layer_ids, batch_size=batch_size):
-            yield greedy[j], comp, feats
-        sampled = [i for i in todo if i in run.sampled]
-        if sampled:
-            torch.manual_seed(seed + len(run.completions))  # a resumed run draws new samples for what is missing
-            for j, comp, feats in iter_generate_with_features(target, [run.prompts[i] for i in sampled],
-                                                              max_new_tokens, layer_ids, batch_size=batch_size,
-                                                              temperature=temperature):
-                yield sampled[j], comp, feats
+        for temp in (0.0, temperature) if run.sampled else (0.0,):  # greedy answers first, then the sampled ones
+            group = [i for i in todo if (i in run.sampled) == (temp > 0)]
+            if temp > 0:
+                torch.manual_seed(seed + len(run.completions))  # a resumed run draws new samples for what is missing
+            for j, comp, feats in iter_generate_with_features(target, [run.prompts[i] for i in group], max_new_tokens,
+                                                              layer_ids, batch_size=batch_size, temperature=temp):
+                yield group[j], comp, feats
 
     with open(log, "a") as fh:
         for i, comp, feats in answers():
