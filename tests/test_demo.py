@@ -63,6 +63,8 @@ def test_stage_estimates_come_from_a_probe_of_this_machine_and_the_report_sets_t
     text = (out / "report.md").read_text()
     assert "| stage | seconds | estimated s | actual / estimate |" in text
     assert f"Plan: fits the {cfg.budget_minutes:g}-minute budget as asked: 6 training prompts" in text
+    assert set(probe["refit"]["measured_s"]) == {"data", "cache"}  # training re-sized once the data stages ran
+    assert f"training keeps its {cfg.minutes:g} minutes" in text  # the budget has room for all the minutes asked
 
 
 def test_every_image_the_report_links_exists(demo_run):

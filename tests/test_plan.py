@@ -3,7 +3,8 @@
 import pytest
 
 from dflashkit.demo import DemoConfig
-from dflashkit.demo.plan import MARGIN, MIN_MINUTES, MIN_PROMPTS, fit, load_plan, make_plan, save_plan, settings_key
+from dflashkit.demo.plan import (MARGIN, MIN_MINUTES, MIN_PROMPTS, fit, load_plan, make_plan, refit, save_plan,
+                                 settings_key)
 
 
 def estimate(prompts: int, minutes: float) -> dict[str, float]:
@@ -47,3 +48,23 @@ def test_the_plan_says_what_it_cut_and_is_reused_only_for_the_same_settings(tmp_
     assert load_plan(tmp_path / "plan.json", settings_key(cfg)) == plan
     assert load_plan(tmp_path / "plan.json", settings_key(DemoConfig(minutes=15, budget_minutes=31))) is None
     assert settings_key(DemoConfig(out="a")) == settings_key(DemoConfig(out="b"))
+
+
+def test_refit_gives_training_what_the_measured_data_stages_left_and_happens_once(tmp_path):
+    cfg = DemoConfig(minutes=15, budget_minutes=30)
+    plan = make_plan(cfg, settings_key(cfg), 50.0, {}, estimate, 360)
+    fast = refit(plan, 15, {"data": plan.estimates_s["data"] / 2})  # the data took half its estimate
+    saved = plan.estimates_s["data"] / 2
+    assert fast.minutes == pytest.approx(min(15, plan.minutes + saved / 60), abs=0.05) and fast.minutes > plan.minutes
+    assert fast.train_prompts == plan.train_prompts and fast.estimates_s["data"] == plan.estimates_s["data"]
+    assert 50 + saved + sum(fast.estimates_s.values()) - plan.estimates_s["data"] <= MARGIN * 30 * 60 + 1
+    assert f"training re-sized from {plan.minutes:g} to {fast.minutes:g} minutes" in fast.note
+    assert refit(fast, 15, {"data": 1.0}) is fast  # once: a resumed demo keeps the minutes it trains for
+    slow = refit(plan, 15, {"data": plan.estimates_s["data"] * 3})  # slower than probed: training shrinks
+    assert MIN_MINUTES <= slow.minutes < plan.minutes
+    roomy = make_plan(DemoConfig(minutes=15, budget_minutes=300), "k", 50.0, {}, estimate, 360)
+    assert refit(roomy, 15, {"data": 1.0}).minutes == 15  # never more than asked
+    unbounded = make_plan(DemoConfig(budget_minutes=None), "k", 50.0, {}, estimate, 360)
+    assert refit(unbounded, 15, {"data": 1.0}) is unbounded
+    save_plan(tmp_path / "plan.json", fast)
+    assert load_plan(tmp_path / "plan.json", settings_key(cfg)) == fast

@@ -83,10 +83,17 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     recipe = load_recipe(cfg)
     plan = plan_demo(cfg, p, target, console, spent_s=seconds)
     console.print(f"plan: {plan.note}")
-    cfg = replace(cfg, train_prompts=plan.train_prompts, minutes=plan.minutes)
+    asked_minutes, cfg = cfg.minutes, replace(cfg, train_prompts=plan.train_prompts, minutes=plan.minutes)
     runner.estimates = plan.estimates_s
+    before_training = ("data", "cache")
     for stage in declare_stages(cfg, p, target, recipe, device):
-        runner.run(stage)
+        if stage.name in before_training:
+            runner.run(stage)
+    plan = refit_training(plan, p, asked_minutes, {s: runner.timings[s].seconds for s in before_training}, console)
+    cfg, runner.estimates = replace(cfg, minutes=plan.minutes), plan.estimates_s
+    for stage in declare_stages(cfg, p, target, recipe, device):
+        if stage.name not in before_training:
+            runner.run(stage)
 
     from dflashkit.demo.report import write_report
 
@@ -157,6 +164,17 @@ def plan_demo(cfg: DemoConfig, p: Paths, target, console, spent_s: float):
     made = plan.make_plan(cfg, key, spent_s + measured.seconds, asdict(measured), estimate, len(s.train.items))
     plan.save_plan(path, made)
     return made
+
+
+def refit_training(plan, p: Paths, asked_minutes: float, measured_s: dict[str, float], console):
+    """Training re-sized to what the measured data stages left of the budget (plan.refit), saved with the plan."""
+    from dflashkit.demo import plan as planning
+
+    new = planning.refit(plan, asked_minutes, measured_s)
+    if new is not plan:
+        planning.save_plan(p.root / "plan.json", new)
+        console.print(f"plan: {new.note.rpartition('; ')[2]}")
+    return new
 
 
 def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[Stage]:

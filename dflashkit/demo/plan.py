@@ -4,6 +4,8 @@ The same demo took 71 minutes on a float32-only CPU and about 35 on a bf16 one, 
 budget everywhere. The probe (probe.py) says what each stage costs here; the plan keeps every stage and every
 bench method and shrinks the two elastic quantities, the number of training prompts and the training minutes,
 until the estimated total fits the budget with a margin: by one factor f, prompts as sqrt(f) and minutes as f^1.5.
+Once the stages before training have run, `refit` gives training what their measured time left (the probe
+overestimates a bf16 CPU by about 1.5x on the data stages, so the first plan alone left a quarter of the budget unused).
 Data goes last because a CPU drafter runs out of data before it runs out of steps: on 149 prompts, 5 minutes of
 a step-cheap recipe reached the held-out accuracy of one with 2.6x the steps (benchmarks/results/
 cpu-2026-12-02-recipe-ablation.md, block-4 vs combo-b4). The plan is written to
@@ -13,7 +15,7 @@ pays no second probe.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +36,7 @@ class Plan:
     spent_s: float  # loading the target and probing the machine, before the first stage
     probe: dict
     note: str  # what the plan changed and why, for the console and the report
+    refit: dict | None = None  # training re-sized from the measured stages before it (once; a resume reuses it)
 
     def total_minutes(self) -> float:
         return (self.spent_s + sum(self.estimates_s.values())) / 60
@@ -89,6 +92,23 @@ def make_plan(cfg, key: str, spent_s: float, probe: dict, estimate: Callable[[in
                 f"prompts and {minutes:.1f} of {cfg.minutes:g} training minutes (about {total:.0f} min here"
                 + (", over the budget even at the smallest sizes" if total > budget else "") + ")")
     return Plan(key, budget, sized_prompts, round(minutes, 2), estimates, spent_s, probe, note)
+
+
+def refit(plan: Plan, asked_minutes: float, measured_s: dict[str, float]) -> Plan:
+    """The plan with training re-sized to what the measured stages (stage -> seconds) left of the budget, between
+    MIN_MINUTES and the minutes asked; the other estimates stay (the report sets them against the actuals).
+    Unchanged without a budget, or when already refitted."""
+    if plan.budget_minutes is None or plan.refit is not None:
+        return plan
+    overhead = plan.estimates_s["train"] - plan.minutes * 60
+    later = sum(s for k, s in plan.estimates_s.items() if k not in measured_s and k != "train")
+    left = MARGIN * plan.budget_minutes * 60 - plan.spent_s - sum(measured_s.values()) - later - overhead
+    minutes = round(max(min(MIN_MINUTES, asked_minutes), min(asked_minutes, left / 60)), 2)
+    stages = ", ".join(f"{k} {measured_s[k]:.0f} s (est. {plan.estimates_s[k]:.0f})" for k in measured_s)
+    resized = f"re-sized from {plan.minutes:g} to {minutes:g}" if minutes != plan.minutes else f"keeps its {minutes:g}"
+    note = f"{plan.note}; after {stages}, training {resized} minutes"
+    return replace(plan, minutes=minutes, estimates_s={**plan.estimates_s, "train": minutes * 60 + overhead},
+                   note=note, refit={"measured_s": measured_s, "planned_minutes": plan.minutes})
 
 
 def save_plan(path: Path, plan: Plan) -> None:
