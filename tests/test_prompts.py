@@ -261,3 +261,21 @@ def test_nearest_picks_on_topic_prompts_in_suite_order(tmp_path):
     assert picked.content_hash != mix.content_hash and len(mix.nearest(mix, 99)) == 5
     with pytest.raises(ValueError, match="non-negative"):
         mix.nearest(mix, -1)
+
+
+def test_a_directory_is_named_as_one_with_what_to_pass(tmp_path):
+    _write(tmp_path, ['{"id": "a", "prompt": "hi"}'], name="coding.jsonl")
+    with pytest.raises(ValueError) as e:
+        load_prompts(tmp_path)
+    msg = str(e.value)
+    assert "is a directory" in msg and "no such file" not in msg
+    assert "coding.jsonl" in msg and "--prompts" in msg
+
+
+def test_the_cli_says_a_prompts_directory_is_a_directory(tmp_path, capsys):
+    from dflashkit.cli import main
+
+    rc = main(["extract", "--target", "nowhere", "--prompts", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "is a directory" in err

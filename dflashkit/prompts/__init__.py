@@ -294,6 +294,12 @@ def _load_one(spec: str) -> tuple[PromptItem, ...]:
     if spec in BUILTIN_SUITES:
         text = resources.files(__name__).joinpath(f"{spec}.jsonl").read_text(encoding="utf-8")
         return _parse_lines(text, f"{spec}.jsonl", spec)
+    if os.path.isdir(spec):
+        files = sorted(n for n in os.listdir(spec) if n.endswith((".jsonl", ".json")))
+        hint = f" (it holds {', '.join(files[:3])}{', ...' if len(files) > 3 else ''})" if files else ""
+        raise ValueError(
+            f"{spec}: is a directory{hint}; --prompts takes a JSONL file of prompts (several joined by commas) or a "
+            f"built-in suite ({', '.join(BUILTIN_SUITES)}), e.g. --prompts {os.path.join(spec, files[0] if files else 'prompts.jsonl')}")
     if not os.path.isfile(spec):
         raise ValueError(
             f"unknown prompt suite {spec!r}: it is not a built-in suite ({', '.join(BUILTIN_SUITES)}) and no such "
