@@ -410,3 +410,27 @@ def test_compare_runs_ratios_and_refusal(setup, capsys):
     assert "NOT COMPARABLE" in (root / "cmp2" / "compare.md").read_text()
     with pytest.raises(DFlashError, match="no results.json"):
         compare_runs([root / "ca", root / "d0"])
+
+
+def test_nan_bytes_inside_a_record_stop_eval_naming_the_record(setup, tmp_path, capsys):
+    """A same-size corruption keeps every shape valid; eval must refuse it, not score NaN features."""
+    import shutil
+    import struct
+
+    root, cache = setup
+    bad = tmp_path / "cache"
+    shutil.copytree(cache, bad)
+    rec = list(open_cache(bad))[1]
+    raw = bytearray(rec.file.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    entry = json.loads(raw[8:8 + n])["layer_3"]
+    dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[entry["dtype"]]
+    nan = torch.full((4,), float("nan"), dtype=dtype).view(torch.uint8).numpy().tobytes()
+    start = 8 + n + entry["data_offsets"][0] + 3 * len(nan) // 4
+    raw[start:start + len(nan)] = nan  # same size: the file still parses
+    rec.file.write_bytes(bytes(raw))
+    with pytest.raises(DFlashError, match=rf"{re.escape(str(rec.file))}: prompt '{rec.id}' has non-finite features"):
+        rec.features()
+    assert _eval(root, bad, "d0", "nan-run") == 2
+    err = capsys.readouterr().err
+    assert "non-finite features" in err and "dflashkit cache verify" in err

@@ -110,7 +110,15 @@ class CacheRecord:
         """float32 [T, K*H]: row p holds the features of position p, layers concatenated in the given order."""
         ids = self._cache.selected_layer_ids if layer_ids is None else [int(l) for l in layer_ids]
         self._cache.check_layers(ids)
-        return torch.cat([t.float() for t in self._read([f"layer_{l}" for l in ids])], dim=-1)
+        feats = torch.cat([t.float() for t in self._read([f"layer_{l}" for l in ids])], dim=-1)
+        # Same-size corruption keeps shapes valid; only the digest (cache verify) or the values can tell. A target
+        # never writes NaN/inf features, so one cheap pass keeps eval and training from scoring garbage.
+        if not torch.isfinite(feats).all():
+            bad = (~torch.isfinite(feats)).any(-1).nonzero().flatten()
+            raise DFlashError(f"{self.file}: prompt {self.id!r} has non-finite features at {len(bad)} position(s) "
+                              f"(first {int(bad[0])}); the record is corrupt: run `dflashkit cache verify "
+                              f"{self._cache.path}` and re-extract")
+        return feats
 
     def __repr__(self) -> str:
         return f"CacheRecord({self.id!r}, prompt_len={self.prompt_len}, tokens={self.num_tokens})"
