@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dflashkit.errors import DFlashError
-from dflashkit.target.families import STAGES, check_family, greedy_reference, matrix_markdown
+from dflashkit.families import STAGES, check_family, greedy_reference, matrix_markdown
 from dflashkit.target.fixtures import ALL_KINDS, FAMILIES, make_tiny_target
 from dflashkit.target.model import load_target
 
