@@ -180,7 +180,7 @@ def test_sliding_window_target_is_refused_by_online_decoding(sliding_target, met
     torch.manual_seed(0)
     proposer = DFlashProposer(t, new_drafter(t, num_layers=1, target_layer_ids=[1], block_size=4))
     ids = t.chat_ids([{"role": "user", "content": "def f(x): return x + 1"}])
-    with pytest.raises(DFlashError, match=r"target qwen3-sw has sliding-window attention \(window 8\) on layers "
+    with pytest.raises(DFlashError, match=r"target qwen3-sw \(qwen3\) has sliding-window attention \(window 8\) on layers "
                                           r"\[2, 3, 4, 5\].*Offline extraction and evaluation still work"):
         generate(t, ids, method, proposer, max_new_tokens=12)
 

@@ -17,7 +17,7 @@ LAYERS = {
     "cache": 5,
     "evaluate": 6, "decode": 6,
     "train": 7,  # evaluates held-out checkpoints while it trains
-    "demo": 8, "cli": 8, "__init__": 8,
+    "demo": 8, "cli": 8, "__init__": 8, "families": 8,  # families runs every stage on each fixture family
 }
 TOP = 8
 

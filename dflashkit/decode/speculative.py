@@ -234,8 +234,9 @@ def new_target_kv(target):
     if sliding:
         window = getattr(target.config.get_text_config(decoder=True), "sliding_window", None)
         raise DFlashError(
-            f"target {target.name} has sliding-window attention (window {window}) on layers {sliding}: online speculative "
-            "decoding cannot roll back their caches, so the online loops (ar, chain, DDTree) refuse it. Offline extraction and "
+            f"target {target.name} ({target.config.model_type}) has sliding-window attention (window {window}) on layers "
+            f"{sliding}: online speculative decoding cannot roll back their caches, so the online loops (ar, chain, DDTree) "
+            "refuse it. Offline extraction and "
             "evaluation still work; for online decoding use a copy of the target with sliding windows off "
             "(config.json: use_sliding_window false, or no sliding_attention in layer_types), which is exact for "
             "prompts and outputs shorter than the window"

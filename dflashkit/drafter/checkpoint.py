@@ -232,7 +232,7 @@ def warm_start_from_target(drafter: DFlashDrafter, target) -> list[str]:
     """Copy the target's top decoder layers into the drafter's (layer i <- target layer L - n + i): attention, MLP
     and norms have the same shapes, so the drafter starts from weights that already model the language. Tensors the
     target lacks (q_norm/k_norm of a Llama) keep their initial values. Returns what was copied, one line per layer."""
-    layers = target.model.model.layers
+    layers = target.layers
     n, L = len(drafter.layers), len(layers)
     if n > L:
         raise DFlashError(f"warm_start: the drafter has {n} layers, the target only {L}; use num_layers <= {L}")

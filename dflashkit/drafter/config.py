@@ -167,6 +167,7 @@ class DrafterConfig:
     def for_target(cls, target, num_layers: int = 5, target_layer_ids=None, block_size: int = 16, **overrides) -> "DrafterConfig":
         """A drafter shaped like the target (hidden size, heads, rope), z-lab's default layer ids."""
         tc = target.config
+        plain = tc.to_dict()  # Gemma 4 refuses per-layer fields (head_dim) as attributes; Qwen3.5-MoE has no dense MLP
         ids = target_layer_ids if target_layer_ids is not None else target.default_layer_ids(num_layers)
         heads = tc.num_attention_heads
         rope = getattr(tc, "rope_parameters", None) or {}
@@ -175,8 +176,9 @@ class DrafterConfig:
             hidden_size=target.hidden_size,
             num_attention_heads=heads,
             num_key_value_heads=getattr(tc, "num_key_value_heads", heads),
-            head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
-            intermediate_size=tc.intermediate_size,
+            head_dim=plain.get("head_dim") or target.hidden_size // heads,
+            intermediate_size=plain.get("intermediate_size") or plain.get("shared_expert_intermediate_size")
+            or 4 * target.hidden_size,
             num_hidden_layers=num_layers,
             target_layer_ids=list(ids),
             num_target_layers=target.num_layers,

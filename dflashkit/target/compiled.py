@@ -53,7 +53,7 @@ def uses_compiled(model: nn.Module) -> bool:
 
 def _slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, attribute) of every unit to compile; empty when the model is not laid out like Llama."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
     if layers is None or not hasattr(model, "lm_head"):
         return []
     out = []
@@ -149,7 +149,7 @@ def memoise_templates() -> None:
 
 def _fusable(model: nn.Module) -> bool:
     """Llama's own decoder layers, whose forward FusedLayer restates; other layouts get per-linear units."""
-    layers = model.model.layers
+    layers = model.get_decoder().layers
     return all(type(layer).__name__ == "LlamaDecoderLayer" for layer in layers)
 
 
@@ -161,7 +161,7 @@ def _units(model: nn.Module) -> tuple[list[FusedLayer], list[tuple[nn.Module, st
         memoise_templates()
         fusable = _fusable(model)
         slots = [(model, "lm_head")] if fusable else _slots(model)
-        fused = [FusedLayer(layer, i) for i, layer in enumerate(model.model.layers)] if fusable else []
+        fused = [FusedLayer(layer, i) for i, layer in enumerate(model.get_decoder().layers)] if fusable else []
         units = fused, [(parent, name, CompiledUnit(getattr(parent, name), i)) for i, (parent, name) in enumerate(slots)]
         model.__dict__["_dflashkit_units"] = units
     return units
@@ -174,7 +174,7 @@ def compiled_linears(model: nn.Module):
     import torch.fx.experimental._config as fx_config
 
     fused, units = _units(model)
-    layers = list(model.model.layers)[: len(fused)]
+    layers = list(model.get_decoder().layers)[: len(fused)]
     originals = [getattr(parent, name) for parent, name, _ in units]
     forwards = [layer.__dict__.get("forward") for layer in layers]  # set when nested
     try:

@@ -81,8 +81,8 @@ def iter_generate_with_features(target, prompts: list[list[int]], max_new_tokens
             seq = out.sequences
             generated = seq.shape[1] - width
             full = torch.cat([att, torch.ones_like(seq[:, width:])], dim=1)  # the last token is still to be fed
-            target.model.model(input_ids=seq[:, -1:], attention_mask=full, past_key_values=out.past_key_values,
-                               position_ids=full.sum(1, keepdim=True) - 1, use_cache=True)
+            target.decoder(input_ids=seq[:, -1:], attention_mask=full, past_key_values=out.past_key_values,
+                           position_ids=full.sum(1, keepdim=True) - 1, use_cache=True)
         feats = {}
         for layer, outs in steps.items():
             prefill, rest = outs[0], torch.cat(outs[1:], dim=1)  # rest[:, k]: completion token k's row

@@ -87,14 +87,13 @@ class Target:
         self.tokenizer = tokenizer
         self.path = Path(path)
         self.name = name
-        cfg = model.config
+        cfg = model.config.get_text_config(decoder=True)  # a VL wrapper's text part; a text model's own config
         self.config = cfg
-        self.layers = _decoder_layers(model, self.path)
+        self.decoder, self.layers, self.final_norm = decoder_parts(model, self.path)
         self.num_layers = len(self.layers)
         self.hidden_size = cfg.hidden_size
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
-        self.final_norm = model.model.norm
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers)
         self.is_hybrid = any(t == "linear_attention" for t in self.layer_types)
@@ -214,8 +213,8 @@ class Target:
                                  attention_mask=attention_mask, use_cache=use_cache, logits_to_keep=logits_to_keep)
                 logits, past = out.logits, out.past_key_values
             else:
-                out = self.model.model(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids,
-                                       attention_mask=attention_mask, use_cache=use_cache)
+                out = self.decoder(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids,
+                                   attention_mask=attention_mask, use_cache=use_cache)
                 logits, past = None, out.past_key_values
             feats = None
             if layer_ids is not None:
@@ -322,15 +321,37 @@ def check_same_target(recorded: dict | None, current: dict, what: str, fix: str)
                           f"{describe_identity(current)} (they differ in {', '.join(diff)}); {fix}")
 
 
-def _decoder_layers(model, path) -> torch.nn.ModuleList:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None or getattr(inner, "norm", None) is None:
+def decoder_parts(model, path=None):
+    """(decoder, its layers, its final norm), found by structure: the model's own get_decoder() (a VL wrapper's
+    language model, a causal LM's base model), whatever the attribute names; a model without them is refused."""
+    where = f"{path}: " if path else ""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    norm = getattr(decoder, "norm", None)
+    if decoder is None or not isinstance(layers, torch.nn.ModuleList) or norm is None:
         raise DFlashError(
-            f"{path}: architecture {type(model).__name__} has no `model.layers` / `model.norm`, so its layer hidden "
-            "states cannot be captured; use a decoder-only causal LM (Llama, Qwen2, Qwen3, Qwen3.5)"
+            f"{where}architecture {type(model).__name__} has no decoder with `layers` and a final `norm` (get_decoder()), "
+            "so its layer hidden states cannot be captured; use a decoder-only causal LM or a vision-language model "
+            "whose language model has them (Llama, Qwen3, Qwen3.5, their MoE and VL variants, DeepSeek-V3, GLM-4 MoE, ...)"
         )
-    return layers
+    return decoder, layers, norm
+
+
+def check_loading_info(path, info: dict) -> None:
+    """transformers initialises a weight the checkpoint lacks randomly and drops one it does not know, with a warning
+    only: a target with random layers would train and decode on garbage, so either is refused, naming the weights.
+    (A VL checkpoint's vision tower is no part of the text model: transformers leaves it out of `unexpected_keys`.)"""
+    problems = []
+    for key, what in (("missing_keys", "missing from the checkpoint (they would be random)"),
+                      ("unexpected_keys", "in the checkpoint but not in the model (they would be dropped)"),
+                      ("mismatched_keys", "of another shape in the checkpoint than in the model")):
+        names = sorted(k if isinstance(k, str) else str(k[0]) for k in info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            problems.append(f"{len(names)} weight(s) {what}: {shown}")
+    if problems:
+        raise DFlashError(f"{path}: the weights do not match the model's layout: {'; '.join(problems)}; fix the "
+                          "checkpoint's weight names (model*.safetensors) or re-download it")
 
 
 def _stop_tokens(model, tokenizer) -> list[int]:
@@ -383,9 +404,12 @@ def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = 
     dt = pick_dtype(dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
+        # a VL checkpoint (Qwen3.5 and its MoE) loads as its text model: transformers maps model.language_model.* on
+        # the causal LM's model.* and leaves the vision tower out, so no vision weights are held
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dt, output_loading_info=True)
     except (OSError, ValueError, KeyError) as e:
         raise DFlashError(f"{path}: cannot load as a causal LM ({str(e).splitlines()[0]})") from e
+    check_loading_info(path, info)
     target = Target(model.to(dev), tokenizer, path, name)
     setattr(target.model, ATTRIBUTE, choose_kernels(target.model, kernels))
     return target

@@ -1,0 +1,79 @@
+"""The family matrix (issue 37): every fixture family loads by structure, its features are HF's hidden states, and
+online ar and chain equal greedy decoding in float32, or the stage is refused with an error naming the family."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from dflashkit.errors import DFlashError
+from dflashkit.families import STAGES, check_family, greedy_reference, matrix_markdown
+from dflashkit.target.fixtures import ALL_KINDS, FAMILIES, make_tiny_target
+from dflashkit.target.model import load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# family -> {stage: words its refusal must contain}; every other stage passes
+REFUSED = {
+    "gpt_oss": {s: ("gpt_oss", "sliding-window attention") for s in ("ar", "chain")},
+    "gemma4": {s: ("gemma4", "sliding-window attention") for s in ("ar", "chain")},
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_family_matrix(root, kind):
+    row = check_family(kind, root)
+    assert list(row) == list(STAGES)
+    for stage, outcome in row.items():
+        words = REFUSED.get(kind, {}).get(stage)
+        if words is None:
+            assert outcome == "pass", (kind, stage, outcome)
+        else:
+            assert outcome.startswith("refused: ") and all(w in outcome for w in words), (kind, stage, outcome)
+
+
+def test_matrix_rows_make_a_table():
+    rows = [{"family": "a", **dict.fromkeys(STAGES, "pass")},
+            {"family": "b", **dict.fromkeys(STAGES, "pass"), "ar": "refused: target b (b) has sliding-window attention"}]
+    table = matrix_markdown(rows).splitlines()
+    assert table[0] == "| family | load | layer_ids | features | ar | chain |"
+    assert table[3] == "| b | pass | pass | pass | refused (sliding window) | pass |"
+
+
+def test_families_decode_more_than_a_stop_token(root):
+    """The greedy references the matrix compares with are real continuations, not an immediate stop."""
+    for kind in FAMILIES:
+        t = load_target(make_tiny_target(kind, root / kind), device="cpu", dtype="float32")
+        assert len(greedy_reference(t, t.chat_ids([{"role": "user", "content": "hi"}]), 6)) == 6, kind
+
+
+def test_vl_checkpoint_loads_as_its_language_model(root):
+    t = load_target(make_tiny_target("qwen3_5_vl", root / "qwen3_5_vl"), device="cpu", dtype="float32")
+    assert type(t.model).__name__ == "Qwen3_5ForCausalLM" and not any("visual" in k for k in t.model.state_dict())
+    assert t.num_layers == 5 and t.hidden_size == 64 and t.is_hybrid
+
+
+@pytest.mark.parametrize("edit", ["renamed", "missing"])
+def test_vl_checkpoint_with_a_broken_language_model_weight_is_refused(root, tmp_path, edit):
+    folder = tmp_path / "vl"
+    shutil.copytree(make_tiny_target("qwen3_5_vl", root / "qwen3_5_vl"), folder)
+    weights = folder / "model.safetensors"
+    sd = load_file(weights)
+    name = "model.language_model.layers.1.mlp.up_proj.weight"
+    tensor = sd.pop(name)
+    if edit == "renamed":
+        sd[name.replace("up_proj", "up_projection")] = tensor
+    save_file(sd, weights, metadata={"format": "pt"})
+    with pytest.raises(DFlashError) as e:
+        load_target(folder, device="cpu", dtype="float32")
+    msg = str(e.value)
+    assert str(folder) in msg and "model.layers.1.mlp.up_proj.weight" in msg and "missing" in msg
+    if edit == "renamed":
+        assert "model.layers.1.mlp.up_projection.weight" in msg and "dropped" in msg
