@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.dflash2_vs_dflash import cpu_name  # noqa: E402
+from dflashkit.decode.sampling import Sampling  # noqa: E402
 from dflashkit.decode.speculative import DFlashProposer, generate  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter  # noqa: E402
 from dflashkit.fileio import write_json, write_text  # noqa: E402
@@ -74,8 +75,8 @@ def main() -> int:
             for i, (_, ids) in enumerate(prompts):
                 for seed in range(args.seeds):
                     gen = torch.Generator().manual_seed(1000 * seed + i)
-                    g = generate(target, ids, "chain", proposer, max_new_tokens=args.max_new_tokens, temperature=T,
-                                 generator=gen, acceptance=rule, draft_temperature=t_draft, draft_mix=mix)
+                    g = generate(target, ids, "chain", proposer, max_new_tokens=args.max_new_tokens,
+                                 sampling=Sampling(T, rule, t_draft, mix), generator=gen)
                     acc += g.accepted
             row = {"drafter": path, "arch": d.config.arch, "rule": rule, "draft_temperature": t_draft, "draft_mix": mix,
                    "tau": statistics.mean(acc), "se": statistics.stdev(acc) / len(acc) ** 0.5, "rounds": len(acc)}

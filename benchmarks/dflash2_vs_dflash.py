@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflashkit.cache import open_cache  # noqa: E402
 from dflashkit.decode.bench import parse_methods, run_bench  # noqa: E402
+from dflashkit.decode.sampling import Sampling  # noqa: E402
 from dflashkit.decode.speculative import DFlashProposer, generate  # noqa: E402
 from dflashkit.demo import DemoConfig, Paths, declare_stages, load_demo_target, load_recipe  # noqa: E402
 from dflashkit.demo.stages import StageRunner  # noqa: E402
@@ -130,8 +131,8 @@ def online(target, ckpts: dict, prompts, max_new: int, temperature: float, seed:
             acc = []
             for i, (_, ids) in enumerate(prompts):
                 gen = torch.Generator().manual_seed(seed + i)
-                g = generate(target, ids, "chain", proposer, max_new_tokens=max_new, temperature=temperature,
-                             generator=gen, acceptance=acceptance)
+                g = generate(target, ids, "chain", proposer, max_new_tokens=max_new,
+                             sampling=Sampling(temperature, acceptance), generator=gen)
                 acc += g.accepted
             res[name]["sampled"][acceptance] = {"tau": sum(acc) / len(acc), "rounds": len(acc)}
         print(f"  online {name}: {json.dumps(res[name])}", flush=True)

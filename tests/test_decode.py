@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflashkit.decode.bench import check_lossless, parse_methods, run_bench, write_bench
+from dflashkit.decode.sampling import Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate
 from dflashkit.drafter.checkpoint import new_drafter, save_drafter
 from dflashkit.errors import DFlashError
@@ -143,8 +144,9 @@ def test_sampling_matches_target_softmax(tiny_targets):
                ("chain", "rejection", spread, None, 1.0), ("ddtree-4", "match", oracle, None, 1.0))
     for method, acceptance, proposer, t_draft, mix in schemes:
         gen = torch.Generator().manual_seed(0)
-        runs = [generate(target, ids, method, proposer, max_new_tokens=2, temperature=T, generator=gen,
-                         acceptance=acceptance, draft_temperature=t_draft, draft_mix=mix) for _ in range(n)]
+        sampling = Sampling(T, acceptance, t_draft, mix)
+        runs = [generate(target, ids, method, proposer, max_new_tokens=2, sampling=sampling, generator=gen)
+                for _ in range(n)]
         assert sum(r.accepted[0] > 1 for r in runs) > n // 10, "the test needs accepted drafts to mean anything"
         for pos, probs in ((0, p1), (1, p2)):
             toks = [r.tokens[pos] for r in runs]
@@ -386,7 +388,7 @@ def test_generate_refuses_a_draft_mix_outside_zero_to_one(tiny_dirs, capsys):
 
     assert main(["generate", "--target", str(tiny_dirs["llama"]), "--drafter", "none", "--draft-mix", "1.5",
                  "--prompt", "hi"]) == 2
-    assert "--draft-mix 1.5: must be between 0" in capsys.readouterr().err
+    assert "draft mix 1.5 (--draft-mix): must be between 0" in capsys.readouterr().err
 
 
 def test_hybrid_gate_drafts_while_the_drafter_adds_tokens_and_rechecks_when_idle():

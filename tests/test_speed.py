@@ -10,6 +10,7 @@ import torch
 from dflashkit.decode.cost import CostCurve, measure_cost_curve
 from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
+from dflashkit.decode.sampling import Sampling
 from dflashkit.decode.speculative import TreeDrafts, generate, generate_tree
 from dflashkit.target.invariant import NAME as ROW_INVARIANT, RowInvariantLinear, row_invariant, stock_kernels_active
 from dflashkit.tree import Tree, accepted_path, add_branch, build_tree, prune_by_cost
@@ -166,7 +167,8 @@ def test_ngram_and_hybrid_sample_the_target_distribution(tiny_targets):
     ids, oracle, p1, p2, _ = sampling_setup(target, "def f(x): def f(x):", T, B)
     for method in ("ngram", "hybrid-3"):
         gen = torch.Generator().manual_seed(0)
-        runs = [generate(target, ids, method, oracle, max_new_tokens=2, temperature=T, generator=gen) for _ in range(n)]
+        runs = [generate(target, ids, method, oracle, max_new_tokens=2, sampling=Sampling(T), generator=gen)
+                for _ in range(n)]
         if method == "hybrid-3":
             assert sum(r.accepted[0] > 1 for r in runs) > n // 10, "the test needs accepted drafts to mean anything"
         for pos, probs in ((0, p1), (1, p2)):

@@ -13,6 +13,7 @@ _EXPORTS = {
     "measure_cost_curve": "dflashkit.decode.cost",
     "NgramLookup": "dflashkit.decode.ngram",
     "parse_method": "dflashkit.decode.methods",
+    "Sampling": "dflashkit.decode.sampling",
     **{name: "dflashkit.decode.speculative" for name in (
         "DFlashProposer", "Generation", "Proposer", "TreeDrafts", "generate", "generate_ar", "generate_chain",
         "generate_ddtree", "generate_hf", "generate_tree", "tree_drafts")},

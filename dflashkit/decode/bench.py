@@ -20,6 +20,7 @@ from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
 from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
+from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
@@ -46,7 +47,7 @@ def parse_methods(spec: str) -> list[str]:
     return ["ar"] + [m for m in names if m != "ar"]
 
 
-def _run(target, proposer, item, method, max_new_tokens, temperature, seed, cost, lookups, acceptance="match"):
+def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, seed: int, cost, lookups):
     """One conversation (every turn, conversation.py); the baselines (ar-stock, transformers' loops) on the model's
     own kernels, ours on the kernels that keep them exact."""
     gen = torch.Generator(device=target.device).manual_seed(seed)
@@ -58,7 +59,7 @@ def _run(target, proposer, item, method, max_new_tokens, temperature, seed, cost
         def one(ids):  # a fresh context per turn: a conversation calls this once per user turn
             with row_invariant(target.model) if on_ours else stock_kernels():
                 g = generate(target, ids, "ar" if method == STOCK_AR else method, max_new_tokens=max_new_tokens,
-                             temperature=temperature, generator=gen)
+                             sampling=sampling, generator=gen)
             g.method = method
             return g
     else:
@@ -66,18 +67,18 @@ def _run(target, proposer, item, method, max_new_tokens, temperature, seed, cost
                  else None)
 
         def one(ids):
-            return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, temperature=temperature,
-                            generator=gen, cost=cost, ngram=ngram, acceptance=acceptance)
+            return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
+                            generator=gen, cost=cost, ngram=ngram)
     return decode_conversation(target, item, one)
 
 
 def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]], methods: list[str],
-              max_new_tokens: int = 128, block_size: int | None = None, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
-              progress: bool = True, cost: CostCurve | None = None, acceptance: str = "match") -> dict:
+              max_new_tokens: int = 128, block_size: int | None = None, sampling: Sampling = GREEDY,
+              warmup: bool = True, progress: bool = True, cost: CostCurve | None = None) -> dict:
     """prompts: (id, prompt token ids or a PromptItem, whose user turns each follow the method's own answer to the
     one before). Returns {"config", "cost", "methods": {name: summary}, "categories": {category: {name: summary}},
     "runs", "mismatches", "divergences"}. `cost`: a curve measured earlier on this target (else measured here, about
-    10 s on a CPU)."""
+    10 s on a CPU). `sampling` reaches every method whole (prompt i seeded sampling.seed + i) and is recorded."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
@@ -87,10 +88,9 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     with row_invariant(target.model):  # the cost curve times the kernels the speculative methods run
         curve = cost or measure_cost_curve(target, extra=(9,))
         costs = cost_report(target, curve)
-    runs, turns = _timed_runs(target, proposer, prompts, methods, max_new_tokens, temperature, seed, warmup,
-                              progress, curve, acceptance)
+    runs, turns = _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve)
     stock = (STOCK_AR,) + PEERS if switched else ()  # on other kernels: their tokens may part in low precision
-    mismatches = check_lossless([r for r in runs if r["method"] not in stock]) if temperature == 0 else []
+    mismatches = check_lossless([r for r in runs if r["method"] not in stock]) if sampling.temperature == 0 else []
     divergences = []
     if mismatches and not exact_kernels(target):  # CUDA low precision: a rounding-sized near-tie is not a bug
         mismatches, divergences = explain_by_rounding(target, turns, runs, mismatches)
@@ -104,9 +104,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
                    "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
                    "prompts": [p for p, _ in prompts], "categories": categories,
                    "turns": {pid: len(t[0]) for pid, t in turns.items()}, "max_new_tokens": max_new_tokens,
-                   "temperature": temperature,
-                   "acceptance": acceptance if temperature > 0 else None,
-                   "seed": seed, "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None},
+                   **sampling.record(), "sampling": sampling.describe(),
+                   "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None},
         "cost": costs,
         "methods": summary,
         "categories": by_category,
@@ -116,8 +115,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     }
 
 
-def _timed_runs(target, proposer, prompts, methods, max_new_tokens, temperature, seed, warmup, progress, curve,
-                acceptance) -> tuple[list[dict], dict]:
+def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress,
+                curve) -> tuple[list[dict], dict]:
     """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike).
     The progress bar (tqdm: it also prints where the output is not a terminal) names the prompt and method running
     and the tokens/s of the last one, with an ETA. Also returns plain decoding's turns per prompt: (prompt ids per
@@ -127,7 +126,7 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, temperature,
     lookups: dict[str, NgramLookup] = {}  # one per method: n-gram acceptance statistics carry across prompts
     if warmup:
         for m in methods:
-            _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), temperature, seed, curve, lookups)
+            _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), sampling, sampling.seed, curve, lookups)
     runs, turns = [], {}
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress,
               mininterval=2.0) as bar:
@@ -135,7 +134,7 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, temperature,
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for m in order:
                 bar.set_description(f"bench {pid} {m}")
-                c = _run(target, proposer, item, m, max_new_tokens, temperature, seed + i, curve, lookups, acceptance)
+                c = _run(target, proposer, item, m, max_new_tokens, sampling, sampling.seed + i, curve, lookups)
                 g = c.generation
                 runs.append({"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]), "turns": c.lengths,
                              "tokens": g.tokens, "accepted": g.accepted, "times": g.times})
@@ -253,7 +252,8 @@ def add_ratios(summary: dict) -> None:
 def bench_markdown(result: dict) -> str:
     c = result["config"]
     lines = [f"# Decoding benchmark: {c['target']} on {c['device']} ({c['dtype']})", "",
-             f"{len(c['prompts'])} prompts, up to {c['max_new_tokens']} new tokens, temperature {c['temperature']}, "
+             f"{len(c['prompts'])} prompts, up to {c['max_new_tokens']} new tokens, "
+             f"{c.get('sampling') or 'temperature ' + str(c['temperature'])}, seed {c.get('seed')}, "
              f"block size {c['block_size']}; methods run in rotated order per prompt after a warm-up.", ""]
     lines += cost_markdown(result.get("cost"))
     headers = ["method", "tau", "tokens/s", "speedup vs ar", "vs hf-generate", "vs prompt-lookup", "decode speedup",

@@ -65,21 +65,26 @@ def _common(p) -> None:
     add_threads_option(p)
 
 
-def _check(args) -> None:
+def sampling_of(args):
+    """The one Sampling value of a command (its __post_init__ checks every field); nothing below reads args'
+    sampling options, so adding one here is the only place it can be dropped."""
+    from dflashkit.decode.sampling import Sampling
+
+    return Sampling(temperature=args.temperature, acceptance=args.acceptance, draft_temperature=args.draft_temperature,
+                    draft_mix=args.draft_mix, seed=args.seed)
+
+
+def _check(args):
+    """Every option checked before anything loads; returns the command's Sampling."""
     if args.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-    if args.temperature < 0:
-        raise DFlashError(f"--temperature {args.temperature}: must be 0 (greedy) or positive")
-    if not 0 <= args.draft_mix <= 1:
-        raise DFlashError(f"--draft-mix {args.draft_mix}: must be between 0 (greedy drafts) and 1 (drafts sampled from q)")
-    if args.draft_temperature is not None and args.draft_temperature < 0:
-        raise DFlashError(f"--draft-temperature {args.draft_temperature}: must be 0 (greedy drafts) or positive")
     if args.block_size is not None and args.block_size < 2:
         raise DFlashError(f"--block-size {args.block_size}: must be at least 2 (the anchor plus one draft)")
     if getattr(args, "budget", 1) < 1:
         raise DFlashError(f"--budget {args.budget}: a DDTree needs at least 1 node")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise DFlashError(f"--num-prompts {args.num_prompts}: must be at least 1")
+    return sampling_of(args)
 
 
 def _load(args, need_drafter: bool):
@@ -122,7 +127,7 @@ def cmd_generate(args) -> int:
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
     from dflashkit.target.invariant import row_invariant
 
-    _check(args)
+    sampling = _check(args)
     try:
         _, size = parse_method(args.method)
     except ValueError as e:
@@ -135,12 +140,11 @@ def cmd_generate(args) -> int:
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
     records = []
     for i, (pid, item) in enumerate(prompts):
-        gen = torch.Generator(device=target.device).manual_seed(args.seed + i)
-        torch.manual_seed(args.seed + i)
+        gen = torch.Generator(device=target.device).manual_seed(sampling.seed + i)
+        torch.manual_seed(sampling.seed + i)
         c = decode_conversation(target, item, lambda ids: generate(
             target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, generator=gen, cost=cost, ngram=ngram, acceptance=args.acceptance,
-            draft_temperature=args.draft_temperature, draft_mix=args.draft_mix))
+            sampling=sampling, generator=gen, cost=cost, ngram=ngram))
         g, texts = c.generation, c.answers
         rec = {"id": pid, "category": item.category, "method": g.method, "prompt_tokens": [len(p) for p in c.prompts],
                "tokens": g.tokens, "turns": texts, "text": texts[-1], "accepted": g.accepted,
@@ -161,13 +165,12 @@ def cmd_bench(args) -> int:
     from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench, write_bench
     from dflashkit.decode.methods import needs_drafter
 
-    _check(args)
+    sampling = _check(args)
     methods = parse_methods(args.methods or DEFAULT_METHODS)
     prompts = _prompts(args)  # a bad prompt file fails before the target loads
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
-                       block_size=args.block_size, temperature=args.temperature, seed=args.seed,
-                       acceptance=args.acceptance)
+                       block_size=args.block_size, sampling=sampling)
     paths = write_bench(result, args.out)
     print(bench_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))

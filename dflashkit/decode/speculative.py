@@ -28,6 +28,7 @@ import torch
 
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
+from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.drafter.head import DraftHead, decoding_products
 from dflashkit.drafter.model import mix_greedy
 from dflashkit.errors import DFlashError
@@ -140,12 +141,9 @@ class DFlashProposer:
         logits = self.propose(features, anchor, start)
         if self.drafter.config.arch != "dflash2":
             return sample_drafts(logits, temperature, generator, self.to_tokens, self.target.vocab_size, mix)
-        path, candidates, q = self.drafter.candidate_selector.select(
-            self.hidden, logits[None], self.anchor, temperature, self.to_tokens, generator, mix)
-        if q is None:
-            return path[0], None
-        full = torch.zeros(q.shape[1], self.target.vocab_size, device=q.device)
-        return path[0], full.scatter_(1, candidates[0], q[0])
+        path, q = selector_drafts(self.drafter.candidate_selector, self.hidden, logits[None], self.anchor,
+                                  temperature, generator, self.to_tokens, self.target.vocab_size, mix)
+        return path[0], None if q is None else q[0]
 
     def tree(self, logits, budget: int, root) -> Tree:
         """The round's DDTree: over the marginals, or (DFlash2) over the selector's conditional scores."""
@@ -171,37 +169,53 @@ def sample_drafts(logits, temperature: float, generator, to_tokens, vocab_size: 
     return to_tokens(idx), full
 
 
-def draft_block(proposer, features, anchor, start: int, temperature: float, generator, acceptance: str,
-                draft_temperature: float | None = None, draft_mix: float = 1.0):
+def selector_drafts(selector, hidden, logits, anchor, temperature: float, generator, to_tokens, vocab_size: int,
+                    mix: float = 1.0):
+    """DFlash2's drafts for b blocks (hidden [b, L, H], logits [b, L, V'], anchor [b]): the candidate selector's
+    path [b, L] and its q scattered over the full vocabulary [b, L, vocab_size] (None at T=0)."""
+    path, candidates, q = selector.select(hidden, logits, anchor, temperature, to_tokens, generator, mix)
+    if q is None:
+        return path, None
+    full = torch.zeros(*q.shape[:2], vocab_size, device=q.device)
+    return path, full.scatter_(2, candidates, q)
+
+
+def draft_block(proposer, features, anchor, start: int, sampling: Sampling, generator):
     """(tokens [B-1], q or None). `match` drafts greedily (q None): a draft is accepted iff it equals the target's
     own choice. `rejection` samples the drafts from q at T>0 and accepts them with min(1, p/q); q is the drafter's
-    softmax at `draft_temperature` (default T, as the reference; any q keeps the output exact, a sharper one suits
-    an under-confident drafter, and 0 makes rejection accept exactly as `match`), of which `draft_mix` is sampled
-    and the rest kept on the greedy draft (mix_greedy; 1 = the reference)."""
-    sampled = acceptance == "rejection" and temperature > 0
-    t_q = (temperature if draft_temperature is None else draft_temperature) if sampled else 0.0
+    softmax at the draft temperature (default T, as the reference; any q keeps the output exact, a sharper one
+    suits an under-confident drafter, and 0 makes rejection accept exactly as `match`), of which the draft mix is
+    sampled and the rest kept on the greedy draft (mix_greedy; 1 = the reference)."""
+    t_q, mix = sampling.q_temperature, sampling.draft_mix
     if hasattr(proposer, "draft"):
-        return proposer.draft(features, anchor, start, t_q, generator, draft_mix)
+        return proposer.draft(features, anchor, start, t_q, generator, mix)
     logits = proposer.propose(features, anchor, start)
-    return sample_drafts(logits, t_q, generator, proposer.to_tokens, logits.shape[-1], draft_mix)
+    return sample_drafts(logits, t_q, generator, proposer.to_tokens, logits.shape[-1], mix)
 
 
 def rejection_accept(drafts, q, logits, temperature: float, generator) -> tuple[int, torch.Tensor]:
     """Speculative sampling over a chain (docs/design.md section 4): draft i is accepted with probability
-    min(1, p_i / q_i); at the first rejection the next token is drawn from normalise(max(p - q, 0)); if every
-    draft is accepted, from p after the last. drafts [L]; q [L, V]; logits [L+1, V] of the verify.
-    Returns (accepted count, next token [1])."""
-    p = torch.softmax(logits.float() / temperature, dim=-1)
-    L = len(drafts)
-    rows = torch.arange(L, device=p.device)
-    p_d, q_d = p[rows, drafts], q[rows, drafts].to(p.device)
-    u = torch.rand(L, generator=generator).to(p.device)
-    a = int((u * q_d < p_d).int().cumprod(0).sum())
-    if a == L:
-        return a, torch.multinomial(p[L], 1, generator=generator)
-    residual = (p[a] - q[a].to(p.device)).clamp_min(0)
-    residual = residual / residual.sum() if residual.sum() > 0 else p[a]
-    return a, torch.multinomial(residual, 1, generator=generator)
+    min(1, p_i / q_i); at the first rejection a the next token is drawn from normalise(max(p_a - q_a, 0)); if
+    every draft is accepted, from p after the last. drafts [L]; q [L, V]; logits [L+1, V] of the verify; a
+    leading batch dimension on all three decides that many chains at once (what the exactness test runs).
+    Returns (accepted count, next token [1]): tensors [b] and [b, 1] when batched."""
+    batched = drafts.dim() == 2
+    if not batched:
+        drafts, q, logits = drafts[None], q[None], logits[None]
+    p = torch.softmax(logits.float() / temperature, dim=-1)  # [b, L+1, V]
+    q = torch.cat([q.to(p.device).float(), torch.zeros_like(p[:, :1])], dim=1)  # no q after the last draft
+    b, L = drafts.shape
+    pick = lambda t, idx: t.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+    p_d, q_d = pick(p[:, :L], drafts), pick(q[:, :L], drafts)
+    u = torch.rand(b, L, generator=generator).to(p.device)
+    a = (u * q_d < p_d).long().cumprod(-1).sum(-1)  # [b]
+    rows = torch.arange(b, device=p.device)
+    p_a, q_a = p[rows, a], q[rows, a]  # at a == L: p after the last draft, q zero
+    residual = (p_a - q_a).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p_a)
+    next_token = torch.multinomial(residual, 1, generator=generator)  # [b, 1]
+    return (a, next_token) if batched else (int(a[0]), next_token[0])
 
 
 # ---- small pieces the loops share ---------------------------------------------------------------------------
@@ -324,10 +338,11 @@ def on_invariant_kernels(loop):
 
 @on_invariant_kernels
 @torch.no_grad()
-def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
+def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, sampling: Sampling = GREEDY,
                 generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """Plain decoding, one target forward per token: the baseline every speedup is measured against."""
     timer, stops, dev = _begin(target, stop_ids)
+    temperature = sampling.temperature
     kv = new_target_kv(target)
     with timer("prefill"):
         out = target.forward(torch.tensor([prompt_ids], device=dev), past_key_values=kv, logits_to_keep=1)
@@ -348,12 +363,12 @@ def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
 @on_invariant_kernels
 @torch.no_grad()
 def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
-                   temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None,
-                   acceptance: str = "match", draft_temperature: float | None = None,
-                   draft_mix: float = 1.0) -> Generation:
+                   sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
-    per round. At T>0, `acceptance` picks the rule (see draft_block); both keep the target's distribution."""
+    per round. At T>0, the sampling's acceptance picks the rule (see draft_block); both keep the target's
+    distribution."""
     timer, stops, dev = _begin(target, stop_ids)
+    temperature = sampling.temperature
     B, layer_ids = proposer.block_size, proposer.layer_ids
     offsets = torch.arange(B, device=dev)
     kv = new_target_kv(target)
@@ -367,8 +382,7 @@ def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_to
     feats, start, accepted = out.features, len(prompt_ids), []  # start: position of the bonus token
     while not done:
         with timer("draft"):
-            drafts, q = draft_block(proposer, feats, bonus, start, temperature, generator, acceptance,
-                                    draft_temperature, draft_mix)
+            drafts, q = draft_block(proposer, feats, bonus, start, sampling, generator)
         block = torch.cat([bonus, drafts])  # [B]: the bonus, then B-1 drafts
         saved = save_linear_states(kv) if target.is_hybrid else None
         with timer("verify"):
@@ -537,12 +551,14 @@ class TreeDrafts:
 @on_invariant_kernels
 @torch.no_grad()
 def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tokens: int = 256,
-                  temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None,
+                  sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None,
                   method: str = "tree") -> Generation:
     """Tree verification (docs/design.md section 5): whatever tree the round proposes (DDTree nodes, an n-gram branch,
     both) is verified in one target forward over root + nodes (position start + depth, ancestor-only mask); the
-    walk picks the accepted path, and only that path stays in the target KV."""
+    walk picks the accepted path, and only that path stays in the target KV. A node is accepted iff it is the
+    target's own choice, whatever the sampling's acceptance rule (that one is the chain's)."""
     timer, stops, dev = _begin(target, stop_ids)
+    temperature = sampling.temperature
     layer_ids = drafts.layer_ids
     kv = new_target_kv(target)
     with timer("prefill"):
@@ -595,9 +611,9 @@ def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tok
 
 
 def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: int = 8, max_new_tokens: int = 256,
-                    temperature: float = 0.0, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
+                    sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """DDTree (docs/design.md section 5): the `budget` most probable drafts of one drafter pass, verified in one forward."""
-    return generate_tree(target, TreeDrafts(proposer, budget), prompt_ids, max_new_tokens, temperature, generator,
+    return generate_tree(target, TreeDrafts(proposer, budget), prompt_ids, max_new_tokens, sampling, generator,
                          stop_ids, method=f"ddtree-{budget}")
 
 
@@ -644,22 +660,21 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
 
 
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
-             max_new_tokens: int = 256, temperature: float = 0.0, generator=None, stop_ids=None, cost=None,
-             ngram=None, acceptance: str = "match", draft_temperature: float | None = None,
-             draft_mix: float = 1.0) -> Generation:
+             max_new_tokens: int = 256, sampling: Sampling = GREEDY, generator=None, stop_ids=None, cost=None,
+             ngram=None) -> Generation:
     """One entry point for every method name of `parse_method`; `budget` applies to a bare 'ddtree' or 'hybrid';
-    `acceptance` is the chain's rule at T>0 (trees accept a node iff it is the target's own sample)."""
+    the sampling's acceptance is the chain's rule at T>0 (trees accept a node iff it is the target's own sample),
+    and transformers' loops take its temperature only."""
     kind, n = parse_method(method)
     if kind == "ar":
-        return generate_ar(target, prompt_ids, max_new_tokens, temperature, generator, stop_ids)
+        return generate_ar(target, prompt_ids, max_new_tokens, sampling, generator, stop_ids)
     if kind in ("prompt-lookup", "hf-generate"):
-        return generate_hf(target, prompt_ids, max_new_tokens, temperature, (n or 10) if kind == "prompt-lookup"
-                           else None, stop_ids)
+        return generate_hf(target, prompt_ids, max_new_tokens, sampling.temperature,
+                           (n or 10) if kind == "prompt-lookup" else None, stop_ids)
     if needs_drafter(method) and proposer is None:
         raise ValueError(f"method {method!r} needs a drafter")
     if kind == "chain":
-        return generate_chain(target, proposer, prompt_ids, max_new_tokens, temperature, generator, stop_ids,
-                              acceptance, draft_temperature, draft_mix)
+        return generate_chain(target, proposer, prompt_ids, max_new_tokens, sampling, generator, stop_ids)
     name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
     return generate_tree(target, tree_drafts(method, proposer, budget, cost, ngram), prompt_ids, max_new_tokens,
-                         temperature, generator, stop_ids, method=name)
+                         sampling, generator, stop_ids, method=name)
