@@ -1,7 +1,9 @@
 """The demo pipeline in reduced form on a tiny fixture: every stage writes its outputs, a rerun skips the
-cached stages, and a corrupted intermediate file is detected and rebuilt."""
+cached stages, a corrupted intermediate file is detected and rebuilt, and a rerun in another dtype rebuilds."""
 
 import json
+import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -101,6 +103,25 @@ def test_rerun_skips_cached_stages_and_rebuilds_a_corrupted_one(demo_run, capsys
     rebuilt = stamps(out)
     assert all(s["done"] for s in rebuilt.values())
     assert {k for k in rebuilt if rebuilt[k] != after[k]} == {"cache"}
+
+
+def test_a_rerun_in_another_dtype_rebuilds_every_stage_and_reports_what_they_were_built_with(demo_run, tmp_path,
+                                                                                          capsys):
+    cfg, out, _ = demo_run
+    copy = tmp_path / "run"  # the float32 demo, resumed in bfloat16 (a copy: the other tests read the original)
+    shutil.copytree(out, copy)
+    before = stamps(copy)
+    capsys.readouterr()
+    run_demo(replace(cfg, out=str(copy), dtype="bfloat16"))
+    assert "unchanged, skipped" not in capsys.readouterr().out
+    after = stamps(copy)
+    assert set(after) == set(before) and all(after[s]["inputs"] != before[s]["inputs"] for s in after)
+    assert all(s["done"] and s["settings"]["dtype"] == "bfloat16" for s in after.values())
+    text = (copy / "report.md").read_text()
+    assert "Numerics: dtype bfloat16" in text and "Numerics: dtype float32" not in text
+    built = [line for line in text.splitlines() if line.startswith(("| data ", "| bench "))]
+    assert len(built) == 2 and all("bfloat16 / eager / cpu" in line for line in built), built
+    assert before["data"]["settings"]["dtype"] == "float32"
 
 
 def test_the_demo_trains_the_recipe_file_with_its_own_overrides_on_top(demo_run, tmp_path):

@@ -1,5 +1,7 @@
 """The demo's plan (demo/plan.py): training time, then data, shrink until the estimates fit the budget."""
 
+import json
+
 import pytest
 
 from dflashkit.demo import DemoConfig
@@ -68,3 +70,39 @@ def test_refit_gives_training_what_the_measured_data_stages_left_and_happens_onc
     assert refit(unbounded, 15, {"data": 1.0}) is unbounded
     save_plan(tmp_path / "plan.json", fast)
     assert load_plan(tmp_path / "plan.json", settings_key(cfg)) == fast
+
+
+def test_the_refit_counts_the_whole_of_a_data_stage_that_an_interruption_split_in_two(tmp_path):
+    """The first run of the data stage wrote for 400 s and died; the resumed run finished it in moments. The refit
+    sees about 400 s, not the moments, so training does not overspend the budget."""
+    import os
+
+    from rich.console import Console
+
+    from dflashkit.demo.stages import Stage, StageRunner
+
+    data = tmp_path / "data"
+
+    def interrupted():
+        data.mkdir()
+        (data / "0.txt").write_text("first half")
+        stamp = json.loads((tmp_path / "stages" / "data.json").read_text())
+        os.utime(data / "0.txt", (stamp["started"] + 400, stamp["started"] + 400))  # written 400 s into the run
+        raise KeyboardInterrupt
+
+    def resumed():
+        (data / "1.txt").write_text("second half")
+
+    runner = StageRunner(tmp_path, ["data"], Console(quiet=True))
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(Stage("data", {"prompts": 6}, [data], interrupted))
+    runner.run(Stage("data", {"prompts": 6}, [data], resumed))
+    whole = runner.timings["data"].seconds
+    assert 400 <= whole < 460 and (data / "0.txt").is_file()  # resumed, not rebuilt
+    assert json.loads((tmp_path / "stages" / "data.json").read_text())["seconds"] == whole  # a later skip keeps it
+    cfg = DemoConfig(minutes=15, budget_minutes=30)
+    plan = make_plan(cfg, settings_key(cfg), 50.0, {}, estimate, 360)
+    fitted = refit(plan, 15, {"data": whole})
+    assert fitted.refit["measured_s"] == {"data": whole}
+    assert fitted.minutes == pytest.approx(refit(plan, 15, {"data": 400.0}).minutes, abs=0.02)
+    assert fitted.minutes < refit(plan, 15, {"data": 1.0}).minutes  # what the resumed part alone would have left

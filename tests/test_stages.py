@@ -80,3 +80,77 @@ def test_a_cache_digest_is_what_it_holds_not_how_the_file_was_written(tmp_path):
     assert content_digest(cache) == first
     (cache / "0.safetensors").write_bytes((tmp_path / "a.safetensors").read_bytes()[:100])  # truncated: not what was built
     assert content_digest(cache) == ""
+
+
+def test_a_stage_rebuilt_for_new_inputs_rebuilds_what_reads_it_even_when_its_outputs_come_out_the_same(tmp_path):
+    builds = {}
+    runner = StageRunner(tmp_path, ["a", "b"], Console(quiet=True))
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+
+    def stages(dtype):
+        return [Stage("a", {}, [a], lambda: (builds.update(a=builds.get("a", 0) + 1), a.write_text("x")),
+                      settings={"dtype": dtype}),
+                Stage("b", {}, [b], lambda: (builds.update(b=builds.get("b", 0) + 1), b.write_text("y")),
+                      after=("a",), settings={"dtype": dtype})]
+
+    for dtype in ("float32", "float32", "bfloat16"):
+        for stage in stages(dtype):
+            runner.run(stage)
+    assert builds == {"a": 2, "b": 2}
+    assert json.loads((tmp_path / "stages" / "b.json").read_text())["settings"] == {"dtype": "bfloat16"}
+
+
+class Variant:
+    """A target with some attributes replaced: what another dtype, device, kernels or checkpoint would report."""
+
+    def __init__(self, target, **changed):
+        self._target, self._changed = target, changed
+
+    def __getattr__(self, name):
+        return self._changed[name] if name in self._changed else getattr(self._target, name)
+
+
+def test_every_input_that_changes_a_stages_numbers_changes_its_fingerprint(tiny_dirs, tiny_targets, tmp_path):
+    """Each input of the demo changes the fingerprint of the stages that read it, and of every stage after them."""
+    from dataclasses import replace
+
+    import torch
+
+    from dflashkit.demo import STEPS, DemoConfig, Paths, declare_stages, load_recipe
+
+    base = DemoConfig(out=str(tmp_path), target=str(tiny_dirs["llama"]), device="cpu", dtype="float32",
+                      train_prompts=6, eval_prompts=2, bench_prompts=2, train={"target_layer_ids": [1, 2, 3]})
+    llama = tiny_targets["llama"]
+
+    def keys(cfg=base, target=llama):
+        runner = StageRunner(tmp_path, STEPS, Console(quiet=True))
+        runner.digests = {s: "the same outputs" for s in STEPS}  # only the inputs differ
+        for stage in declare_stages(cfg, Paths(tmp_path, cfg.eval_suite), target, load_recipe(cfg), target.device):
+            runner.keys[stage.name] = runner.key(stage)
+        return runner.keys
+
+    every, trained = {"data", "cache", "train", "eval", "bench"}, {"train", "eval", "bench"}
+    cases = {
+        "dtype": ({}, {"dtype": torch.bfloat16}, every),
+        "kernels": ({}, {"kernels": "compiled"}, every),
+        "device": ({}, {"device": torch.device("cuda")}, every),
+        "target": ({}, {"identity": lambda: {**llama.identity(), "weights_hash": "another fine-tune"}}, every),
+        "recipe seed": ({"train": {**base.train, "seed": 7}}, {}, trained),
+        "recipe layers": ({"train": {"target_layer_ids": [1, 2]}}, {}, every),
+        "minutes": ({"minutes": 7.0}, {}, trained),
+        "train prompts": ({"train_prompts": 5}, {}, {"data"} | trained),
+        "train tokens": ({"train_max_new_tokens": 17}, {}, {"data"} | trained),
+        "generation batch": ({"gen_batch_size": 3}, {}, {"data"} | trained),
+        "eval prompts": ({"eval_prompts": 3}, {}, {"cache"} | trained),
+        "eval tokens": ({"eval_max_new_tokens": 17}, {}, {"cache"} | trained),
+        "bench prompts": ({"bench_prompts": 3}, {}, {"bench"}),
+        "bench methods": ({"bench_methods": "ar,ngram"}, {}, {"bench"}),
+        "bench tokens": ({"bench_max_new_tokens": 17}, {}, {"bench"}),
+        "holdout": ({"holdout_methods": "ar"}, {}, {"bench"}),
+        "holdout tokens": ({"holdout_max_new_tokens": 17}, {}, {"bench"}),
+    }
+    before = keys()
+    for name, (cfg_change, target_change, expected) in cases.items():
+        after = keys(replace(base, **cfg_change), Variant(llama, **target_change) if target_change else llama)
+        assert {s for s in before if after[s] != before[s]} == expected, name
+    assert keys(replace(base, out=str(tmp_path / "elsewhere"), progress=True)) == before  # not inputs

@@ -24,6 +24,7 @@ from dflashkit.fileio import write_json
 
 STEPS = ["target", "data", "cache", "train", "eval", "bench", "report"]
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "smollm2-cpu.yaml"
+EVAL_ANCHORS, EVAL_TREES = ("stride", "walk"), ("budget:4", "budget:8")
 
 
 @dataclass
@@ -79,7 +80,7 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     runner = StageRunner(p.root, STEPS, console)
     runner.header("target")
     target, seconds = load_demo_target(cfg)
-    runner.timings["target"] = Timing(seconds, skipped=False)
+    runner.timings["target"] = Timing(seconds, skipped=False, settings=numeric_settings(target))
     recipe = load_recipe(cfg)
     plan = plan_demo(cfg, p, target, console, spent_s=seconds)
     console.print(f"plan: {plan.note}")
@@ -97,9 +98,8 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
 
     from dflashkit.demo.report import write_report
 
-    # always rewritten: cheap, and carries the timings
-    report = write_report(p.root, cfg, device, runner.timings, numerics=describe_numerics(target, cfg.dtype),
-                          plan=plan.note)
+    # always rewritten: cheap, and carries the timings (and the numerics each stage was built with)
+    report = write_report(p.root, cfg, device, runner.timings, plan=plan.note)
     runner.header("report")
     for line in report["console"]:
         console.print(line)
@@ -178,7 +178,8 @@ def refit_training(plan, p: Paths, asked_minutes: float, measured_s: dict[str, f
 
 
 def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[Stage]:
-    """The demo's stages in order: what each reads (its fingerprint) and writes."""
+    """The demo's stages in order: what each reads (its fingerprint) and writes. Every stage reads the target, so
+    every one carries its identity and numerics: a resumed demo in another dtype or on other kernels rebuilds."""
     from dflashkit.cache.store import content_digest
     from dflashkit.train.loop import feature_layers
 
@@ -186,30 +187,36 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
         return content_digest(outputs[0])
 
     tid = {k: v for k, v in target.identity().items() if k != "path"}
+    numerics = {"settings": numeric_settings(target), "about": describe_numerics(target, cfg.dtype)}
     layer_ids = feature_layers(recipe, target, None)
     s = demo_suites(cfg)
     return [
         Stage("data", {"target": tid, "suite": s.train.content_hash, "layers": layer_ids,
-                       "max_new_tokens": cfg.train_max_new_tokens}, [p.data],
+                       "max_new_tokens": cfg.train_max_new_tokens, "batch_size": cfg.gen_batch_size}, [p.data],
               lambda: build_cache(target, s.train, p.data, layer_ids, cfg.train_max_new_tokens, cfg.gen_batch_size,
-                                  cfg.progress), digest=cache_digest),
+                                  cfg.progress), digest=cache_digest, **numerics),
         Stage("cache", {"target": tid, "suite": s.eval.content_hash, "layers": layer_ids,
                         "max_new_tokens": cfg.eval_max_new_tokens}, [p.eval_cache],
               lambda: build_cache(target, s.eval, p.eval_cache, layer_ids, cfg.eval_max_new_tokens,
-                                  len(s.eval.items), cfg.progress), digest=cache_digest),
-        Stage("train", {"recipe": recipe.to_dict(), "minutes": cfg.minutes, "device": str(device),
+                                  len(s.eval.items), cfg.progress), digest=cache_digest, **numerics),
+        Stage("train", {"target": tid, "recipe": recipe.to_dict(), "minutes": cfg.minutes, "device": str(device),
                         "schedule": "time-fitted cosine"}, [p.train, p.drafters],
-              lambda: train_drafters(cfg, p, target, recipe), after=("data", "cache")),
-        Stage("eval", {}, [p.eval], lambda: evaluate_drafters(cfg, p, target),
-              after=("train", "cache")),
-        Stage("bench", {"suite": s.bench.content_hash, "methods": cfg.bench_methods,
+              lambda: train_drafters(cfg, p, target, recipe), after=("data", "cache"), **numerics),
+        Stage("eval", {"target": tid, "anchors": EVAL_ANCHORS, "trees": EVAL_TREES}, [p.eval],
+              lambda: evaluate_drafters(cfg, p, target), after=("train", "cache"), **numerics),
+        Stage("bench", {"target": tid, "suite": s.bench.content_hash, "methods": cfg.bench_methods,
                         "holdout": [s.holdout.content_hash, cfg.holdout_methods, cfg.holdout_max_new_tokens],
                         "max_new_tokens": cfg.bench_max_new_tokens, "device": str(device)}, [p.bench, p.holdout],
               lambda: bench_methods(cfg, p, target, [(s.bench, cfg.bench_methods, cfg.bench_max_new_tokens, p.bench),
                                                      (s.holdout, cfg.holdout_methods, cfg.holdout_max_new_tokens,
                                                       p.holdout)]),
-              after=("train",)),
+              after=("train",), **numerics),
     ]
+
+
+def numeric_settings(target) -> dict:
+    """What changes a stage's numbers besides its inputs: the dtype, device and kernels the target runs on."""
+    return {"dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device), "kernels": target.kernels}
 
 
 def describe_numerics(target, asked: str = "auto") -> str:
@@ -307,9 +314,9 @@ def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
     cache = open_cache(p.eval_cache, expect_target=target.identity())
     drafters = {"trained": final_checkpoint(p), "first-checkpoint": p.first, "untrained": p.untrained}
     say = print if cfg.progress else (lambda line: None)
-    for anchors in ("stride", "walk"):
+    for anchors in EVAL_ANCHORS:
         for name, path in drafters.items():
-            run_eval(path, target, cache, p.eval / f"{name}-{anchors}", anchors=anchors, trees=("budget:4", "budget:8"),
+            run_eval(path, target, cache, p.eval / f"{name}-{anchors}", anchors=anchors, trees=EVAL_TREES,
                      progress=cfg.progress, say=say, plots=False)  # the comparison draws all three
         compare_runs([p.eval / f"{n}-{anchors}" for n in drafters], out=p.eval / f"compare-{anchors}")
     write_json(p.eval / "limits.json", data_limits(final_checkpoint(p), p.data, cache))

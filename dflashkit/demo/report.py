@@ -259,7 +259,20 @@ def recipe_lines(recipe: Path) -> list[str]:
                              x["ddtree8_tau"]] for x in rows]), ""]
 
 
-def write_report(root: Path, cfg, device, timings: dict, numerics: str = "", plan: str = "") -> dict:
+def numerics_lines(timings: dict) -> list[str]:
+    """The numerics the stages were built with, as their stamps recorded them (a skipped stage keeps those of the run
+    that built it): one line when they agree, else one per stage."""
+    built = {k: t.about for k, t in timings.items() if t.about}
+    if len(set(built.values())) == 1:
+        return [next(iter(built.values())), ""]
+    return ["Numerics, per stage as it was built:", "", *[f"- {k}: {a}" for k, a in built.items()], ""] if built else []
+
+
+def built_with(settings: dict) -> str:
+    return " / ".join(str(settings[k]) for k in ("dtype", "kernels", "device") if k in settings)
+
+
+def write_report(root: Path, cfg, device, timings: dict, plan: str = "") -> dict:
     """report.md and report.json from what the stages wrote; returns the checks and the console summary."""
     from dflashkit.decode.bench import cost_markdown
     from dflashkit.report import markdown_table
@@ -267,7 +280,7 @@ def write_report(root: Path, cfg, device, timings: dict, numerics: str = "", pla
     res = DemoResults.read(root)
     lines = ["# dflashkit demo report", "",
              f"Target `{cfg.target}` on `{device}`; training budget {cfg.minutes:g} min; eval suite `{cfg.eval_suite}`.", "",
-             *([numerics, ""] if numerics else []), *([f"Plan: {plan}.", ""] if plan else [])]
+             *numerics_lines(timings), *([f"Plan: {plan}.", ""] if plan else [])]
     rows = [[a, d, o.prompts, o.blocks, o.streak, o.tau, o.pos1_acc, o.dds4, o.dds8] for (a, d), o in res.offline.items()]
     lines += ["## Offline evaluation (eval cache, temperature 0)", "",
               "dds4/dds8 = DDTree node-budget trees budget:4/8 (the paper's tree, docs/design.md section 5).", "",
@@ -296,11 +309,12 @@ def write_report(root: Path, cfg, device, timings: dict, numerics: str = "", pla
                   "![loss](train/loss.png)", ""]
     rates = stage_rates(res, timings)
     lines += ["## Stage timings", "", "Seconds each stage took when it was built (a skipped stage reused that output), "
-              "the estimate printed before it ran (from the probe of this machine at the start, plan.json), and what "
-              "it produced per second.", "",
-              markdown_table(["stage", "seconds", "estimated s", "actual / estimate", "skipped", "throughput"],
+              "the estimate printed before it ran (from the probe of this machine at the start, plan.json), what "
+              "it produced per second, and the dtype / kernels / device it was built with.", "",
+              markdown_table(["stage", "seconds", "estimated s", "actual / estimate", "skipped", "throughput",
+                              "built with"],
                              [[k, v.seconds, v.estimate_s, v.seconds / v.estimate_s if v.estimate_s else None, v.skipped,
-                               rates.get(k, "")] for k, v in timings.items()])]
+                               rates.get(k, ""), built_with(v.settings)] for k, v in timings.items()])]
     write_text(root / "report.md", "\n".join(lines) + "\n")
     write_json(root / "report.json", {"checks": checks, "timings": {k: asdict(v) for k, v in timings.items()},
                                       "config": asdict(cfg)})
