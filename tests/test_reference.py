@@ -154,6 +154,47 @@ def test_what_cannot_be_honoured_is_refused_with_the_field_named(tmp_path):
         load_drafter(edit_folder(tmp_path / "d1", lambda c: c.update(hidden_act="gelu")))
 
 
+@pytest.mark.parametrize("where", ["dflash_config", "top level"])
+def test_sliding_window_non_causal_is_refused_because_the_reference_runs_causal(tmp_path, where):
+    model = reference_drafter(*VARIANTS["sliding"])
+    model.save_pretrained(tmp_path)
+    feats, noise, pos, head = inputs()
+    want = reference_outputs(model, feats, noise, pos, head)[1]
+    flag = (lambda c: c["dflash_config"].update(sliding_window_non_causal=True)) if where == "dflash_config" else (
+        lambda c: c.update(sliding_window_non_causal=True))
+    edit_folder(tmp_path, flag)
+    back = getattr(ref, "DFlashDraftModel").from_pretrained(tmp_path, dtype=torch.float32).eval()
+    torch.testing.assert_close(reference_outputs(back, feats, noise, pos, head)[1], want)  # the reference ignores it
+    with pytest.raises(DFlashError, match=r"config\.json: (dflash_config\.)?sliding_window_non_causal is true, but "
+                                          r"z-lab's dflash 0\.1\.0 never reads it .* Remove sliding_window_non_causal"):
+        load_drafter(tmp_path)
+    edit_folder(tmp_path, lambda c: (c.pop("sliding_window_non_causal", None),
+                                     c["dflash_config"].update(sliding_window_non_causal=False)))
+    torch.testing.assert_close(our_outputs(load_drafter(tmp_path), feats, noise, pos, head)[1], want)  # false: loads
+
+
+def test_a_sliding_non_causal_drafter_cannot_be_exported(tmp_path):
+    reference_drafter(*VARIANTS["sliding"]).save_pretrained(tmp_path / "ref")
+    d = load_drafter(tmp_path / "ref")
+    d.config.sliding_window_non_causal = True
+    with pytest.raises(DFlashError, match=r"sliding_window_non_causal is true: .* no drafter folder can carry it"):
+        save_drafter(d, tmp_path / "ours", format="zlab")
+
+
+def test_a_config_without_rope_theta_runs_the_references_default(tmp_path):
+    model = reference_drafter(*VARIANTS["plain"])
+    model.save_pretrained(tmp_path)
+    edit_folder(tmp_path, lambda c: (c.pop("rope_parameters", None), c.pop("rope_theta", None)))
+    back = getattr(ref, "DFlashDraftModel").from_pretrained(tmp_path, dtype=torch.float32).eval()
+    d = load_drafter(tmp_path)
+    assert d.config.rope_theta == back.config.rope_parameters["rope_theta"] == 10000.0
+    assert any("rope_theta missing" in line for line in d.load_report)
+    feats, noise, pos, head = inputs()
+    pos = pos + 300  # far positions: a wrong theta shows in the logits
+    torch.testing.assert_close(our_outputs(d, feats, noise, pos, head)[1],
+                               reference_outputs(back, feats, noise, pos, head)[1], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("variant", ["plain", "sliding", "dflash2", "dflash2 sliding, scaled"])
 def test_greedy_generation_equals_the_reference_loop(tmp_path, tiny_targets, monkeypatch, variant):
     """T=0: our chain loop and the reference's `dflash_generate`, each running its own class loaded from the same

@@ -12,9 +12,13 @@ from dflashkit.errors import DFlashError
 
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 ARCH_CLASS = {v: k for k, v in ARCHITECTURES.items()}
-# dflash_config keys the reference reads (any may also sit at the top level), plus speculators' non-causal flag.
+# dflash_config keys the reference reads (any may also sit at the top level)
 DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "output_multiplier",
-               "final_logit_softcapping", "sliding_window_non_causal"}
+               "final_logit_softcapping"}
+# speculators' flag for bidirectional sliding layers: dflash 0.1.0 never reads it and runs them causal
+NON_CAUSAL_KEY = "sliding_window_non_causal"
+# what transformers' Qwen3Config (hence the reference) takes when a file has neither rope_theta nor rope_parameters
+DEFAULT_ROPE_THETA = 10000.0
 DFLASH2_KEYS = {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
@@ -43,7 +47,8 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     # causality: the reference makes sliding layers causal and full ones not, unless is_causal (all layers)
-    # says otherwise; speculators' sliding_window_non_causal decides it for the sliding layers alone
+    # says otherwise; sliding_window_non_causal (bidirectional sliding layers) exists in memory only: no z-lab
+    # file can carry it, since the reference ignores it (refused on load and on export)
     is_causal: bool | None = None
     sliding_window_non_causal: bool | None = None
     arch: str = "dflash"  # "dflash" | "dflash2" (grouped dynamic convolutions + candidate selector)
@@ -69,7 +74,7 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
     def attention_kind(self, layer: int) -> tuple[bool, int | None]:
-        """(causal, window) of a layer, as dflash 0.1.0 computes it (speculators' flag where the file has it)."""
+        """(causal, window) of a layer, as dflash 0.1.0 computes it (plus the in-memory non-causal flag)."""
         sliding = self.layer_types[layer] == "sliding_attention"
         if self.is_causal is not None:
             causal = bool(self.is_causal)
@@ -86,9 +91,12 @@ class DrafterConfig:
         for key in ("input_embedding_scale", "output_multiplier"):
             if getattr(self, key) != 1.0:
                 dflash[key] = getattr(self, key)
-        for key in ("final_logit_softcapping", "sliding_window_non_causal"):
-            if getattr(self, key) is not None:
-                dflash[key] = getattr(self, key)
+        if self.final_logit_softcapping is not None:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.sliding_window_non_causal and self.is_causal is None and "sliding_attention" in self.layer_types:
+            raise DFlashError(f"{NON_CAUSAL_KEY} is true: this drafter's sliding layers are bidirectional, but z-lab's "
+                              "dflash 0.1.0 (and the engines that read its config.json) never read the field and run "
+                              "them causal, so no drafter folder can carry it; train and save with it unset")
         if self.arch == "dflash2":
             dflash.update({key: getattr(self, key) for key in sorted(DFLASH2_KEYS)})
         out = {
@@ -142,7 +150,7 @@ class DrafterConfig:
             raise DFlashError(f"{source}: dflash_config.mask_token_id is missing; add the mask id the drafter was trained with")
         layer_types, window = _layer_types(cfg, notes)
         heads = cfg["num_attention_heads"]
-        theta, scaling = _rope(cfg)
+        theta, scaling = _rope(cfg, notes)
         conf = cls(
             hidden_size=cfg["hidden_size"], num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
@@ -223,11 +231,12 @@ def _architecture(cfg: dict, source: str, notes: list[str]) -> str:
 def _dflash_fields(cfg: dict, arch: str, source: str) -> dict:
     """dflash_config merged over the top level (the reference reads dflash_config first); unknown keys refused."""
     dfc = cfg.get("dflash_config") or {}
+    _refuse_non_causal(cfg, dfc, source)
     if "is_causal" in dfc:
         raise DFlashError(f"{source}: dflash_config.is_causal is not read by z-lab's dflash 0.1.0 (it reads the "
                           "top-level is_causal, for every layer); move it to the top level or remove it")
     known = DFLASH_KEYS | (DFLASH2_KEYS if arch == "dflash2" else set())
-    unknown = sorted(set(dfc) - known)
+    unknown = sorted(set(dfc) - known - {NON_CAUSAL_KEY})  # false (or moot): accepted, nothing to honour
     if unknown:
         hint = (" (DFlash2 fields: set architectures to DFlash2DraftModel)" if set(unknown) & DFLASH2_KEYS else "")
         raise DFlashError(f"{source}: dflash_config has unknown key(s) {unknown}{hint}; dflashkit knows "
@@ -241,11 +250,6 @@ def _dflash_fields(cfg: dict, arch: str, source: str) -> dict:
         out["final_logit_softcapping"] = None  # the reference applies it only when > 0
     if cfg.get("is_causal") is not None:
         out["is_causal"] = bool(cfg["is_causal"])
-    if "sliding_window_non_causal" in out:
-        out["sliding_window_non_causal"] = bool(out["sliding_window_non_causal"])
-        if "is_causal" in out and out["is_causal"] == out["sliding_window_non_causal"]:
-            raise DFlashError(f"{source}: is_causal {out['is_causal']} and sliding_window_non_causal "
-                              f"{out['sliding_window_non_causal']} contradict each other for sliding layers; keep one")
     if arch == "dflash2":
         absent = sorted(DFLASH2_KEYS - set(out))
         if absent:
@@ -254,6 +258,19 @@ def _dflash_fields(cfg: dict, arch: str, source: str) -> dict:
         out.update({k: int(out[k]) for k in DFLASH2_KEYS})
     _check_aux_layers(cfg, out, source)
     return out
+
+
+def _refuse_non_causal(cfg: dict, dfc: dict, source: str) -> None:
+    """speculators' bidirectional sliding layers: the reference runs them causal, so honouring it runs another model
+    (moot under a top-level is_causal, which decides every layer in both)."""
+    if cfg.get("is_causal") is not None:
+        return
+    for where, fields in (("dflash_config.", dfc), ("", cfg)):
+        if fields.get(NON_CAUSAL_KEY):
+            raise DFlashError(f"{source}: {where}{NON_CAUSAL_KEY} is true, but z-lab's dflash 0.1.0 never reads it and "
+                              "runs sliding_attention layers causal; dflashkit refuses rather than run a model the "
+                              f"reference does not. Remove {NON_CAUSAL_KEY} (or set it false) if the drafter was trained "
+                              "with causal sliding layers; otherwise the folder is not a z-lab DFlash drafter")
 
 
 def _check_aux_layers(cfg: dict, dfc: dict, source: str) -> None:
@@ -294,9 +311,13 @@ def _layer_types(cfg: dict, notes: list[str]) -> tuple[list[str], int | None]:
     return layer_types, window
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
+def _rope(cfg: dict, notes: list[str]) -> tuple[float, dict | None]:
     rope = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+    theta = cfg.get("rope_theta", rope.get("rope_theta"))
+    if theta is None:
+        theta = DEFAULT_ROPE_THETA
+        notes.append(f"rope_theta missing (top level and rope_parameters): assuming {DEFAULT_ROPE_THETA:g}, "
+                     "transformers' Qwen3Config default, which the reference runs")
     scaling = cfg.get("rope_scaling")
     if scaling is None and rope.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
