@@ -19,6 +19,7 @@ STAGES = [
     "dflashkit.cache.cli",
     "dflashkit.evaluate.cli",
     "dflashkit.decode.cli",
+    "dflashkit.engines.cli",
     "dflashkit.train.cli",
     "dflashkit.demo",
 ]

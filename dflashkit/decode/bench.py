@@ -20,6 +20,8 @@ from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
 from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
+from dflashkit.decode.peers import (TAU_TOLERANCE, check_engines, check_tau, engine_tau, is_engine, plain_of,
+                                   run_engine)
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
@@ -32,6 +34,7 @@ from dflashkit.tree import common_prefix
 
 PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split
 STOCK_AR = "ar-stock"  # plain decoding on the model's own kernels: the speed baseline where `ar` runs invariant ones
+PLAIN = ("ar", STOCK_AR, "hf-generate", "llama.cpp", "vllm")  # no drafter: what the speedups are stated against
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -44,6 +47,9 @@ def parse_methods(spec: str) -> list[str]:
             raise DFlashError(f"--methods: {e}") from None
     if len(set(names)) != len(names):
         raise DFlashError(f"--methods {spec!r} names a method twice; list each once")
+    for m in [m for m in names if is_engine(m) and m.endswith("-dflash")]:
+        # lossless is checked against the engine's own plain decoding, tau against our chain on the same drafter
+        names += [x for x in (plain_of(m), "chain") if x not in names]
     return ["ar"] + [m for m in names if m != "ar"]
 
 
@@ -88,15 +94,29 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     with row_invariant(target.model):  # the cost curve times the kernels the speculative methods run
         curve = cost or measure_cost_curve(target, extra=(9,))
         costs = cost_report(target, curve)
-    runs, turns = _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve)
+    ours = [m for m in methods if not is_engine(m)]
+    engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
+    if engines and sampling.temperature != 0:
+        raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
+    runs, turns = _timed_runs(target, proposer, prompts, ours, max_new_tokens, sampling, warmup, progress, curve)
+    started = {}
+    for m in engines:  # after ours, one engine at a time: never two processes computing at once
+        engine_runs, started[m] = run_engine(m, target, drafter, prompts, max_new_tokens,
+                                             proposer.block_size if proposer else 0, progress)
+        runs += engine_runs
     stock = (STOCK_AR,) + PEERS if switched else ()  # on other kernels: their tokens may part in low precision
-    mismatches = check_lossless([r for r in runs if r["method"] not in stock]) if sampling.temperature == 0 else []
+    mismatches = (check_lossless([r for r in runs if r["method"] not in stock and not is_engine(r["method"])])
+                  if sampling.temperature == 0 else [])
+    engine_mismatches, parting = check_engines(runs)
     divergences = []
     if mismatches and not exact_kernels(target):  # CUDA low precision: a rounding-sized near-tie is not a bug
         mismatches, divergences = explain_by_rounding(target, turns, runs, mismatches)
     B = proposer.block_size if proposer else None
     categories = {pid: getattr(item, "category", None) for pid, item in prompts}
     summary = summarize_methods(runs, methods, B)
+    for m, info in started.items():
+        summary[m].update(engine=info, ar_parting=parting.get(m))
+    tau_checks = check_tau(summary)
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
     return {
@@ -109,8 +129,9 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         "cost": costs,
         "methods": summary,
         "categories": by_category,
-        "mismatches": mismatches,
+        "mismatches": mismatches + engine_mismatches,
         "divergences": divergences,
+        "tau_checks": tau_checks,
         "runs": runs,
     }
 
@@ -199,8 +220,12 @@ def check_lossless(runs: list[dict]) -> list[dict]:
 def summarize_methods(runs: list[dict], methods: list[str], block_size: int | None) -> dict:
     """{method: summary with its ratios}, over the given runs."""
     out = {m: summarize([r for r in runs if r["method"] == m],
-                        None if m in ("ar", STOCK_AR) or parse_method(m)[0] in PEERS else (block_size or 1))
+                        None if m in ("ar", STOCK_AR) or parse_method(m)[0] in PEERS or is_engine(m)
+                        else (block_size or 1))
            for m in methods}
+    for m in methods:
+        if is_engine(m):  # counted by the engine itself, not per round by us
+            out[m]["tau"] = engine_tau([r for r in runs if r["method"] == m]) if m.endswith("-dflash") else None
     add_ratios(out)
     return out
 
@@ -236,11 +261,14 @@ def add_ratios(summary: dict) -> None:
     pl = next((s for m, s in summary.items() if m.startswith("prompt-lookup")), None)
     hf = summary.get("hf-generate")
     t_ar = ar["ms_per_round"]["total"] if ar["ms_per_round"] else None
+    fastest = max(((m, s["tokens_per_s"] or 0.0) for m, s in summary.items() if m in PLAIN), key=lambda x: x[1])
     for m, s in summary.items():
+        s["fastest_plain"] = fastest[0]
         tps = s["tokens_per_s"]
         s["speedup_vs_ar"] = tps / ar["tokens_per_s"] if tps and ar["tokens_per_s"] else None
         s["speedup_vs_hf_generate"] = tps / hf["tokens_per_s"] if tps and hf and hf["tokens_per_s"] else None
         s["speedup_vs_prompt_lookup"] = tps / pl["tokens_per_s"] if tps and pl and pl["tokens_per_s"] else None
+        s["speedup_vs_fastest_plain"] = tps / fastest[1] if tps and fastest[1] else None
         s["decode_speedup_vs_ar"] = (s["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
                                      if s["decode_tokens_per_s"] and ar["decode_tokens_per_s"] else None)
         s["ceiling"] = None
@@ -256,15 +284,18 @@ def bench_markdown(result: dict) -> str:
              f"{c.get('sampling') or 'temperature ' + str(c['temperature'])}, seed {c.get('seed')}, "
              f"block size {c['block_size']}; methods run in rotated order per prompt after a warm-up.", ""]
     lines += cost_markdown(result.get("cost"))
-    headers = ["method", "tau", "tokens/s", "speedup vs ar", "vs hf-generate", "vs prompt-lookup", "decode speedup",
-               "ceiling", "ms/round draft", "verify", "other", "overhead"]
+    fastest = next(iter(result["methods"].values())).get("fastest_plain", "ar")
+    headers = ["method", "tau", "tokens/s", "speedup vs ar", f"vs fastest plain ({fastest})", "vs hf-generate",
+               "vs prompt-lookup", "decode speedup", "ceiling", "ms/round draft", "verify", "other", "overhead"]
     rows = []
     for m, s in result["methods"].items():
         r = s["ms_per_round"] or {}
-        rows.append([m, s["tau"], s["tokens_per_s"], s["speedup_vs_ar"], s.get("speedup_vs_hf_generate"),
-                     s["speedup_vs_prompt_lookup"], s["decode_speedup_vs_ar"], s["ceiling"], r.get("draft"),
-                     r.get("verify"), r.get("other"), None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"])
+        rows.append([m, s["tau"], s["tokens_per_s"], s["speedup_vs_ar"], s.get("speedup_vs_fastest_plain"),
+                     s.get("speedup_vs_hf_generate"), s["speedup_vs_prompt_lookup"], s["decode_speedup_vs_ar"],
+                     s["ceiling"], r.get("draft"), r.get("verify"), r.get("other"),
+                     None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"])
     lines += ["## Methods", "", markdown_table(headers, rows, digits=2)]
+    lines += engines_markdown(result)
     lines += ["tau: mean tokens committed per round (accepted drafts + the bonus). ar is plain decoding in our engine "
               "(same dtype and kernels as every method); hf-generate is transformers' greedy `generate` and "
               "prompt-lookup its `generate(prompt_lookup_num_tokens=...)`, both timed end to end. ngram: continuation "
@@ -278,6 +309,7 @@ def bench_markdown(result: dict) -> str:
         if result["mismatches"]:
             lines.append(f"**LOSSLESS CHECK FAILED**: {len(result['mismatches'])} outputs differ from plain decoding:")
             lines += [f"- {x['method']} on {x['prompt']}: first difference at token {x['first_difference']}"
+                      + (f" (against the engine's own {x['against']})" if "against" in x else "")
                       + (f" (logit gap {x['gap']:.4f}, beyond the dtype's rounding {x['tolerance']:.4f})"
                          if "gap" in x else "") for x in result["mismatches"]]
         elif not divergences:
@@ -291,6 +323,34 @@ def bench_markdown(result: dict) -> str:
     else:
         lines.append("Temperature > 0: outputs are samples; the token-for-token check applies at temperature 0 only.")
     return "\n".join(lines) + "\n"
+
+
+def engines_markdown(result: dict) -> list[str]:
+    """The engine peers: how they started, how their outputs compare with ours, their tau against our chain's."""
+    engines = {m: s for m, s in result["methods"].items() if is_engine(m)}
+    if not engines:
+        return []
+    rows = []
+    for m, s in engines.items():
+        p = s.get("ar_parting") or {}
+        parts = p.get("parts_at") or {}
+        rows.append([m, s["tokens_per_s"], s["tau"], f"{(s.get('engine') or {}).get('start_s', 0):.0f} s",
+                     f"{p.get('equal', 0)}/{p.get('prompts', 0)}",
+                     min(parts.values()) if parts else "-"])
+    lines = ["## Engine peers", "",
+             "Each engine decodes the same conversations after ours, one engine at a time, greedy, in the bench's dtype "
+             "and thread count (llama.cpp: the target converted to GGUF by its own converter; vLLM: the same "
+             "safetensors). -dflash runs our drafter exported as the engine reads it (GGUF with the draft vocabulary's "
+             "d2t map; z-lab folder with draft_vocab_size + d2t for vLLM). tau is the engine's own mean acceptance "
+             "length. Kernels differ across engines, so an engine's plain output may part from our ar: reported "
+             "here, not failed; its speculative output must equal its own plain output.", "",
+             markdown_table(["engine", "tokens/s", "tau (engine)", "start", "outputs equal to our ar",
+                             "earliest parting token"], rows, digits=2)]
+    for t in result.get("tau_checks") or []:
+        verdict = "within" if t["ok"] else "**BEYOND**"
+        lines.append(f"- {t['method']}: engine tau {t['engine_tau']:.3f} vs our chain {t['chain_tau']:.3f} on the same "
+                     f"drafter ({100 * t['gap']:+.1f}%, {verdict} the {100 * TAU_TOLERANCE:.0f}% tolerance)")
+    return lines + [""]
 
 
 def category_markdown(result: dict, image: str = "categories.png") -> list[str]:

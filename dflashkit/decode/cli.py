@@ -178,4 +178,10 @@ def cmd_bench(args) -> int:
         print(f"error: {len(result['mismatches'])} speculative outputs differ from plain decoding at temperature 0 "
               f"(see {paths[1]}); the lossless check failed", file=sys.stderr)
         return 1
+    off = [t for t in result.get("tau_checks") or [] if not t["ok"]]
+    if off:  # the engine and our loop accept differently on the same drafter: one of them computes something else
+        print("error: " + "; ".join(f"{t['method']} mean acceptance length {t['engine_tau']:.3f} vs our chain's "
+                                    f"{t['chain_tau']:.3f} ({100 * t['gap']:+.1f}%, beyond 5%)" for t in off),
+              file=sys.stderr)
+        return 1
     return 0

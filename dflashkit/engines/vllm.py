@@ -1,0 +1,91 @@
+"""vLLM as a peer: `vllm_worker.py` run by the engine's own Python, one `LLM` per process (plain or DFlash).
+
+The worker reads prompt token ids and answers token ids with vLLM's own speculative counters, so its mean
+acceptance length is vLLM's (1 + accepted / drafts) and its tokens compare with ours token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from dflashkit.engines.install import Vllm, require
+from dflashkit.engines.llamacpp import EngineAnswer
+from dflashkit.errors import DFlashError
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+REPLY = "@@dflashkit "
+
+
+class VllmWorker:
+    """One vLLM engine for the `with` block: `drafter` (a z-lab folder) makes it speculative with B-1 drafts."""
+
+    def __init__(self, model: Path, dtype: str, threads: int, max_model_len: int, drafter: Path | None = None,
+                 num_speculative_tokens: int = 0, engine: Vllm | None = None, start_timeout: float = 900):
+        self.engine = engine or require("vllm")
+        self.cfg = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len,
+                    "speculative": None if drafter is None else
+                    {"method": "dflash", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}}
+        self.threads, self.start_timeout = threads, start_timeout
+        self.proc, self.lines = None, deque(maxlen=40)
+
+    def __enter__(self) -> "VllmWorker":
+        fd, self.cfg_file = tempfile.mkstemp(suffix=".json", prefix="dflashkit-vllm-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.cfg, f)
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
+               "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "PYTHONPATH": ""}
+        self.proc = subprocess.Popen([str(self.engine.python), str(WORKER), self.cfg_file], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+        self.replies: deque = deque()
+        self.arrived = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._reply(self.start_timeout, "starting")
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                with self.arrived:
+                    self.replies.append(json.loads(line[len(REPLY):]))
+                    self.arrived.notify()
+            else:
+                self.lines.append(line.rstrip())
+        with self.arrived:
+            self.arrived.notify()
+
+    def _reply(self, timeout: float, doing: str) -> dict:
+        deadline = time.monotonic() + timeout
+        with self.arrived:
+            while not self.replies:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    code = self.proc.poll()
+                    self.__exit__()
+                    raise DFlashError(f"vLLM {'exited with ' + str(code) if code is not None else 'timed out'} while "
+                                      f"{doing} ({json.dumps(self.cfg)}); its last output:\n" + "\n".join(self.lines))
+                self.arrived.wait(1.0)
+            return self.replies.popleft()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        Path(self.cfg_file).unlink(missing_ok=True)
+
+    def complete(self, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> EngineAnswer:
+        self.proc.stdin.write(json.dumps({"ids": ids, "max_tokens": max_new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        r = self._reply(3600, "answering")
+        # vLLM's prompt time is not reported apart; its answers count from the request, like ours from the prompt
+        return EngineAnswer(r["tokens"], r["seconds"], 0.0, r["drafts"] * int(
+            (self.cfg["speculative"] or {}).get("num_speculative_tokens", 0)), r["accepted"], r["drafts"])

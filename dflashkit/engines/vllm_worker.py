@@ -1,0 +1,47 @@
+"""Run by vLLM's own Python (its venv), never imported by dflashkit: one `LLM`, answers over stdin/stdout.
+
+argv[1]: a JSON file {"model", "dtype", "max_model_len", "speculative": null or vLLM's speculative_config}.
+stdin: one JSON line per request {"ids": [...], "max_tokens": N}; stdout: one line per answer, prefixed
+REPLY (vLLM logs to the same streams), {"tokens", "seconds", "drafts", "accepted"} from vLLM's own counters.
+"""
+
+import json
+import sys
+import time
+
+REPLY = "@@dflashkit "
+
+
+def counters(llm) -> dict:
+    out = {"drafts": 0, "accepted": 0}
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            out["drafts"] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] += int(m.value)
+    return out
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = json.load(open(sys.argv[1]))
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], seed=0,
+              speculative_config=cfg.get("speculative"), disable_log_stats=False)
+    print(REPLY + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], detokenize=False)
+        before = counters(llm)
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=req["ids"])], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - t0
+        after = counters(llm)
+        print(REPLY + json.dumps({"tokens": list(out.outputs[0].token_ids), "seconds": seconds,
+                                  "drafts": after["drafts"] - before["drafts"],
+                                  "accepted": after["accepted"] - before["accepted"]}), flush=True)
+
+
+if __name__ == "__main__":  # vLLM starts worker processes that re-import the main module
+    main()
