@@ -163,6 +163,18 @@ def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int
     return out
 
 
+def _exported_streaks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int, out: list[dict]) -> None:
+    """Each block's greedy streak with `head` over the full vocabulary: the drafter as an export without a token
+    map runs it (engines then draft over every token). Added to the records as streak_as_exported."""
+    labels = _labels(tokens, anchors, B)
+    per_chunk = max(1, LOGIT_ELEMENTS // (head.size * (B - 1)))
+    for s in range(0, len(anchors), per_chunk):
+        hits = (head.logits(hidden[s : s + per_chunk]).argmax(-1) == labels[s : s + per_chunk]).int()
+        streaks = hits.cumprod(-1).sum(-1).tolist()  # a -100 label (past the end) never matches
+        for i, n in enumerate(streaks):
+            out[s + i]["streak_as_exported"] = int(n)
+
+
 def _check_sequence(drafter, tokens, features, prompt_len: int) -> None:
     cfg = drafter.config
     if tokens.dim() != 1:
@@ -181,13 +193,15 @@ def _check_sequence(drafter, tokens, features, prompt_len: int) -> None:
 
 @torch.no_grad()
 def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, features: torch.Tensor, prompt_len: int,
-                      anchors: str = "stride", trees=DEFAULT_TREES, max_blocks: int | None = None) -> list[dict]:
+                      anchors: str = "stride", trees=DEFAULT_TREES, max_blocks: int | None = None,
+                      full_head=None) -> list[dict]:
     """Score the blocks of one sequence.
 
     tokens [T] prompt + completion ids; features [T, K*H] target features of every position, in the drafter's
     layer order; head: a DraftHead (drafter logits, optional draft vocabulary); embed_tokens: the target's.
     Returns one record per block, in anchor order: anchor, n_labels, streak, matches (per position 0/1),
-    trees / expected (per requested tree), curve / curve_expected (per CURVE_BUDGETS budget).
+    trees / expected (per requested tree), curve / curve_expected (per CURVE_BUDGETS budget). full_head (stride
+    only): a full-vocabulary DraftHead whose greedy streak is recorded too (streak_as_exported).
     """
     check_mode(anchors, max_blocks)
     trees = parse_trees(trees)
@@ -207,7 +221,10 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
             block_embeds = block_embeddings(embed, tokens, a, B, cfg.mask_token_id, p.dtype)
             anchor_t = torch.tensor(a, device=p.device)[None]
             h = drafter.forward_blocks(feats[None, : a[-1]], block_embeds[None], anchor_t)  # context < last anchor suffices
-            out += _score_blocks(head, h[0].view(len(a), B, -1)[:, 1:], tokens, a, B, trees, selector)
+            recs = _score_blocks(head, h[0].view(len(a), B, -1)[:, 1:], tokens, a, B, trees, selector)
+            if full_head is not None and selector is None:
+                _exported_streaks(full_head, h[0].view(len(a), B, -1)[:, 1:], tokens, a, B, recs)
+            out += recs
         return out
     # walk: each anchor follows from the previous streak; the context KV takes only the new positions
     context_kv = drafter.new_context_kv()
@@ -278,13 +295,15 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     cfg = drafter.config
     check_inputs(drafter, target, cache)
     head = DraftHead.for_drafter(target, drafter)
+    full = (DraftHead(target.lm_head.weight, None, head.scaling)
+            if head.vocab_ids is not None and anchors == "stride" and cfg.arch == "dflash" else None)
     B = cfg.block_size
     per_prompt, blocks = [], []
     for rec in tqdm(cache, total=len(cache), desc="eval", unit="prompt", disable=not progress, leave=False):
         t0 = time.perf_counter()
         tokens = rec.tokens
         recs = evaluate_sequence(drafter, head, target.embed_tokens, tokens, rec.features(cfg.target_layer_ids),
-                                 rec.prompt_len, anchors=anchors, trees=trees, max_blocks=max_blocks)
+                                 rec.prompt_len, anchors=anchors, trees=trees, max_blocks=max_blocks, full_head=full)
         for i, r in enumerate(recs):
             r["prompt"], r["block"] = rec.id, i
         summary = {"id": rec.id, "category": rec.category, "prompt_len": rec.prompt_len, "tokens": int(tokens.shape[0]),
@@ -298,6 +317,9 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     if not blocks:
         raise DFlashError(f"cache {cache.path}: no block to score: every selected completion has fewer than 2 tokens")
     overall = {**aggregate(blocks, B, trees), "prompts": len(per_prompt)}
+    if full is not None:  # what an engine reading an export without the token map would accept
+        streak = _mean(b["streak_as_exported"] for b in blocks)
+        overall["as_exported"] = {"vocabulary": full.size, "streak": streak, "tau": streak + 1}
     category = {p["id"]: p["category"] for p in per_prompt}
     per_category = {c: {**aggregate([b for b in blocks if category[b["prompt"]] == c], B, trees),
                         "prompts": sum(v == c for v in category.values())}

@@ -64,6 +64,10 @@ def overall_lines(result: dict) -> list[str]:
         exp = o["expected"].get(t)
         parts.append(f"{tree_label(t)}={_f(o[t])}" + (f" (expected {_f(exp)})" if exp is not None else ""))
     lines = [f"overall: {o['prompts']} prompts, {o['blocks']} blocks ({s['anchors']} anchors) | " + " ".join(parts)]
+    if o.get("as_exported"):
+        x = o["as_exported"]
+        lines.append(f"as exported without the token map (full {x['vocabulary']}-token vocabulary): tau={_f(x['tau'])} "
+                     f"vs {_f(o['tau'])} as trained over {s['draft_vocab']} tokens (`drafter export` keeps the map)")
     lines.append("per-position acc (cumulative P(streak>=k)): " + " ".join(_f(v) for v in o["acc_cumulative"]))
     lines.append("per-position acc (conditional P(k | k-1)):  " + " ".join(_f(v) for v in o["acc_conditional"]))
     lines.append("streak histogram: " + " ".join(f"{k}:{v:.0%}" for k, v in enumerate(o["histogram"]) if v))
@@ -88,6 +92,11 @@ def summary_markdown(result: dict, header: list[str], plots: bool = True) -> str
         md += ["## Per category", "", markdown_table(["category", "prompts"] + heads[1:], rows),
                "![tau per category](categories.png)" if plots else "", ""]
     md.append("Means are over blocks. streak = leading draft tokens equal to the target's (bonus excluded; tau = streak + 1).")
+    if o.get("as_exported"):
+        x = o["as_exported"]
+        md.append(f"As trained over the {s['draft_vocab']}-token draft vocabulary: tau {_f(o['tau'])}; as exported without "
+                  f"the token map (engines drafting over the full {x['vocabulary']} tokens): tau {_f(x['tau'])}. "
+                  "`dflashkit drafter export` keeps the map (vLLM and llama.cpp read it).")
     md.append(f"Trees: {tree_note(trees)}.")
     exp = [f"{tree_label(t)} {_f(o['expected'][t])}" for t in trees if t in o["expected"]]
     if exp:
