@@ -55,7 +55,7 @@ def _start(method: str, target, drafter, block_size: int, ctx: int, workdir: Pat
         draft = drafter_gguf(engine, drafter, target, dtype, workdir / "drafter.gguf") if speculative else None
         return LlamaServer(model, threads, ctx, draft, block_size - 1, log=workdir / f"{method}.log", engine=engine)
     from dflashkit.engines.install import require
-    from dflashkit.engines.vllm import VllmWorker
+    from dflashkit.engines.vllm_client import VllmWorker
 
     engine = require("vllm")
     folder = None

@@ -23,6 +23,7 @@ def counters(llm) -> dict:
 
 
 def main() -> None:
+    sys.path = [p for p in sys.path if p != __file__.rsplit("/", 1)[0]]  # this folder's modules are not vLLM's
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
