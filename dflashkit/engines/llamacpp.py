@@ -144,9 +144,10 @@ class LlamaServer:
                             accepted, steps, {"stop_type": res.get("stop_type")})
 
 
-def drafter_gguf(engine: LlamaCpp, drafter, target, dtype: str, out: Path) -> Path:
+def drafter_gguf(engine: LlamaCpp, drafter, target, dtype: str, out: Path, token_map: bool = True) -> Path:
     """A DFlash/DFlash2 drafter as llama.cpp runs it: z-lab folder -> llama.cpp's converter (with the target's
-    tokenizer) -> plus the draft vocabulary's token map where the drafter was trained over one."""
+    tokenizer) -> plus the draft vocabulary's token map where the drafter was trained over one (unless not
+    `token_map`)."""
     import tempfile
 
     import torch
@@ -154,7 +155,7 @@ def drafter_gguf(engine: LlamaCpp, drafter, target, dtype: str, out: Path) -> Pa
     from dflashkit.drafter.checkpoint import save_drafter
     from dflashkit.drafter.gguf import add_token_map
 
-    vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab")
+    vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab") if token_map else None
     wdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     with tempfile.TemporaryDirectory(prefix="dflashkit-gguf-") as tmp:
         folder = save_drafter(drafter, Path(tmp) / "zlab", format="zlab", dtype=wdtype)  # no map: the converter

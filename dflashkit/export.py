@@ -1,0 +1,139 @@
+"""`dflashkit drafter export`: a trained drafter in the format an engine serves, and what that engine will accept.
+
+A drafter trained over a draft vocabulary is exported with its token map (`d2t`): vLLM reads it from the z-lab
+folder, llama.cpp from the GGUF. `--full-vocab` drops it; engines then draft over every target token, which the
+drafter never trained on, so the export states its tau as trained and as exported (measured on a cache when one
+is given). The GGUF comes from llama.cpp's own converter, so its tensor layout is llama.cpp's by construction.
+It sits above the stages because it uses three of them: drafter (the folder), engines (the GGUF), evaluate (tau).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflashkit.errors import DFlashError
+
+DTYPES = ("bfloat16", "float32")
+
+
+def register(sub) -> None:
+    """Adds `export` to `dflashkit drafter` (drafter/cli.py keeps its subcommands on the parser)."""
+    e = sub.choices["drafter"].subcommands.add_parser(
+        "export", help="write a trained drafter as engines serve it: z-lab folder (vLLM, SGLang) or GGUF (llama.cpp)")
+    e.add_argument("--drafter", required=True, help="a drafter folder, a checkpoint, or a training run folder (its latest)")
+    e.add_argument("--out", required=True, help="output folder (zlab) or .gguf file (gguf)")
+    e.add_argument("--format", choices=["zlab", "gguf"], default="zlab",
+                   help="zlab: config.json + model.safetensors (vLLM, SGLang); gguf: llama.cpp's DFlash layout, "
+                        "through its own converter (needs `dflashkit engines install llama.cpp`)")
+    e.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (hub drafters: bfloat16)")
+    e.add_argument("--target", help="the target (registry name or folder; default: the one the drafter was trained "
+                                    "for). Its head gives the token map's rows and, for gguf, its tokenizer")
+    e.add_argument("--full-vocab", action="store_true",
+                   help="leave out the draft vocabulary's token map: engines draft over every target token")
+    e.add_argument("--cache", help="a feature cache (`dflashkit extract`) to measure tau as trained and as exported on")
+    e.add_argument("--num-prompts", type=int, default=None, help="score only the cache's first N prompts")
+    e.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    res = export_drafter(args.drafter, args.out, args.format, dtype=args.dtype, target_ref=args.target,
+                         full_vocab=args.full_vocab, cache=args.cache, num_prompts=args.num_prompts)
+    for line in res["lines"]:
+        print(line)
+    return 0
+
+
+def _target_ref(drafter, given: str | None, src: Path) -> str:
+    if given:
+        return given
+    tgt = (drafter.contract or {}).get("target") or {}
+    for ref in (tgt.get("path"), tgt.get("name")):
+        if ref and (ref != tgt.get("path") or Path(ref).exists()):
+            return ref
+    raise DFlashError(f"{src}: records no target (a z-lab folder); pass --target NAME_OR_FOLDER")
+
+
+def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_ref: str | None = None,
+                   full_vocab: bool = False, cache: str | None = None, num_prompts: int | None = None) -> dict:
+    """Write the export and return {"path", "format", "vocabulary", "tau": {"as_trained", "as_exported"}, "lines"};
+    taus are None without a cache. The written token map is read back and checked against the drafter's."""
+    import torch
+
+    from dflashkit.drafter.checkpoint import load_drafter, run_latest, save_drafter
+    from dflashkit.target.model import load_target
+
+    if fmt not in ("zlab", "gguf"):
+        raise DFlashError(f"--format {fmt!r}: use zlab or gguf")
+    if dtype not in DTYPES:
+        raise DFlashError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    src = run_latest(src) or Path(src)
+    out = Path(out)
+    if fmt == "gguf" and out.suffix != ".gguf":
+        raise DFlashError(f"--out {out}: a GGUF export is one file; name it *.gguf")
+    drafter = load_drafter(src)
+    vocab = (drafter.contract or {}).get("draft_vocab")
+    keep_map = bool(vocab) and not full_vocab
+    target = load_target(_target_ref(drafter, target_ref, src), device="cpu") if (fmt == "gguf" or keep_map or cache) else None
+    if target is not None:
+        from dflashkit.drafter.checkpoint import check_against_target
+
+        check_against_target(drafter.config, target, str(src))
+    if fmt == "zlab":
+        lm_head = target.lm_head.weight if keep_map else None
+        save_drafter(drafter, out, format="zlab", dtype=getattr(torch, dtype), lm_head=lm_head)
+        written = load_drafter(out).contract
+        written = (written or {}).get("draft_vocab")
+    else:
+        from dflashkit.drafter.gguf import read_token_map
+        from dflashkit.engines.install import require
+        from dflashkit.engines.llamacpp import drafter_gguf
+
+        drafter_gguf(require("llama.cpp"), drafter, target, dtype, out, token_map=keep_map)
+        written = read_token_map(out)
+    if written != (vocab if keep_map else None):
+        raise DFlashError(f"{out}: the written token map ({len(written or [])} ids) is not the drafter's "
+                          f"({len(vocab or []) if keep_map else 0}); the export is wrong, please report it")
+    full = target.lm_head.weight.shape[0] if target is not None else drafter.config.vocab_size
+    res = {"path": str(out), "format": fmt, "dtype": dtype, "source": str(src),
+           "vocabulary": {"as_trained": len(vocab) if vocab else full, "as_exported": len(vocab) if keep_map else full},
+           "tau": {"as_trained": None, "as_exported": None}}
+    if cache:
+        res["tau"] = _offline_tau(drafter, target, cache, num_prompts, exported_full=bool(vocab) and not keep_map)
+    res["lines"] = _lines(res, bool(vocab), keep_map, cache)
+    return res
+
+
+def _offline_tau(drafter, target, cache_path: str, num_prompts: int | None, exported_full: bool) -> dict:
+    from dflashkit.cache import open_cache
+    from dflashkit.cache.store import check_target
+    from dflashkit.evaluate.offline import evaluate
+
+    cache = open_cache(cache_path, num_prompts=num_prompts, layer_ids=drafter.config.target_layer_ids)
+    check_target(cache.path, cache.manifest, target.identity())
+    o = evaluate(drafter, target, cache, trees=(), progress=True)["overall"]
+    as_exported = o["as_exported"]["tau"] if exported_full and "as_exported" in o else o["tau"]
+    if exported_full and "as_exported" not in o:
+        raise DFlashError(f"{drafter.config.arch}: tau over the full vocabulary is measured for DFlash drafters "
+                          "only; export with the token map (leave out --full-vocab)")
+    return {"as_trained": o["tau"], "as_exported": as_exported, "prompts": o["prompts"], "cache": str(cache.path)}
+
+
+def _lines(res: dict, has_vocab: bool, keep_map: bool, cache: str | None) -> list[str]:
+    v, t = res["vocabulary"], res["tau"]
+    lines = [f"{res['path']}: {res['format']} ({res['dtype']}) from {res['source']}"]
+    if not has_vocab:
+        lines.append(f"vocabulary: the full {v['as_trained']} tokens, as trained")
+    elif keep_map:
+        lines.append(f"vocabulary: the {v['as_trained']}-token draft vocabulary, kept as the token map d2t "
+                     f"(engines draft over it as the drafter was trained)")
+    else:
+        lines.append(f"vocabulary: trained over {v['as_trained']} tokens, exported over all {v['as_exported']} "
+                     "(--full-vocab: engines draft over tokens the drafter never trained on)")
+    if t["as_trained"] is not None:
+        lines.append(f"tau (offline, {t['prompts']} prompts of {t['cache']}): as trained {t['as_trained']:.3f}, "
+                     f"as exported {t['as_exported']:.3f}")
+    elif has_vocab and not keep_map:
+        lines.append("tau as exported: not measured; pass --cache CACHE (`dflashkit eval` reports both too)")
+    else:
+        lines.append("tau as exported = tau as trained (same vocabulary); `dflashkit eval` measures it")
+    return lines

@@ -1,0 +1,220 @@
+"""Engine peers in bench. Fast: the bench plumbing with a stand-in engine (our own decoding behind the engine
+interface), the checks on synthetic runs, the install errors. Marked `engines` (`make test-engines`, run where
+`dflashkit engines install` has been): llama.cpp and vLLM themselves, lossless and with the tau our chain predicts."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+import dflashkit.decode.peers as peers
+from dflashkit.decode.bench import PLAIN, bench_markdown, parse_methods, run_bench
+from dflashkit.decode.speculative import DFlashProposer, generate
+from dflashkit.drafter.checkpoint import new_drafter
+from dflashkit.engines.install import find, require
+from dflashkit.engines.llamacpp import EngineAnswer
+from dflashkit.errors import DFlashError
+
+TEXTS = ["def add(a, b):", "Write a haiku about the sea."]
+
+
+def test_dflash_peers_bring_their_plain_engine_and_our_chain():
+    assert parse_methods("llama.cpp-dflash") == ["ar", "llama.cpp-dflash", "llama.cpp", "chain"]
+    assert parse_methods("chain,vllm,vllm-dflash") == ["ar", "chain", "vllm", "vllm-dflash"]
+    with pytest.raises(DFlashError, match="names a method twice"):
+        parse_methods("vllm,vllm")
+
+
+def test_missing_engine_names_its_install_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHKIT_ENGINES", str(tmp_path))
+    assert find("vllm") is None and find("llama.cpp") is None
+    for name in ("vllm", "llama.cpp"):
+        with pytest.raises(DFlashError, match=f"`dflashkit engines install {name}`"):
+            require(name)
+
+
+def runs_of(method, tokens_by_prompt, engine=None):
+    return [{"prompt": p, "method": method, "tokens": t, **({"engine": engine} if engine else {})}
+            for p, t in tokens_by_prompt.items()]
+
+
+def test_check_engines_compares_with_the_engines_own_plain_output_and_reports_parting_from_ours():
+    runs = (runs_of("ar", {"a": [1, 2, 3], "b": [4, 5, 6]}) + runs_of("vllm", {"a": [1, 2, 3], "b": [4, 9, 9]})
+            + runs_of("vllm-dflash", {"a": [1, 2, 3], "b": [4, 9, 8]}))
+    bad, parting = peers.check_engines(runs)
+    assert bad == [{"prompt": "b", "method": "vllm-dflash", "against": "vllm", "first_difference": 2,
+                    "lengths": [3, 3]}]  # lossless is judged against the engine's own plain decoding
+    assert parting["vllm"] == {"equal": 1, "prompts": 2, "parts_at": {"b": 1}}  # reported, not failed
+
+
+def test_engine_tau_and_the_tolerance_against_our_chain():
+    runs = [{"engine": {"accepted": 6, "steps": 4}}, {"engine": {"accepted": 2, "steps": 4}}]
+    assert peers.engine_tau(runs) == pytest.approx(2.0)
+    assert peers.engine_tau([{"engine": {"accepted": 0, "steps": 0}}]) is None
+    checks = peers.check_tau({"chain": {"tau": 2.0}, "vllm-dflash": {"tau": 2.09}, "llama.cpp-dflash": {"tau": 2.11}})
+    assert [(c["method"], c["ok"]) for c in checks] == [("vllm-dflash", True), ("llama.cpp-dflash", False)]
+
+
+class StandIn:
+    """Our own decoding behind the engine interface (complete -> EngineAnswer), counted as engines count:
+    drafted = B-1 per round, accepted = drafts kept, steps = rounds. `off`: the tau it claims is off by that much."""
+
+    def __init__(self, target, proposer, off=0.0, corrupt=False):
+        self.target, self.proposer, self.off, self.corrupt = target, proposer, off, corrupt
+
+    def complete(self, ids, max_new_tokens, stop_ids):
+        g = generate(self.target, ids, "chain" if self.proposer else "ar", self.proposer, max_new_tokens=max_new_tokens)
+        tokens = list(g.tokens)
+        if self.corrupt and self.proposer:
+            tokens[-1] = (tokens[-1] + 1) % self.target.vocab_size
+        acc = sum(a - 1 for a in g.accepted) + round(self.off * len(g.accepted)) if self.proposer else 0
+        return EngineAnswer(tokens, g.times["total"], g.times["prefill"], (self.proposer.block_size - 1) * g.rounds
+                            if self.proposer else 0, acc, g.rounds if self.proposer else 0)
+
+
+def stand_in(monkeypatch, **kw):
+    @contextmanager
+    def start(method, target, drafter, block_size, ctx, workdir):
+        yield StandIn(target, DFlashProposer(target, drafter, block_size) if method.endswith("-dflash") else None, **kw)
+
+    monkeypatch.setattr(peers, "_start", start)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_targets):
+    t = tiny_targets["llama"]
+    torch.manual_seed(0)
+    d = new_drafter(t, num_layers=1, target_layer_ids=[1, 3], block_size=4).eval()
+    return t, d, [(x, t.chat_ids([{"role": "user", "content": x}])) for x in TEXTS]
+
+
+def test_bench_with_engine_peers_states_speedups_against_the_fastest_plain(setup, monkeypatch):
+    t, d, prompts = setup
+    stand_in(monkeypatch)
+    res = run_bench(t, d, prompts, parse_methods("llama.cpp-dflash"), max_new_tokens=10, progress=False, warmup=False)
+    s = res["methods"]
+    assert res["mismatches"] == [] and s["llama.cpp"]["ar_parting"] == {"equal": 2, "prompts": 2, "parts_at": {}}
+    assert s["llama.cpp-dflash"]["tau"] == pytest.approx(s["chain"]["tau"])
+    assert [c["ok"] for c in res["tau_checks"]] == [True]
+    fastest = max((m for m in s if m in PLAIN), key=lambda m: s[m]["tokens_per_s"])
+    for m in s:
+        assert s[m]["speedup_vs_fastest_plain"] == pytest.approx(s[m]["tokens_per_s"] / s[fastest]["tokens_per_s"])
+    md = bench_markdown(res)
+    assert "## Engine peers" in md and f"vs fastest plain ({fastest})" in md and "within the 5% tolerance" in md
+
+
+def test_bench_fails_an_engine_that_is_not_lossless_or_accepts_other_than_predicted(setup, monkeypatch):
+    t, d, prompts = setup
+    stand_in(monkeypatch, off=0.5, corrupt=True)
+    res = run_bench(t, d, prompts, parse_methods("vllm-dflash"), max_new_tokens=10, progress=False, warmup=False)
+    assert [(x["method"], x["against"]) for x in res["mismatches"]] == [("vllm-dflash", "vllm")] * 2
+    assert [c["ok"] for c in res["tau_checks"]] == [False]
+    md = bench_markdown(res)
+    assert "LOSSLESS CHECK FAILED" in md and "**BEYOND**" in md
+
+
+def test_engine_peers_refuse_sampling(setup, monkeypatch):
+    from dflashkit.decode.sampling import Sampling
+
+    t, d, prompts = setup
+    stand_in(monkeypatch)
+    with pytest.raises(DFlashError, match="greedy only"):
+        run_bench(t, d, prompts, ["ar", "vllm"], max_new_tokens=4, sampling=Sampling(temperature=0.5), progress=False)
+
+
+# ---- the engines themselves (installed by `dflashkit engines install`) --------------------------------------------
+
+LAYOUT = Path(__file__).parent / "data" / "llama_cpp_dflash_layout.json"
+needs_llama = pytest.mark.skipif(find("llama.cpp") is None, reason="llama.cpp not installed: "
+                                 "`dflashkit engines install llama.cpp`")
+needs_vllm = pytest.mark.skipif(find("vllm") is None, reason="vLLM not installed: `dflashkit engines install vllm`")
+
+
+@pytest.fixture(scope="module")
+def real(smollm2):
+    """The real target and a random drafter over a draft vocabulary of the tokens its answers use (and more)."""
+    t = smollm2
+    prompts = [(x, t.chat_ids([{"role": "user", "content": x}])) for x in TEXTS]
+    torch.manual_seed(0)
+    d = new_drafter(t, num_layers=1, block_size=4).eval()
+    d.contract = {"draft_vocab": list(range(0, 4000))}
+    return t, d, prompts
+
+
+def converter_layout(path: Path, keep: int = 8) -> dict:
+    """What a test needs of a converter output: keys (arrays cut to `keep` items) and tensor names/shapes/types."""
+    import gguf
+
+    from dflashkit.drafter.gguf import SKIP_KEYS, _value
+
+    r = gguf.GGUFReader(str(path))
+    kv = {}
+    for key, f in r.fields.items():
+        if key in SKIP_KEYS:
+            continue
+        value, sub = _value(f)
+        kv[key] = [value[:keep] if isinstance(value, list) else value, f.types[0].name, sub.name if sub else None]
+    return {"kv": kv, "tensors": [[t.name, [int(x) for x in t.shape], t.tensor_type.name] for t in r.tensors]}
+
+
+@pytest.mark.engines
+@needs_llama
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_gguf_export_is_the_converters_layout_plus_the_token_map(real, arch, tmp_path):
+    """The converter's output for a drafter as recorded in tests/data (regenerate: DFLASHKIT_RECORD_LAYOUT=1),
+    and our export equal to it tensor by tensor apart from the head rows and d2t."""
+    import os
+
+    import gguf
+
+    from dflashkit.engines.llamacpp import drafter_gguf
+
+    t, _, _ = real
+    torch.manual_seed(0)
+    d = new_drafter(t, num_layers=1, block_size=4, arch=arch).eval()
+    d.contract = {"draft_vocab": list(range(100, 612))}
+    engine = require("llama.cpp")
+    plain = drafter_gguf(engine, d, t, "bfloat16", tmp_path / "plain.gguf", token_map=False)
+    mapped = drafter_gguf(engine, d, t, "bfloat16", tmp_path / "mapped.gguf")
+    layout = {**converter_layout(plain), "hidden_size": t.config.hidden_size, "vocab_size": t.vocab_size}
+    recorded = json.loads(LAYOUT.read_text()) if LAYOUT.is_file() else {}
+    if os.environ.get("DFLASHKIT_RECORD_LAYOUT"):
+        recorded[arch] = layout
+        LAYOUT.write_text(json.dumps(recorded, indent=1) + "\n")
+    assert recorded[arch]["tensors"] == layout["tensors"]
+    assert {k: v[1:] for k, v in recorded[arch]["kv"].items()} == {k: v[1:] for k, v in layout["kv"].items()}
+    a = {x.name: x for x in gguf.GGUFReader(str(plain)).tensors}
+    b = {x.name: x for x in gguf.GGUFReader(str(mapped)).tensors}
+    assert set(b) == set(a) | {"d2t", "output.weight"}
+    for name in a:
+        if name != "output.weight":
+            assert bytes(a[name].data) == bytes(b[name].data), name
+    assert b["d2t"].data.tolist() == list(range(100, 612))
+
+
+def engine_bench(real, methods):
+    t, d, prompts = real
+    return run_bench(t, d, prompts, parse_methods(methods), max_new_tokens=24, progress=False)
+
+
+def assert_engine_agrees(res, engine):
+    assert res["mismatches"] == [], res["mismatches"]
+    s = res["methods"]
+    assert s[f"{engine}-dflash"]["tau"] is not None and s[engine]["ar_parting"]["prompts"] == 2
+    assert all(c["ok"] for c in res["tau_checks"]), res["tau_checks"]
+
+
+@pytest.mark.engines
+@needs_llama
+def test_llama_cpp_peer_is_lossless_and_accepts_what_our_chain_predicts(real):
+    assert_engine_agrees(engine_bench(real, "llama.cpp-dflash"), "llama.cpp")
+
+
+@pytest.mark.engines
+@needs_vllm
+def test_vllm_peer_is_lossless_and_accepts_what_our_chain_predicts(real):
+    assert_engine_agrees(engine_bench(real, "vllm-dflash"), "vllm")
