@@ -1,5 +1,5 @@
 """One CLI grammar (issue 13): a flag means one thing in every command, every output location is `--out`, a
-malformed number is a one-line usage error with exit 2, the README's tour parses and its Python example imports
+malformed number is a one-line usage error with exit 2, the tour (docs/tour.md) parses and the Python example (docs/python.md) imports
 from the package. These tests only build and parse the argparse tree: no command runs, nothing loads a model."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import dflashkit
 from dflashkit.cli import build_parser, main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 # Meanings pinned by the grammar: option -> (dest, kind). Every other option only has to agree with itself.
 PINNED = {
@@ -140,8 +140,8 @@ def test_parsed_values():
 
 
 def _tour_commands() -> list[list[str]]:
-    text = README.read_text()
-    tour = text.split("## A tour of the CLI", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    text = (DOCS / "tour.md").read_text()
+    tour = text.split("```bash", 1)[1].split("```", 1)[0]
     tour = tour.replace("\\\n", " ")
     out = []
     for line in tour.splitlines():
@@ -161,7 +161,7 @@ def test_the_readme_tour_parses():
 
 
 def test_the_readme_python_example_imports_from_the_package():
-    text = README.read_text().split("## Python API", 1)[1]
+    text = (DOCS / "python.md").read_text()
     names = {n.strip() for m in re.findall(r"^from dflashkit import (.+)$", text, re.M) for n in m.split(",")}
     assert {"load_target", "new_drafter", "load_drafter", "save_drafter", "DraftHead"} <= names
     assert names <= set(dflashkit.__all__)

@@ -1,4 +1,4 @@
-"""The README's tour runs top to bottom: every path a step reads was written by an earlier step, every option
+"""The tour (docs/tour.md) runs top to bottom: every path a step reads was written by an earlier step, every option
 exists, and every file it names is in the repository."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ POSITIONAL_READS = {("drafter", "info"), ("cache", "inspect"), ("cache", "verify
 
 
 def tour_commands() -> list[list[str]]:
-    text = (REPO / "README.md").read_text()
-    block = text.split("## A tour of the CLI", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    text = (REPO / "docs" / "tour.md").read_text()
+    block = text.split("```bash", 1)[1].split("```", 1)[0]
     lines = block.replace("\\\n", " ").splitlines()
     cmds = []
     for line in lines:
