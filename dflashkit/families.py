@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.errors import DFlashError
+from dflashkit.rng import seeded
 
 STAGES = ("load", "layer_ids", "features", "ar", "chain")
 PROMPT = "the quick brown fox jumps over"
@@ -69,8 +70,8 @@ def check_family(kind: str, root: str | Path) -> dict[str, str]:
 
     def chain():
         t = state["target"]
-        torch.manual_seed(0)
-        drafter = new_drafter(t, num_layers=1, block_size=4, target_layer_ids=state["ids"]).eval()
+        with seeded(0):
+            drafter = new_drafter(t, num_layers=1, block_size=4, target_layer_ids=state["ids"]).eval()
         got = generate(t, state["prompt"], "chain", DFlashProposer(t, drafter), max_new_tokens=NEW_TOKENS).tokens
         assert got == state["ref"], f"chain {got} != greedy {state['ref']}"
 

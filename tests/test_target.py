@@ -2,6 +2,8 @@
 
 import json
 
+import subprocess
+
 import pytest
 import torch
 
@@ -86,7 +88,7 @@ def test_wrong_hash_leaves_nothing_behind(tmp_path, monkeypatch):
     assert not any(tmp_path.rglob("config.json"))
 
 
-def test_no_network_install_failure_is_one_clear_error(tmp_path, monkeypatch):
+def test_loading_never_installs_and_a_failed_install_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
     spec = registry.REGISTRY["smollm2-135m"]
     missing = registry.GGUFTarget(**{**spec.__dict__, "module": "no_such_module_x", "package": "no-such-package-x==0.0.0"})
@@ -96,9 +98,19 @@ def test_no_network_install_failure_is_one_clear_error(tmp_path, monkeypatch):
         returncode = 1
         stderr = "ERROR: Could not find a version that satisfies the requirement (network unreachable)"
 
-    monkeypatch.setattr(registry.subprocess, "run", lambda *a, **k: Failed())
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or Failed())
+    with pytest.raises(DFlashError, match=r"not installed; run `dflashkit target prepare smollm2-135m --install`"):
+        registry.prepare("smollm2-135m")  # loading never installs
+    assert calls == []
+    from dflashkit.cli import main
+
     with pytest.raises(DFlashError, match="could not install no-such-package-x"):
-        registry.prepare("smollm2-135m")
+        from dflashkit.target.cli import install_package
+
+        install_package(missing)
+    assert main(["target", "prepare", "smollm2-135m", "--install"]) == 2  # the CLI prints the one-line error
+    assert len(calls) == 2 and calls[0][0][-1] == "no-such-package-x==0.0.0"
 
 
 GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -134,7 +146,7 @@ def test_smollm2_prepare_reuses_and_conversion_matches_gguf(smollm2, monkeypatch
     assert smollm2.num_layers == 30 and smollm2.hidden_size == 576 and smollm2.vocab_size == 49152
     ours = load_file(path / "model.safetensors")
     heads = {"attn_q": 9, "attn_k": 3}
-    reader = GGUFReader(registry._locate_gguf(registry.REGISTRY["smollm2-135m"], install=False))
+    reader = GGUFReader(registry._locate_gguf(registry.REGISTRY["smollm2-135m"]))
     for t in reader.tensors:
         if t.name.startswith("blk."):
             _, layer, kind, _ = t.name.split(".")

@@ -30,6 +30,7 @@ from dflashkit.distributed import Dist, barrier, from_master, gather_all, init_d
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_path, sha256_file, write_json
 from dflashkit.prompts import PromptItem, PromptSuite
+from dflashkit.rng import seeded
 from dflashkit.target.backends import linear_attention as la_backend
 from dflashkit.target.backends import resolve_backend
 from dflashkit.target.generation import iter_generate_with_features
@@ -237,11 +238,12 @@ def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_s
     def answers():
         for temp in (0.0, temperature) if run.sampled else (0.0,):  # greedy answers first, then the sampled ones
             group = [i for i in todo if (i in run.sampled) == (temp > 0)]
-            if temp > 0:
-                torch.manual_seed(seed + len(run.completions))  # a resumed run draws new samples for what is missing
-            for j, comp, feats in iter_generate_with_features(target, [run.prompts[i] for i in group], max_new_tokens,
-                                                              layer_ids, batch_size=batch_size, temperature=temp):
-                yield group[j], comp, feats
+            # a resumed run draws new samples for what is missing
+            with seeded(seed + len(run.completions), target.device):
+                for j, comp, feats in iter_generate_with_features(target, [run.prompts[i] for i in group],
+                                                                  max_new_tokens, layer_ids, batch_size=batch_size,
+                                                                  temperature=temp):
+                    yield group[j], comp, feats
 
     with open(log, "a") as fh:
         for i, comp, feats in answers():

@@ -28,6 +28,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
 from dflashkit.report import bar_plot, fmt, hist_plot, line_plot, markdown_table
+from dflashkit.rng import seeded
 from dflashkit.target.compiled import uses_compiled
 from dflashkit.target.invariant import needs_switch, row_invariant, stock_kernels
 from dflashkit.tree import common_prefix
@@ -57,7 +58,6 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
     """One conversation (every turn, conversation.py); the baselines (ar-stock, transformers' loops) on the model's
     own kernels, ours on the kernels that keep them exact."""
     gen = torch.Generator(device=target.device).manual_seed(seed)
-    torch.manual_seed(seed)  # transformers' generate samples from the global generator
     if method == STOCK_AR or parse_method(method)[0] in PEERS:
         # transformers' loops verify several tokens too: on compiled kernels when ours use them (faster for them)
         on_ours = method != STOCK_AR and uses_compiled(target.model)
@@ -75,7 +75,8 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
         def one(ids):
             return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
                             generator=gen, cost=cost, ngram=ngram)
-    return decode_conversation(target, item, one)
+    with seeded(seed, target.device):  # transformers' generate samples from the global generator
+        return decode_conversation(target, item, one)
 
 
 def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]], methods: list[str],

@@ -21,6 +21,7 @@ from pathlib import Path
 from dflashkit.demo.stages import Stage, StageRunner, Timing
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json
+from dflashkit.rng import seeded
 
 STEPS = ["target", "data", "cache", "train", "eval", "bench", "report"]
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "smollm2-cpu.yaml"
@@ -262,8 +263,6 @@ def build_cache(target, suite, out: Path, layer_ids, max_new_tokens: int, batch_
 
 def train_drafters(cfg: DemoConfig, p: Paths, target, recipe) -> None:
     """The trained drafter (time-boxed), its first periodic checkpoint and an untrained twin for comparison."""
-    import torch
-
     from dflashkit.drafter import DFlashDrafter
     from dflashkit.drafter.checkpoint import contract, load_drafter, run_latest, save_drafter
     from dflashkit.train import train
@@ -288,8 +287,8 @@ def train_drafters(cfg: DemoConfig, p: Paths, target, recipe) -> None:
                           "rerun `dflashkit demo` to resume from its last checkpoint")
     # the untrained reference: the same architecture, draft vocabulary and seed, before any step
     final = load_drafter(summary["checkpoint"])
-    torch.manual_seed(tc.seed)
-    untrained = DFlashDrafter(final.config)
+    with seeded(tc.seed):
+        untrained = DFlashDrafter(final.config)
     own = contract(untrained)  # keys save_drafter derives itself; carry over only the training extras
     save_drafter(untrained, p.untrained, format="dflashkit", target_identity=target.identity(),
                  **{k: v for k, v in (final.contract or {}).items() if k not in own})

