@@ -221,6 +221,61 @@ def test_row_invariant_kernels_give_each_token_the_same_logits_alone_or_in_a_blo
         pytest.skip("this CPU's bf16 kernels are row-invariant already; nothing to compare against")
 
 
+def test_row_invariant_attention_gives_a_query_the_same_output_alone_or_in_a_block():
+    """At SmolLM2's head shapes, every key length from 30 to 300: a query verified in a block of 4 (with the
+    block's extra keys masked) gets bit for bit what it gets alone with exactly its keys. A bf16 matmul fails
+    this on AMX CPUs (a query's scores round differently with 52 keys than with 53); the float64 path holds."""
+    from dflashkit.target.invariant import row_invariant_attention
+
+    torch.manual_seed(0)
+    h, kvh, d, W = 9, 3, 64, 4
+    differ = []
+    for T in range(30, 300):
+        q = torch.randn(1, h, W, d).bfloat16()
+        k, v = torch.randn(1, kvh, T + W, d).bfloat16(), torch.randn(1, kvh, T + W, d).bfloat16()
+        mask = torch.zeros(1, 1, W, T + W)
+        for i in range(W):
+            mask[..., i, T + i + 1:] = torch.finfo(torch.bfloat16).min
+        block, _ = row_invariant_attention(None, q, k, v, mask.bfloat16(), scaling=d ** -0.5)
+        for j in range(W):
+            one, _ = row_invariant_attention(None, q[:, :, j:j + 1], k[:, :, :T + j + 1], v[:, :, :T + j + 1], None,
+                                             scaling=d ** -0.5)
+            if not torch.equal(one[0, 0], block[0, j]):
+                differ.append((T, j))
+    assert differ == []
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    from dflashkit.target.model import load_target
+
+    return load_target("smollm2-135m", device="cpu", dtype="bfloat16")
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_tokens_get_the_same_logits_alone_or_in_a_block(smollm2_bf16):
+    """The real target, 96 answer tokens verified in blocks of 4 against one by one (on an AMX CPU the bf16
+    attention matmuls parted here at position 51 before they ran in float64)."""
+    from transformers import DynamicCache
+
+    t = smollm2_bf16
+    m = t.model
+    ids = t.chat_ids([{"role": "user", "content": "Write a Python function that reverses a linked list."}])
+    with torch.no_grad(), row_invariant(m):
+        seq = generate(t, ids, "ar", max_new_tokens=96).tokens
+        one, block = DynamicCache(config=m.config), DynamicCache(config=m.config)
+        for kv in (one, block):
+            m(torch.tensor([ids]), past_key_values=kv, use_cache=True)
+        differ = []
+        for s in range(0, len(seq) - 3, 4):
+            logits = m(torch.tensor([seq[s:s + 4]]), past_key_values=block, use_cache=True).logits[0]
+            for j in range(4):
+                alone = m(torch.tensor([[seq[s + j]]]), past_key_values=one, use_cache=True).logits[0, -1]
+                if not torch.equal(alone, logits[j]):
+                    differ.append(len(ids) + s + j)
+    assert differ == []
+
+
 def test_bf16_speculative_equals_bf16_greedy(bf16_llama):
     t = bf16_llama
     oracle = Oracle([], 6, t.vocab_size)

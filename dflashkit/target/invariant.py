@@ -45,19 +45,21 @@ class RowInvariantLinear(nn.Linear):
 
 
 def row_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [b, h, q, d], key/value [b, kv_h, T, d]; additive mask [b, 1, q, T] or None -> ([b, q, h, d], None)."""
-    q_len = query.shape[2]
-    if q_len == 1:
-        query = torch.cat([query, query], dim=2)
-        if attention_mask is not None:
-            attention_mask = torch.cat([attention_mask, attention_mask], dim=2)
+    """query [b, h, q, d], key/value [b, kv_h, T, d]; additive mask [b, 1, q, T] or None -> ([b, q, h, d], None).
+
+    Computed in float64 and rounded once at the end: a bf16 matmul's rounding depends on the kernel the call's
+    shape selects (on AMX CPUs a query row's scores round differently with 52 keys than with 53), and float32 sums
+    still differ in order (about 1e-7, enough to flip a bf16 output now and then). In float64 the differences are
+    about 1e-16 relative: a bf16 output flips only if its exact value lies that close to a rounding boundary."""
+    out_dtype = query.dtype
     groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    query = query.double()
+    key, value = key.double().repeat_interleave(groups, dim=1), value.double().repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
     if attention_mask is not None:
-        scores = scores + attention_mask[..., : key.shape[2]]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs, value)[:, :, :q_len]
+        scores = scores + attention_mask[..., : key.shape[2]].double()
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, value).to(out_dtype)
     return out.transpose(1, 2).contiguous(), None
 
 
