@@ -221,6 +221,21 @@ def test_row_invariant_kernels_give_each_token_the_same_logits_alone_or_in_a_blo
         pytest.skip("this CPU's bf16 kernels are row-invariant already; nothing to compare against")
 
 
+def test_row_invariant_linear_gives_a_row_the_same_output_in_calls_of_1_to_200_rows():
+    """At SmolLM2's MLP width in bf16: a row alone, and a row at any place of calls of up to 200 rows (a hybrid
+    tree verifies paths x depth rows at once). On an AMX CPU F.linear rounds differently from 33 rows on."""
+    from dflashkit.target.invariant import RowInvariantLinear
+
+    torch.manual_seed(0)
+    lin = RowInvariantLinear(576, 1536, bias=False).bfloat16()
+    x = torch.randn(200, 576).bfloat16()
+    with torch.no_grad():
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(200)])
+        for m in (2, 7, 32, 33, 64, 65, 200):
+            assert torch.equal(lin(x[:m]), alone[:m]), m
+            assert torch.equal(lin(x[:m].reshape(1, m, 576))[0], alone[:m]), m
+
+
 def test_row_invariant_attention_gives_a_query_the_same_output_alone_or_in_a_block():
     """At SmolLM2's head shapes, every key length from 30 to 300: a query verified in a block of 4 (with the
     block's extra keys masked) gets bit for bit what it gets alone with exactly its keys. A bf16 matmul fails

@@ -13,9 +13,10 @@ plain decoding computes (the prefill itself is the same call for both).
 
 `row_invariant(model)` (a context manager, so no kernel switch outlives the decoding that asked for it: an
 extraction on the same target afterwards runs the stock kernels again) removes both sources: every linear layer
-runs one-row inputs as two identical rows
-(the GEMM kernel; in bf16 on this CPU a two-row forward costs 1.01x a one-row one), and attention is plain
-matmul + float32 softmax + matmul with one-query calls padded the same way. float32 needs none of it (its
+runs one-row inputs as two identical rows (the GEMM kernel; in bf16 a two-row forward costs 1.01x a one-row one)
+and calls of more than MAX_ROWS rows in slices (on AMX CPUs a GEMM of 33+ rows takes another kernel), and
+attention is matmul + softmax + matmul in float64, rounded once (on AMX CPUs a bf16 matmul's rounding changed
+with the number of keys). float32 needs none of it (its
 rounding differences are 1e-7 and have not flipped a token in our runs), and there the GEMV kernel is
 much faster, so the function leaves float32 models alone.
 """
@@ -34,14 +35,25 @@ from dflashkit.target.compiled import compiled_linears, uses_compiled
 NAME = "row_invariant"  # (a name containing "flash" would be routed to flash-attention kernels)
 
 
+MAX_ROWS = 32  # on an AMX CPU a bf16 GEMM of 33+ rows rounds differently from one of 2-32 (a wide verify)
+
+
 class RowInvariantLinear(nn.Linear):
-    """nn.Linear whose one-row calls use the same kernel as many-row calls."""
+    """nn.Linear whose every row is computed by the same kernel whatever shares its call: one row runs as two
+    identical rows (the GEMV kernel rounds differently) and more than MAX_ROWS rows in slices of at most MAX_ROWS
+    (a slice of one again as two)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != x.shape[-1]:
+        rows = x.reshape(-1, x.shape[-1])
+        if 1 < rows.shape[0] <= MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
-        two = torch.cat([x.reshape(1, -1)] * 2)
-        return F.linear(two, self.weight, self.bias)[:1].reshape(*x.shape[:-1], -1)
+        out = torch.cat([self._slice(s) for s in rows.split(MAX_ROWS)])
+        return out.reshape(*x.shape[:-1], -1)
+
+    def _slice(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] > 1:
+            return F.linear(rows, self.weight, self.bias)
+        return F.linear(torch.cat([rows, rows]), self.weight, self.bias)[:1]
 
 
 def row_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
