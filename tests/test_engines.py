@@ -18,6 +18,7 @@ from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.engines.install import find, require
 from dflashkit.engines.llamacpp import EngineAnswer
 from dflashkit.errors import DFlashError
+from helpers import Oracle
 
 TEXTS = ["def add(a, b):", "Write a haiku about the sea."]
 
@@ -51,6 +52,19 @@ def test_check_engines_compares_with_the_engines_own_plain_output_and_reports_pa
     assert parting["vllm"] == {"equal": 1, "prompts": 2, "parts_at": {"b": 1}}  # reported, not failed
 
 
+def test_forced_chain_rounds_are_what_our_chain_accepts_on_that_answer(tiny_targets):
+    """Our chain loop with planted mistakes: the rounds recomputed from its answer alone (as from an engine's)
+    equal the loop's own, the last round excepted (the loop may accept drafts past the cut)."""
+    t = tiny_targets["llama"]
+    ids = t.chat_ids([{"role": "user", "content": TEXTS[0]}])
+    ref = generate(t, ids, "ar", max_new_tokens=40).tokens
+    oracle = Oracle(ids + ref + [0] * 8, 4, t.vocab_size, wrong={len(ids) + 3, len(ids) + 9, len(ids) + 10})
+    g = generate(t, ids, "chain", oracle, max_new_tokens=40)
+    rounds = peers.forced_chain_rounds(t, oracle, ids, g.tokens)
+    assert g.tokens == ref and rounds[:-1] == g.accepted[:-1] and sum(rounds) == len(ref) - 1
+    assert 1 in rounds and 4 in rounds  # planted mistakes and whole blocks: the walk is not trivial
+
+
 def test_engine_tau_and_the_tolerance_against_our_chain():
     runs = [{"engine": {"accepted": 6, "steps": 4}}, {"engine": {"accepted": 2, "steps": 4}}]
     assert peers.engine_tau(runs) == pytest.approx(2.0)
@@ -71,7 +85,8 @@ class StandIn:
         tokens = list(g.tokens)
         if self.corrupt and self.proposer:
             tokens[-1] = (tokens[-1] + 1) % self.target.vocab_size
-        acc = sum(a - 1 for a in g.accepted) + round(self.off * len(g.accepted)) if self.proposer else 0
+        # as llama.cpp counts: the drafts kept within the answer (its first token comes from the prompt's forward)
+        acc = len(g.tokens) - 1 - g.rounds + round(self.off * g.rounds) if self.proposer else 0
         return EngineAnswer(tokens, g.times["total"], g.times["prefill"], (self.proposer.block_size - 1) * g.rounds
                             if self.proposer else 0, acc, g.rounds if self.proposer else 0)
 
@@ -98,7 +113,7 @@ def test_bench_with_engine_peers_states_speedups_against_the_fastest_plain(setup
     res = run_bench(t, d, prompts, parse_methods("llama.cpp-dflash"), max_new_tokens=10, progress=False, warmup=False)
     s = res["methods"]
     assert res["mismatches"] == [] and s["llama.cpp"]["ar_parting"] == {"equal": 2, "prompts": 2, "parts_at": {}}
-    assert s["llama.cpp-dflash"]["tau"] == pytest.approx(s["chain"]["tau"])
+    assert s["llama.cpp-dflash"]["predicted_tau"] == pytest.approx(s["llama.cpp-dflash"]["tau"])
     assert [c["ok"] for c in res["tau_checks"]] == [True]
     fastest = max((m for m in s if m in PLAIN), key=lambda m: s[m]["tokens_per_s"])
     for m in s:
