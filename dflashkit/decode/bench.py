@@ -108,10 +108,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     stock = (STOCK_AR,) + PEERS if switched else ()  # on other kernels: their tokens may part in low precision
     mismatches = (check_lossless([r for r in runs if r["method"] not in stock and not is_engine(r["method"])])
                   if sampling.temperature == 0 else [])
-    engine_mismatches, parting = check_engines(runs)
-    engine_divergences = []
-    if target.dtype != torch.float32:  # engines verify in low precision on other kernels than their one-token step
-        engine_mismatches, engine_divergences = [], engine_mismatches
+    engine_mismatches, engine_divergences, parting = _judge_engines(target, runs)
     divergences = []
     if mismatches and not exact_kernels(target):  # CUDA low precision: a rounding-sized near-tie is not a bug
         mismatches, divergences = explain_by_rounding(target, turns, runs, mismatches)
@@ -122,7 +119,6 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         summary[m].update(engine=info, ar_parting=parting.get(m))
         if m.endswith("-dflash"):  # our drafter's tau on the very tokens the engine verified
             summary[m]["predicted_tau"] = predicted_tau(target, proposer, [r for r in runs if r["method"] == m])
-    tau_checks = check_tau(summary)
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
     return {
@@ -138,9 +134,18 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         "mismatches": mismatches + engine_mismatches,
         "divergences": divergences,
         "engine_divergences": engine_divergences,
-        "tau_checks": tau_checks,
+        "tau_checks": check_tau(summary),
         "runs": runs,
     }
+
+
+def _judge_engines(target, runs: list[dict]) -> tuple[list[dict], list[dict], dict]:
+    """(engine mismatches that fail the bench, engine partings only reported, parting from our ar): in low precision
+    an engine verifies a block on other kernels than its one-token step, so there its own parting is reported."""
+    mismatches, parting = check_engines(runs)
+    if target.dtype != torch.float32:
+        return [], mismatches, parting
+    return mismatches, [], parting
 
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress,
