@@ -44,8 +44,12 @@ class RowInvariantLinear(nn.Linear):
         return F.linear(two, self.weight, self.bias)[:1].reshape(*x.shape[:-1], -1)
 
 
-def row_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [b, h, q, d], key/value [b, kv_h, T, d]; additive mask [b, 1, q, T] or None -> ([b, q, h, d], None)."""
+def row_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                            s_aux=None, **kwargs):
+    """query [b, h, q, d], key/value [b, kv_h, T, d]; additive mask [b, 1, q, T] or None -> ([b, q, h, d], None).
+    The two extras of the families' own eager attention are honoured, else the switch would run another model:
+    softcap (Gemma 2: softcap * tanh(scores / softcap) before the mask) and s_aux (gpt-oss's attention sinks: one
+    logit per head that joins each row's softmax and is dropped after it)."""
     q_len = query.shape[2]
     if q_len == 1:
         query = torch.cat([query, query], dim=2)
@@ -54,9 +58,15 @@ def row_invariant_attention(module, query, key, value, attention_mask, scaling=N
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         scores = scores + attention_mask[..., : key.shape[2]]
+    if s_aux is not None:
+        scores = torch.cat([scores, s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if s_aux is not None:
+        probs = probs[..., :-1]
     out = torch.matmul(probs, value)[:, :, :q_len]
     return out.transpose(1, 2).contiguous(), None
 
