@@ -98,7 +98,7 @@ def family_matrix(root: str | Path, kinds=None) -> list[dict]:
 def matrix_markdown(rows: list[dict]) -> str:
     """The README table: pass, or the refusal's first clause."""
     def cell(v: str) -> str:
-        return v if v == "pass" else v.split(":")[0] + (" (sliding window)" if "sliding-window" in v else "")
+        return v if v == "pass" else v.split(":")[0]
     lines = ["| family | " + " | ".join(STAGES) + " |", "|---" * (len(STAGES) + 1) + "|"]
     lines += ["| " + r["family"] + " | " + " | ".join(cell(r[s]) for s in STAGES) + " |" for r in rows]
     return "\n".join(lines)

@@ -58,10 +58,16 @@ class Tree:
         return self.log_probs[1:].double().exp().sum().item()
 
 
-def attention_mask(tree: Tree, past: int, dtype: torch.dtype, device) -> Tensor:
+def attention_mask(tree: Tree, past: int, dtype: torch.dtype, device, window: int | None = None) -> Tensor:
     """[1, 1, n, past + n] additive mask for one verify forward: every position already in the target KV
-    visible, then the node's ancestors and itself."""
+    visible, then the node's ancestors and itself. With `window`, a sliding-window layer's mask: of those, only
+    keys less than `window` positions before the node's own (past + depth), as plain decoding's sliding mask
+    (transformers' sliding_window_overlay: key > query - window) keeps them."""
     allowed = torch.cat([torch.ones(len(tree), past, dtype=torch.bool), tree.ancestor_mask()], dim=1)
+    if window is not None:
+        q_pos = past + tree.depths
+        k_pos = torch.cat([torch.arange(past), q_pos])
+        allowed &= q_pos[:, None] - k_pos[None, :] < window
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None].to(device)
 

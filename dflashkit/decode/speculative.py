@@ -237,25 +237,56 @@ def emit(out: list[int], new: list[int], stops: set[int], max_new_tokens: int) -
     return False
 
 
+def sliding_layers(target) -> list[int]:
+    """The target's sliding-window attention layers, as transformers' DynamicCache reads them from the config."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return [i for i, kind in enumerate(get_layer_types_and_kwargs(target.config)[0]) if kind == "sliding_attention"]
+
+
 def new_target_kv(target):
-    """The target KV (a transformers DynamicCache) for an online loop. Sliding-window attention layers are refused:
-    theirs keeps only the last window of tokens and its own length counter, so cropping a rejected draft off
-    (crop_kv, compact_kv) would corrupt them and silently change the output."""
+    """The target KV (a transformers DynamicCache) for an online loop, every attention layer keeping every position
+    so that crop_kv and compact_kv can cut a rejected draft off.
+
+    transformers' own sliding-window layer keeps only the last window - 1 positions and a length counter, which no
+    crop can restore; here each is a full DynamicLayer instead, still marked sliding (masking_utils sizes the
+    sliding mask on the first layer marked so). That is exact: transformers masks a sliding layer by absolute
+    position (key > query - window, sliding_window_overlay) from the offsets the cache layer reports, 0 and its
+    length for a full layer, so the layer attends to the same keys; the older ones are kept but masked. Chunked
+    attention and layers that mix linear attention with a window are still refused."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     kv = DynamicCache(config=target.config)
-    sliding = [i for i, layer in enumerate(kv.layers) if "Sliding" in type(layer).__name__ or "Chunked" in type(layer).__name__]
-    if sliding:
-        window = getattr(target.config.get_text_config(decoder=True), "sliding_window", None)
+    for i in sliding_layers(target):
+        if type(kv.layers[i]) is DynamicSlidingWindowLayer:
+            kv.layers[i] = DynamicLayer()
+            kv.layers[i].is_sliding = True
+    left = [i for i, layer in enumerate(kv.layers) if getattr(layer, "is_sliding", False) and type(layer) is not DynamicLayer]
+    if left:
         raise DFlashError(
-            f"target {target.name} ({target.config.model_type}) has sliding-window attention (window {window}) on layers "
-            f"{sliding}: online speculative decoding cannot roll back their caches, so the online loops (ar, chain, DDTree) "
-            "refuse it. Offline extraction and "
-            "evaluation still work; for online decoding use a copy of the target with sliding windows off "
-            "(config.json: use_sliding_window false, or no sliding_attention in layer_types), which is exact for "
-            "prompts and outputs shorter than the window"
+            f"target {target.name} ({target.config.model_type}) has chunked or hybrid windowed attention on layers "
+            f"{left} ({', '.join(sorted({type(kv.layers[i]).__name__ for i in left}))}): online speculative decoding "
+            "cannot roll their caches back, so the online loops (ar, chain, DDTree) refuse it; offline extraction and "
+            "evaluation still work, and online decoding of a copy of the target whose config.json layer_types has "
+            "full_attention (hybrid for hybrid_sliding) there is exact for prompts plus outputs shorter than the window"
         )
     return kv
+
+
+def verify_mask(target, tree: Tree, start: int, window: int | None = None):
+    """The tree verify's attention mask. transformers hands a custom 4D mask to every layer as it is, so the
+    sliding-window layers of a target with a `window` get their own, cut to it: one mask per layer type where the
+    model reads one per type (config.layer_types: gpt-oss, Gemma, Qwen2/3), else the one windowed mask that the
+    model builds for all of its layers itself (no layer_types: Mistral, Phi-3)."""
+    full = attention_mask(tree, start, target.dtype, target.device)
+    if window is None:
+        return full
+    windowed = attention_mask(tree, start, target.dtype, target.device, window)
+    types = getattr(target.config, "layer_types", None)
+    if types is None:
+        return windowed
+    return {kind: windowed if kind == "sliding_attention" else full for kind in set(types)}
 
 
 def _attention_layers(kv):
@@ -570,6 +601,7 @@ def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tok
     drafts.reset(prompt_ids)
     invariant = target.model.config._attn_implementation == ROW_INVARIANT
     drafts.by_paths = invariant or target.is_hybrid
+    window = target.config.sliding_window if sliding_layers(target) else None  # once: 0.3-0.8 ms a call
     feats, start, accepted = out.features, len(prompt_ids), []
     while not done:
         t_round, t_verify, t_draft = perf_counter(), timer.times["verify"], timer.times["draft"]
@@ -577,7 +609,7 @@ def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tok
         saved = save_linear_states(kv) if target.is_hybrid else None
         by_paths = saved is not None or (invariant and int(tree.depths.max()) < len(tree) - 1)  # branching
         if not by_paths:
-            mask = attention_mask(tree, start, target.dtype, dev)
+            mask = verify_mask(target, tree, start, window)
             with timer("verify"):
                 out = target.forward(tree.tokens[None].to(dev), layer_ids=layer_ids, past_key_values=kv,
                                      position_ids=(start + tree.depths)[None].to(dev), attention_mask=mask)

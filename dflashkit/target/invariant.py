@@ -56,21 +56,31 @@ class RowInvariantLinear(nn.Linear):
         return F.linear(torch.cat([rows, rows]), self.weight, self.bias)[:1]
 
 
-def row_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def row_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                            s_aux=None, **kwargs):
     """query [b, h, q, d], key/value [b, kv_h, T, d]; additive mask [b, 1, q, T] or None -> ([b, q, h, d], None).
 
     Computed in float64 and rounded once at the end: a bf16 matmul's rounding depends on the kernel the call's
     shape selects (on AMX CPUs a query row's scores round differently with 52 keys than with 53), and float32 sums
     still differ in order (about 1e-7, enough to flip a bf16 output now and then). In float64 the differences are
-    about 1e-16 relative: a bf16 output flips only if its exact value lies that close to a rounding boundary."""
+    about 1e-16 relative: a bf16 output flips only if its exact value lies that close to a rounding boundary.
+    The two extras of the families' own eager attention are honoured, else the switch would run another model:
+    softcap (Gemma 2: softcap * tanh(scores / softcap) before the mask) and s_aux (gpt-oss's attention sinks: one
+    logit per head that joins each row's softmax and is dropped after it)."""
     out_dtype = query.dtype
     groups = query.shape[1] // key.shape[1]
     query = query.double()
     key, value = key.double().repeat_interleave(groups, dim=1), value.double().repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         scores = scores + attention_mask[..., : key.shape[2]].double()
+    if s_aux is not None:
+        scores = torch.cat([scores, s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).double()], dim=-1)
     probs = torch.softmax(scores, dim=-1)
+    if s_aux is not None:
+        probs = probs[..., :-1]
     out = torch.matmul(probs, value).to(out_dtype)
     return out.transpose(1, 2).contiguous(), None
 
