@@ -4,7 +4,7 @@
 
 1. The demo's data and eval-cache stages (fingerprinted under runs/demo: `make demo` reuses them, and so does a
    rerun of this script).
-2. Both drafters train from configs/smollm2-cpu.yaml for the same minutes, side by side, one thread each (so both
+2. Both drafters train from dflashkit/configs/smollm2-cpu.yaml for the same minutes, side by side, one thread each (so both
    see the same machine; two 1-thread jobs on 2 cores do not oversubscribe). DFlash2 adds its convolutions and
    candidate selector (rank --selector-rank, top-16); everything else is the recipe's.
 3. Offline: stride and walk tau on the held-out coding-10 cache (DFlash2: its selector's path).
@@ -142,7 +142,7 @@ def online(target, ckpts: dict, prompts, max_new: int, temperature: float, seed:
 def markdown(r: dict) -> str:
     lines = [f"# DFlash vs DFlash2 at equal CPU minutes ({r['date']})", "",
              f"Machine: {r['machine']}. Target SmolLM2-135M-Instruct, float32. Both drafters trained "
-             f"{r['minutes']:g} min from configs/smollm2-cpu.yaml ({r['recipe_note']}), side by side, one thread each. "
+             f"{r['minutes']:g} min from dflashkit/configs/smollm2-cpu.yaml ({r['recipe_note']}), side by side, one thread each. "
              f"Held-out suite coding-10 ({r['prompts']} prompts, {r['max_new_tokens']} new tokens online). "
              "Produced by benchmarks/dflash2_vs_dflash.py.", "",
              "| drafter | train steps | offline stride tau | offline walk tau | chain tau (T=0) | ddtree-8 tau (T=0) | "

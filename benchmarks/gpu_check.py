@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py            # one H200: < 8 minutes, no downloads
     python benchmarks/gpu_check.py --smoke    # the same code at tiny size on CPU (a few seconds; run by the tests)
 
-Targets are random-initialised from configs/gpu/*.yaml (Qwen3-8B's shape with 8 layers; a Qwen3.5 hybrid with
+Targets are random-initialised from dflashkit/configs/gpu/*.yaml (Qwen3-8B's shape with 8 layers; a Qwen3.5 hybrid with
 8 layers), in bfloat16; random weights cost what trained ones do. Sections (each reports its own failure and the
 rest still run; the exit status is 1 if any failed):
   train    drafter steps at the paper settings (5 layers, 512 anchors x block 16, one 3072-token sequence, bf16
@@ -280,14 +280,14 @@ def main(argv=None, smoke: bool | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (what `make test` runs)")
     p.add_argument("--out", default=None, help="report file (default benchmarks/results/gpu-DATE.md)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--configs", nargs="*", default=None, help="target configs (default: configs/gpu/*.yaml)")
+    p.add_argument("--configs", nargs="*", default=None, help="target configs (default: dflashkit/configs/gpu/*.yaml)")
     args = p.parse_args(argv)
     smoke = args.smoke if smoke is None else smoke
     S = SMOKE if smoke else PAPER
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not smoke else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     paths = ["flex", "dense"] if device.type == "cuda" else ["chunked", "dense"]
-    configs = [Path(c) for c in args.configs] if args.configs else sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
+    configs = [Path(c) for c in args.configs] if args.configs else sorted((ROOT / "dflashkit" / "configs" / "gpu").glob("*.yaml"))
     today = datetime.date.today().isoformat()
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"gpu-{today}{'-smoke' if smoke else ''}.md"
     t_start = time.perf_counter()

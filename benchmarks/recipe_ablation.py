@@ -3,7 +3,7 @@
     python benchmarks/recipe_ablation.py [--minutes 5] [--levers recipe,kl,anchors-32,...] [--combo NAME:k=v,k=v ...]
                                          [--dtype float32|auto]
 
-Every run trains from configs/smollm2-cpu.yaml for the same minutes (time-fitted schedule, all threads, one run at
+Every run trains from dflashkit/configs/smollm2-cpu.yaml for the same minutes (time-fitted schedule, all threads, one run at
 a time: the regime of the demo's training stage) on the same cache, then is scored on the held-out coding-10 cache:
 offline stride and walk tau, position-1 accuracy, and online drafter-only DDTree-8 tau (real speculative decoding
 against the target, every output checked against plain greedy decoding). Levers (--levers, names from LEVERS):
@@ -122,7 +122,7 @@ def markdown(r: dict) -> str:
     return "\n".join([
         f"# Recipe levers at equal wall time ({r['date']})", "",
         f"Machine: {r['machine']}; torch {r['torch']}; dtype {r.get('dtype', 'float32')} (target and drafter). Each run: "
-        f"configs/smollm2-cpu.yaml for {r['minutes']:g} min (time-fitted schedule), one run at a time, on "
+        f"dflashkit/configs/smollm2-cpu.yaml for {r['minutes']:g} min (time-fitted schedule), one run at a time, on "
         f"{r['data']} ({r['train_tokens']:,} response tokens from {r['train_prompts']} prompts) unless a row's overrides "
         "name other data. Held out: coding-10 "
         f"({r['prompts']} prompts): offline stride and walk tau and stride position-1 accuracy on its cache; online "

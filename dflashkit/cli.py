@@ -22,6 +22,7 @@ STAGES = [
     "dflashkit.decode.cli",
     "dflashkit.engines.cli",
     "dflashkit.train.cli",
+    "dflashkit.configs.cli",
     "dflashkit.demo",
 ]
 

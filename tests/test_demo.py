@@ -125,13 +125,15 @@ def test_a_rerun_in_another_dtype_rebuilds_every_stage_and_reports_what_they_wer
 
 
 def test_the_demo_trains_the_recipe_file_with_its_own_overrides_on_top(demo_run, tmp_path):
-    """One CPU recipe: configs/smollm2-cpu.yaml is what the demo trains (only the demo's own overrides differ)."""
+    """One CPU recipe: dflashkit/configs/smollm2-cpu.yaml is what the demo trains (only the demo's own overrides differ)."""
     from dflashkit.demo import RECIPE, DemoConfig, load_recipe
     from dflashkit.errors import DFlashError
     from dflashkit.train.config import load_config
 
     cfg, out, _ = demo_run
-    assert RECIPE.name == "smollm2-cpu.yaml" and RECIPE.parent.name == "configs" and RECIPE.is_file()
+    from dflashkit.configs import find_config
+
+    assert RECIPE == "smollm2-cpu" and find_config(RECIPE).parent.name == "configs"  # shipped in the package
     trained = json.loads((out / "train" / "summary.json").read_text())["config"]
     recipe = load_config(RECIPE).to_dict()
     assert trained["gamma"] == recipe["gamma"] == 1.0 and trained["num_layers"] == recipe["num_layers"]
@@ -145,11 +147,8 @@ def test_the_report_says_why_the_recipe_with_the_newest_ablation_beside_it(tmp_p
     from dflashkit.demo.report import recipe_lines
     from dflashkit.fileio import write_json
 
-    recipe = tmp_path / "configs" / "cpu.yaml"
-    recipe.parent.mkdir()
-    recipe.write_text("num_layers: 1\n")
-    assert recipe_lines(recipe) == []  # no ablation committed: nothing claimed
     results = tmp_path / "benchmarks" / "results"
+    assert recipe_lines(None) == [] and recipe_lines(tmp_path) == []  # no ablation (an installed wheel): nothing
 
     def row(lever, tau, *overrides):
         return {"lever": lever, "overrides": list(overrides), "steps": 100, "walk_tau": 1.2, "stride_pos1": 0.3,
@@ -157,7 +156,7 @@ def test_the_report_says_why_the_recipe_with_the_newest_ablation_beside_it(tmp_p
     rows = [row("recipe", 1.5), row("a", 1.9, "block_size=4"), row("b", 1.7), row("c", 1.6), row("d", 1.8)]
     write_json(results / "cpu-2026-01-01-recipe-ablation.json", {"minutes": 5, "machine": "old", "rows": rows[:2]})
     write_json(results / "cpu-2026-02-01-recipe-ablation.json", {"minutes": 5, "machine": "CPU X", "rows": rows})
-    text = "\n".join(recipe_lines(recipe))
+    text = "\n".join(recipe_lines(results))
     assert "CPU X" in text and "cpu-2026-02-01-recipe-ablation.json" in text  # the newest one
     levers = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ") and "lever" not in line]
     assert levers == ["a", "d", "b", "recipe"]  # the top three by online ddtree-8 tau, then the previous recipe

@@ -11,7 +11,7 @@ import dflashkit
 ROOT = Path(dflashkit.__file__).parent
 # lower number = lower layer; shared utilities sit at the bottom, the CLI and the demo at the top
 LAYERS = {
-    "errors": 0, "lazy": 0, "rng": 0, "fileio": 1, "threads": 2, "report": 2, "prompts": 2, "tree": 2,
+    "errors": 0, "lazy": 0, "rng": 0, "configs": 2, "fileio": 1, "threads": 2, "report": 2, "prompts": 2, "tree": 2,
     "target": 3,
     "drafter": 4, "distributed": 4,  # distributed picks the device the way target does
     "cache": 5, "engines": 5,  # engines export drafters in the formats llama.cpp and vLLM read
@@ -71,7 +71,7 @@ def test_citations_resolve_inside_the_repository():
     repo = ROOT.parent
     design = (repo / "docs" / "design.md").read_text()
     sections = {int(n) for n in re.findall(r"^## (\d+)\.", design, flags=re.M)}
-    files = [p for pattern in ("dflashkit/**/*.py", "benchmarks/**/*", "configs/*", "tests/*.py", "*.md", "*.toml",
+    files = [p for pattern in ("dflashkit/**/*.py", "benchmarks/**/*", "dflashkit/configs/*", "tests/*.py", "*.md", "*.toml",
                                "Makefile", "docs/*.md") for p in repo.glob(pattern) if p.is_file()]
     cited = set()
     for f in files:

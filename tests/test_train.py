@@ -634,7 +634,7 @@ def test_num_target_layers_picks_that_many_layers_by_zlabs_rule(llama):
     cfg = load_config(None, {"num_layers": 1, "num_target_layers": 3})
     assert feature_layers(cfg, llama, None) == default_layer_ids(llama.num_layers, 3) == [1, 2, 3]
     assert feature_layers(load_config(None, {"num_layers": 2}), llama, None) == default_layer_ids(llama.num_layers, 2)
-    assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # SmolLM2: what configs/smollm2-cpu.yaml resolves to
+    assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # SmolLM2: what dflashkit/configs/smollm2-cpu.yaml resolves to
     with pytest.raises(DFlashError, match=r"num_target_layers=0 must be at least 1"):
         load_config(None, {"num_target_layers": 0})
 

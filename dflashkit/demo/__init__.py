@@ -3,7 +3,7 @@
     target   prepare and load the target
     data     the target's greedy answers to the training prompts, with the drafter's features captured
     cache    the eval suite's completions and features (the held-out eval cache)
-    train    the recipe in configs/smollm2-cpu.yaml, time-boxed; an interrupted run resumes
+    train    the shipped recipe smollm2-cpu (dflashkit/configs), time-boxed; an interrupted run resumes
     eval     offline: trained vs untrained vs first checkpoint, stride and walk anchors
     bench    online speculative decoding against the live target, on the eval suite and a held-out one
     report   report.md / report.json from what the stages wrote
@@ -24,7 +24,7 @@ from dflashkit.fileio import write_json
 from dflashkit.rng import seeded
 
 STEPS = ["target", "data", "cache", "train", "eval", "bench", "report"]
-RECIPE = Path(__file__).resolve().parents[2] / "configs" / "smollm2-cpu.yaml"
+RECIPE = "smollm2-cpu"  # shipped with the package (dflashkit/configs): an installed dflashkit runs its own demo
 EVAL_ANCHORS, EVAL_TREES = ("stride", "walk"), ("budget:4", "budget:8")
 
 
@@ -246,9 +246,13 @@ def load_recipe(cfg: DemoConfig):
     """The training settings: the recipe file, then the demo's own overrides (tests shorten it)."""
     from dflashkit.train.config import load_config
 
-    if not Path(cfg.recipe).is_file():
-        raise DFlashError(f"{cfg.recipe}: the demo's training recipe is missing; run the demo from a dflashkit "
-                          "checkout (it reads configs/smollm2-cpu.yaml) or pass --recipe FILE")
+    from dflashkit.configs import find_config
+
+    try:
+        find_config(cfg.recipe)
+    except DFlashError:
+        raise DFlashError(f"{cfg.recipe}: the demo's training recipe is missing; pass --recipe FILE (or a "
+                          "shipped name: `dflashkit config list`)") from None
     return load_config(cfg.recipe, cfg.train)
 
 
@@ -354,7 +358,7 @@ def register(sub) -> None:
     p.add_argument("--kernels", choices=("auto", "eager", "compiled"), default="auto",
                    help="decoding's linears on a float32 CPU (auto: compiled for the embedded target)")
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--recipe", default=str(RECIPE), help="training settings file (default configs/smollm2-cpu.yaml)")
+    p.add_argument("--recipe", default=str(RECIPE), help="training settings file or shipped name (default smollm2-cpu)")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--train-prompts", type=int, default=360,
                    help="train-mix prompts nearest the eval suite's topic (default 360; 0 = all 664)")

@@ -241,12 +241,19 @@ def stage_rates(res: DemoResults, timings: dict) -> dict[str, str]:
 
 
 # ---- the report ----------------------------------------------------------------------------------------------------
-def recipe_lines(recipe: Path) -> list[str]:
-    """Why the demo trains this recipe: the top rows of the newest recipe ablation committed in the checkout that
-    holds the recipe (benchmarks/recipe_ablation.py), and the old recipe's row; nothing when there is none."""
+def checkout_results() -> Path | None:
+    """benchmarks/results of the checkout this package runs from; None when installed from a wheel."""
+    found = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    return found if found.is_dir() else None
+
+
+
+def recipe_lines(results: Path | None) -> list[str]:
+    """Why the demo trains this recipe: the top rows of the newest recipe ablation in `results` (a checkout's
+    benchmarks/results, from benchmarks/recipe_ablation.py), and the old recipe's row; nothing without one."""
     from dflashkit.report import markdown_table
 
-    found = sorted((Path(recipe).resolve().parent.parent / "benchmarks" / "results").glob("*-recipe-ablation.json"))
+    found = sorted(Path(results).glob("*-recipe-ablation.json")) if results else []
     if not found:
         return []
     r = read_json(found[-1])
@@ -305,7 +312,7 @@ def write_report(root: Path, cfg, device, timings: dict, plan: str = "") -> dict
     t = res.training
     if t:
         lines += ["## Training", "", f"{t.steps} steps in {t.elapsed_s / 60:.1f} min, loss `{t.loss_name}`, draft "
-                  f"vocabulary {t.draft_vocab_size or 'full'}; stopped: {t.stop_reason}.", "", *recipe_lines(cfg.recipe),
+                  f"vocabulary {t.draft_vocab_size or 'full'}; stopped: {t.stop_reason}.", "", *recipe_lines(checkout_results()),
                   "![loss](train/loss.png)", ""]
     rates = stage_rates(res, timings)
     lines += ["## Stage timings", "", "Seconds each stage took when it was built (a skipped stage reused that output), "

@@ -1,7 +1,7 @@
 """Drafter training: the paper's recipe (docs/design.md section 7) with guards against silent failures.
 
     from dflashkit.train import load_config, train
-    summary = train(load_config("configs/smollm2-cpu.yaml", ["steps=100"]))
+    summary = train(load_config("smollm2-cpu", ["steps=100"]))
 """
 
 from dflashkit.train.config import TrainConfig, default_gamma, load_config

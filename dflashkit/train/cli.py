@@ -1,7 +1,7 @@
 """`dflashkit train` and `dflashkit data generate` (`dflashkit drafter export` writes a trained drafter for serving).
 
 Multi-GPU / multi-node: the same command under torchrun, e.g.
-    torchrun --nproc_per_node 8 -m dflashkit.cli train --config configs/paper.yaml distributed=fsdp
+    torchrun --nproc_per_node 8 -m dflashkit.cli train --config paper distributed=fsdp
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from dflashkit.threads import add_threads_option
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a drafter (YAML config + key=value overrides; torchrun for multi-GPU)")
-    p.add_argument("--config", help="YAML file of settings (see configs/); defaults apply to keys it omits")
+    p.add_argument("--config", help="YAML file of settings, or a shipped one by name (`dflashkit config list`); defaults "
+                                       "apply to keys it omits")
     p.add_argument("--print-config", action="store_true", help="print every setting with its value and exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override settings, e.g. lr=3e-4 steps=100")
     add_threads_option(p)

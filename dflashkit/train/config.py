@@ -11,7 +11,6 @@ import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 
 import yaml
 
@@ -222,9 +221,9 @@ def load_config(path=None, overrides: list[str] | dict | None = None) -> TrainCo
     """Defaults <- YAML file <- key=value overrides; then value checks."""
     cfg = TrainConfig()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise DFlashError(f"{p}: config file not found; pass a YAML file (see configs/) or omit --config")
+        from dflashkit.configs import find_config
+
+        p = find_config(path)
         try:
             values = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
