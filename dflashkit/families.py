@@ -8,6 +8,7 @@ which a README table can be written; it writes nothing but the fixtures under `r
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from dflashkit.errors import DFlashError
 from dflashkit.rng import seeded
 
-STAGES = ("load", "layer_ids", "features", "ar", "chain")
+STAGES = ("load", "layer_ids", "features", "ar", "chain", "ddtree", "ngram", "hybrid", "export")
 PROMPT = "the quick brown fox jumps over"
 NEW_TOKENS = 12
 
@@ -42,11 +43,12 @@ def _features_match(target, ids: list[int]) -> None:
     assert torch.allclose(target.final_norm(feats[-1]), hs[L][0], atol=1e-5), "final norm of the last layer"
 
 
+ONLINE = {"ar": "ar", "chain": "chain", "ddtree": "ddtree-4", "ngram": "ngram", "hybrid": "hybrid-4"}
+
+
 @torch.no_grad()
 def check_family(kind: str, root: str | Path) -> dict[str, str]:
     """{stage: "pass" | "refused: <reason>" | "skipped: <stage> did not pass"} for one fixture family."""
-    from dflashkit.decode.speculative import DFlashProposer, generate
-    from dflashkit.drafter.checkpoint import new_drafter
     from dflashkit.target.fixtures import make_tiny_target
     from dflashkit.target.model import load_target
 
@@ -55,37 +57,55 @@ def check_family(kind: str, root: str | Path) -> dict[str, str]:
     def load():
         state["target"] = load_target(make_tiny_target(kind, Path(root) / kind), device="cpu", dtype="float32")
 
-    def layer_ids():
-        t = state["target"]
-        state["ids"] = t.check_layer_ids(t.default_layer_ids(1))
-        state["prompt"] = t.chat_ids([{"role": "user", "content": PROMPT}])
-        state["ref"] = greedy_reference(t, state["prompt"], NEW_TOKENS)
-
-    def features():
-        _features_match(state["target"], state["prompt"])
-
-    def ar():
-        got = generate(state["target"], state["prompt"], "ar", max_new_tokens=NEW_TOKENS).tokens
-        assert got == state["ref"], f"ar {got} != greedy {state['ref']}"
-
-    def chain():
-        t = state["target"]
-        with seeded(0):
-            drafter = new_drafter(t, num_layers=1, block_size=4, target_layer_ids=state["ids"]).eval()
-        got = generate(t, state["prompt"], "chain", DFlashProposer(t, drafter), max_new_tokens=NEW_TOKENS).tokens
-        assert got == state["ref"], f"chain {got} != greedy {state['ref']}"
-
-    needs = {"layer_ids": "load", "features": "layer_ids", "ar": "layer_ids", "chain": "layer_ids"}
-    for stage, fn in zip(STAGES, (load, layer_ids, features, ar, chain)):
-        if stage in needs and row[needs[stage]] != "pass":
-            row[stage] = f"skipped: {needs[stage]} did not pass"
+    stages = {"load": load, "layer_ids": lambda: _layer_ids(state), "features": lambda: _features_match(
+        state["target"], state["prompt"]), **{s: functools.partial(_online, state, m) for s, m in ONLINE.items()},
+        "export": lambda: _export(state, Path(root) / f"{kind}-export")}
+    for stage in STAGES:
+        need = "load" if stage == "layer_ids" else None if stage == "load" else "layer_ids"
+        if need and row[need] != "pass":
+            row[stage] = f"skipped: {need} did not pass"
             continue
         try:
-            fn()
+            stages[stage]()
             row[stage] = "pass"
         except DFlashError as e:
             row[stage] = f"refused: {e}"
     return row
+
+
+def _layer_ids(state: dict) -> None:
+    """The default layer ids, a prompt, its greedy reference, and a random drafter on those layers."""
+    from dflashkit.drafter.checkpoint import new_drafter
+
+    t = state["target"]
+    state["ids"] = t.check_layer_ids(t.default_layer_ids(1))
+    state["prompt"] = t.chat_ids([{"role": "user", "content": PROMPT}])
+    state["ref"] = greedy_reference(t, state["prompt"], NEW_TOKENS)
+    with seeded(0):
+        state["drafter"] = new_drafter(t, num_layers=1, block_size=4, target_layer_ids=state["ids"]).eval()
+
+
+def _online(state: dict, method: str) -> None:
+    from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
+
+    t = state["target"]
+    proposer = None if method in ("ar", "ngram") else DFlashProposer(t, state["drafter"])
+    ngram = new_lookup(method) if method.startswith(("ngram", "hybrid")) else None
+    got = generate(t, state["prompt"], method, proposer, max_new_tokens=NEW_TOKENS, ngram=ngram).tokens
+    assert got == state["ref"], f"{method} {got} != greedy {state['ref']}"
+
+
+def _export(state: dict, folder: Path) -> None:
+    """The z-lab export loads back against the target and drafts what the drafter drafts."""
+    from dflashkit.decode.speculative import DFlashProposer, generate
+    from dflashkit.drafter.checkpoint import load_drafter, save_drafter
+
+    t = state["target"]
+    save_drafter(state["drafter"], folder, format="zlab")
+    back = load_drafter(folder, target=t)
+    a = generate(t, state["prompt"], "chain", DFlashProposer(t, state["drafter"]), max_new_tokens=NEW_TOKENS)
+    b = generate(t, state["prompt"], "chain", DFlashProposer(t, back), max_new_tokens=NEW_TOKENS)
+    assert a.tokens == b.tokens and a.accepted == b.accepted, "the exported drafter drafts differently"
 
 
 def family_matrix(root: str | Path, kinds=None) -> list[dict]:
@@ -95,10 +115,41 @@ def family_matrix(root: str | Path, kinds=None) -> list[dict]:
     return [{"family": k, **check_family(k, root)} for k in (kinds or ALL_KINDS)]
 
 
+EXAMPLES = {  # checkpoints of each family that z-lab publishes DFlash drafters for (the fixture is its tiny twin)
+    "llama": "Llama-3.1-8B-Instruct", "qwen3": "Qwen3-8B, Qwen3-4B", "qwen3_5": "Qwen3.5 text models",
+    "qwen3_moe": "Qwen3-Coder-30B-A3B", "qwen3_5_vl": "Qwen3.5/3.6-27B (Qwen3_5ForConditionalGeneration)",
+    "qwen3_5_moe": "Qwen3.5/3.6-35B-A3B", "qwen3_next": "Qwen3-Coder-Next", "gpt_oss": "gpt-oss-20b, gpt-oss-120b",
+    "gemma4": "Gemma 4", "deepseek_v3": "Kimi K2.x (DeepSeek-V3: MLA + MoE)", "glm4_moe": "GLM-4.5/4.6",
+    "minimax_m2": "MiniMax-M2",
+}
+BEGIN, END = "<!-- family matrix: python -m dflashkit.families --write docs/targets.md -->", "<!-- end of matrix -->"
+
+
 def matrix_markdown(rows: list[dict]) -> str:
-    """The README table: pass, or the refusal's first clause."""
+    """The table: pass, or the refusal's first clause, with each family's example checkpoints."""
     def cell(v: str) -> str:
         return v if v == "pass" else v.split(":")[0]
-    lines = ["| family | " + " | ".join(STAGES) + " |", "|---" * (len(STAGES) + 1) + "|"]
-    lines += ["| " + r["family"] + " | " + " | ".join(cell(r[s]) for s in STAGES) + " |" for r in rows]
+    lines = ["| family | examples | " + " | ".join(STAGES) + " |", "|---" * (len(STAGES) + 2) + "|"]
+    lines += ["| " + r["family"] + " | " + EXAMPLES.get(r["family"], "") + " | " + " | ".join(cell(r[s]) for s in STAGES)
+              + " |" for r in rows]
     return "\n".join(lines)
+
+
+def with_matrix(doc: str, rows: list[dict]) -> str:
+    """`doc` with the text between BEGIN and END replaced by the table of `rows`."""
+    head, rest = doc.split(BEGIN, 1)
+    return head + BEGIN + "\n" + matrix_markdown(rows) + "\n" + END + rest.split(END, 1)[1]
+
+
+if __name__ == "__main__":  # python -m dflashkit.families --write docs/targets.md
+    import sys
+    import tempfile
+
+    from dflashkit.fileio import write_text
+
+    if sys.argv[1:2] != ["--write"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m dflashkit.families --write docs/targets.md")
+    doc = Path(sys.argv[2])
+    with tempfile.TemporaryDirectory() as tmp:
+        write_text(doc, with_matrix(doc.read_text(), family_matrix(tmp)))
+    print(f"wrote {doc}")

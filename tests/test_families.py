@@ -4,34 +4,48 @@ online ar and chain equal greedy decoding in float32, sliding-window families (g
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 from dflashkit.errors import DFlashError
-from dflashkit.families import STAGES, check_family, greedy_reference, matrix_markdown
+from dflashkit.families import STAGES, family_matrix, greedy_reference, matrix_markdown, with_matrix
 from dflashkit.target.fixtures import ALL_KINDS, FAMILIES, make_tiny_target
 from dflashkit.target.model import load_target
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group(name="families")]
+DOC = Path(__file__).resolve().parents[1] / "docs" / "targets.md"
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("families")
 
 
+@pytest.fixture(scope="module")
+def matrix(root):
+    return {r["family"]: r for r in family_matrix(root)}
+
+
 @pytest.mark.parametrize("kind", ALL_KINDS)
-def test_family_matrix(root, kind):
-    row = check_family(kind, root)
+def test_family_matrix(matrix, kind):
+    row = {k: v for k, v in matrix[kind].items() if k != "family"}
     assert row == dict.fromkeys(STAGES, "pass"), (kind, row)
+
+
+def test_the_supported_targets_table_is_the_matrix(matrix):
+    """docs/targets.md holds the table this matrix writes (`python -m dflashkit.families --write docs/targets.md`)."""
+    doc = DOC.read_text()
+    assert with_matrix(doc, list(matrix.values())) == doc, "docs/targets.md is stale: regenerate it"
 
 
 def test_matrix_rows_make_a_table():
     rows = [{"family": "a", **dict.fromkeys(STAGES, "pass")},
             {"family": "b", **dict.fromkeys(STAGES, "pass"), "ar": "refused: target b (b) has chunked attention"}]
     table = matrix_markdown(rows).splitlines()
-    assert table[0] == "| family | load | layer_ids | features | ar | chain |"
-    assert table[3] == "| b | pass | pass | pass | refused | pass |"
+    assert table[0] == "| family | examples | " + " | ".join(STAGES) + " |"
+    assert table[3] == "| b |  | pass | pass | pass | refused | " + " | ".join(["pass"] * (len(STAGES) - 4)) + " |"
 
 
 def test_families_decode_more_than_a_stop_token(root):
