@@ -16,7 +16,8 @@ import torch
 from dflashkit.errors import DFlashError
 from dflashkit.rng import seeded
 
-STAGES = ("load", "layer_ids", "features", "ar", "chain", "ddtree", "ngram", "hybrid", "export")
+STAGES = ("load", "layer_ids", "features", "extract", "train", "eval", "ar", "chain", "ddtree", "ngram", "hybrid",
+          "export")
 PROMPT = "the quick brown fox jumps over"
 NEW_TOKENS = 12
 
@@ -59,9 +60,11 @@ def check_family(kind: str, root: str | Path) -> dict[str, str]:
 
     stages = {"load": load, "layer_ids": lambda: _layer_ids(state), "features": lambda: _features_match(
         state["target"], state["prompt"]), **{s: functools.partial(_online, state, m) for s, m in ONLINE.items()},
-        "export": lambda: _export(state, Path(root) / f"{kind}-export")}
+        "export": lambda: _export(state, Path(root) / f"{kind}-export"),
+        "extract": lambda: _extract(state, Path(root) / f"{kind}-cache"),
+        "train": lambda: _train_step(state, Path(root) / f"{kind}-train"), "eval": lambda: _offline(state)}
     for stage in STAGES:
-        need = "load" if stage == "layer_ids" else None if stage == "load" else "layer_ids"
+        need = {"load": None, "layer_ids": "load", "train": "extract", "eval": "train"}.get(stage, "layer_ids")
         if need and row[need] != "pass":
             row[stage] = f"skipped: {need} did not pass"
             continue
@@ -83,6 +86,42 @@ def _layer_ids(state: dict) -> None:
     state["ref"] = greedy_reference(t, state["prompt"], NEW_TOKENS)
     with seeded(0):
         state["drafter"] = new_drafter(t, num_layers=1, block_size=4, target_layer_ids=state["ids"]).eval()
+
+
+def _extract(state: dict, folder: Path) -> None:
+    """A one-prompt cache: its stored features are a clean forward's over prompt + answer."""
+    from dflashkit.cache import extract, open_cache
+    from dflashkit.prompts import load_prompts
+
+    t = state["target"]
+    path = extract(t, load_prompts("coding-10").subset(1), folder, layer_ids=state["ids"], max_new_tokens=8,
+                   progress=False)
+    rec = next(iter(open_cache(path)))
+    clean = t.features([rec.tokens.tolist()], state["ids"])[0]
+    assert torch.allclose(rec.features(state["ids"]).float(), clean.float(), atol=1e-4), "cached features"
+    state["cache"] = path
+
+
+def _train_step(state: dict, out: Path) -> None:
+    """Two training steps on that cache; the checkpoint loads back against the target."""
+    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.train import train
+    from dflashkit.train.config import load_config
+
+    cfg = load_config(None, dict(data=str(state["cache"]), out=str(out), steps=2, num_layers=1, block_size=4,
+                                 target_layer_ids=state["ids"], batch_size=1, anchors_per_seq=4, progress=False,
+                                 dtype="float32", device="cpu", draft_vocab="none", save_every=1000))
+    with torch.enable_grad():  # check_family runs under no_grad
+        summary = train(cfg, target=state["target"])
+    state["trained"] = load_drafter(summary["checkpoint"], target=state["target"])
+
+
+def _offline(state: dict) -> None:
+    from dflashkit.cache import open_cache
+    from dflashkit.evaluate.offline import evaluate
+
+    o = evaluate(state["trained"], state["target"], open_cache(state["cache"]), trees=("budget:4",))["overall"]
+    assert o["prompts"] == 1 and 1.0 <= o["tau"] <= 4.0, o
 
 
 def _online(state: dict, method: str) -> None:

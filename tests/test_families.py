@@ -45,7 +45,9 @@ def test_matrix_rows_make_a_table():
             {"family": "b", **dict.fromkeys(STAGES, "pass"), "ar": "refused: target b (b) has chunked attention"}]
     table = matrix_markdown(rows).splitlines()
     assert table[0] == "| family | examples | " + " | ".join(STAGES) + " |"
-    assert table[3] == "| b |  | pass | pass | pass | refused | " + " | ".join(["pass"] * (len(STAGES) - 4)) + " |"
+    cells = ["pass"] * len(STAGES)
+    cells[STAGES.index("ar")] = "refused"
+    assert table[3] == "| b |  | " + " | ".join(cells) + " |"
 
 
 def test_families_decode_more_than_a_stop_token(root):
