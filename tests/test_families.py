@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from dflashkit.errors import DFlashError
 from dflashkit.families import STAGES, family_matrix, greedy_reference, matrix_markdown, with_matrix
 from dflashkit.target.fixtures import ALL_KINDS, FAMILIES, make_tiny_target
-from dflashkit.target.model import load_target
+from dflashkit.target.model import cpu_has_bf16_matmul, load_target
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group(name="families")]
 DOC = Path(__file__).resolve().parents[1] / "docs" / "targets.md"
@@ -80,3 +80,26 @@ def test_vl_checkpoint_with_a_broken_language_model_weight_is_refused(root, tmp_
     assert str(folder) in msg and "model.layers.1.mlp.up_proj.weight" in msg and "missing" in msg
     if edit == "renamed":
         assert "model.layers.1.mlp.up_projection.weight" in msg and "dropped" in msg
+
+
+@pytest.mark.skipif(not cpu_has_bf16_matmul(),
+                    reason="bf16 decoding is checked on CPUs with native bf16 dot products")
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_bf16_online_methods_equal_bf16_plain_decoding(root, kind):
+    """On a bf16 CPU decoding runs row-invariant kernels, so every method equals bf16 plain decoding (ours)."""
+    import torch
+
+    from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
+    from dflashkit.drafter.checkpoint import new_drafter
+    from dflashkit.rng import seeded
+
+    t = load_target(make_tiny_target(kind, root / kind), device="cpu", dtype="bfloat16")
+    ids = t.chat_ids([{"role": "user", "content": "the quick brown fox jumps over"}])
+    with seeded(0):
+        d = new_drafter(t, num_layers=1, block_size=4, target_layer_ids=t.default_layer_ids(1)).to(torch.bfloat16)
+    ref = generate(t, ids, "ar", max_new_tokens=16).tokens
+    p = DFlashProposer(t, d.eval())
+    for method in ("chain", "ddtree-4", "ngram", "hybrid-4"):
+        got = generate(t, ids, method, None if method == "ngram" else p, max_new_tokens=16,
+                       ngram=new_lookup(method) if method in ("ngram", "hybrid-4") else None).tokens
+        assert got == ref, (kind, method)
