@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from benchmarks.dflash2_vs_dflash import cpu_name  # noqa: E402
+from common import cpu_name  # noqa: E402
 from dflashkit.decode.sampling import Sampling  # noqa: E402
 from dflashkit.decode.speculative import DFlashProposer, generate  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter  # noqa: E402

@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from dflash2_vs_dflash import cpu_name, write_results  # noqa: E402
+from common import cpu_name, write_results  # noqa: E402
 from dflashkit.decode.cost import measure_cost_curve  # noqa: E402
 from dflashkit.decode.speculative import generate  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
+from common import cpu_name  # noqa: E402
 from dflashkit.cache import open_cache  # noqa: E402
 from dflashkit.decode.bench import parse_methods, run_bench  # noqa: E402
 from dflashkit.decode.sampling import Sampling  # noqa: E402
@@ -36,22 +36,8 @@ from dflashkit.demo import DemoConfig, Paths, declare_stages, load_demo_target, 
 from dflashkit.demo.stages import StageRunner  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter, run_latest  # noqa: E402
 from dflashkit.evaluate.runs import run_eval  # noqa: E402
-from dflashkit.fileio import write_json, write_text  # noqa: E402
+from dflashkit.fileio import write_json  # noqa: E402
 from dflashkit.prompts import load_prompts  # noqa: E402
-
-
-def cpu_name() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
-    bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
-    return f"{model}, {torch.get_num_threads()} threads, {'native bf16' if bf16 else 'no native bf16 (AVX2)'}"
-
-
-def write_results(stem, md: list[str], data: dict) -> None:
-    """A benchmark's STEM.md (its lines) and STEM.json (its figures), both written atomically."""
-    write_text(f"{stem}.md", "\n".join(md) + "\n")
-    write_json(f"{stem}.json", data)
-    print(f"wrote {stem}.md, {stem}.json")
 
 
 def build_data(demo: DemoConfig):
@@ -77,7 +63,7 @@ def train_both(p: Paths, out: Path, minutes: float, rank: int) -> dict:
     procs = {}
     for name, extra in runs.items():
         cmd = [sys.executable, "-m", "dflashkit.cli", "train", "--threads", "1", "--config",
-               str(ROOT / "configs" / "smollm2-cpu.yaml"), f"out={out / name}", *common, *extra]
+               "smollm2-cpu", f"out={out / name}", *common, *extra]
         if run_latest(out / name) is not None and (out / name / "summary.json").exists():
             continue  # already trained
         log = open(out / f"train-{name}.log", "w")

@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import dflashkit.drafter.head as head  # noqa: E402
-from dflash2_vs_dflash import cpu_name, write_results  # noqa: E402
+from common import cpu_name, write_results  # noqa: E402
 from dflashkit.decode.speculative import DFlashProposer  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402

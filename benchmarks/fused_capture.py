@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from dflash2_vs_dflash import cpu_name, write_results  # noqa: E402
+from common import cpu_name, write_results  # noqa: E402
 from dflashkit.cache.extraction import _batches, capture_features  # noqa: E402
 from dflashkit.demo import DemoConfig, demo_suites  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402

@@ -34,9 +34,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from dflash2_vs_dflash import cpu_name  # noqa: E402
+from common import cpu_name  # noqa: E402
 from dflashkit.cache import open_cache  # noqa: E402
 from dflashkit.decode.speculative import DFlashProposer, generate  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter, run_latest  # noqa: E402
@@ -82,7 +81,7 @@ def train(lever: str, extra: list[str], data: Path, eval_cache: Path, out: Path,
     if (run / "summary.json").is_file():
         return run
     cmd = [sys.executable, "-m", "dflashkit.cli", "train", "--threads", str(threads), "--config",
-           str(ROOT / "configs" / "smollm2-cpu.yaml"), f"out={run}", f"data={data}", f"eval_cache={eval_cache}",
+           "smollm2-cpu", f"out={run}", f"data={data}", f"eval_cache={eval_cache}",
            f"max_minutes={minutes}", f"schedule_minutes={minutes}", "progress=false", f"dtype={dtype}", *extra]
     print(f"[{lever}] training {minutes:g} min: {' '.join(extra) or '(the recipe)'}", flush=True)
     (out / lever).mkdir(parents=True, exist_ok=True)

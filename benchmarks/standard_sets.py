@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from dflash2_vs_dflash import cpu_name  # noqa: E402
+from common import cpu_name  # noqa: E402
 from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench, write_bench  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter  # noqa: E402
 from dflashkit.fileio import write_text  # noqa: E402
