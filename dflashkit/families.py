@@ -17,7 +17,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.rng import seeded
 
 STAGES = ("load", "layer_ids", "features", "extract", "train", "eval", "ar", "chain", "ddtree", "ngram", "hybrid",
-          "export")
+          "hybrid-auto", "export")
 PROMPT = "the quick brown fox jumps over"
 NEW_TOKENS = 12
 
@@ -44,7 +44,8 @@ def _features_match(target, ids: list[int]) -> None:
     assert torch.allclose(target.final_norm(feats[-1]), hs[L][0], atol=1e-5), "final norm of the last layer"
 
 
-ONLINE = {"ar": "ar", "chain": "chain", "ddtree": "ddtree-4", "ngram": "ngram", "hybrid": "hybrid-4"}
+ONLINE = {"ar": "ar", "chain": "chain", "ddtree": "ddtree-4", "ngram": "ngram", "hybrid": "hybrid-4",
+          "hybrid-auto": "hybrid-auto"}
 
 
 @torch.no_grad()
@@ -129,8 +130,11 @@ def _online(state: dict, method: str) -> None:
 
     t = state["target"]
     proposer = None if method in ("ar", "ngram") else DFlashProposer(t, state["drafter"])
+    from dflashkit.decode.cost import CostCurve
+
     ngram = new_lookup(method) if method.startswith(("ngram", "hybrid")) else None
-    got = generate(t, state["prompt"], method, proposer, max_new_tokens=NEW_TOKENS, ngram=ngram).tokens
+    cost = CostCurve([1, 2, 4, 8, 16, 32], [0.010, 0.011, 0.012, 0.015, 0.020, 0.030])  # a CPU-like verify curve
+    got = generate(t, state["prompt"], method, proposer, max_new_tokens=NEW_TOKENS, ngram=ngram, cost=cost).tokens
     assert got == state["ref"], f"{method} {got} != greedy {state['ref']}"
 
 
