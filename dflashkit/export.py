@@ -47,9 +47,10 @@ def _target_ref(drafter, given: str | None, src: Path) -> str:
     if given:
         return given
     tgt = (drafter.contract or {}).get("target") or {}
-    for ref in (tgt.get("path"), tgt.get("name")):
-        if ref and (ref != tgt.get("path") or Path(ref).exists()):
-            return ref
+    if tgt.get("path") and Path(tgt["path"]).exists():
+        return tgt["path"]
+    if tgt.get("name"):  # the registry name, when the recorded folder has moved
+        return tgt["name"]
     raise DFlashError(f"{src}: records no target (a z-lab folder); pass --target NAME_OR_FOLDER")
 
 
@@ -81,8 +82,7 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     if fmt == "zlab":
         lm_head = target.lm_head.weight if keep_map else None
         save_drafter(drafter, out, format="zlab", dtype=getattr(torch, dtype), lm_head=lm_head)
-        written = load_drafter(out).contract
-        written = (written or {}).get("draft_vocab")
+        written = (load_drafter(out).contract or {}).get("draft_vocab")
     else:
         from dflashkit.drafter.gguf import read_token_map
         from dflashkit.engines.install import require
@@ -108,13 +108,13 @@ def _offline_tau(drafter, target, cache_path: str, num_prompts: int | None, expo
     from dflashkit.cache.store import check_target
     from dflashkit.evaluate.offline import evaluate
 
+    if exported_full and drafter.config.arch != "dflash":  # evaluate scores the full vocabulary for DFlash only
+        raise DFlashError(f"{drafter.config.arch}: tau over the full vocabulary is measured for DFlash drafters "
+                          "only; export with the token map (leave out --full-vocab)")
     cache = open_cache(cache_path, num_prompts=num_prompts, layer_ids=drafter.config.target_layer_ids)
     check_target(cache.path, cache.manifest, target.identity())
     o = evaluate(drafter, target, cache, trees=(), progress=True)["overall"]
-    as_exported = o["as_exported"]["tau"] if exported_full and "as_exported" in o else o["tau"]
-    if exported_full and "as_exported" not in o:
-        raise DFlashError(f"{drafter.config.arch}: tau over the full vocabulary is measured for DFlash drafters "
-                          "only; export with the token map (leave out --full-vocab)")
+    as_exported = o["as_exported"]["tau"] if exported_full else o["tau"]
     return {"as_trained": o["tau"], "as_exported": as_exported, "prompts": o["prompts"], "cache": str(cache.path)}
 
 

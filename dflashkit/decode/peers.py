@@ -41,24 +41,22 @@ def _context_length(target) -> int:
 def _start(method: str, target, drafter, block_size: int, ctx: int, workdir: Path):
     """The engine of `method`, not yet entered; the drafter exported as that engine reads it."""
     from dflashkit.drafter.checkpoint import save_drafter
+    from dflashkit.engines.install import require
 
     dtype = str(target.dtype).removeprefix("torch.")
     threads = torch.get_num_threads()
     speculative = method.endswith("-dflash")
     if speculative and drafter is None:
         raise DFlashError(f"--methods {method} runs our drafter in the engine: pass --drafter")
+    engine = require(plain_of(method))  # "llama.cpp" or "vllm"
     if method.startswith("llama.cpp"):
-        from dflashkit.engines.install import require
         from dflashkit.engines.llamacpp import LlamaServer, drafter_gguf, target_gguf
 
-        engine = require("llama.cpp")
         model = target_gguf(engine, target, dtype)
         draft = drafter_gguf(engine, drafter, target, dtype, workdir / "drafter.gguf") if speculative else None
         return LlamaServer(model, threads, ctx, draft, block_size - 1, log=workdir / f"{method}.log", engine=engine)
-    from dflashkit.engines.install import require
     from dflashkit.engines.vllm_client import VllmWorker
 
-    engine = require("vllm")
     folder = None
     if speculative:
         folder = save_drafter(drafter, workdir / "vllm-drafter", format="zlab", dtype=target.dtype,
