@@ -124,7 +124,7 @@ class DFlashProposer:
     def propose(self, features, anchor, start: int) -> torch.Tensor:
         n = features.shape[1]
         ids = torch.cat([anchor, self.mask_ids])
-        block_embeds = self.drafter.embed_block(self.target.embed_tokens, ids, self.dtype)[None]  # [1, B, H]
+        block_embeds = self.drafter.embed_block(self.target.embed, ids, self.dtype)[None]  # [1, B, H]
         positions = torch.arange(start - n, start + self.block_size, device=block_embeds.device)[None]  # context, block
         with decoding_products():
             h = self.drafter(features.to(self.dtype), block_embeds, positions, past_key_values=self.context_kv,

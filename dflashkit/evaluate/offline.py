@@ -302,7 +302,7 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     for rec in tqdm(cache, total=len(cache), desc="eval", unit="prompt", disable=not progress, leave=False):
         t0 = time.perf_counter()
         tokens = rec.tokens
-        recs = evaluate_sequence(drafter, head, target.embed_tokens, tokens, rec.features(cfg.target_layer_ids),
+        recs = evaluate_sequence(drafter, head, target.embed, tokens, rec.features(cfg.target_layer_ids),
                                  rec.prompt_len, anchors=anchors, trees=trees, max_blocks=max_blocks, full_head=full)
         for i, r in enumerate(recs):
             r["prompt"], r["block"] = rec.id, i

@@ -114,6 +114,12 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding table's rows for `ids`, unscaled: what z-lab's loop feeds a drafter. A Gemma target's
+        embedding module multiplies by sqrt(hidden) for its own layers; a drafter's only input scale is its
+        input_embedding_scale, so a z-lab Gemma drafter drafts here what it drafts there."""
+        return torch.nn.functional.embedding(ids, self.embed_tokens.weight)
+
     @property
     def kernels(self) -> str:
         """eager or compiled: the linears decoding runs (target/compiled.py)."""

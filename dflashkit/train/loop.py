@@ -389,7 +389,7 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
     for m, (idx, batch) in enumerate(micro):
         feats, block_embeds, last_states = micro_inputs(r.source, idx, batch, r.target, r.layer_ids, cfg.loss == "kl",
                                                         cfg.noise_std, [mix_seed(cfg.seed, epoch, i, 3) for i in idx],
-                                                        lambda ids: r.drafter.embed_block(r.target.embed_tokens, ids))
+                                                        lambda ids: r.drafter.embed_block(r.target.embed, ids))
         with grad_sync(r, last=m == len(micro) - 1):
             with autocast(r):
                 hidden = r.model(feats, block_embeds, batch.anchors, batch.valid)
@@ -421,7 +421,7 @@ def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bo
     with torch.no_grad():
         last_states = target.final_norm(last.to(target.device, target.dtype)) if need_last else None
         # the drafter's embed_block applies its input_embedding_scale, as the reference does
-        block_embeds = (embed or target.embed_tokens)(batch.block_ids.reshape(len(idx), -1))
+        block_embeds = (embed or target.embed)(batch.block_ids.reshape(len(idx), -1))
     if noise_std > 0:
         feats = add_noise(feats, noise_std, target.hidden_size, noise_seeds)
     return feats, block_embeds, last_states
