@@ -222,7 +222,9 @@ EXAMPLES = {  # checkpoints of each family that z-lab publishes DFlash drafters 
     "llama": "Llama-3.1-8B-Instruct", "qwen3": "Qwen3-8B, Qwen3-4B", "qwen3_5": "Qwen3.5 text models",
     "qwen3_moe": "Qwen3-Coder-30B-A3B", "qwen3_5_vl": "Qwen3.5/3.6-27B (Qwen3_5ForConditionalGeneration)",
     "qwen3_5_moe": "Qwen3.5/3.6-35B-A3B", "qwen3_next": "Qwen3-Coder-Next", "gpt_oss": "gpt-oss-20b, gpt-oss-120b",
-    "gemma4": "Gemma 4", "deepseek_v3": "Kimi K2.x (DeepSeek-V3: MLA + MoE)", "glm4_moe": "GLM-4.5/4.6",
+    "gemma4": "Gemma 4 26B-A4B, 31B (MoE block, shared K=V)",
+    "gemma4_e": "Gemma 4 E2B, E4B (per-layer inputs, shared KV)", "deepseek_v3": "Kimi K2.x (DeepSeek-V3: MLA + MoE)",
+    "glm4_moe": "GLM-4.5/4.6",
     "minimax_m2": "MiniMax-M2",
 }
 BEGIN, END = "<!-- family matrix: python -m dflashkit.families --write docs/targets.md -->", "<!-- end of matrix -->"

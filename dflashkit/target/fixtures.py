@@ -20,8 +20,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 KINDS = ("llama", "qwen3", "qwen3_5")
 # issue 37's families: MoE, a vision-language wrapper, hybrids, sliding windows, MLA; 5 layers, the fewest with which
 # one feature's default layer (the middle one) is not one of the last two
-FAMILIES = ("qwen3_moe", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "gpt_oss", "gemma4", "deepseek_v3", "glm4_moe",
-            "minimax_m2")
+FAMILIES = ("qwen3_moe", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "gpt_oss", "gemma4", "gemma4_e", "deepseek_v3",
+            "glm4_moe", "minimax_m2")
 ALL_KINDS = KINDS + FAMILIES
 
 
@@ -85,7 +85,14 @@ def _family_config(kind: str, common: dict):
                                rope_parameters=dict(rope_type="default", rope_theta=150000.0))
     if kind == "gemma4":
         g = {k: v for k, v in common.items() if k != "rms_norm_eps"}
-        return tf.Gemma4TextConfig(**g, sliding_window=8, hidden_size_per_layer_input=0, vocab_size_per_layer_input=272)
+        return tf.Gemma4TextConfig(**g, sliding_window=8, hidden_size_per_layer_input=0, vocab_size_per_layer_input=272,
+                                   enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                                   attention_k_eq_v=True)  # the 26B-A4B shape
+    if kind == "gemma4_e":  # the E2B/E4B shape: per-layer input embeddings, the last layers reuse earlier layers' KV
+        g = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+        return tf.Gemma4TextConfig(**g, sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=272,
+                                   num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention",
+                                   "sliding_attention", "sliding_attention", "full_attention"])
     if kind == "deepseek_v3":
         mla = {k: v for k, v in common.items() if k != "head_dim"} | {"num_key_value_heads": 4}  # MLA: one per head
         return tf.DeepseekV3Config(**mla, **moe, n_routed_experts=4, n_shared_experts=1,
