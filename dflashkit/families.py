@@ -227,23 +227,46 @@ EXAMPLES = {  # checkpoints of each family that z-lab publishes DFlash drafters 
     "glm4_moe": "GLM-4.5/4.6",
     "minimax_m2": "MiniMax-M2",
 }
-BEGIN, END = "<!-- family matrix: python -m dflashkit.families --write docs/targets.md -->", "<!-- end of matrix -->"
+MARKERS = {  # (begin, end) -> the table written between them
+    ("<!-- family matrix: python -m dflashkit.families --write docs/targets.md -->", "<!-- end of matrix -->"):
+        "matrix",
+    ("<!-- targets: python -m dflashkit.families --write README.md -->", "<!-- end of targets -->"): "summary",
+}
+
+
+def _cell(v: str) -> str:
+    return v if v == "pass" else v.split(":")[0]
 
 
 def matrix_markdown(rows: list[dict]) -> str:
     """The table: pass, or the refusal's first clause, with each family's example checkpoints."""
-    def cell(v: str) -> str:
-        return v if v == "pass" else v.split(":")[0]
     lines = ["| family | examples | " + " | ".join(STAGES) + " |", "|---" * (len(STAGES) + 2) + "|"]
-    lines += ["| " + r["family"] + " | " + EXAMPLES.get(r["family"], "") + " | " + " | ".join(cell(r[s]) for s in STAGES)
+    lines += ["| " + r["family"] + " | " + EXAMPLES.get(r["family"], "") + " | " + " | ".join(_cell(r[s]) for s in STAGES)
               + " |" for r in rows]
     return "\n".join(lines)
 
 
+def summary_markdown(rows: list[dict]) -> str:
+    """The README's short form: how many stages pass, and which do not."""
+    lines = ["| family | examples | stages passed | not passed |", "|---|---|---|---|"]
+    for r in rows:
+        other = [f"{s} ({_cell(r[s])})" for s in STAGES if r[s] != "pass"]
+        lines.append(f"| {r['family']} | {EXAMPLES.get(r['family'], '')} | {len(STAGES) - len(other)} of {len(STAGES)} "
+                     f"| {', '.join(other) or '-'} |")
+    return "\n".join(lines)
+
+
 def with_matrix(doc: str, rows: list[dict]) -> str:
-    """`doc` with the text between BEGIN and END replaced by the table of `rows`."""
-    head, rest = doc.split(BEGIN, 1)
-    return head + BEGIN + "\n" + matrix_markdown(rows) + "\n" + END + rest.split(END, 1)[1]
+    """`doc` with the text between each pair of markers it holds replaced by that table of `rows`."""
+    tables = {"matrix": matrix_markdown, "summary": summary_markdown}
+    found = False
+    for (begin, end), kind in MARKERS.items():
+        if begin in doc:
+            head, rest = doc.split(begin, 1)
+            doc, found = head + begin + "\n" + tables[kind](rows) + "\n" + end + rest.split(end, 1)[1], True
+    if not found:
+        raise ValueError("no table markers in the document: add one of " + ", ".join(b for b, _ in MARKERS))
+    return doc
 
 
 if __name__ == "__main__":  # python -m dflashkit.families --write docs/targets.md
@@ -252,9 +275,10 @@ if __name__ == "__main__":  # python -m dflashkit.families --write docs/targets.
 
     from dflashkit.fileio import write_text
 
-    if sys.argv[1:2] != ["--write"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m dflashkit.families --write docs/targets.md")
-    doc = Path(sys.argv[2])
+    if sys.argv[1:2] != ["--write"] or len(sys.argv) < 3:
+        sys.exit("usage: python -m dflashkit.families --write docs/targets.md README.md")
     with tempfile.TemporaryDirectory() as tmp:
-        write_text(doc, with_matrix(doc.read_text(), family_matrix(tmp)))
-    print(f"wrote {doc}")
+        rows = family_matrix(tmp)
+    for doc in map(Path, sys.argv[2:]):
+        write_text(doc, with_matrix(doc.read_text(), rows))
+        print(f"wrote {doc}")

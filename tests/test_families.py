@@ -72,10 +72,17 @@ def test_drafter_inputs_are_the_unscaled_embedding_rows(root):
     assert not torch.allclose(t.embed_tokens(ids), t.embed(ids))  # the module's own output is scaled
 
 
-def test_the_supported_targets_table_is_the_matrix(matrix):
-    """docs/targets.md holds the table this matrix writes (`python -m dflashkit.families --write docs/targets.md`)."""
-    doc = DOC.read_text()
-    assert with_matrix(doc, list(matrix.values())) == doc, "docs/targets.md is stale: regenerate it"
+@pytest.mark.parametrize("doc", [DOC, DOC.parents[1] / "README.md"], ids=["docs/targets.md", "README.md"])
+def test_the_supported_targets_tables_are_the_matrix(matrix, doc):
+    """docs/targets.md and the README hold the tables this matrix writes
+    (`python -m dflashkit.families --write docs/targets.md README.md`)."""
+    text = doc.read_text()
+    assert with_matrix(text, list(matrix.values())) == text, f"{doc.name} is stale: regenerate it"
+
+
+def test_a_document_without_markers_is_refused():
+    with pytest.raises(ValueError, match="no table markers"):
+        with_matrix("# nothing here\n", [])
 
 
 def test_matrix_rows_make_a_table():
