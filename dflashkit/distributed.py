@@ -3,6 +3,7 @@ extraction and training need, written once. With one process every helper is a n
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -36,7 +37,17 @@ def init_distributed(device: str = "auto") -> Dist:
         torch.cuda.set_device(here)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
+        # torch allows one group per process; left to the interpreter's teardown, gloo's threads can outlive it and
+        # abort the process at exit ("terminate called without an active exception"), so it ends before that
+        atexit.register(_end_group)
     return Dist(dist.get_rank(), dist.get_world_size(), here)
+
+
+def _end_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
