@@ -18,12 +18,13 @@ import torch
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
-from dflashkit.decode.methods import needs_drafter, parse_method
+from dflashkit.decode.methods import STATIC_AR, needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.peers import (TAU_TOLERANCE, check_engines, check_tau, engine_tau, is_engine, plain_of,
                                    predicted_tau, run_engine)
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
+from dflashkit.decode.static import generate_static_ar
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
@@ -35,7 +36,8 @@ from dflashkit.tree import common_prefix
 
 PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split
 STOCK_AR = "ar-stock"  # plain decoding on the model's own kernels: the speed baseline where `ar` runs invariant ones
-PLAIN = ("ar", STOCK_AR, "hf-generate", "llama.cpp", "vllm")  # no drafter: what the speedups are stated against
+# no drafter: what the speedups are stated against
+PLAIN = ("ar", STOCK_AR, STATIC_AR, "hf-generate", "llama.cpp", "vllm")
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -58,7 +60,11 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
     """One conversation (every turn, conversation.py); the baselines (ar-stock, transformers' loops) on the model's
     own kernels, ours on the kernels that keep them exact."""
     gen = torch.Generator(device=target.device).manual_seed(seed)
-    if method == STOCK_AR or parse_method(method)[0] in PEERS:
+    if method == STATIC_AR:
+        def one(ids):
+            return generate_static_ar(_static_decoder(target, lookups, len(ids) + max_new_tokens), ids,
+                                      max_new_tokens)
+    elif method == STOCK_AR or parse_method(method)[0] in PEERS:
         # transformers' loops verify several tokens too: on compiled kernels when ours use them (faster for them)
         on_ours = method != STOCK_AR and uses_compiled(target.model)
 
@@ -77,6 +83,32 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
                             generator=gen, cost=cost, ngram=ngram)
     with seeded(seed, target.device):  # transformers' generate samples from the global generator
         return decode_conversation(target, item, one)
+
+
+def _static_decoder(target, state: dict, length: int):
+    """The run's StaticDecoder (compiled once, on the warm-up), rebuilt longer when a turn needs more slots."""
+    from dflashkit.decode.static import StaticDecoder
+
+    d = state.get(STATIC_AR)
+    if d is None or d.max_len < length:
+        d = state[STATIC_AR] = StaticDecoder(target, max(512, -(-length // 512) * 512))
+    return d
+
+
+def _static_parting(target, runs: list[dict]) -> tuple[list[dict], dict]:
+    """ar-static against ar: other kernels, so in low precision a parting is reported; in float32 it fails."""
+    by = {r["prompt"]: r["tokens"] for r in runs if r["method"] == "ar"}
+    p, bad = {"equal": 0, "prompts": 0, "parts_at": {}}, []
+    for r in (r for r in runs if r["method"] == STATIC_AR and r["prompt"] in by):
+        p["prompts"] += 1
+        if r["tokens"] == by[r["prompt"]]:
+            p["equal"] += 1
+            continue
+        p["parts_at"][r["prompt"]] = common_prefix(r["tokens"], by[r["prompt"]])
+        if target.dtype == torch.float32:
+            bad.append({"prompt": r["prompt"], "method": STATIC_AR, "against": "ar",
+                        "first_difference": p["parts_at"][r["prompt"]]})
+    return bad, p
 
 
 def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]], methods: list[str],
@@ -105,10 +137,11 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         engine_runs, started[m] = run_engine(m, target, drafter, prompts, max_new_tokens,
                                              proposer.block_size if proposer else 0, progress)
         runs += engine_runs
-    stock = (STOCK_AR,) + PEERS if switched else ()  # on other kernels: their tokens may part in low precision
+    stock = ((STOCK_AR,) + PEERS if switched else ()) + (STATIC_AR,)  # other kernels: may part in low precision
     mismatches = (check_lossless([r for r in runs if r["method"] not in stock and not is_engine(r["method"])])
                   if sampling.temperature == 0 else [])
     engine_mismatches, engine_divergences, parting = _judge_engines(target, runs)
+    static_mismatches, static_parting = _static_parting(target, runs)
     divergences = []
     if mismatches and not exact_kernels(target):  # CUDA low precision: a rounding-sized near-tie is not a bug
         mismatches, divergences = explain_by_rounding(target, turns, runs, mismatches)
@@ -119,6 +152,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         summary[m].update(engine=info, ar_parting=parting.get(m))
         if m.endswith("-dflash"):  # our drafter's tau on the very tokens the engine verified
             summary[m]["predicted_tau"] = predicted_tau(target, proposer, [r for r in runs if r["method"] == m])
+    if STATIC_AR in summary:
+        summary[STATIC_AR]["ar_parting"] = static_parting
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
     return {
@@ -131,7 +166,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         "cost": costs,
         "methods": summary,
         "categories": by_category,
-        "mismatches": mismatches + engine_mismatches,
+        "mismatches": mismatches + engine_mismatches + static_mismatches,
         "divergences": divergences,
         "engine_divergences": engine_divergences,
         "tau_checks": check_tau(summary),

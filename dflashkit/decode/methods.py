@@ -5,15 +5,17 @@ from __future__ import annotations
 import re
 
 AUTO_BUDGET = 32  # the most drafter nodes a cost-aware tree considers
-METHODS_HELP = ("ar, chain, ddtree, ddtree-N (budget N), ddtree-auto, ngram, hybrid, hybrid-N, hybrid-auto, "
+METHODS_HELP = ("ar, ar-static (plain decoding, static compiled decoder), chain, ddtree, ddtree-N (budget N), ddtree-auto, "
+                "ngram, hybrid, hybrid-N, hybrid-auto, "
                 "prompt-lookup, prompt-lookup-N (N lookup tokens), hf-generate, or the engine peers (bench only) llama.cpp, "
                 "llama.cpp-dflash, vllm, vllm-dflash")
 ENGINE_METHODS = ("llama.cpp", "llama.cpp-dflash", "vllm", "vllm-dflash")
+STATIC_AR = "ar-static"
 
 
 def parse_method(name: str) -> tuple[str, int | str | None]:
     """A method name -> (kind, N, 'auto' or None); see METHODS_HELP."""
-    if name.strip() in ENGINE_METHODS:
+    if name.strip() in ENGINE_METHODS + (STATIC_AR,):
         return name.strip(), None
     m = re.fullmatch(r"(ar|chain|ddtree|ngram|hybrid|prompt-lookup|hf-generate)(?:-([0-9]+|auto))?", name.strip())
     sized = {"ddtree": r"[0-9]+|auto", "hybrid": r"[0-9]+|auto", "prompt-lookup": r"[0-9]+"}

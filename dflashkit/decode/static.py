@@ -1,0 +1,176 @@
+"""Plain decoding in the shape of gpt-fast (issue 38): a static KV cache sized to the run, the Llama step written out
+over the target's own weights, compiled once per width. Nothing here changes process state: the kernels are the
+`linear` value a decoder is built with, and every compiled step belongs to its decoder.
+
+Why it is faster than our `ar` on a CPU: HF's modules, a DynamicCache and ~450 small ops a token cost more than the
+weights take to read; compiled, the step is a few dozen fused kernels. Why the linears are reductions: at one row,
+inductor's fused reduction (each weight read once, in its own dtype, summed in float32) reads bf16 weights faster
+than the mm kernel does (27 vs 18 GB/s on a 2-core EPYC, benchmarks/static_decode_probe.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dflashkit.errors import DFlashError
+
+WIDTHS = (1, 32)  # one token a step; prompts in chunks of 32
+LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def linear_mm(x, w):
+    return F.linear(x, w)
+
+
+def linear_reduce(x, w):
+    """x @ w.T as one reduction per output, summed in float32 (compiled: one fused kernel per weight)."""
+    return (w.float() * x.float()[..., None, :]).sum(-1).to(x.dtype)
+
+
+LINEARS = {"mm": linear_mm, "reduce": linear_reduce}
+
+
+def _check_family(target) -> None:
+    cfg = target.config
+    kind = getattr(cfg, "model_type", "?")
+    if kind not in LLAMA_TYPES or getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        raise DFlashError(f"target {target.name} ({kind}): the static decoder runs dense-attention Llama-type targets "
+                          f"({', '.join(LLAMA_TYPES)}, no sliding window) so far; use method 'ar' for this one")
+    if target.device.type != "cpu" and not torch.cuda.is_available():
+        raise DFlashError(f"target {target.name} is on {target.device}: the static decoder runs on cpu or cuda")
+
+
+class StaticDecoder:
+    """One target, one run length: `forward(ids [n], pos)` writes the KV of positions pos..pos+n-1 and returns their
+    logits [n, V]. Rejected positions need no crop: the causal mask hides every slot past the query's position and
+    the next write overwrites them."""
+
+    def __init__(self, target, max_len: int, linear: str = "reduce", compile: bool = True):
+        _check_family(target)
+        if linear not in LINEARS:
+            raise DFlashError(f"linear {linear!r}: use one of {', '.join(LINEARS)}")
+        cfg, m = target.config, target.decoder
+        self.target, self.max_len, self.linear_name = target, max_len, linear
+        self.linear = LINEARS[linear]
+        self.nh, self.kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
+        self.eps = cfg.rms_norm_eps
+        self.layers = [self._layer_weights(layer) for layer in m.layers]
+        dt, dev = target.dtype, target.device
+        # one buffer per layer: an in-place write into a view of one stacked buffer makes inductor copy it whole
+        self.k = [torch.zeros(1, self.kvh, max_len, self.hd, dtype=dt, device=dev) for _ in self.layers]
+        self.v = [torch.zeros(1, self.kvh, max_len, self.hd, dtype=dt, device=dev) for _ in self.layers]
+        theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
+        inv = 1.0 / (theta ** (torch.arange(0, self.hd, 2, device=dev).float() / self.hd))
+        f = torch.outer(torch.arange(max_len, device=dev).float(), inv)
+        emb = torch.cat([f, f], -1)
+        self.cos, self.sin = emb.cos().to(dt), emb.sin().to(dt)
+        self.embed, self.norm, self.head = target.embed_tokens.weight, target.final_norm.weight, target.lm_head.weight
+        self.steps = {w: (torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step)
+                      for w in WIDTHS}
+        self.compile_s: dict[int, float] = {}
+
+    def _layer_weights(self, layer) -> dict:
+        a, p = layer.self_attn, layer.mlp
+        bias = [x.bias for x in (a.q_proj, a.k_proj, a.v_proj)]
+        return dict(
+            n1=layer.input_layernorm.weight, n2=layer.post_attention_layernorm.weight,
+            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
+            qkv_bias=torch.cat(bias) if all(b is not None for b in bias) else None,
+            q_norm=getattr(getattr(a, "q_norm", None), "weight", None),
+            k_norm=getattr(getattr(a, "k_norm", None), "weight", None),
+            o=a.o_proj.weight, gu=torch.cat([p.gate_proj.weight, p.up_proj.weight]).contiguous(), down=p.down_proj.weight)
+
+    def _rms(self, x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+
+    def _rope(self, x, cos, sin):
+        x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def _attend(self, q, k, v, mask):
+        """Softmax attention written out over the whole static cache (grouped heads, float32), its two products
+        as reductions like the linears: a query's output then does not depend on how many share the step, and
+        compiled it fuses into a few kernels (SDPA's CPU kernel costs 0.6 ms a layer on a 1024-slot cache)."""
+        g, n = self.nh // self.kvh, q.shape[2]
+        qg = q.reshape(1, self.kvh, g * n, 1, self.hd).float()
+        s = (qg * k.float()[:, :, None]).sum(-1) * self.hd ** -0.5  # [1, kvh, g*n, L]
+        s = s.view(1, self.kvh, g, n, -1).masked_fill(~mask, float("-inf"))
+        o = (s.softmax(-1).view(1, self.kvh, g * n, -1, 1) * v.float()[:, :, None]).sum(-2)
+        return o.reshape(1, self.nh, n, self.hd).to(q.dtype)
+
+    def _step(self, ids, pos):
+        """ids [n], pos [n] absolute positions -> logits [n, V]; writes those positions' KV."""
+        n = ids.shape[0]
+        x = F.embedding(ids, self.embed)[None]
+        cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]
+        mask = torch.arange(self.max_len, device=ids.device)[None, :] <= pos[:, None]
+        q_size, kv_size = self.nh * self.hd, self.kvh * self.hd
+        for i, w in enumerate(self.layers):
+            qkv = self.linear(self._rms(x, w["n1"]), w["qkv"])
+            if w["qkv_bias"] is not None:
+                qkv = qkv + w["qkv_bias"]
+            q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
+            q, k = q.view(1, n, self.nh, self.hd), k.view(1, n, self.kvh, self.hd)
+            if w["q_norm"] is not None:
+                q, k = self._rms(q, w["q_norm"]), self._rms(k, w["k_norm"])
+            q = self._rope(q.transpose(1, 2), cos, sin)
+            k = self._rope(k.transpose(1, 2), cos, sin)
+            self.k[i].index_copy_(2, pos, k)
+            self.v[i].index_copy_(2, pos, v.view(1, n, self.kvh, self.hd).transpose(1, 2))
+            o = self._attend(q, self.k[i], self.v[i], mask)
+            x = x + self.linear(o.transpose(1, 2).reshape(1, n, q_size), w["o"])
+            g, u = self.linear(self._rms(x, w["n2"]), w["gu"]).chunk(2, -1)
+            x = x + self.linear(F.silu(g) * u, w["down"])
+        return self.linear(self._rms(x, self.norm), self.head)[0]
+
+    @torch.no_grad()
+    def forward(self, ids: list[int], pos: int) -> torch.Tensor:
+        """Logits [len(ids), V] of `ids` placed at pos..; widths over 1 run in chunks of the widest step, the last
+        chunk padded (padding writes slots past the real ones, which the mask hides and the next write replaces)."""
+        if pos + len(ids) > self.max_len:
+            raise DFlashError(f"static decoder: position {pos + len(ids)} is past its length {self.max_len}; "
+                              "build it with a larger max_len (prompt + new tokens)")
+        dev = self.embed.device
+        if len(ids) == 1:
+            return self._call(1, torch.tensor(ids, device=dev), torch.tensor([pos], device=dev))
+        W, out = WIDTHS[-1], []
+        for s in range(0, len(ids), W):
+            chunk = ids[s:s + W]
+            n = len(chunk)
+            padded = torch.tensor(chunk + [0] * (W - n), device=dev)
+            p = torch.arange(pos + s, pos + s + W, device=dev).clamp(max=self.max_len - 1)
+            out.append(self._call(W, padded, p)[:n])
+        return torch.cat(out)
+
+    def _call(self, width: int, ids, pos):
+        if width in self.compile_s:
+            return self.steps[width](ids, pos)
+        t0 = time.perf_counter()
+        out = self.steps[width](ids, pos)  # the first call compiles (inductor's cache makes a later process quick)
+        self.compile_s[width] = time.perf_counter() - t0
+        return out
+
+
+@torch.no_grad()
+def generate_static_ar(decoder: StaticDecoder, prompt_ids: list[int], max_new_tokens: int = 256, stop_ids=None):
+    """Greedy plain decoding on a StaticDecoder: the same Generation record as `generate_ar`."""
+    from dflashkit.decode.speculative import Generation, _begin, emit
+
+    timer, stops, _ = _begin(decoder.target, stop_ids)
+    with timer("prefill"):
+        token = int(decoder.forward(prompt_ids, 0)[-1].argmax())
+    tokens: list[int] = []
+    done = emit(tokens, [token], stops, max_new_tokens)
+    pos, accepted = len(prompt_ids), []
+    while not done:
+        with timer("verify"):
+            token = int(decoder.forward([token], pos)[0].argmax())
+        accepted.append(1)
+        pos += 1
+        done = emit(tokens, [token], stops, max_new_tokens)
+    return Generation("ar-static", tokens, accepted, timer.finish())
