@@ -57,10 +57,14 @@ def main(argv=None) -> int:
         if hasattr(args, "threads"):  # commands that run models take --threads (dflashkit.threads)
             import torch
 
-            from dflashkit.threads import apply_threads
+            from dflashkit.threads import apply_threads, physical_cores, under_torchrun
 
             before = torch.get_num_threads()
-            apply_threads(args)
+            n = apply_threads(args)
+            if (args.threads is None and n < min(before, physical_cores()) and not under_torchrun()
+                    and not os.environ.get("OMP_NUM_THREADS")):
+                print(f"threads: {n} (other work keeps {physical_cores() - n} of {physical_cores()} cores busy; "
+                      "--threads N to choose)", file=sys.stderr)
         return args.func(args) or 0
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)

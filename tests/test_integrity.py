@@ -243,9 +243,13 @@ def test_default_threads(monkeypatch):
     from dflashkit import threads
 
     monkeypatch.setattr(threads, "physical_cores", lambda: 8)
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0)
     for var in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     assert threads.default_threads() == 8
+    assert threads.default_threads(busy=3) == 5 and threads.default_threads(busy=9) == 1  # others' busy cores
+    monkeypatch.setattr(threads, "busy_cores", lambda: 2)
+    assert threads.default_threads() == 6
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads.default_threads() == 3
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: cores divided by its processes (it sets OMP to 1 itself)
@@ -253,6 +257,24 @@ def test_default_threads(monkeypatch):
     assert threads.default_threads() == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     assert threads.default_threads() == 1
+
+
+def test_busy_cores_sees_a_spinning_process():
+    """Measured, not assumed: one process spinning on this machine shows as (at least) one busy core."""
+    import subprocess
+    import sys
+
+    from dflashkit import threads
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+
+        time.sleep(0.3)
+        assert threads.busy_cores(0.3) >= 1
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 def test_threads_option_is_applied_and_restored(monkeypatch):

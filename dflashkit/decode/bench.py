@@ -152,8 +152,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         summary[m].update(engine=info, ar_parting=parting.get(m))
         if m.endswith("-dflash"):  # our drafter's tau on the very tokens the engine verified
             summary[m]["predicted_tau"] = predicted_tau(target, proposer, [r for r in runs if r["method"] == m])
-    if STATIC_AR in summary:
-        summary[STATIC_AR]["ar_parting"] = static_parting
+    summary.get(STATIC_AR, {})["ar_parting"] = static_parting  # (a throwaway dict where it did not run)
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
     return {

@@ -10,6 +10,7 @@ than the mm kernel does (27 vs 18 GB/s on a 2-core EPYC, benchmarks/static_decod
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -18,6 +19,10 @@ import torch.nn.functional as F
 from dflashkit.errors import DFlashError
 
 WIDTHS = (1, 32)  # one token a step; prompts in chunks of 32
+PREFILL = WIDTHS[-1]
+# inductor's C++ wrapper calls the step's kernels without Python between them: 12.9 -> 10.8 ms a token (SmolLM2,
+# bf16, 2-core Zen 5); passed per compile, so nothing outside this decoder changes
+COMPILE_OPTIONS = {"cpp_wrapper": True}
 LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -48,13 +53,13 @@ class StaticDecoder:
     logits [n, V]. Rejected positions need no crop: the causal mask hides every slot past the query's position and
     the next write overwrites them."""
 
-    def __init__(self, target, max_len: int, linear: str = "reduce", compile: bool = True):
+    def __init__(self, target, max_len: int, linear: str = "reduce", prefill_linear: str = "mm", compile: bool = True):
         _check_family(target)
-        if linear not in LINEARS:
-            raise DFlashError(f"linear {linear!r}: use one of {', '.join(LINEARS)}")
+        for name in (linear, prefill_linear):
+            if name not in LINEARS:
+                raise DFlashError(f"linear {name!r}: use one of {', '.join(LINEARS)}")
         cfg, m = target.config, target.decoder
         self.target, self.max_len, self.linear_name = target, max_len, linear
-        self.linear = LINEARS[linear]
         self.nh, self.kvh = cfg.num_attention_heads, cfg.num_key_value_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
         self.eps = cfg.rms_norm_eps
@@ -69,8 +74,13 @@ class StaticDecoder:
         emb = torch.cat([f, f], -1)
         self.cos, self.sin = emb.cos().to(dt), emb.sin().to(dt)
         self.embed, self.norm, self.head = target.embed_tokens.weight, target.final_norm.weight, target.lm_head.weight
-        self.steps = {w: (torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step)
-                      for w in WIDTHS}
+        # per width, its linears: a prompt's chunks use matrix products (mm reads each weight once for all 32 rows,
+        # a reduction 32 times)
+        kinds = {1: LINEARS[linear], PREFILL: LINEARS[prefill_linear]}
+        self.steps = {w: functools.partial(self._step, linear=lin) for w, lin in kinds.items()}
+        if compile:
+            self.steps = {w: torch.compile(f, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+                          for w, f in self.steps.items()}
         self.compile_s: dict[int, float] = {}
 
     def _layer_weights(self, layer) -> dict:
@@ -103,15 +113,15 @@ class StaticDecoder:
         o = (s.softmax(-1).view(1, self.kvh, g * n, -1, 1) * v.float()[:, :, None]).sum(-2)
         return o.reshape(1, self.nh, n, self.hd).to(q.dtype)
 
-    def _step(self, ids, pos):
-        """ids [n], pos [n] absolute positions -> logits [n, V]; writes those positions' KV."""
+    def _step(self, ids, pos, keep, linear):
+        """ids [n], pos [n] absolute positions, keep [k] rows -> their logits [k, V]; writes the n positions' KV."""
         n = ids.shape[0]
         x = F.embedding(ids, self.embed)[None]
         cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]
         mask = torch.arange(self.max_len, device=ids.device)[None, :] <= pos[:, None]
         q_size, kv_size = self.nh * self.hd, self.kvh * self.hd
         for i, w in enumerate(self.layers):
-            qkv = self.linear(self._rms(x, w["n1"]), w["qkv"])
+            qkv = linear(self._rms(x, w["n1"]), w["qkv"])
             if w["qkv_bias"] is not None:
                 qkv = qkv + w["qkv_bias"]
             q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
@@ -123,35 +133,35 @@ class StaticDecoder:
             self.k[i].index_copy_(2, pos, k)
             self.v[i].index_copy_(2, pos, v.view(1, n, self.kvh, self.hd).transpose(1, 2))
             o = self._attend(q, self.k[i], self.v[i], mask)
-            x = x + self.linear(o.transpose(1, 2).reshape(1, n, q_size), w["o"])
-            g, u = self.linear(self._rms(x, w["n2"]), w["gu"]).chunk(2, -1)
-            x = x + self.linear(F.silu(g) * u, w["down"])
-        return self.linear(self._rms(x, self.norm), self.head)[0]
+            x = x + linear(o.transpose(1, 2).reshape(1, n, q_size), w["o"])
+            g, u = linear(self._rms(x, w["n2"]), w["gu"]).chunk(2, -1)
+            x = x + linear(F.silu(g) * u, w["down"])
+        return linear(self._rms(x.index_select(1, keep), self.norm), self.head)[0]
 
     @torch.no_grad()
     def forward(self, ids: list[int], pos: int) -> torch.Tensor:
-        """Logits [len(ids), V] of `ids` placed at pos..; widths over 1 run in chunks of the widest step, the last
-        chunk padded (padding writes slots past the real ones, which the mask hides and the next write replaces)."""
+        """Logits [V] of the last of `ids` placed at pos..pos+len-1. More than one token runs in chunks of PREFILL,
+        the last chunk padded: padding writes slots past the real ones, which the mask hides and the next write
+        replaces."""
         if pos + len(ids) > self.max_len:
             raise DFlashError(f"static decoder: position {pos + len(ids)} is past its length {self.max_len}; "
                               "build it with a larger max_len (prompt + new tokens)")
         dev = self.embed.device
         if len(ids) == 1:
-            return self._call(1, torch.tensor(ids, device=dev), torch.tensor([pos], device=dev))
-        W, out = WIDTHS[-1], []
-        for s in range(0, len(ids), W):
-            chunk = ids[s:s + W]
-            n = len(chunk)
-            padded = torch.tensor(chunk + [0] * (W - n), device=dev)
-            p = torch.arange(pos + s, pos + s + W, device=dev).clamp(max=self.max_len - 1)
-            out.append(self._call(W, padded, p)[:n])
-        return torch.cat(out)
+            return self._call(1, torch.tensor(ids, device=dev), torch.tensor([pos], device=dev),
+                              torch.zeros(1, dtype=torch.long, device=dev))[0]
+        for s in range(0, len(ids), PREFILL):
+            chunk = ids[s:s + PREFILL]
+            padded = torch.tensor(chunk + [0] * (PREFILL - len(chunk)), device=dev)
+            p = torch.arange(pos + s, pos + s + PREFILL, device=dev).clamp(max=self.max_len - 1)
+            out = self._call(PREFILL, padded, p, torch.tensor([len(chunk) - 1], device=dev))
+        return out[0]
 
-    def _call(self, width: int, ids, pos):
+    def _call(self, width: int, ids, pos, keep):
         if width in self.compile_s:
-            return self.steps[width](ids, pos)
+            return self.steps[width](ids, pos, keep)
         t0 = time.perf_counter()
-        out = self.steps[width](ids, pos)  # the first call compiles (inductor's cache makes a later process quick)
+        out = self.steps[width](ids, pos, keep)  # the first call compiles (inductor's cache makes a later process quick)
         self.compile_s[width] = time.perf_counter() - t0
         return out
 
@@ -163,13 +173,13 @@ def generate_static_ar(decoder: StaticDecoder, prompt_ids: list[int], max_new_to
 
     timer, stops, _ = _begin(decoder.target, stop_ids)
     with timer("prefill"):
-        token = int(decoder.forward(prompt_ids, 0)[-1].argmax())
+        token = int(decoder.forward(prompt_ids, 0).argmax())
     tokens: list[int] = []
     done = emit(tokens, [token], stops, max_new_tokens)
     pos, accepted = len(prompt_ids), []
     while not done:
         with timer("verify"):
-            token = int(decoder.forward([token], pos)[0].argmax())
+            token = int(decoder.forward([token], pos).argmax())
         accepted.append(1)
         pos += 1
         done = emit(tokens, [token], stops, max_new_tokens)
