@@ -77,9 +77,34 @@ def test_other_families_are_refused_by_name(tmp_path):
 def test_bench_runs_ar_static_beside_ar(tiny_targets, monkeypatch):
     """ar-static is a plain baseline in bench: timed, never held to ar's lossless check, its parting recorded."""
     t = tiny_targets["llama"]
-    monkeypatch.setattr(bench, "_static_decoder", lambda target, state, n: StaticDecoder(target, 128, compile=False))
+    monkeypatch.setattr(bench, "decoder_for", lambda target, state, n: StaticDecoder(target, 128, compile=False))
     ids = [("a", prompt(t)), ("b", prompt(t)[:-3])]
     res = bench.run_bench(t, None, ids, ["ar", "ar-static"], max_new_tokens=10, progress=False, warmup=False)
     s = res["methods"]["ar-static"]
     assert s["tokens_per_s"] > 0 and s["ar_parting"] == {"equal": 2, "prompts": 2, "parts_at": {}}
     assert res["mismatches"] == []
+
+
+def test_ar_static_is_greedy_only(tiny_targets):
+    from dflashkit.decode.sampling import Sampling
+
+    with pytest.raises(DFlashError, match="ar-static decodes greedily.*needs method ar"):
+        bench.run_bench(tiny_targets["llama"], None, [("a", [1, 2, 3])], ["ar", "ar-static"], progress=False,
+                        sampling=Sampling(temperature=0.7))
+
+
+def test_cli_generate_runs_ar_static(tiny_dirs, monkeypatch, capsys):
+    """`dflashkit generate --method ar-static` answers as `--method ar` does (float32, the step run eagerly)."""
+    import json
+
+    import dflashkit.decode.static as static
+    from dflashkit.cli import main
+
+    real = static.StaticDecoder
+    monkeypatch.setattr(static, "StaticDecoder", lambda t, n, **kw: real(t, n, compile=False))
+    out = {}
+    for method in ("ar", "ar-static"):
+        assert main(["generate", "--target", str(tiny_dirs["llama"]), "--prompt", "hello there", "--method", method,
+                     "--max-new-tokens", "12", "--json", "--dtype", "float32"]) == 0
+        out[method] = json.loads(capsys.readouterr().out)[0]
+    assert out["ar-static"]["tokens"] == out["ar"]["tokens"] and out["ar-static"]["method"] == "ar-static"

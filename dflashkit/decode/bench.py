@@ -24,7 +24,7 @@ from dflashkit.decode.peers import (TAU_TOLERANCE, check_engines, check_tau, eng
                                    predicted_tau, run_engine)
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
-from dflashkit.decode.static import generate_static_ar
+from dflashkit.decode.static import check_greedy, decoder_for, generate_static_ar
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
@@ -62,8 +62,7 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
     gen = torch.Generator(device=target.device).manual_seed(seed)
     if method == STATIC_AR:
         def one(ids):
-            return generate_static_ar(_static_decoder(target, lookups, len(ids) + max_new_tokens), ids,
-                                      max_new_tokens)
+            return generate_static_ar(decoder_for(target, lookups, len(ids) + max_new_tokens), ids, max_new_tokens)
     elif method == STOCK_AR or parse_method(method)[0] in PEERS:
         # transformers' loops verify several tokens too: on compiled kernels when ours use them (faster for them)
         on_ours = method != STOCK_AR and uses_compiled(target.model)
@@ -83,16 +82,6 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
                             generator=gen, cost=cost, ngram=ngram)
     with seeded(seed, target.device):  # transformers' generate samples from the global generator
         return decode_conversation(target, item, one)
-
-
-def _static_decoder(target, state: dict, length: int):
-    """The run's StaticDecoder (compiled once, on the warm-up), rebuilt longer when a turn needs more slots."""
-    from dflashkit.decode.static import StaticDecoder
-
-    d = state.get(STATIC_AR)
-    if d is None or d.max_len < length:
-        d = state[STATIC_AR] = StaticDecoder(target, max(512, -(-length // 512) * 512))
-    return d
 
 
 def _static_parting(target, runs: list[dict]) -> tuple[list[dict], dict]:
@@ -129,6 +118,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         costs = cost_report(target, curve)
     ours = [m for m in methods if not is_engine(m)]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
+    if STATIC_AR in methods:
+        check_greedy(sampling.temperature)
     if engines and sampling.temperature != 0:
         raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
     runs, turns = _timed_runs(target, proposer, prompts, ours, max_new_tokens, sampling, warmup, progress, curve)

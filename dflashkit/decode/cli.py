@@ -123,8 +123,9 @@ def cmd_generate(args) -> int:
 
     from dflashkit.decode.conversation import decode_conversation
     from dflashkit.decode.cost import measure_cost_curve
-    from dflashkit.decode.methods import needs_drafter, parse_method
+    from dflashkit.decode.methods import STATIC_AR, needs_drafter, parse_method
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
+    from dflashkit.decode.static import check_greedy, decoder_for, generate_static_ar
     from dflashkit.target.invariant import row_invariant
 
     sampling = _check(args)
@@ -138,11 +139,17 @@ def cmd_generate(args) -> int:
     with row_invariant(target.model):  # the -auto pruning needs the cost of the kernels decoding runs
         cost = measure_cost_curve(target, repeats=3) if size == "auto" else None
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
+    state: dict = {}  # ar-static's decoder, compiled on the first prompt
+    if args.method == STATIC_AR:
+        check_greedy(sampling.temperature)
     records = []
     for i, (pid, item) in enumerate(prompts):
         gen = torch.Generator(device=target.device).manual_seed(sampling.seed + i)
         torch.manual_seed(sampling.seed + i)
-        c = decode_conversation(target, item, lambda ids: generate(
+        c = decode_conversation(target, item, lambda ids: generate_static_ar(
+            decoder_for(target, state, len(ids) + args.max_new_tokens, log=lambda m: print(m, file=sys.stderr)), ids,
+            args.max_new_tokens)
+            if args.method == STATIC_AR else generate(
             target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
             sampling=sampling, generator=gen, cost=cost, ngram=ngram))
         g, texts = c.generation, c.answers

@@ -157,6 +157,13 @@ class StaticDecoder:
             out = self._call(PREFILL, padded, p, torch.tensor([len(chunk) - 1], device=dev))
         return out[0]
 
+    def warm(self) -> None:
+        """Compile (or load from inductor's cache) every width now. Writes slots from 0 on, which the next
+        prompt overwrites."""
+        for w in self.steps:
+            if w not in self.compile_s:
+                self.forward([0] * w, 0)
+
     def _call(self, width: int, ids, pos, keep):
         if width in self.compile_s:
             return self.steps[width](ids, pos, keep)
@@ -164,6 +171,27 @@ class StaticDecoder:
         out = self.steps[width](ids, pos, keep)  # the first call compiles (inductor's cache makes a later process quick)
         self.compile_s[width] = time.perf_counter() - t0
         return out
+
+
+def decoder_for(target, state: dict, length: int, log=None) -> StaticDecoder:
+    """`state`'s decoder for `target`, compiled before it is returned (so no answer's time includes it), rebuilt
+    longer when a turn needs more slots than it has (lengths rounded up to 512: fewer rebuilds, each compiled
+    anew). `log(message)` hears of a compile."""
+    d = state.get("static")
+    if d is None or d.max_len < length:
+        d = state["static"] = StaticDecoder(target, max(512, -(-length // 512) * 512))
+        if log is not None:
+            log(f"compiling the static decoder for {d.max_len} positions (about 3 min the first time on 2 cores, "
+                "seconds once inductor's cache holds it)")
+        d.warm()
+        if log is not None:
+            log(f"compiled in {sum(d.compile_s.values()):.0f} s")
+    return d
+
+
+def check_greedy(temperature: float) -> None:
+    if temperature != 0:
+        raise DFlashError(f"method ar-static decodes greedily; --temperature {temperature} needs method ar")
 
 
 @torch.no_grad()
