@@ -77,7 +77,7 @@ def test_other_families_are_refused_by_name(tmp_path):
 def test_bench_runs_ar_static_beside_ar(tiny_targets, monkeypatch):
     """ar-static is a plain baseline in bench: timed, never held to ar's lossless check, its parting recorded."""
     t = tiny_targets["llama"]
-    monkeypatch.setattr(bench, "decoder_for", lambda target, state, n: StaticDecoder(target, 128, compile=False))
+    monkeypatch.setattr(bench, "decoder_for", lambda target, state, n, proposer: StaticDecoder(target, 128, compile=False))
     ids = [("a", prompt(t)), ("b", prompt(t)[:-3])]
     res = bench.run_bench(t, None, ids, ["ar", "ar-static"], max_new_tokens=10, progress=False, warmup=False)
     s = res["methods"]["ar-static"]
@@ -108,3 +108,67 @@ def test_cli_generate_runs_ar_static(tiny_dirs, monkeypatch, capsys):
                      "--max-new-tokens", "12", "--json", "--dtype", "float32"]) == 0
         out[method] = json.loads(capsys.readouterr().out)[0]
     assert out["ar-static"]["tokens"] == out["ar"]["tokens"] and out["ar-static"]["method"] == "ar-static"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chain_on_the_static_steps_is_ar_static_token_for_token(tiny_dirs, dtype):
+    """Greedy chain on the decoder's verify step equals its plain decoding, with a random drafter (a round
+    accepts nothing) and an oracle with planted mistakes (rounds accept part of a block): in bf16 too, because a
+    verify row is computed exactly as a one-token step."""
+    from dflashkit.decode.speculative import DFlashProposer
+    from dflashkit.decode.static import generate_static_chain
+    from dflashkit.drafter.checkpoint import new_drafter
+    from dflashkit.rng import seeded
+    from helpers import Oracle
+
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype=dtype)
+    ids, layers, B = prompt(t), [1, 2], 4
+    plain = generate_static_ar(StaticDecoder(t, 128, compile=False), ids, 40).tokens
+    with seeded(0):
+        drafter = new_drafter(t, num_layers=1, block_size=B, target_layer_ids=layers).to(t.dtype).eval()
+    wrong = {len(ids) + k for k in (3, 7, 8, 13, 20)}
+    for proposer in (DFlashProposer(t, drafter), Oracle(ids + plain + [0] * B, B, t.vocab_size, wrong, layers)):
+        d = StaticDecoder(t, 128, compile=False, layer_ids=layers, verify_width=B)
+        g = generate_static_chain(d, proposer, ids, 40)
+        assert g.tokens == plain, (type(proposer).__name__, g.accepted)
+    assert max(g.accepted) == B and min(g.accepted) < B  # the oracle: full blocks and rejections both ran
+    if dtype == "float32":  # and the features it drafts from are the target's own
+        _, feats = StaticDecoder(t, 128, compile=False, layer_ids=layers, verify_width=B).prefill(ids)
+        want = t.forward(torch.tensor([ids]), layer_ids=layers).features
+        torch.testing.assert_close(feats, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_static_chain_refuses_a_drafter_it_was_not_built_for(tiny_targets):
+    from dflashkit.decode.static import generate_static_chain
+    from helpers import Oracle
+
+    t = tiny_targets["llama"]
+    d = StaticDecoder(t, 64, compile=False, layer_ids=[1], verify_width=4)
+    with pytest.raises(DFlashError, match="built for block 4.*needs block 8"):
+        generate_static_chain(d, Oracle([1] * 64, 8, t.vocab_size, (), [1]), [1, 2, 3], 4)
+    with pytest.raises(DFlashError, match="verifies 2..31 tokens"):
+        StaticDecoder(t, 64, compile=False, verify_width=32)
+
+
+def test_bench_holds_chain_static_to_ar_static(tiny_targets, monkeypatch):
+    """chain-static brings ar-static along as its reference; equal outputs pass, and any difference would fail."""
+    from dflashkit.drafter.checkpoint import new_drafter
+    from dflashkit.rng import seeded
+
+    t = tiny_targets["llama"]
+    with seeded(0):
+        drafter = new_drafter(t, num_layers=1, block_size=4, target_layer_ids=[1, 2]).eval()
+    real = StaticDecoder
+
+    def eager(target, state, n, proposer=None, log=None):
+        d = state.get("static") or real(target, 128, compile=False, layer_ids=[1, 2], verify_width=4)
+        return state.setdefault("static", d)
+
+    monkeypatch.setattr(bench, "decoder_for", eager)
+    methods = bench.parse_methods("ar,chain-static")
+    assert methods == ["ar", "chain-static", "ar-static"]
+    res = bench.run_bench(t, drafter, [("a", prompt(t))], methods, max_new_tokens=10, progress=False, warmup=False)
+    assert res["mismatches"] == [] and res["methods"]["chain-static"]["tokens_per_s"] > 0
+    bad, _ = bench._static_parting(t, [{"prompt": "a", "method": "ar-static", "tokens": [1, 2, 3]},
+                                       {"prompt": "a", "method": "chain-static", "tokens": [1, 2, 4]}])
+    assert bad == [{"prompt": "a", "method": "chain-static", "against": "ar-static", "first_difference": 2}]

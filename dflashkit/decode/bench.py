@@ -18,13 +18,13 @@ import torch
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
-from dflashkit.decode.methods import STATIC_AR, needs_drafter, parse_method
+from dflashkit.decode.methods import STATIC_AR, STATIC_CHAIN, needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.peers import (TAU_TOLERANCE, check_engines, check_tau, engine_tau, is_engine, plain_of,
                                    predicted_tau, run_engine)
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
-from dflashkit.decode.static import check_greedy, decoder_for, generate_static_ar
+from dflashkit.decode.static import check_greedy, decoder_for, generate_static_ar, generate_static_chain
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
@@ -53,6 +53,8 @@ def parse_methods(spec: str) -> list[str]:
     for m in [m for m in names if is_engine(m) and m.endswith("-dflash")]:
         # lossless is checked against the engine's own plain decoding, tau against our chain on the same drafter
         names += [x for x in (plain_of(m), "chain") if x not in names]
+    if STATIC_CHAIN in names and STATIC_AR not in names:
+        names.append(STATIC_AR)  # chain-static's lossless reference
     return ["ar"] + [m for m in names if m != "ar"]
 
 
@@ -60,9 +62,12 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
     """One conversation (every turn, conversation.py); the baselines (ar-stock, transformers' loops) on the model's
     own kernels, ours on the kernels that keep them exact."""
     gen = torch.Generator(device=target.device).manual_seed(seed)
-    if method == STATIC_AR:
-        def one(ids):
-            return generate_static_ar(decoder_for(target, lookups, len(ids) + max_new_tokens), ids, max_new_tokens)
+    if method in (STATIC_AR, STATIC_CHAIN):
+        def one(ids):  # one decoder for both, with the drafter's layers and block where there is one
+            d = decoder_for(target, lookups, len(ids) + max_new_tokens + 32, proposer)
+            if method == STATIC_AR:
+                return generate_static_ar(d, ids, max_new_tokens)
+            return generate_static_chain(d, proposer, ids, max_new_tokens)
     elif method == STOCK_AR or parse_method(method)[0] in PEERS:
         # transformers' loops verify several tokens too: on compiled kernels when ours use them (faster for them)
         on_ours = method != STOCK_AR and uses_compiled(target.model)
@@ -85,7 +90,8 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
 
 
 def _static_parting(target, runs: list[dict]) -> tuple[list[dict], dict]:
-    """ar-static against ar: other kernels, so in low precision a parting is reported; in float32 it fails."""
+    """ar-static against ar: other kernels, so in low precision a parting is reported; in float32 it fails.
+    chain-static against ar-static: the same steps, so any difference fails."""
     by = {r["prompt"]: r["tokens"] for r in runs if r["method"] == "ar"}
     p, bad = {"equal": 0, "prompts": 0, "parts_at": {}}, []
     for r in (r for r in runs if r["method"] == STATIC_AR and r["prompt"] in by):
@@ -97,6 +103,11 @@ def _static_parting(target, runs: list[dict]) -> tuple[list[dict], dict]:
         if target.dtype == torch.float32:
             bad.append({"prompt": r["prompt"], "method": STATIC_AR, "against": "ar",
                         "first_difference": p["parts_at"][r["prompt"]]})
+    plain = {r["prompt"]: r["tokens"] for r in runs if r["method"] == STATIC_AR}
+    for r in (r for r in runs if r["method"] == STATIC_CHAIN and r["prompt"] in plain):
+        if r["tokens"] != plain[r["prompt"]]:  # the same steps: exact in every dtype
+            bad.append({"prompt": r["prompt"], "method": STATIC_CHAIN, "against": STATIC_AR,
+                        "first_difference": common_prefix(r["tokens"], plain[r["prompt"]])})
     return bad, p
 
 
@@ -118,7 +129,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         costs = cost_report(target, curve)
     ours = [m for m in methods if not is_engine(m)]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
-    if STATIC_AR in methods:
+    if STATIC_AR in methods or STATIC_CHAIN in methods:
         check_greedy(sampling.temperature)
     if engines and sampling.temperature != 0:
         raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
@@ -128,7 +139,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         engine_runs, started[m] = run_engine(m, target, drafter, prompts, max_new_tokens,
                                              proposer.block_size if proposer else 0, progress)
         runs += engine_runs
-    stock = ((STOCK_AR,) + PEERS if switched else ()) + (STATIC_AR,)  # other kernels: may part in low precision
+    stock = ((STOCK_AR,) + PEERS if switched else ()) + (STATIC_AR, STATIC_CHAIN)  # other kernels
     mismatches = (check_lossless([r for r in runs if r["method"] not in stock and not is_engine(r["method"])])
                   if sampling.temperature == 0 else [])
     engine_mismatches, engine_divergences, parting = _judge_engines(target, runs)
@@ -181,7 +192,8 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
     turn, answer lengths), what a divergence is explained from."""
     from tqdm import tqdm
 
-    lookups: dict[str, NgramLookup] = {}  # one per method: n-gram acceptance statistics carry across prompts
+    # per-method state: n-gram lookups (acceptance statistics carry across prompts), the static decoder
+    lookups: dict[str, NgramLookup | object] = {}
     if warmup:
         for m in methods:
             _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), sampling, sampling.seed, curve, lookups)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import re
 
 AUTO_BUDGET = 32  # the most drafter nodes a cost-aware tree considers
-METHODS_HELP = ("ar, ar-static (plain decoding, static compiled decoder), chain, ddtree, ddtree-N (budget N), ddtree-auto, "
+METHODS_HELP = ("ar, ar-static and chain-static (on the static compiled decoder), chain, ddtree, ddtree-N (budget N), ddtree-auto, "
                 "ngram, hybrid, hybrid-N, hybrid-auto, "
                 "prompt-lookup, prompt-lookup-N (N lookup tokens), hf-generate, or the engine peers (bench only) llama.cpp, "
                 "llama.cpp-dflash, vllm, vllm-dflash")
 ENGINE_METHODS = ("llama.cpp", "llama.cpp-dflash", "vllm", "vllm-dflash")
-STATIC_AR = "ar-static"
+STATIC_AR, STATIC_CHAIN = "ar-static", "chain-static"
 
 
 def parse_method(name: str) -> tuple[str, int | str | None]:
     """A method name -> (kind, N, 'auto' or None); see METHODS_HELP."""
-    if name.strip() in ENGINE_METHODS + (STATIC_AR,):
+    if name.strip() in ENGINE_METHODS + (STATIC_AR, STATIC_CHAIN):
         return name.strip(), None
     m = re.fullmatch(r"(ar|chain|ddtree|ngram|hybrid|prompt-lookup|hf-generate)(?:-([0-9]+|auto))?", name.strip())
     sized = {"ddtree": r"[0-9]+|auto", "hybrid": r"[0-9]+|auto", "prompt-lookup": r"[0-9]+"}
@@ -28,7 +28,7 @@ def parse_method(name: str) -> tuple[str, int | str | None]:
 
 def needs_drafter(method: str) -> bool:
     """chain, ddtree, hybrid and the -dflash engine peers run the drafter; ar, ngram and the other loops do not."""
-    return parse_method(method)[0] in ("chain", "ddtree", "hybrid", "llama.cpp-dflash", "vllm-dflash")
+    return parse_method(method)[0] in ("chain", "ddtree", "hybrid", "llama.cpp-dflash", "vllm-dflash", STATIC_CHAIN)
 
 
 DEFAULT_METHODS = "ar,chain,ddtree-8,ddtree-auto,ngram,hybrid-8,hybrid-auto,prompt-lookup,hf-generate"

@@ -22,7 +22,7 @@ WIDTHS = (1, 32)  # one token a step; prompts in chunks of 32
 PREFILL = WIDTHS[-1]
 # inductor's C++ wrapper calls the step's kernels without Python between them: 12.9 -> 10.8 ms a token (SmolLM2,
 # bf16, 2-core Zen 5); passed per compile, so nothing outside this decoder changes
-COMPILE_OPTIONS = {"cpp_wrapper": True}
+COMPILE_OPTIONS = {"cpp_wrapper": True, "emulate_precision_casts": True}
 LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -53,8 +53,11 @@ class StaticDecoder:
     logits [n, V]. Rejected positions need no crop: the causal mask hides every slot past the query's position and
     the next write overwrites them."""
 
-    def __init__(self, target, max_len: int, linear: str = "reduce", prefill_linear: str = "mm", compile: bool = True):
+    def __init__(self, target, max_len: int, linear: str = "reduce", prefill_linear: str = "mm", compile: bool = True,
+                 layer_ids: list[int] | None = None, verify_width: int | None = None):
         _check_family(target)
+        if verify_width is not None and not 1 < verify_width < PREFILL:
+            raise DFlashError(f"verify width {verify_width}: the static decoder verifies 2..{PREFILL - 1} tokens")
         for name in (linear, prefill_linear):
             if name not in LINEARS:
                 raise DFlashError(f"linear {name!r}: use one of {', '.join(LINEARS)}")
@@ -74,10 +77,15 @@ class StaticDecoder:
         emb = torch.cat([f, f], -1)
         self.cos, self.sin = emb.cos().to(dt), emb.sin().to(dt)
         self.embed, self.norm, self.head = target.embed_tokens.weight, target.final_norm.weight, target.lm_head.weight
-        # per width, its linears: a prompt's chunks use matrix products (mm reads each weight once for all 32 rows,
-        # a reduction 32 times)
-        kinds = {1: LINEARS[linear], PREFILL: LINEARS[prefill_linear]}
-        self.steps = {w: functools.partial(self._step, linear=lin) for w, lin in kinds.items()}
+        # per width, its linears and whether it returns features: a prompt's chunks use matrix products (mm reads
+        # each weight once for all 32 rows, a reduction 32 times); a verify uses the one-token step's reductions,
+        # so that each of its rows is bit for bit what plain decoding computes (tests/test_static_decoder.py)
+        self.layer_ids = list(layer_ids) if layer_ids is not None else None
+        kinds = {1: (LINEARS[linear], False), PREFILL: (LINEARS[prefill_linear], self.layer_ids is not None)}
+        if verify_width is not None:
+            kinds[verify_width] = (LINEARS[linear], True)
+        self.verify_width = verify_width
+        self.steps = {w: functools.partial(self._step, linear=lin, features=f) for w, (lin, f) in kinds.items()}
         if compile:
             self.steps = {w: torch.compile(f, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
                           for w, f in self.steps.items()}
@@ -113,13 +121,15 @@ class StaticDecoder:
         o = (s.softmax(-1).view(1, self.kvh, g * n, -1, 1) * v.float()[:, :, None]).sum(-2)
         return o.reshape(1, self.nh, n, self.hd).to(q.dtype)
 
-    def _step(self, ids, pos, keep, linear):
-        """ids [n], pos [n] absolute positions, keep [k] rows -> their logits [k, V]; writes the n positions' KV."""
+    def _step(self, ids, pos, keep, linear, features: bool):
+        """ids [n], pos [n] absolute positions, keep [k] rows -> their logits [k, V] (and, with `features`, the
+        layer_ids' hidden states of all n rows [1, n, len(layer_ids) * H]); writes the n positions' KV."""
         n = ids.shape[0]
         x = F.embedding(ids, self.embed)[None]
         cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]
         mask = torch.arange(self.max_len, device=ids.device)[None, :] <= pos[:, None]
         q_size, kv_size = self.nh * self.hd, self.kvh * self.hd
+        captured = {}
         for i, w in enumerate(self.layers):
             qkv = linear(self._rms(x, w["n1"]), w["qkv"])
             if w["qkv_bias"] is not None:
@@ -136,33 +146,61 @@ class StaticDecoder:
             x = x + linear(o.transpose(1, 2).reshape(1, n, q_size), w["o"])
             g, u = linear(self._rms(x, w["n2"]), w["gu"]).chunk(2, -1)
             x = x + linear(F.silu(g) * u, w["down"])
-        return linear(self._rms(x.index_select(1, keep), self.norm), self.head)[0]
+            captured[i] = x
+        logits = linear(self._rms(x.index_select(1, keep), self.norm), self.head)[0]
+        return (logits, torch.cat([captured[i] for i in self.layer_ids], -1)) if features else logits
+
+    def _check_room(self, pos: int, n: int) -> None:
+        if pos + n > self.max_len:
+            raise DFlashError(f"static decoder: position {pos + n} is past its length {self.max_len}; "
+                              "build it with a larger max_len (prompt + new tokens + a verify)")
 
     @torch.no_grad()
     def forward(self, ids: list[int], pos: int) -> torch.Tensor:
-        """Logits [V] of the last of `ids` placed at pos..pos+len-1. More than one token runs in chunks of PREFILL,
-        the last chunk padded: padding writes slots past the real ones, which the mask hides and the next write
-        replaces."""
-        if pos + len(ids) > self.max_len:
-            raise DFlashError(f"static decoder: position {pos + len(ids)} is past its length {self.max_len}; "
-                              "build it with a larger max_len (prompt + new tokens)")
-        dev = self.embed.device
+        """Logits [V] of the last of `ids` placed at pos..pos+len-1 (a prompt, or one token)."""
         if len(ids) == 1:
+            self._check_room(pos, 1)
+            dev = self.embed.device
             return self._call(1, torch.tensor(ids, device=dev), torch.tensor([pos], device=dev),
                               torch.zeros(1, dtype=torch.long, device=dev))[0]
+        out = self.prefill(ids, pos)
+        return out[0] if self.layer_ids is not None else out
+
+    @torch.no_grad()
+    def prefill(self, ids: list[int], pos: int = 0):
+        """A prompt in chunks of PREFILL, the last one padded (padding writes slots past the real ones, which the
+        mask hides and the next write replaces): the last token's logits [V] (and with layer_ids, every prompt
+        position's features [1, len(ids), F])."""
+        self._check_room(pos, len(ids))
+        dev, feats = self.embed.device, []
         for s in range(0, len(ids), PREFILL):
             chunk = ids[s:s + PREFILL]
             padded = torch.tensor(chunk + [0] * (PREFILL - len(chunk)), device=dev)
             p = torch.arange(pos + s, pos + s + PREFILL, device=dev).clamp(max=self.max_len - 1)
             out = self._call(PREFILL, padded, p, torch.tensor([len(chunk) - 1], device=dev))
-        return out[0]
+            if self.layer_ids is not None:
+                out, f = out
+                feats.append(f[:, :len(chunk)])
+        return (out[0], torch.cat(feats, 1)) if self.layer_ids is not None else out[0]
+
+    @torch.no_grad()
+    def verify(self, block: torch.Tensor, pos: int):
+        """A block of verify_width tokens at pos..: logits of every row [B, V] and their features [1, B, F]."""
+        B = self.verify_width
+        if B is None or block.shape[0] != B:
+            raise DFlashError(f"static decoder: built to verify {B} tokens, given {block.shape[0]}")
+        self._check_room(pos, B)
+        return self._call(B, block, torch.arange(pos, pos + B, device=block.device),
+                          torch.arange(B, device=block.device))
 
     def warm(self) -> None:
         """Compile (or load from inductor's cache) every width now. Writes slots from 0 on, which the next
         prompt overwrites."""
+        dev = self.embed.device
         for w in self.steps:
             if w not in self.compile_s:
-                self.forward([0] * w, 0)
+                self._call(w, torch.zeros(w, dtype=torch.long, device=dev), torch.arange(w, device=dev),
+                           torch.zeros(1 if w in (1, PREFILL) else w, dtype=torch.long, device=dev))
 
     def _call(self, width: int, ids, pos, keep):
         if width in self.compile_s:
@@ -173,13 +211,15 @@ class StaticDecoder:
         return out
 
 
-def decoder_for(target, state: dict, length: int, log=None) -> StaticDecoder:
-    """`state`'s decoder for `target`, compiled before it is returned (so no answer's time includes it), rebuilt
-    longer when a turn needs more slots than it has (lengths rounded up to 512: fewer rebuilds, each compiled
-    anew). `log(message)` hears of a compile."""
+def decoder_for(target, state: dict, length: int, proposer=None, log=None) -> StaticDecoder:
+    """`state`'s decoder for `target` (with `proposer`'s layers and block when given, so that ar-static and
+    chain-static share one set of steps), compiled before it is returned (so no answer's time includes it),
+    rebuilt longer when a turn needs more slots than it has (lengths rounded up to 512: fewer rebuilds, each
+    compiled anew). `log(message)` hears of a compile."""
     d = state.get("static")
     if d is None or d.max_len < length:
-        d = state["static"] = StaticDecoder(target, max(512, -(-length // 512) * 512))
+        drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids, "verify_width": proposer.block_size}
+        d = state["static"] = StaticDecoder(target, max(512, -(-length // 512) * 512), **drafting)
         if log is not None:
             log(f"compiling the static decoder for {d.max_len} positions (about 3 min the first time on 2 cores, "
                 "seconds once inductor's cache holds it)")
@@ -212,3 +252,38 @@ def generate_static_ar(decoder: StaticDecoder, prompt_ids: list[int], max_new_to
         pos += 1
         done = emit(tokens, [token], stops, max_new_tokens)
     return Generation("ar-static", tokens, accepted, timer.finish())
+
+
+@torch.no_grad()
+def generate_static_chain(decoder: StaticDecoder, proposer, prompt_ids: list[int], max_new_tokens: int = 256,
+                          stop_ids=None):
+    """Greedy chain speculative decoding on the decoder's compiled steps: one drafter pass and one verify of B
+    tokens a round. The verify's rows are plain decoding's own one-token rows, so the output is ar-static's
+    token for token; a rejected draft needs no crop (the next verify overwrites its slots)."""
+    from dflashkit.decode.sampling import GREEDY
+    from dflashkit.decode.speculative import Generation, _begin, draft_block, emit
+
+    if decoder.verify_width != proposer.block_size or decoder.layer_ids != proposer.layer_ids:
+        raise DFlashError(f"static decoder built for block {decoder.verify_width}, layers {decoder.layer_ids}; "
+                          f"the drafter needs block {proposer.block_size}, layers {proposer.layer_ids}")
+    timer, stops, _ = _begin(decoder.target, stop_ids)
+    with timer("prefill"):
+        logits, feats = decoder.prefill(prompt_ids)
+    bonus = logits.argmax()[None]
+    tokens: list[int] = []
+    done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
+    proposer.reset(prompt_ids)
+    start, accepted = len(prompt_ids), []
+    while not done:
+        with timer("draft"):
+            drafts, _ = draft_block(proposer, feats, bonus, start, GREEDY, None)
+        block = torch.cat([bonus, drafts])
+        with timer("verify"):
+            logits, feats = decoder.verify(block, start)
+        posterior = logits.argmax(-1)
+        a = int((block[1:] == posterior[:-1]).cumprod(0).sum())
+        feats, bonus = feats[:, : a + 1], posterior[a : a + 1]
+        accepted.append(a + 1)
+        start += a + 1
+        done = emit(tokens, block[1 : a + 1].tolist() + bonus.tolist(), stops, max_new_tokens)
+    return Generation("chain-static", tokens, accepted, timer.finish())
