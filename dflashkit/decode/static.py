@@ -22,17 +22,18 @@ WIDTHS = (1, 32)  # one token a step; prompts in chunks of 32
 PREFILL = WIDTHS[-1]
 # inductor's C++ wrapper calls the step's kernels without Python between them: 12.9 -> 10.8 ms a token (SmolLM2,
 # bf16, 2-core Zen 5); passed per compile, so nothing outside this decoder changes
-COMPILE_OPTIONS = {"cpp_wrapper": True, "emulate_precision_casts": True}
+COMPILE_OPTIONS = {"cpp_wrapper": True}
 LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def linear_mm(x, w):
-    return F.linear(x, w)
+    """x (float32) @ w.T in the weights' dtype, back to float32."""
+    return F.linear(x.to(w.dtype), w).float()
 
 
 def linear_reduce(x, w):
     """x @ w.T as one reduction per output, summed in float32 (compiled: one fused kernel per weight)."""
-    return (w.float() * x.float()[..., None, :]).sum(-1).to(x.dtype)
+    return (w.float() * x.float()[..., None, :]).sum(-1)
 
 
 LINEARS = {"mm": linear_mm, "reduce": linear_reduce}
@@ -67,15 +68,18 @@ class StaticDecoder:
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
         self.eps = cfg.rms_norm_eps
         self.layers = [self._layer_weights(layer) for layer in m.layers]
-        dt, dev = target.dtype, target.device
-        # one buffer per layer: an in-place write into a view of one stacked buffer makes inductor copy it whole
-        self.k = [torch.zeros(1, self.kvh, max_len, self.hd, dtype=dt, device=dev) for _ in self.layers]
-        self.v = [torch.zeros(1, self.kvh, max_len, self.hd, dtype=dt, device=dev) for _ in self.layers]
+        dev = target.device
+        # activations and the KV stay in float32 and only the weights are in the target's dtype: a rounding to bf16
+        # between two ops is kept or skipped by inductor as it fuses them, which differs from one width to another;
+        # with none, a verify's rows are the one-token step's bit for bit. One buffer per layer: an in-place write
+        # into a view of one stacked buffer makes inductor copy it whole.
+        self.k = [torch.zeros(1, self.kvh, max_len, self.hd, device=dev) for _ in self.layers]
+        self.v = [torch.zeros(1, self.kvh, max_len, self.hd, device=dev) for _ in self.layers]
         theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
         inv = 1.0 / (theta ** (torch.arange(0, self.hd, 2, device=dev).float() / self.hd))
         f = torch.outer(torch.arange(max_len, device=dev).float(), inv)
         emb = torch.cat([f, f], -1)
-        self.cos, self.sin = emb.cos().to(dt), emb.sin().to(dt)
+        self.cos, self.sin = emb.cos(), emb.sin()
         self.embed, self.norm, self.head = target.embed_tokens.weight, target.final_norm.weight, target.lm_head.weight
         # per width, its linears and whether it returns features: a prompt's chunks use matrix products (mm reads
         # each weight once for all 32 rows, a reduction 32 times); a verify uses the one-token step's reductions,
@@ -103,8 +107,7 @@ class StaticDecoder:
             o=a.o_proj.weight, gu=torch.cat([p.gate_proj.weight, p.up_proj.weight]).contiguous(), down=p.down_proj.weight)
 
     def _rms(self, x, w):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w.float()
 
     def _rope(self, x, cos, sin):
         x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
@@ -115,17 +118,17 @@ class StaticDecoder:
         as reductions like the linears: a query's output then does not depend on how many share the step, and
         compiled it fuses into a few kernels (SDPA's CPU kernel costs 0.6 ms a layer on a 1024-slot cache)."""
         g, n = self.nh // self.kvh, q.shape[2]
-        qg = q.reshape(1, self.kvh, g * n, 1, self.hd).float()
-        s = (qg * k.float()[:, :, None]).sum(-1) * self.hd ** -0.5  # [1, kvh, g*n, L]
+        qg = q.reshape(1, self.kvh, g * n, 1, self.hd)
+        s = (qg * k[:, :, None]).sum(-1) * self.hd ** -0.5  # [1, kvh, g*n, L]
         s = s.view(1, self.kvh, g, n, -1).masked_fill(~mask, float("-inf"))
-        o = (s.softmax(-1).view(1, self.kvh, g * n, -1, 1) * v.float()[:, :, None]).sum(-2)
-        return o.reshape(1, self.nh, n, self.hd).to(q.dtype)
+        o = (s.softmax(-1).view(1, self.kvh, g * n, -1, 1) * v[:, :, None]).sum(-2)
+        return o.reshape(1, self.nh, n, self.hd)
 
     def _step(self, ids, pos, keep, linear, features: bool):
         """ids [n], pos [n] absolute positions, keep [k] rows -> their logits [k, V] (and, with `features`, the
         layer_ids' hidden states of all n rows [1, n, len(layer_ids) * H]); writes the n positions' KV."""
         n = ids.shape[0]
-        x = F.embedding(ids, self.embed)[None]
+        x = F.embedding(ids, self.embed)[None].float()
         cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]
         mask = torch.arange(self.max_len, device=ids.device)[None, :] <= pos[:, None]
         q_size, kv_size = self.nh * self.hd, self.kvh * self.hd
@@ -133,7 +136,7 @@ class StaticDecoder:
         for i, w in enumerate(self.layers):
             qkv = linear(self._rms(x, w["n1"]), w["qkv"])
             if w["qkv_bias"] is not None:
-                qkv = qkv + w["qkv_bias"]
+                qkv = qkv + w["qkv_bias"].float()
             q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
             q, k = q.view(1, n, self.nh, self.hd), k.view(1, n, self.kvh, self.hd)
             if w["q_norm"] is not None:
