@@ -89,6 +89,14 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
         return decode_conversation(target, item, one)
 
 
+def _greedy_only(methods: list[str], engines: list[str], temperature: float) -> None:
+    """The engine peers and the static decoder's methods decode greedily: a temperature is refused up front."""
+    if STATIC_AR in methods or STATIC_CHAIN in methods:
+        check_greedy(temperature)
+    if engines and temperature != 0:
+        raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
+
+
 def _static_parting(target, runs: list[dict]) -> tuple[list[dict], dict]:
     """ar-static against ar: other kernels, so in low precision a parting is reported; in float32 it fails.
     chain-static against ar-static: the same steps, so any difference fails."""
@@ -129,10 +137,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         costs = cost_report(target, curve)
     ours = [m for m in methods if not is_engine(m)]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
-    if STATIC_AR in methods or STATIC_CHAIN in methods:
-        check_greedy(sampling.temperature)
-    if engines and sampling.temperature != 0:
-        raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
+    _greedy_only(methods, engines, sampling.temperature)
     runs, turns = _timed_runs(target, proposer, prompts, ours, max_new_tokens, sampling, warmup, progress, curve)
     started = {}
     for m in engines:  # after ours, one engine at a time: never two processes computing at once

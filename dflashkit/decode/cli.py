@@ -126,6 +126,7 @@ def cmd_generate(args) -> int:
     from dflashkit.decode.methods import STATIC_AR, needs_drafter, parse_method
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
     from dflashkit.decode.static import check_greedy, decoder_for, generate_static_ar
+    from dflashkit.rng import seeded
     from dflashkit.target.invariant import row_invariant
 
     sampling = _check(args)
@@ -145,13 +146,13 @@ def cmd_generate(args) -> int:
     records = []
     for i, (pid, item) in enumerate(prompts):
         gen = torch.Generator(device=target.device).manual_seed(sampling.seed + i)
-        torch.manual_seed(sampling.seed + i)
-        c = decode_conversation(target, item, lambda ids: generate_static_ar(
-            decoder_for(target, state, len(ids) + args.max_new_tokens, log=lambda m: print(m, file=sys.stderr)), ids,
-            args.max_new_tokens)
-            if args.method == STATIC_AR else generate(
-            target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
-            sampling=sampling, generator=gen, cost=cost, ngram=ngram))
+        with seeded(sampling.seed + i, target.device):  # transformers' loops sample from the global generator
+            c = decode_conversation(target, item, lambda ids: generate_static_ar(
+                decoder_for(target, state, len(ids) + args.max_new_tokens, log=lambda m: print(m, file=sys.stderr)),
+                ids, args.max_new_tokens)
+                if args.method == STATIC_AR else generate(
+                target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
+                sampling=sampling, generator=gen, cost=cost, ngram=ngram))
         g, texts = c.generation, c.answers
         rec = {"id": pid, "category": item.category, "method": g.method, "prompt_tokens": [len(p) for p in c.prompts],
                "tokens": g.tokens, "turns": texts, "text": texts[-1], "accepted": g.accepted,

@@ -80,16 +80,16 @@ def cmd_info(args) -> int:
 
 
 def cmd_init(args) -> int:
-    import torch
 
     from dflashkit.drafter.checkpoint import new_drafter, save_drafter
+    from dflashkit.rng import seeded
     from dflashkit.target.model import load_target
 
-    torch.manual_seed(args.seed)
     target = load_target(args.target, device="cpu")
     block = args.block_size or (8 if args.arch == "dflash2" else 16)
-    d = new_drafter(target, num_layers=args.num_layers, target_layer_ids=args.target_layers,
-                    allow_final_layers=args.allow_final_layers, block_size=block, arch=args.arch)
+    with seeded(args.seed):
+        d = new_drafter(target, num_layers=args.num_layers, target_layer_ids=args.target_layers,
+                        allow_final_layers=args.allow_final_layers, block_size=block, arch=args.arch)
     save_drafter(d, args.out, format=args.format, target_identity=target.identity())
     n = sum(p.numel() for p in d.parameters())
     print(f"wrote {args.out}: {args.arch}, {args.num_layers} layers, block {block}, {n / 1e6:.2f}M parameters, "
