@@ -129,6 +129,7 @@ def test_vl_checkpoint_with_a_broken_language_model_weight_is_refused(root, tmp_
 
 @pytest.mark.skipif(not cpu_has_bf16_matmul(),
                     reason="bf16 decoding is checked on CPUs with native bf16 dot products")
+@pytest.mark.xdist_group(name="families-bf16")  # its own group: the other worker runs it beside the matrix
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_bf16_online_methods_equal_bf16_plain_decoding(root, kind):
     """On a bf16 CPU decoding runs row-invariant kernels, so every method equals bf16 plain decoding (ours)."""
