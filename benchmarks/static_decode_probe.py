@@ -12,11 +12,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from dflashkit.decode import static
+
 
 def linear_reduce(x, w):
-    """x @ w.T as one fused reduction per output (compiled: each weight read once, in its own dtype, summed in
-    float32): inductor's vectorised reduction reads bf16 weights faster than the mm kernel does at one row."""
-    return (w.float() * x.float()[..., None, :]).sum(-1).to(x.dtype)
+    """The static decoder's reduction linear (dflashkit/decode/static.py), rounded back to the probe's dtype."""
+    return static.linear_reduce(x, w).to(x.dtype)
 
 
 class StaticLlama(torch.nn.Module):

@@ -60,11 +60,11 @@ def main(argv=None) -> int:
             from dflashkit.threads import apply_threads, physical_cores, under_torchrun
 
             before = torch.get_num_threads()
-            n = apply_threads(args)
-            if (args.threads is None and n < min(before, physical_cores()) and not under_torchrun()
+            n, cores = apply_threads(args), physical_cores()
+            if (args.threads is None and n < min(before, cores) and not under_torchrun()
                     and not os.environ.get("OMP_NUM_THREADS")):
-                print(f"threads: {n} (other work keeps {physical_cores() - n} of {physical_cores()} cores busy; "
-                      "--threads N to choose)", file=sys.stderr)
+                print(f"threads: {n} (other work keeps {cores - n} of {cores} cores busy; --threads N to choose)",
+                      file=sys.stderr)
         return args.func(args) or 0
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)

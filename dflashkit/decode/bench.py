@@ -20,8 +20,8 @@ from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
 from dflashkit.decode.methods import STATIC_AR, STATIC_CHAIN, needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
-from dflashkit.decode.peers import (TAU_TOLERANCE, check_engines, check_tau, engine_tau, is_engine, plain_of,
-                                   predicted_tau, run_engine)
+from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, engine_tau, is_engine,
+                                   plain_of, predicted_tau, run_engine)
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.decode.static import check_greedy, decoder_for, generate_static_ar, generate_static_chain
@@ -64,7 +64,7 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
     gen = torch.Generator(device=target.device).manual_seed(seed)
     if method in (STATIC_AR, STATIC_CHAIN):
         def one(ids):  # one decoder for both, with the drafter's layers and block where there is one
-            d = decoder_for(target, lookups, len(ids) + max_new_tokens + 32, proposer)
+            d = decoder_for(target, lookups, len(ids) + max_new_tokens, proposer)
             if method == STATIC_AR:
                 return generate_static_ar(d, ids, max_new_tokens)
             return generate_static_chain(d, proposer, ids, max_new_tokens)
@@ -100,17 +100,9 @@ def _greedy_only(methods: list[str], engines: list[str], temperature: float) -> 
 def _static_parting(target, runs: list[dict]) -> tuple[list[dict], dict]:
     """ar-static against ar: other kernels, so in low precision a parting is reported; in float32 it fails.
     chain-static against ar-static: the same steps, so any difference fails."""
-    by = {r["prompt"]: r["tokens"] for r in runs if r["method"] == "ar"}
-    p, bad = {"equal": 0, "prompts": 0, "parts_at": {}}, []
-    for r in (r for r in runs if r["method"] == STATIC_AR and r["prompt"] in by):
-        p["prompts"] += 1
-        if r["tokens"] == by[r["prompt"]]:
-            p["equal"] += 1
-            continue
-        p["parts_at"][r["prompt"]] = common_prefix(r["tokens"], by[r["prompt"]])
-        if target.dtype == torch.float32:
-            bad.append({"prompt": r["prompt"], "method": STATIC_AR, "against": "ar",
-                        "first_difference": p["parts_at"][r["prompt"]]})
+    p = ar_parting(runs, STATIC_AR)
+    bad = ([{"prompt": k, "method": STATIC_AR, "against": "ar", "first_difference": v} for k, v in p["parts_at"].items()]
+           if target.dtype == torch.float32 else [])
     plain = {r["prompt"]: r["tokens"] for r in runs if r["method"] == STATIC_AR}
     for r in (r for r in runs if r["method"] == STATIC_CHAIN and r["prompt"] in plain):
         if r["tokens"] != plain[r["prompt"]]:  # the same steps: exact in every dtype
@@ -159,7 +151,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         summary[m].update(engine=info, ar_parting=parting.get(m))
         if m.endswith("-dflash"):  # our drafter's tau on the very tokens the engine verified
             summary[m]["predicted_tau"] = predicted_tau(target, proposer, [r for r in runs if r["method"] == m])
-    summary.get(STATIC_AR, {})["ar_parting"] = static_parting  # (a throwaway dict where it did not run)
+    if STATIC_AR in summary:
+        summary[STATIC_AR]["ar_parting"] = static_parting
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
     return {

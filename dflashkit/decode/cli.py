@@ -146,13 +146,16 @@ def cmd_generate(args) -> int:
     records = []
     for i, (pid, item) in enumerate(prompts):
         gen = torch.Generator(device=target.device).manual_seed(sampling.seed + i)
+
+        def one(ids):  # one turn
+            if args.method == STATIC_AR:
+                d = decoder_for(target, state, len(ids) + args.max_new_tokens, log=lambda m: print(m, file=sys.stderr))
+                return generate_static_ar(d, ids, args.max_new_tokens)
+            return generate(target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
+                            sampling=sampling, generator=gen, cost=cost, ngram=ngram)
+
         with seeded(sampling.seed + i, target.device):  # transformers' loops sample from the global generator
-            c = decode_conversation(target, item, lambda ids: generate_static_ar(
-                decoder_for(target, state, len(ids) + args.max_new_tokens, log=lambda m: print(m, file=sys.stderr)),
-                ids, args.max_new_tokens)
-                if args.method == STATIC_AR else generate(
-                target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
-                sampling=sampling, generator=gen, cost=cost, ngram=ngram))
+            c = decode_conversation(target, item, one)
         g, texts = c.generation, c.answers
         rec = {"id": pid, "category": item.category, "method": g.method, "prompt_tokens": [len(p) for p in c.prompts],
                "tokens": g.tokens, "turns": texts, "text": texts[-1], "accepted": g.accepted,

@@ -122,15 +122,25 @@ def check_engines(runs: list[dict]) -> tuple[list[dict], dict]:
                 bad.append({"prompt": r["prompt"], "method": m, "against": plain_of(m),
                             "first_difference": common_prefix(r["tokens"], want),
                             "lengths": [len(r["tokens"]), len(want)]})
-        ar = by.get((r["prompt"], "ar"))
-        if ar is not None:
-            p = parting.setdefault(m, {"equal": 0, "prompts": 0, "parts_at": {}})
-            p["prompts"] += 1
-            if r["tokens"] == ar:
-                p["equal"] += 1
-            else:
-                p["parts_at"][r["prompt"]] = common_prefix(r["tokens"], ar)
+    for m in dict.fromkeys(r["method"] for r in runs if is_engine(r["method"])):
+        p = ar_parting(runs, m)
+        if p["prompts"]:
+            parting[m] = p
     return bad, parting
+
+
+def ar_parting(runs: list[dict], method: str) -> dict:
+    """How `method`'s outputs compare with our ar on the prompts both ran: how many are equal, and the first token
+    where each other one parts."""
+    ar = {r["prompt"]: r["tokens"] for r in runs if r["method"] == "ar"}
+    p = {"equal": 0, "prompts": 0, "parts_at": {}}
+    for r in (r for r in runs if r["method"] == method and r["prompt"] in ar):
+        p["prompts"] += 1
+        if r["tokens"] == ar[r["prompt"]]:
+            p["equal"] += 1
+        else:
+            p["parts_at"][r["prompt"]] = common_prefix(r["tokens"], ar[r["prompt"]])
+    return p
 
 
 @torch.no_grad()

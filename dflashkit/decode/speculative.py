@@ -391,6 +391,12 @@ def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, sampli
     return Generation("ar", tokens, accepted, timer.finish())
 
 
+def greedy_accepted(block: torch.Tensor, posterior: torch.Tensor) -> int:
+    """Drafts accepted from block [bonus, d1..] given the target's choice after each of its tokens: the run of
+    drafts equal to the target's own choices."""
+    return int((block[1:] == posterior[:-1]).cumprod(0).sum())
+
+
 @on_invariant_kernels
 @torch.no_grad()
 def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
@@ -421,7 +427,7 @@ def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_to
                                  position_ids=(start + offsets)[None])
         if q is None:
             posterior = choose(out.logits[0], temperature, generator)  # [B]: target's token after block[:i+1]
-            a = int((block[1:] == posterior[:-1]).cumprod(0).sum())  # accepted drafts
+            a = greedy_accepted(block, posterior)
             next_token = posterior[a : a + 1]
         else:
             a, next_token = rejection_accept(block[1:], q, out.logits[0], temperature, generator)

@@ -50,20 +50,22 @@ def _check_family(target) -> None:
 
 
 class StaticDecoder:
-    """One target, one run length: `forward(ids [n], pos)` writes the KV of positions pos..pos+n-1 and returns their
-    logits [n, V]. Rejected positions need no crop: the causal mask hides every slot past the query's position and
-    the next write overwrites them."""
+    """One target, one run length: `forward(ids, pos)` (and `prefill`, `verify`) write the KV of positions
+    pos..pos+len(ids)-1 and return logits. Rejected positions need no crop: the causal mask hides every slot past
+    the query's position and the next write overwrites them."""
 
     def __init__(self, target, max_len: int, linear: str = "reduce", prefill_linear: str = "mm", compile: bool = True,
                  layer_ids: list[int] | None = None, verify_width: int | None = None):
         _check_family(target)
         if verify_width is not None and not 1 < verify_width < PREFILL:
             raise DFlashError(f"verify width {verify_width}: the static decoder verifies 2..{PREFILL - 1} tokens")
+        if verify_width is not None and layer_ids is None:
+            raise DFlashError("static decoder: a verify step returns the drafter's features; give layer_ids with it")
         for name in (linear, prefill_linear):
             if name not in LINEARS:
                 raise DFlashError(f"linear {name!r}: use one of {', '.join(LINEARS)}")
         cfg, m = target.config, target.decoder
-        self.target, self.max_len, self.linear_name = target, max_len, linear
+        self.target, self.max_len = target, max_len
         self.nh, self.kvh = cfg.num_attention_heads, cfg.num_key_value_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
         self.eps = cfg.rms_norm_eps
@@ -132,7 +134,7 @@ class StaticDecoder:
         cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]
         mask = torch.arange(self.max_len, device=ids.device)[None, :] <= pos[:, None]
         q_size, kv_size = self.nh * self.hd, self.kvh * self.hd
-        captured = {}
+        captured = {}  # the drafter's layers' hidden states, where this width returns features
         for i, w in enumerate(self.layers):
             qkv = linear(self._rms(x, w["n1"]), w["qkv"])
             if w["qkv_bias"] is not None:
@@ -149,7 +151,8 @@ class StaticDecoder:
             x = x + linear(o.transpose(1, 2).reshape(1, n, q_size), w["o"])
             g, u = linear(self._rms(x, w["n2"]), w["gu"]).chunk(2, -1)
             x = x + linear(F.silu(g) * u, w["down"])
-            captured[i] = x
+            if features and i in self.layer_ids:
+                captured[i] = x
         logits = linear(self._rms(x.index_select(1, keep), self.norm), self.head)[0]
         return (logits, torch.cat([captured[i] for i in self.layer_ids], -1)) if features else logits
 
@@ -217,8 +220,9 @@ class StaticDecoder:
 def decoder_for(target, state: dict, length: int, proposer=None, log=None) -> StaticDecoder:
     """`state`'s decoder for `target` (with `proposer`'s layers and block when given, so that ar-static and
     chain-static share one set of steps), compiled before it is returned (so no answer's time includes it),
-    rebuilt longer when a turn needs more slots than it has (lengths rounded up to 512: fewer rebuilds, each
-    compiled anew). `log(message)` hears of a compile."""
+    rebuilt longer when a turn needs more slots than it has: `length` (prompt + new tokens) plus room for the
+    last verify, rounded up to 512 (fewer rebuilds, each compiled anew). `log(message)` hears of a compile."""
+    length += proposer.block_size if proposer is not None else 0
     d = state.get("static")
     if d is None or d.max_len < length:
         drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids, "verify_width": proposer.block_size}
@@ -264,7 +268,7 @@ def generate_static_chain(decoder: StaticDecoder, proposer, prompt_ids: list[int
     tokens a round. The verify's rows are plain decoding's own one-token rows, so the output is ar-static's
     token for token; a rejected draft needs no crop (the next verify overwrites its slots)."""
     from dflashkit.decode.sampling import GREEDY
-    from dflashkit.decode.speculative import Generation, _begin, draft_block, emit
+    from dflashkit.decode.speculative import Generation, _begin, draft_block, emit, greedy_accepted
 
     if decoder.verify_width != proposer.block_size or decoder.layer_ids != proposer.layer_ids:
         raise DFlashError(f"static decoder built for block {decoder.verify_width}, layers {decoder.layer_ids}; "
@@ -284,7 +288,7 @@ def generate_static_chain(decoder: StaticDecoder, proposer, prompt_ids: list[int
         with timer("verify"):
             logits, feats = decoder.verify(block, start)
         posterior = logits.argmax(-1)
-        a = int((block[1:] == posterior[:-1]).cumprod(0).sum())
+        a = greedy_accepted(block, posterior)
         feats, bonus = feats[:, : a + 1], posterior[a : a + 1]
         accepted.append(a + 1)
         start += a + 1
