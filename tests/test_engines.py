@@ -120,6 +120,10 @@ def test_bench_with_engine_peers_states_speedups_against_the_fastest_plain(setup
         assert s[m]["speedup_vs_fastest_plain"] == pytest.approx(s[m]["tokens_per_s"] / s[fastest]["tokens_per_s"])
     md = bench_markdown(res)
     assert "## Engine peers" in md and f"vs fastest plain ({fastest})" in md and "within the 5% tolerance" in md
+    # the engines run in the rotation beside ours, prompt by prompt (host drift hits all alike), not after them
+    order = [(r["prompt"], r["method"]) for r in res["runs"]]
+    assert [p for p, _ in order] == sorted((p for p, _ in order), key=[x for x, _ in prompts].index)
+    assert {m for p, m in order if p == prompts[0][0]} == set(s)
 
 
 def test_bench_fails_an_engine_that_is_not_lossless_or_accepts_other_than_predicted(setup, monkeypatch):

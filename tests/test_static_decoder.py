@@ -10,7 +10,7 @@ import torch
 
 from dflashkit.decode import bench
 from dflashkit.decode.speculative import generate
-from dflashkit.decode.static import StaticDecoder, generate_static_ar, linear_reduce
+from dflashkit.decode.static import StaticDecoder, attend_mm, attend_reduce, generate_static_ar, linear_reduce
 from dflashkit.errors import DFlashError
 from dflashkit.target.fixtures import make_tiny_target
 from dflashkit.target.model import load_target
@@ -65,6 +65,55 @@ def test_a_verify_row_is_the_one_token_step(tiny_dirs, dtype):
 def test_linear_reduce_is_a_matmul():
     x, w = torch.randn(3, 40), torch.randn(24, 40)
     torch.testing.assert_close(linear_reduce(x, w), (x.double() @ w.double().T).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_both_attentions_are_softmax_attention_over_the_unmasked_slots():
+    """The reductions (decode, verify) and the matrix products (prompt chunks) against attention written plainly:
+    grouped heads (6 query heads over 2 KV heads), a causal mask past each query's position."""
+    q, k, v = torch.randn(1, 6, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    pos = torch.tensor([4, 5, 6])
+    mask = torch.arange(10)[None, :] <= pos[:, None]
+    kk, vv = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+    want = torch.stack([torch.stack([(torch.softmax(q[0, h, i] @ kk[0, h, : p + 1].T / 8 ** 0.5, -1)
+                                      @ vv[0, h, : p + 1]) for i, p in enumerate(pos.tolist())]) for h in range(6)])
+    for attend in (attend_reduce, attend_mm):
+        torch.testing.assert_close(attend(q, k, v, mask, 2)[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_decoders_of_one_geometry_share_one_compiled_step(tiny_targets, tiny_dirs):
+    """A decoder rebuilt longer (or a second one) reuses the compiled step: dynamo keeps 8 entries per function,
+    so a copy per decoder failed the third rebuild (nothing compiles here: torch.compile is lazy)."""
+    t = tiny_targets["llama"]
+    a, b = StaticDecoder(t, 64), StaticDecoder(t, 128, layer_ids=[1], verify_width=4)
+    assert a.steps[1] is b.steps[1] and a.steps[32] is not b.steps[32]  # the prompt step: + features
+    assert StaticDecoder(t, 512, layer_ids=[1], verify_width=4).steps == b.steps
+    other = load_target(tiny_dirs["qwen3"], device="cpu", dtype="float32")
+    assert StaticDecoder(other, 64).steps[1] is not a.steps[1]
+
+
+def test_warm_up_runs_as_decoding_does_without_grad(tiny_targets, monkeypatch):
+    """Grad mode is in dynamo's guards: a warm-up with it on compiled every width a second time at its first use."""
+    d = StaticDecoder(tiny_targets["llama"], 64, compile=False)
+    seen = []
+    monkeypatch.setattr(d, "_call", lambda width, *a: seen.append((width, torch.is_grad_enabled())))
+    assert torch.is_grad_enabled()
+    d.warm()
+    assert seen == [(1, False), (32, False)]
+
+
+def test_biases_the_step_does_not_compute_are_refused(tiny_dirs, tmp_path):
+    """Llama with attention_bias puts one on o_proj too, which the step leaves out: refused, not computed wrong."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(tiny_dirs["llama"], tmp_path / "b")
+    cfg = AutoConfig.from_pretrained(tmp_path / "b")
+    cfg.attention_bias = True
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "b")
+    t = load_target(tmp_path / "b", device="cpu", dtype="float32")
+    with pytest.raises(DFlashError, match="biases on o_proj.*use method 'ar'"):
+        StaticDecoder(t, 16, compile=False)
 
 
 def test_a_run_past_its_length_is_refused(tiny_targets):

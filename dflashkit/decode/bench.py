@@ -12,6 +12,7 @@ loudly.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
 from dflashkit.decode.methods import STATIC_AR, STATIC_CHAIN, needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, engine_tau, is_engine,
-                                   plain_of, predicted_tau, run_engine)
+                                   plain_of, predicted_tau, EnginePeer)
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.decode.static import check_greedy, decoder_for, generate_static_ar, generate_static_chain
@@ -130,12 +131,12 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     ours = [m for m in methods if not is_engine(m)]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
     _greedy_only(methods, engines, sampling.temperature)
-    runs, turns = _timed_runs(target, proposer, prompts, ours, max_new_tokens, sampling, warmup, progress, curve)
-    started = {}
-    for m in engines:  # after ours, one engine at a time: never two processes computing at once
-        engine_runs, started[m] = run_engine(m, target, drafter, prompts, max_new_tokens,
-                                             proposer.block_size if proposer else 0, progress)
-        runs += engine_runs
+    with ExitStack() as stack:  # the engines up through the whole rotation, idle but for their own turns
+        peers = {m: stack.enter_context(EnginePeer(m, target, drafter, proposer.block_size if proposer else 0,
+                                                   max_new_tokens)) for m in engines}
+        runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
+                                  progress, curve, peers)
+    started = {m: p.info for m, p in peers.items()}
     stock = ((STOCK_AR,) + PEERS if switched else ()) + (STATIC_AR, STATIC_CHAIN)  # other kernels
     mismatches = (check_lossless([r for r in runs if r["method"] not in stock and not is_engine(r["method"])])
                   if sampling.temperature == 0 else [])
@@ -183,7 +184,7 @@ def _judge_engines(target, runs: list[dict]) -> tuple[list[dict], list[dict], di
 
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress,
-                curve) -> tuple[list[dict], dict]:
+                curve, peers: dict | None = None) -> tuple[list[dict], dict]:
     """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike).
     The progress bar (tqdm: it also prints where the output is not a terminal) names the prompt and method running
     and the tokens/s of the last one, with an ETA. Also returns plain decoding's turns per prompt: (prompt ids per
@@ -192,9 +193,14 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
 
     # per-method state: n-gram lookups (acceptance statistics carry across prompts), the static decoder
     lookups: dict[str, NgramLookup | object] = {}
+    peers = peers or {}
     if warmup:
         for m in methods:
-            _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), sampling, sampling.seed, curve, lookups)
+            if m in peers:  # an engine warms on a whole first conversation: its graphs, caches, allocator
+                peers[m].run(prompts[0][0], prompts[0][1])
+            else:
+                _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), sampling, sampling.seed, curve,
+                     lookups)
     runs, turns = [], {}
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress,
               mininterval=2.0) as bar:
@@ -202,13 +208,17 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for m in order:
                 bar.set_description(f"bench {pid} {m}")
-                c = _run(target, proposer, item, m, max_new_tokens, sampling, sampling.seed + i, curve, lookups)
-                g = c.generation
-                runs.append({"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]), "turns": c.lengths,
-                             "tokens": g.tokens, "accepted": g.accepted, "times": g.times})
-                if m == "ar":
-                    turns[pid] = (c.prompts, c.lengths)
-                bar.set_postfix_str(f"last {m}: {len(g.tokens) / g.times['total']:.1f} tok/s", refresh=False)
+                if m in peers:
+                    runs.append(peers[m].run(pid, item))
+                else:
+                    c = _run(target, proposer, item, m, max_new_tokens, sampling, sampling.seed + i, curve, lookups)
+                    g = c.generation
+                    runs.append({"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]),
+                                 "turns": c.lengths, "tokens": g.tokens, "accepted": g.accepted, "times": g.times})
+                    if m == "ar":
+                        turns[pid] = (c.prompts, c.lengths)
+                r = runs[-1]
+                bar.set_postfix_str(f"last {m}: {len(r['tokens']) / r['times']['total']:.1f} tok/s", refresh=False)
                 bar.update()
     return runs, turns
 
@@ -389,7 +399,8 @@ def engines_markdown(result: dict) -> list[str]:
                      + (f" (first parting {min(diff)})" if diff else ""),
                      f"{p.get('equal', 0)}/{p.get('prompts', 0)}", min(parts.values()) if parts else "-"])
     lines = ["## Engine peers", "",
-             "Each engine decodes the same conversations after ours, one engine at a time, greedy, in the bench's dtype "
+             "Each engine decodes the same conversations in the bench's rotation beside ours (started first, idle "
+             "but for its own turns; one process computing at a time), greedy, in the bench's dtype "
              "and thread count (llama.cpp: the target converted to GGUF by its own converter; vLLM: the same "
              "safetensors). -dflash runs our drafter exported as the engine reads it (GGUF with the draft vocabulary's "
              "d2t map; z-lab folder with draft_vocab_size + d2t for vLLM). tau is the engine's own mean acceptance "

@@ -1,10 +1,11 @@
 """Engine peers in `bench`: llama.cpp and vLLM decode the same prompts, plain and with our drafter exported.
 
-Each engine starts once per method (a server or a worker process, its load not timed), answers a warm-up, then
-every conversation turn by turn as ours are decoded (decode/conversation.py). While it answers, this process
-waits on a pipe, so two engines never compute at once. The engine's outputs are checked against its own plain
-decoding (lossless there) and compared with our `ar` (kernels differ across engines: reported, not failed),
-and its mean acceptance length, counted by the engine itself, against our chain's tau on the same drafter.
+Each engine starts once per method (a server or a worker process, its load not timed) and stays up through the
+bench: it answers a warm-up, then every conversation turn by turn (decode/conversation.py) in the bench's
+rotation beside our methods. While it answers, this process waits on it, so two never compute at once. The
+engine's outputs are checked against its own plain decoding (lossless there) and compared with our `ar`
+(kernels differ across engines: reported, not failed), and its mean acceptance length, counted by the engine
+itself, against our chain's tau on the same drafter.
 """
 
 from __future__ import annotations
@@ -64,41 +65,53 @@ def _start(method: str, target, drafter, block_size: int, ctx: int, workdir: Pat
     return VllmWorker(Path(target.path), dtype, threads, ctx, folder, block_size - 1, engine=engine)
 
 
-def run_engine(method: str, target, drafter, prompts, max_new_tokens: int, block_size: int, progress: bool = True,
-               workdir: Path | None = None) -> tuple[list[dict], dict]:
-    """(run records as bench's, engine info: start seconds, log) for one engine method on every prompt."""
-    from tqdm import tqdm
+class EnginePeer:
+    """One engine method, started on entry (its load timed apart) and held open through the bench, so that its
+    conversations run in the bench's rotation beside ours: the host's drift then hits ours and the engine alike
+    (on a noisy 2-core host llama.cpp alone measured 88-117 tok/s from one run to the next). Idle, a server waits
+    on its socket and this process on the engine's answer: never two computing at once."""
 
-    stop = set(target.stop_token_ids)
-    ctx = _context_length(target)
-    with tempfile.TemporaryDirectory(prefix="dflashkit-peer-") as tmp:
-        work = Path(workdir or tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    def __init__(self, method: str, target, drafter, block_size: int, max_new_tokens: int):
+        self.method, self.target, self.max_new_tokens = method, target, max_new_tokens
+        self.drafter, self.block_size = drafter, block_size
+        self.ctx = _context_length(target)
+        self.counts = {"drafted": 0, "accepted": 0, "steps": 0}
+
+    def __enter__(self) -> "EnginePeer":
+        self._tmp = tempfile.TemporaryDirectory(prefix="dflashkit-peer-")
         t0 = time.perf_counter()
-        with _start(method, target, drafter, block_size, ctx, work) as engine:
-            started = time.perf_counter() - t0
-            counts = {"drafted": 0, "accepted": 0, "steps": 0}
+        self._started = _start(self.method, self.target, self.drafter, self.block_size, self.ctx, Path(self._tmp.name))
+        try:
+            self._engine = self._started.__enter__()
+        except BaseException:
+            self._tmp.cleanup()
+            raise
+        self.info = {"start_s": time.perf_counter() - t0, "context": self.ctx}
+        return self
 
-            def one(ids):
-                a = engine.complete(ids, max_new_tokens, stop)
-                for k in counts:
-                    counts[k] += getattr(a, k)
-                return Generation(method, a.tokens[:max_new_tokens], [],
-                                  {"prefill": a.prompt_seconds, "draft": 0.0, "verify": 0.0,
-                                   "other": a.seconds - a.prompt_seconds, "total": a.seconds})
+    def __exit__(self, *exc) -> None:
+        try:
+            self._started.__exit__(*exc)
+        finally:
+            self._tmp.cleanup()
 
-            decode_conversation(target, prompts[0][1], lambda ids: one(ids))  # warm-up: graphs, caches, allocator
-            runs = []
-            for pid, item in tqdm(prompts, desc=f"bench {method}", unit="prompt", disable=not progress,
-                                  mininterval=2.0):
-                for k in counts:
-                    counts[k] = 0
-                c = decode_conversation(target, item, one)
-                g = c.generation
-                runs.append({"prompt": pid, "method": method, "prompt_tokens": len(c.prompts[0]), "turns": c.lengths,
-                             "tokens": g.tokens, "accepted": [], "times": g.times, "engine": dict(counts),
-                             "turn_prompts": c.prompts})
-    return runs, {"start_s": started, "context": ctx}
+    def one(self, ids: list[int]) -> Generation:
+        """One turn: the engine's answer, timed by this process end to end (its prompt time apart)."""
+        a = self._engine.complete(ids, self.max_new_tokens, set(self.target.stop_token_ids))
+        for k in self.counts:
+            self.counts[k] += getattr(a, k)
+        return Generation(self.method, a.tokens[: self.max_new_tokens], [],
+                          {"prefill": a.prompt_seconds, "draft": 0.0, "verify": 0.0,
+                           "other": a.seconds - a.prompt_seconds, "total": a.seconds})
+
+    def run(self, pid: str, item) -> dict:
+        """One conversation as a bench run record, with the engine's own draft counters."""
+        self.counts = dict.fromkeys(self.counts, 0)
+        c = decode_conversation(self.target, item, self.one)
+        g = c.generation
+        return {"prompt": pid, "method": self.method, "prompt_tokens": len(c.prompts[0]), "turns": c.lengths,
+                "tokens": g.tokens, "accepted": [], "times": g.times, "engine": dict(self.counts),
+                "turn_prompts": c.prompts}
 
 
 def engine_tau(runs: list[dict]) -> float | None:

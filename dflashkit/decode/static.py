@@ -1,6 +1,6 @@
 """Plain decoding in the shape of gpt-fast (issue 38): a static KV cache sized to the run, the Llama step written out
-over the target's own weights, compiled once per width. Nothing here changes process state: the kernels are the
-`linear` value a decoder is built with, and every compiled step belongs to its decoder.
+over the target's weights, compiled once per width. Nothing here changes process state: the kernels are the
+value a decoder is built with (`kernels`, by name), and the compiled step is a pure function of its inputs.
 
 Why it is faster than our `ar` on a CPU: HF's modules, a DynamicCache and ~450 small ops a token cost more than the
 weights take to read; compiled, the step is a few dozen fused kernels. Why the linears are reductions: at one row,
@@ -10,8 +10,10 @@ than the mm kernel does (27 vs 18 GB/s on a 2-core EPYC, benchmarks/static_decod
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +26,13 @@ PREFILL = WIDTHS[-1]
 # bf16, 2-core Zen 5); passed per compile, so nothing outside this decoder changes
 COMPILE_OPTIONS = {"cpp_wrapper": True}
 LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ALIGN = 64  # elements: every weight in the arena starts on a cache line (and a vector load) boundary
+HUGE_PAGE = 2 << 20
 
 
 def linear_mm(x, w):
     """x (float32) @ w.T in the weights' dtype, back to float32."""
-    return F.linear(x.to(w.dtype), w).float()
+    return (x.to(w.dtype) @ w.t()).float()
 
 
 def linear_reduce(x, w):
@@ -36,17 +40,201 @@ def linear_reduce(x, w):
     return (w.float() * x.float()[..., None, :]).sum(-1)
 
 
-LINEARS = {"mm": linear_mm, "reduce": linear_reduce}
 
 
-def _check_family(target) -> None:
+class Geometry(NamedTuple):
+    """What a compiled step is specialised on, besides its inputs' sizes: two targets of one geometry share it."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int
+    bias: bool  # q, k and v biases (Qwen2)
+    qk_norm: bool  # per-head RMS norms of q and k (Qwen3)
+    eps: float
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def slots(self) -> list[tuple[str, tuple[int, ...]]]:
+        """One layer's weights, in arena order."""
+        qkv = self.q_size + 2 * self.kv_size
+        s = [("n1", (self.hidden,)), ("n2", (self.hidden,)), ("qkv", (qkv, self.hidden))]
+        s += [("qkv_bias", (qkv,))] if self.bias else []
+        s += [("q_norm", (self.head_dim,)), ("k_norm", (self.head_dim,))] if self.qk_norm else []
+        return s + [("o", (self.hidden, self.q_size)), ("gu", (2 * self.inter, self.hidden)),
+                    ("down", (self.hidden, self.inter))]
+
+    def layout(self) -> tuple[dict, int, dict]:
+        """Offsets in the arena: one layer's {name: (offset, shape)}, the distance between layers, and the final
+        norm's and head's."""
+        def place(entries, off):
+            out = {}
+            for name, shape in entries:
+                out[name] = (off, shape)
+                off += -(-torch.Size(shape).numel() // ALIGN) * ALIGN
+            return out, off
+        layer, stride = place(self.slots(), 0)
+        tail, end = place([("norm", (self.hidden,)), ("head", (self.vocab, self.hidden))], stride * self.layers)
+        return layer, stride, dict(tail, end=(end, ()))
+
+
+def _view(arena, off, shape):
+    return arena[off: off + torch.Size(shape).numel()].view(shape)
+
+
+def geometry_of(target) -> Geometry:
+    """The target's geometry, or a refusal naming what the static step does not compute."""
     cfg = target.config
     kind = getattr(cfg, "model_type", "?")
+    use = "; use method 'ar' for this one"
     if kind not in LLAMA_TYPES or getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
         raise DFlashError(f"target {target.name} ({kind}): the static decoder runs dense-attention Llama-type targets "
-                          f"({', '.join(LLAMA_TYPES)}, no sliding window) so far; use method 'ar' for this one")
+                          f"({', '.join(LLAMA_TYPES)}, no sliding window) so far{use}")
     if target.device.type != "cpu" and not torch.cuda.is_available():
         raise DFlashError(f"target {target.name} is on {target.device}: the static decoder runs on cpu or cuda")
+    a, p = target.decoder.layers[0].self_attn, target.decoder.layers[0].mlp
+    biases = [x.bias is not None for x in (a.q_proj, a.k_proj, a.v_proj)]
+    others = [x.bias is not None for x in (a.o_proj, p.gate_proj, p.up_proj, p.down_proj)]
+    if any(others) or len(set(biases)) > 1:
+        raise DFlashError(f"target {target.name}: biases on o_proj or the MLP (or on only some of q, k, v) are not "
+                          f"in the static step{use}")
+    nh = cfg.num_attention_heads
+    return Geometry(len(target.decoder.layers), cfg.hidden_size, nh, cfg.num_key_value_heads,
+                    getattr(cfg, "head_dim", None) or cfg.hidden_size // nh, cfg.intermediate_size,
+                    target.lm_head.weight.shape[0], all(biases), getattr(a, "q_norm", None) is not None,
+                    float(cfg.rms_norm_eps))
+
+
+def _layer_weights(layer) -> dict:
+    a, p = layer.self_attn, layer.mlp
+    return dict(
+        n1=layer.input_layernorm.weight, n2=layer.post_attention_layernorm.weight,
+        qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+        qkv_bias=torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None,
+        q_norm=getattr(getattr(a, "q_norm", None), "weight", None),
+        k_norm=getattr(getattr(a, "k_norm", None), "weight", None),
+        o=a.o_proj.weight, gu=torch.cat([p.gate_proj.weight, p.up_proj.weight]), down=p.down_proj.weight)
+
+
+def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
+    """An untouched buffer; on a Linux CPU the kernel is first asked to back it with 2 MiB pages (madvise): a step
+    streams every weight once, and on 4 KiB pages the TLB misses cost 6-12% of it (2-core Zen 5, side by side).
+    Where the hint is refused, 4 KiB pages: same numbers, a little slower."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    raw = torch.empty(nbytes + 2 * HUGE_PAGE, dtype=torch.uint8)  # big enough that malloc maps it fresh
+    start = -raw.data_ptr() % HUGE_PAGE
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(-(-nbytes // HUGE_PAGE) * HUGE_PAGE), 14)
+    except (OSError, AttributeError):
+        pass  # not glibc
+    return raw[start: start + nbytes].view(dtype)
+
+
+def pack_weights(target, geo: Geometry) -> torch.Tensor:
+    """The target's weights in the step's layout, one buffer (its own copy: q, k, v and gate, up are
+    concatenated, so a step reads each layer's weights as four matrices)."""
+    layer, stride, tail = geo.layout()
+    arena = _empty_arena(tail["end"][0], target.dtype, target.device)
+    for i, lw in enumerate(_layer_weights(m) for m in target.decoder.layers):
+        for name, (off, shape) in layer.items():
+            _view(arena, i * stride + off, shape).copy_(lw[name])
+    for name, w in (("norm", target.final_norm.weight), ("head", target.lm_head.weight)):
+        _view(arena, tail[name][0], tail[name][1]).copy_(w)
+    return arena
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+def _rope(x, cos, sin):
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+
+
+def attend_reduce(q, k, v, mask, kvh):
+    """Softmax attention written out over the whole static cache (grouped heads, float32), its two products
+    as reductions like the linears: a query's output then does not depend on how many share the step, and
+    compiled it fuses into a few kernels (SDPA's CPU kernel costs 0.6 ms a layer on a 1024-slot cache)."""
+    _, nh, n, hd = q.shape
+    g = nh // kvh
+    qg = q.reshape(1, kvh, g * n, 1, hd)
+    s = (qg * k[:, :, None]).sum(-1) * hd ** -0.5  # [1, kvh, g*n, L]
+    s = s.view(1, kvh, g, n, -1).masked_fill(~mask, float("-inf"))
+    o = (s.softmax(-1).view(1, kvh, g * n, -1, 1) * v[:, :, None]).sum(-2)
+    return o.reshape(1, nh, n, hd)
+
+
+def attend_mm(q, k, v, mask, kvh):
+    """The same attention with its products as batched matrix products: for a prompt's 32-token chunk, where the
+    reductions cost 0.64 ms a layer (half the chunk's time, SmolLM2 on a 2-core Zen 5)."""
+    _, nh, n, hd = q.shape
+    g = nh // kvh
+    s = (q.reshape(1, kvh, g * n, hd) @ k.transpose(-1, -2)) * hd ** -0.5
+    s = s.view(1, kvh, g, n, -1).masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1).view(1, kvh, g * n, -1) @ v).reshape(1, nh, n, hd)
+
+
+# a step's kernels: (linear, attention), by name
+KERNELS = {"mm": (linear_mm, attend_mm), "reduce": (linear_reduce, attend_reduce)}
+
+
+def step(arena, embed, rope, kv, ids, pos, keep, span, *, geo: Geometry, kernels: str, layer_ids):
+    """The Llama step as a pure function of its inputs, so that decoders of one geometry share its compile and
+    dynamo guards a handful of tensors, not every weight: the packed weights, the embedding table, rope's
+    (cos, sin), the caches `kv` (per-layer K and V lists, written in place), ids [n] at absolute positions pos [n]
+    -> logits [k, V] of the `keep` rows (and, with `layer_ids`, those layers' hidden states of all n rows
+    [1, n, len(layer_ids) * H]). Attention reads the first len(`span`) slots of the cache (span = 0..S-1)."""
+    layout, stride, tail = geo.layout()
+    linear, attend = KERNELS[kernels]
+    n, eps, nh, kvh, hd = ids.shape[0], geo.eps, geo.heads, geo.kv_heads, geo.head_dim
+    x = F.embedding(ids, embed)[None].float()
+    cos, sin = rope[0][pos][None, None], rope[1][pos][None, None]
+    S = span.shape[0]
+    mask = span[None, :] <= pos[:, None]
+    captured = {}
+    for i in range(geo.layers):
+        w = {name: _view(arena, i * stride + off, shape) for name, (off, shape) in layout.items()}
+        qkv = linear(_rms(x, w["n1"], eps), w["qkv"])
+        if geo.bias:
+            qkv = qkv + w["qkv_bias"].float()
+        q, k, v = qkv.split([geo.q_size, geo.kv_size, geo.kv_size], -1)
+        q, k = q.view(1, n, nh, hd), k.view(1, n, kvh, hd)
+        if geo.qk_norm:
+            q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
+        q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+        kv[0][i].index_copy_(2, pos, k)
+        kv[1][i].index_copy_(2, pos, v.view(1, n, kvh, hd).transpose(1, 2))
+        o = attend(q, kv[0][i][:, :, :S], kv[1][i][:, :, :S], mask, kvh)
+        x = x + linear(o.transpose(1, 2).reshape(1, n, geo.q_size), w["o"])
+        g, u = linear(_rms(x, w["n2"], eps), w["gu"]).chunk(2, -1)
+        x = x + linear(F.silu(g) * u, w["down"])
+        if layer_ids is not None and i in layer_ids:
+            captured[i] = x
+    norm, head = (_view(arena, *tail[k]) for k in ("norm", "head"))
+    logits = linear(_rms(x.index_select(1, keep), norm, eps), head)[0]
+    return (logits, torch.cat([captured[i] for i in layer_ids], -1)) if layer_ids is not None else logits
+
+
+@functools.cache
+def compiled_step(geo: Geometry, kernels: str, layer_ids: tuple | None):
+    """`step` for one geometry, compiled on its first call per input shape. One per geometry in a process, shared
+    by every decoder of it: a decoder rebuilt for a longer run adds dynamo one entry per width, not a copy of
+    every one (dynamo keeps 8 per function)."""
+    f = functools.partial(step, geo=geo, kernels=kernels, layer_ids=layer_ids)
+    return torch.compile(f, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
 
 
 class StaticDecoder:
@@ -54,107 +242,45 @@ class StaticDecoder:
     pos..pos+len(ids)-1 and return logits. Rejected positions need no crop: the causal mask hides every slot past
     the query's position and the next write overwrites them."""
 
-    def __init__(self, target, max_len: int, linear: str = "reduce", prefill_linear: str = "mm", compile: bool = True,
+    def __init__(self, target, max_len: int, kernels: str = "reduce", prefill_kernels: str = "mm", compile: bool = True,
                  layer_ids: list[int] | None = None, verify_width: int | None = None):
-        _check_family(target)
+        geo = geometry_of(target)
         if verify_width is not None and not 1 < verify_width < PREFILL:
             raise DFlashError(f"verify width {verify_width}: the static decoder verifies 2..{PREFILL - 1} tokens")
         if verify_width is not None and layer_ids is None:
             raise DFlashError("static decoder: a verify step returns the drafter's features; give layer_ids with it")
-        for name in (linear, prefill_linear):
-            if name not in LINEARS:
-                raise DFlashError(f"linear {name!r}: use one of {', '.join(LINEARS)}")
-        cfg, m = target.config, target.decoder
+        for name in (kernels, prefill_kernels):
+            if name not in KERNELS:
+                raise DFlashError(f"kernels {name!r}: use one of {', '.join(KERNELS)}")
+        cfg, dev = target.config, target.device
         self.target, self.max_len = target, max_len
-        self.nh, self.kvh = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh
-        self.eps = cfg.rms_norm_eps
-        self.layers = [self._layer_weights(layer) for layer in m.layers]
-        dev = target.device
+        self.arena, self.embed = pack_weights(target, geo), target.embed_tokens.weight
+        theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
+        inv = 1.0 / (theta ** (torch.arange(0, geo.head_dim, 2, device=dev).float() / geo.head_dim))
+        f = torch.outer(torch.arange(max_len, device=dev).float(), inv)
+        emb = torch.cat([f, f], -1)
+        self.rope = (emb.cos(), emb.sin())
         # activations and the KV stay in float32 and only the weights are in the target's dtype: a rounding to bf16
         # between two ops is kept or skipped by inductor as it fuses them, which differs from one width to another;
         # with none, a verify's rows are the one-token step's bit for bit. One buffer per layer: an in-place write
-        # into a view of one stacked buffer makes inductor copy it whole.
-        self.k = [torch.zeros(1, self.kvh, max_len, self.hd, device=dev) for _ in self.layers]
-        self.v = [torch.zeros(1, self.kvh, max_len, self.hd, device=dev) for _ in self.layers]
-        theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
-        inv = 1.0 / (theta ** (torch.arange(0, self.hd, 2, device=dev).float() / self.hd))
-        f = torch.outer(torch.arange(max_len, device=dev).float(), inv)
-        emb = torch.cat([f, f], -1)
-        self.cos, self.sin = emb.cos(), emb.sin()
-        self.embed, self.norm, self.head = target.embed_tokens.weight, target.final_norm.weight, target.lm_head.weight
-        # per width, its linears and whether it returns features: a prompt's chunks use matrix products (mm reads
+        # into a view of one stacked buffer makes inductor copy it whole, and rows of one flat buffer written by
+        # index cost 15% of a step (SmolLM2, side by side). One slot more than the run uses: a prompt chunk's
+        # symbolic span then never equals the buffer (which would specialise its compile on that case).
+        self.kv = tuple([torch.zeros(1, geo.kv_heads, max_len + 1, geo.head_dim, device=dev)
+                         for _ in range(geo.layers)] for _ in "kv")
+        self.full_span = torch.arange(max_len, device=dev)
+        # per width, its kernels and whether it returns features: a prompt's chunks use matrix products (mm reads
         # each weight once for all 32 rows, a reduction 32 times); a verify uses the one-token step's reductions,
         # so that each of its rows is bit for bit what plain decoding computes (tests/test_static_decoder.py)
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
-        kinds = {1: (LINEARS[linear], False), PREFILL: (LINEARS[prefill_linear], self.layer_ids is not None)}
+        ids = tuple(self.layer_ids) if self.layer_ids is not None else None
+        kinds = {1: (kernels, None), PREFILL: (prefill_kernels, ids)}
         if verify_width is not None:
-            kinds[verify_width] = (LINEARS[linear], True)
+            kinds[verify_width] = (kernels, ids)
         self.verify_width = verify_width
-        self.steps = {w: functools.partial(self._step, linear=lin, features=f) for w, (lin, f) in kinds.items()}
-        if compile:
-            self.steps = {w: torch.compile(f, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
-                          for w, f in self.steps.items()}
+        self.steps = {w: compiled_step(geo, k, f) if compile else
+                      functools.partial(step, geo=geo, kernels=k, layer_ids=f) for w, (k, f) in kinds.items()}
         self.compile_s: dict[int, float] = {}
-
-    def _layer_weights(self, layer) -> dict:
-        a, p = layer.self_attn, layer.mlp
-        bias = [x.bias for x in (a.q_proj, a.k_proj, a.v_proj)]
-        return dict(
-            n1=layer.input_layernorm.weight, n2=layer.post_attention_layernorm.weight,
-            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
-            qkv_bias=torch.cat(bias) if all(b is not None for b in bias) else None,
-            q_norm=getattr(getattr(a, "q_norm", None), "weight", None),
-            k_norm=getattr(getattr(a, "k_norm", None), "weight", None),
-            o=a.o_proj.weight, gu=torch.cat([p.gate_proj.weight, p.up_proj.weight]).contiguous(), down=p.down_proj.weight)
-
-    def _rms(self, x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w.float()
-
-    def _rope(self, x, cos, sin):
-        x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
-        return x * cos + torch.cat([-x2, x1], -1) * sin
-
-    def _attend(self, q, k, v, mask):
-        """Softmax attention written out over the whole static cache (grouped heads, float32), its two products
-        as reductions like the linears: a query's output then does not depend on how many share the step, and
-        compiled it fuses into a few kernels (SDPA's CPU kernel costs 0.6 ms a layer on a 1024-slot cache)."""
-        g, n = self.nh // self.kvh, q.shape[2]
-        qg = q.reshape(1, self.kvh, g * n, 1, self.hd)
-        s = (qg * k[:, :, None]).sum(-1) * self.hd ** -0.5  # [1, kvh, g*n, L]
-        s = s.view(1, self.kvh, g, n, -1).masked_fill(~mask, float("-inf"))
-        o = (s.softmax(-1).view(1, self.kvh, g * n, -1, 1) * v[:, :, None]).sum(-2)
-        return o.reshape(1, self.nh, n, self.hd)
-
-    def _step(self, ids, pos, keep, linear, features: bool):
-        """ids [n], pos [n] absolute positions, keep [k] rows -> their logits [k, V] (and, with `features`, the
-        layer_ids' hidden states of all n rows [1, n, len(layer_ids) * H]); writes the n positions' KV."""
-        n = ids.shape[0]
-        x = F.embedding(ids, self.embed)[None].float()
-        cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]
-        mask = torch.arange(self.max_len, device=ids.device)[None, :] <= pos[:, None]
-        q_size, kv_size = self.nh * self.hd, self.kvh * self.hd
-        captured = {}  # the drafter's layers' hidden states, where this width returns features
-        for i, w in enumerate(self.layers):
-            qkv = linear(self._rms(x, w["n1"]), w["qkv"])
-            if w["qkv_bias"] is not None:
-                qkv = qkv + w["qkv_bias"].float()
-            q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
-            q, k = q.view(1, n, self.nh, self.hd), k.view(1, n, self.kvh, self.hd)
-            if w["q_norm"] is not None:
-                q, k = self._rms(q, w["q_norm"]), self._rms(k, w["k_norm"])
-            q = self._rope(q.transpose(1, 2), cos, sin)
-            k = self._rope(k.transpose(1, 2), cos, sin)
-            self.k[i].index_copy_(2, pos, k)
-            self.v[i].index_copy_(2, pos, v.view(1, n, self.kvh, self.hd).transpose(1, 2))
-            o = self._attend(q, self.k[i], self.v[i], mask)
-            x = x + linear(o.transpose(1, 2).reshape(1, n, q_size), w["o"])
-            g, u = linear(self._rms(x, w["n2"]), w["gu"]).chunk(2, -1)
-            x = x + linear(F.silu(g) * u, w["down"])
-            if features and i in self.layer_ids:
-                captured[i] = x
-        logits = linear(self._rms(x.index_select(1, keep), self.norm), self.head)[0]
-        return (logits, torch.cat([captured[i] for i in self.layer_ids], -1)) if features else logits
 
     def _check_room(self, pos: int, n: int) -> None:
         if pos + n > self.max_len:
@@ -199,6 +325,7 @@ class StaticDecoder:
         return self._call(B, block, torch.arange(pos, pos + B, device=block.device),
                           torch.arange(B, device=block.device))
 
+    @torch.no_grad()  # as every call after it: grad mode is in dynamo's guards, so a warm-up with it on compiles twice
     def warm(self) -> None:
         """Compile (or load from inductor's cache) every width now. Writes slots from 0 on, which the next
         prompt overwrites."""
@@ -209,10 +336,18 @@ class StaticDecoder:
                            torch.zeros(1 if w in (1, PREFILL) else w, dtype=torch.long, device=dev))
 
     def _call(self, width: int, ids, pos, keep):
+        """One step of `width` tokens. A prompt's chunk attends to the slots up to its last position, that length
+        compiled symbolic (a 100-token prompt: 150 instead of 199 ms, 512 slots); the decode and verify steps read
+        the whole cache, where a symbolic length made the one-token step 12% slower (2-core Zen 5, side by side)."""
+        span = self.full_span
+        if width == PREFILL:
+            span = torch.arange(min(self.max_len, int(pos[-1]) + 1), device=ids.device)
+            torch._dynamo.mark_dynamic(span, 0, min=2, max=self.max_len)
+        args = (self.arena, self.embed, self.rope, self.kv, ids, pos, keep, span)
         if width in self.compile_s:
-            return self.steps[width](ids, pos, keep)
+            return self.steps[width](*args)
         t0 = time.perf_counter()
-        out = self.steps[width](ids, pos, keep)  # the first call compiles (inductor's cache makes a later process quick)
+        out = self.steps[width](*args)  # the first call compiles (inductor's cache makes a later process quick)
         self.compile_s[width] = time.perf_counter() - t0
         return out
 
