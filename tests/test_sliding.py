@@ -88,6 +88,7 @@ def check_every_method(t):
                 assert min(g.accepted) < 12 and max(g.accepted) > window, g.accepted
 
 
+@pytest.mark.slow  # 11 s of make test-fast's 60 on 2 cores; make test runs it
 @pytest.mark.parametrize("kind", ["gpt_oss", "gemma4", "gemma4_e"])
 def test_sliding_families_decode_every_method_exactly_past_the_window(root, kind):
     check_every_method(load_target(make_tiny_target(kind, root / kind), device="cpu", dtype="float32"))
