@@ -352,10 +352,11 @@ def test_cli_eval_writes_a_complete_run(setup, capsys):
     n_blocks = sum(len(stride_anchors(r.prompt_len, len(r.tokens), B)) for r in open_cache(cache))
     assert res["overall"]["blocks"] == n_blocks and res["overall"]["prompts"] == 3
     assert "3 prompts (all 3 requested)" in out and f"blocks   {n_blocks} blocks: block_size=8" in out
-    assert "dds4/dds8 = DDTree budget:4/budget:8 (paper's node-budget tree)" in out
+    assert "ddtree-4/ddtree-8 = DDTree budget:4/budget:8 (paper's node-budget tree)" in out
     assert "Detected fc input: 128 = 2 target layers x 64" in out  # the load report
     assert str(Path(cache).resolve()) in out
-    lines = [l for l in out.splitlines() if re.search(r"\| +\d+ blocks \| streak=\d+\.\d\d dds4=\d+\.\d\d dds8=\d+\.\d\d paths2=", l)]
+    row = r"\| +\d+ blocks \| streak=\d+\.\d\d ddtree-4=\d+\.\d\d ddtree-8=\d+\.\d\d paths-2="
+    lines = [l for l in out.splitlines() if re.search(row, l)]
     assert [l.split()[0] for l in lines] == res["cache"]["prompt_ids"]
     assert len(re.findall(r"match: [✓✗·]{7}  streak=\d", out)) == n_blocks
     assert "overall: 3 prompts" in out
@@ -396,8 +397,8 @@ def test_compare_runs_ratios_and_refusal(setup, capsys):
         ref, ours = a["overall"][m], b["overall"][m]
         assert res["differences_vs_reference"][m]["cb"] == pytest.approx(ours - ref)
         assert res["ratios"][m]["cb"] == (None if not ref else pytest.approx(ours / ref))
-    assert "Reference: `ca`" in res["markdown"] and "## Per prompt: dds8" in res["markdown"]
-    for f in ("compare.md", "compare.json", "acceptance.png", "streak_by_prompt.png", "dds4_by_prompt.png"):
+    assert "Reference: `ca`" in res["markdown"] and "## Per prompt: ddtree-8" in res["markdown"]
+    for f in ("compare.md", "compare.json", "acceptance.png", "streak_by_prompt.png", "ddtree-4_by_prompt.png"):
         assert (root / "cmp" / f).is_file(), f
 
     with pytest.raises(DFlashError, match=r"not comparable \(anchors: ca stride, cw walk\).*--force"):

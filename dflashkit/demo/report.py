@@ -87,8 +87,8 @@ class Offline:
     streak: float | None = None
     tau: float | None = None
     pos1_acc: float | None = None
-    dds4: float | None = None
-    dds8: float | None = None
+    ddtree4: float | None = None
+    ddtree8: float | None = None
 
     @classmethod
     def read(cls, folder: Path) -> "Offline | None":
@@ -288,10 +288,10 @@ def write_report(root: Path, cfg, device, timings: dict, plan: str = "") -> dict
     lines = ["# dflashkit demo report", "",
              f"Target `{cfg.target}` on `{device}`; training budget {cfg.minutes:g} min; eval suite `{cfg.eval_suite}`.", "",
              *numerics_lines(timings), *([f"Plan: {plan}.", ""] if plan else [])]
-    rows = [[a, d, o.prompts, o.blocks, o.streak, o.tau, o.pos1_acc, o.dds4, o.dds8] for (a, d), o in res.offline.items()]
+    rows = [[a, d, o.prompts, o.blocks, o.streak, o.tau, o.pos1_acc, o.ddtree4, o.ddtree8] for (a, d), o in res.offline.items()]
     lines += ["## Offline evaluation (eval cache, temperature 0)", "",
-              "dds4/dds8 = DDTree node-budget trees budget:4/8 (the paper's tree, docs/design.md section 5).", "",
-              markdown_table(["anchors", "drafter", "prompts", "blocks", "streak", "tau", "pos-1 acc", "dds4", "dds8"], rows),
+              "ddtree-4/ddtree-8 = DDTree node-budget trees budget:4/8 (the paper's tree, docs/design.md section 5).", "",
+              markdown_table(["anchors", "drafter", "prompts", "blocks", "streak", "tau", "pos-1 acc", "ddtree-4", "ddtree-8"], rows),
               "![per-position acceptance](eval/compare-stride/acceptance.png)", ""]
     brows = [[m.name, m.tau, m.tokens_per_s, m.speedup_vs_ar, m.speedup_vs_prompt_lookup, m.ceiling]
              for m in res.bench.methods.values()]

@@ -17,7 +17,7 @@ def register(sub) -> None:
     p.add_argument("--allow-partial", action="store_true", help="proceed when the cache holds fewer prompts than asked")
     p.add_argument("--max-blocks", type=int, help="at most N blocks per prompt (default: all)")
     p.add_argument("--trees", default="budget:4,budget:8",
-                   help="comma-separated tree specs: budget:B (DDTree, shown as ddsB), paths:K, width:K")
+                   help="comma-separated tree specs: budget:B (DDTree, shown as ddtree-B), paths:K, width:K")
     p.add_argument("--anchors", choices=["stride", "walk"], default="stride",
                    help="stride: every block_size tokens (comparable across drafters); walk: next = anchor + streak + 1")
     p.add_argument("--out", help="run folder to write (default: runs/eval-DRAFTER-CACHE-TIME)")

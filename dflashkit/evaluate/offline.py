@@ -4,7 +4,7 @@ For an anchor position a in the completion: context = target features of positio
 [token_a, MASK x (B-1)] at positions a..a+B-1, labels = tokens a+1..a+B-1 (-100 past the end). A block is
 scored by its greedy `streak` (leading slots whose argmax equals the label; tau = streak + 1 online) and by
 one accepted depth per requested draft-tree family (dflashkit/tree.py): `budget:B` (the paper's DDTree, shown as
-ddsB), `paths:K` and `width:K`.
+ddtree-B), `paths:K` and `width:K`.
 
 Anchor schedules: `stride` (a = prompt_len, prompt_len + B, ...: the same blocks for every drafter, so runs
 compare) and `walk` (next anchor = a + streak + 1: online chain decoding at T=0 when the cache holds the

@@ -15,9 +15,10 @@ from dflashkit.tree import parse_tree_spec
 
 
 def tree_label(spec: str) -> str:
-    """Console name: budget:8 -> dds8 (the user's DDTree-8), paths:4 -> paths4, width:4 -> width4."""
+    """Console name, one per tree across offline and online: budget:8 -> ddtree-8 (what `--method ddtree-8`
+    decodes with), selector:8 -> selector-8, paths:4 -> paths-4, width:4 -> width-4."""
     family, k = parse_tree_spec(spec)
-    return {"budget": f"dds{k}", "selector": f"sel{k}"}.get(family, f"{family}{k}")
+    return f"{'ddtree' if family == 'budget' else family}-{k}"
 
 
 def tree_note(trees) -> str:
