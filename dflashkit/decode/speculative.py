@@ -145,12 +145,12 @@ class DFlashProposer:
                                   temperature, generator, self.to_tokens, self.target.vocab_size, mix)
         return path[0], None if q is None else q[0]
 
-    def tree(self, logits, budget: int, root) -> Tree:
+    def tree(self, logits, budget: int, anchor) -> Tree:
         """The round's DDTree: over the marginals, or (DFlash2) over the selector's conditional scores."""
         if not self.selector_trees:
-            return draft_tree(logits, budget, root, self.to_tokens)
-        t = self.drafter.candidate_selector.tree(self.hidden[0], logits, int(root), budget, self.to_tokens)
-        return rooted(t, root, self.to_tokens, logits.device)
+            return draft_tree(logits, budget, anchor, self.to_tokens)
+        t = self.drafter.candidate_selector.tree(self.hidden[0], logits, int(anchor), budget, self.to_tokens)
+        return rooted(t, anchor, self.to_tokens, logits.device)
 
     def to_tokens(self, idx):
         return self.head.to_tokens(idx)
@@ -443,14 +443,15 @@ def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_to
     return Generation("chain", tokens, accepted, timer.finish())
 
 
-def draft_tree(logits: torch.Tensor, budget: int, root: torch.Tensor, to_tokens) -> Tree:
-    """build_tree over the drafter's [L, V'] logits, with node tokens mapped to target ids and the bonus as root."""
-    return rooted(build_tree(logits, budget), root, to_tokens, logits.device)
+def draft_tree(logits: torch.Tensor, budget: int, anchor: torch.Tensor, to_tokens) -> Tree:
+    """build_tree over the drafter's [L, V'] logits, node tokens mapped to target ids, the block's anchor at the
+    root."""
+    return rooted(build_tree(logits, budget), anchor, to_tokens, logits.device)
 
 
-def rooted(tree: Tree, root: torch.Tensor, to_tokens, device) -> Tree:
-    """A drafter's tree (node tokens are draft-vocabulary indices) with target token ids and the bonus as root."""
-    tokens = torch.cat([root.cpu(), to_tokens(tree.tokens[1:].to(device)).cpu()])
+def rooted(tree: Tree, anchor: torch.Tensor, to_tokens, device) -> Tree:
+    """A drafter's tree (node tokens are draft-vocabulary indices) with target token ids, the anchor at the root."""
+    tokens = torch.cat([anchor.cpu(), to_tokens(tree.tokens[1:].to(device)).cpu()])
     return Tree(tokens=tokens, depths=tree.depths, parents=tree.parents, log_probs=tree.log_probs)
 
 
