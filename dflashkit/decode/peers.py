@@ -74,7 +74,7 @@ class EnginePeer:
     def __init__(self, method: str, target, drafter, block_size: int, max_new_tokens: int):
         self.method, self.target, self.max_new_tokens = method, target, max_new_tokens
         self.drafter, self.block_size = drafter, block_size
-        self.ctx = _context_length(target)
+        self.ctx, self.stops = _context_length(target), set(target.stop_token_ids)
         self.counts = {"drafted": 0, "accepted": 0, "steps": 0}
 
     def __enter__(self) -> "EnginePeer":
@@ -97,7 +97,7 @@ class EnginePeer:
 
     def one(self, ids: list[int]) -> Generation:
         """One turn: the engine's answer, timed by this process end to end (its prompt time apart)."""
-        a = self._engine.complete(ids, self.max_new_tokens, set(self.target.stop_token_ids))
+        a = self._engine.complete(ids, self.max_new_tokens, self.stops)
         for k in self.counts:
             self.counts[k] += getattr(a, k)
         return Generation(self.method, a.tokens[: self.max_new_tokens], [],

@@ -40,8 +40,6 @@ def linear_reduce(x, w):
     return (w.float() * x.float()[..., None, :]).sum(-1)
 
 
-
-
 class Geometry(NamedTuple):
     """What a compiled step is specialised on, besides its inputs' sizes: two targets of one geometry share it."""
 
@@ -73,9 +71,9 @@ class Geometry(NamedTuple):
         return s + [("o", (self.hidden, self.q_size)), ("gu", (2 * self.inter, self.hidden)),
                     ("down", (self.hidden, self.inter))]
 
-    def layout(self) -> tuple[dict, int, dict]:
-        """Offsets in the arena: one layer's {name: (offset, shape)}, the distance between layers, and the final
-        norm's and head's."""
+    def layout(self) -> tuple[dict, int, dict, int]:
+        """Offsets in the arena: one layer's {name: (offset, shape)}, the distance between layers, the final
+        norm's and head's, and the arena's size."""
         def place(entries, off):
             out = {}
             for name, shape in entries:
@@ -84,7 +82,7 @@ class Geometry(NamedTuple):
             return out, off
         layer, stride = place(self.slots(), 0)
         tail, end = place([("norm", (self.hidden,)), ("head", (self.vocab, self.hidden))], stride * self.layers)
-        return layer, stride, dict(tail, end=(end, ()))
+        return layer, stride, tail, end
 
 
 def _view(arena, off, shape):
@@ -129,7 +127,7 @@ def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
     """An untouched buffer; on a Linux CPU the kernel is first asked to back it with 2 MiB pages (madvise): a step
     streams every weight once, and on 4 KiB pages the TLB misses cost 6-12% of it (2-core Zen 5, side by side).
     Where the hint is refused, 4 KiB pages: same numbers, a little slower."""
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
     raw = torch.empty(nbytes + 2 * HUGE_PAGE, dtype=torch.uint8)  # big enough that malloc maps it fresh
@@ -145,8 +143,8 @@ def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
 def pack_weights(target, geo: Geometry) -> torch.Tensor:
     """The target's weights in the step's layout, one buffer (its own copy: q, k, v and gate, up are
     concatenated, so a step reads each layer's weights as four matrices)."""
-    layer, stride, tail = geo.layout()
-    arena = _empty_arena(tail["end"][0], target.dtype, target.device)
+    layer, stride, tail, size = geo.layout()
+    arena = _empty_arena(size, target.dtype, target.device)
     for i, lw in enumerate(_layer_weights(m) for m in target.decoder.layers):
         for name, (off, shape) in layer.items():
             _view(arena, i * stride + off, shape).copy_(lw[name])
@@ -197,7 +195,7 @@ def step(arena, embed, rope, kv, ids, pos, keep, span, *, geo: Geometry, kernels
     (cos, sin), the caches `kv` (per-layer K and V lists, written in place), ids [n] at absolute positions pos [n]
     -> logits [k, V] of the `keep` rows (and, with `layer_ids`, those layers' hidden states of all n rows
     [1, n, len(layer_ids) * H]). Attention reads the first len(`span`) slots of the cache (span = 0..S-1)."""
-    layout, stride, tail = geo.layout()
+    layout, stride, tail, _ = geo.layout()
     linear, attend = KERNELS[kernels]
     n, eps, nh, kvh, hd = ids.shape[0], geo.eps, geo.heads, geo.kv_heads, geo.head_dim
     x = F.embedding(ids, embed)[None].float()
@@ -269,6 +267,7 @@ class StaticDecoder:
         self.kv = tuple([torch.zeros(1, geo.kv_heads, max_len + 1, geo.head_dim, device=dev)
                          for _ in range(geo.layers)] for _ in "kv")
         self.full_span = torch.arange(max_len, device=dev)
+        self.first = torch.zeros(1, dtype=torch.long, device=dev)  # a one-token step keeps its only row
         # per width, its kernels and whether it returns features: a prompt's chunks use matrix products (mm reads
         # each weight once for all 32 rows, a reduction 32 times); a verify uses the one-token step's reductions,
         # so that each of its rows is bit for bit what plain decoding computes (tests/test_static_decoder.py)
@@ -293,8 +292,7 @@ class StaticDecoder:
         if len(ids) == 1:
             self._check_room(pos, 1)
             dev = self.embed.device
-            return self._call(1, torch.tensor(ids, device=dev), torch.tensor([pos], device=dev),
-                              torch.zeros(1, dtype=torch.long, device=dev))[0]
+            return self._call(1, torch.tensor(ids, device=dev), torch.tensor([pos], device=dev), self.first)[0]
         out = self.prefill(ids, pos)
         return out[0] if self.layer_ids is not None else out
 
@@ -309,7 +307,8 @@ class StaticDecoder:
             chunk = ids[s:s + PREFILL]
             padded = torch.tensor(chunk + [0] * (PREFILL - len(chunk)), device=dev)
             p = torch.arange(pos + s, pos + s + PREFILL, device=dev).clamp(max=self.max_len - 1)
-            out = self._call(PREFILL, padded, p, torch.tensor([len(chunk) - 1], device=dev))
+            out = self._call(PREFILL, padded, p, torch.tensor([len(chunk) - 1], device=dev),
+                             min(self.max_len, pos + s + PREFILL))
             if self.layer_ids is not None:
                 out, f = out
                 feats.append(f[:, :len(chunk)])
@@ -333,17 +332,18 @@ class StaticDecoder:
         for w in self.steps:
             if w not in self.compile_s:
                 self._call(w, torch.zeros(w, dtype=torch.long, device=dev), torch.arange(w, device=dev),
-                           torch.zeros(1 if w in (1, PREFILL) else w, dtype=torch.long, device=dev))
+                           torch.zeros(1 if w in (1, PREFILL) else w, dtype=torch.long, device=dev), w)
 
-    def _call(self, width: int, ids, pos, keep):
+    def _call(self, width: int, ids, pos, keep, span: int | None = None):
         """One step of `width` tokens. A prompt's chunk attends to the slots up to its last position, that length
         compiled symbolic (a 100-token prompt: 150 instead of 199 ms, 512 slots); the decode and verify steps read
-        the whole cache, where a symbolic length made the one-token step 12% slower (2-core Zen 5, side by side)."""
-        span = self.full_span
+        the whole cache, where a symbolic length made the one-token step 12% slower (2-core Zen 5, side by side).
+        `span`: the slots a prompt chunk reads (its last position + 1)."""
+        slots = self.full_span
         if width == PREFILL:
-            span = torch.arange(min(self.max_len, int(pos[-1]) + 1), device=ids.device)
-            torch._dynamo.mark_dynamic(span, 0, min=2, max=self.max_len)
-        args = (self.arena, self.embed, self.rope, self.kv, ids, pos, keep, span)
+            slots = torch.arange(span, device=ids.device)
+            torch._dynamo.mark_dynamic(slots, 0, min=2, max=self.max_len)
+        args = (self.arena, self.embed, self.rope, self.kv, ids, pos, keep, slots)
         if width in self.compile_s:
             return self.steps[width](*args)
         t0 = time.perf_counter()

@@ -80,7 +80,6 @@ def cmd_info(args) -> int:
 
 
 def cmd_init(args) -> int:
-
     from dflashkit.drafter.checkpoint import new_drafter, save_drafter
     from dflashkit.rng import seeded
     from dflashkit.target.model import load_target
