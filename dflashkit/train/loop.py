@@ -200,7 +200,7 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
     drafter, mask_id = initial_drafter(cfg, target, init, layer_ids, resuming=bool(state), master=d.master)
     identity = target.identity()
-    contract = resume_contract(drafter, cfg, gamma, identity)
+    contract = resume_contract(drafter, cfg.loss, cfg.draft_vocab, gamma, identity)
     if state:
         check_resume_contract(state["contract"], contract, ckpt)
     drafter = drafter.to(d.device, torch.float32).train()
