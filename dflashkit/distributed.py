@@ -44,10 +44,22 @@ def init_distributed(device: str = "auto") -> Dist:
 
 
 def _end_group() -> None:
+    """Every rank reaches exit before any ends the group: a rank that destroyed it while another still
+    used it aborted that one (SIGABRT, 2 of ~10 CPU runs). A rank that never arrives is waited for a minute."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=60))
+        else:
+            dist.barrier()
+    except RuntimeError:
+        pass  # a rank already gone: end ours regardless
+    dist.destroy_process_group()
 
 
 def all_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
