@@ -52,7 +52,7 @@ from dflashkit.demo import DemoConfig, run_demo
 assert {str(REPO)!r} not in dflashkit.__file__, dflashkit.__file__
 cfg = DemoConfig(out="run", target={str(tiny_dirs["llama"])!r}, device="cpu", dtype="float32", minutes=1,
                  train_prompts=4, train_max_new_tokens=16, gen_batch_size=4, eval_prompts=1, eval_max_new_tokens=16,
-                 bench_prompts=1, bench_max_new_tokens=12, holdout_max_new_tokens=8, progress=False,
+                 bench_prompts=1, bench_max_new_tokens=12, holdout_max_new_tokens=8, progress=False, plain_peers="none",
                  train={{"steps": 2, "target_layer_ids": [1, 2, 3], "anchors_per_seq": 4, "batch_size": 2}})
 run_demo(cfg)
 print(json.dumps({{"file": dflashkit.__file__}}))

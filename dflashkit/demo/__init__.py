@@ -49,6 +49,9 @@ class DemoConfig:
     bench_prompts: int | None = None
     bench_max_new_tokens: int = 256
     bench_methods: str = "ar,ngram,ddtree-8,hybrid-auto,prompt-lookup"  # bench adds ar-stock where kernels differ
+    # the fastest plain decoding a user could run here, beside ours on the eval suite (plain_peers): auto = our
+    # static decoder (when it runs the target) and llama.cpp (when `dflashkit engines install llama.cpp` has run)
+    plain_peers: str = "auto"  # auto | none
     # a second suite in another style, never used for training or selection: does the speedup hold there?
     holdout_suite: str = "complete-12"
     holdout_methods: str = "ar,ngram,hybrid-auto,prompt-lookup"
@@ -148,7 +151,7 @@ def plan_demo(cfg: DemoConfig, p: Paths, target, console, spent_s: float):
     measured = probe.probe(target, target.chat_ids(s.train.items[0].messages), cfg.gen_batch_size,
                            train_context + cfg.train_max_new_tokens // 2)
     stock = ["ar-stock"] if needs_switch(target.model) else []  # bench adds plain decoding on the stock kernels
-    bench_runs = [(len(s.bench.items), parse_methods(cfg.bench_methods) + stock, cfg.bench_max_new_tokens),
+    bench_runs = [(len(s.bench.items), parse_methods(bench_suite_methods(cfg, target)) + stock, cfg.bench_max_new_tokens),
                   (len(s.holdout.items), parse_methods(cfg.holdout_methods) + stock, cfg.holdout_max_new_tokens)]
     fixed = {
         "cache": probe.data_seconds(measured, len(s.eval.items), len(s.eval.items), cfg.eval_max_new_tokens,
@@ -178,6 +181,29 @@ def refit_training(plan, p: Paths, asked_minutes: float, measured_s: dict[str, f
     return new
 
 
+def peer_methods(cfg: DemoConfig, target) -> list[str]:
+    """The plain decoders a speedup is also stated against (the brief's rule: ours and the fastest a user could
+    run on this machine, same weights, dtype and threads, in the same run)."""
+    if cfg.plain_peers == "none":
+        return []
+    if cfg.plain_peers != "auto":
+        raise DFlashError(f"demo plain_peers {cfg.plain_peers!r}: use auto or none")
+    from dflashkit.decode.static import geometry_of
+    from dflashkit.engines.install import find
+
+    peers = []
+    try:
+        geometry_of(target)
+        peers.append("ar-static")
+    except DFlashError:
+        pass  # a target the static decoder does not run: its refusal names it in `dflashkit bench`
+    return peers + (["llama.cpp"] if find("llama.cpp") is not None else [])
+
+
+def bench_suite_methods(cfg: DemoConfig, target) -> str:
+    return ",".join([cfg.bench_methods, *peer_methods(cfg, target)])
+
+
 def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[Stage]:
     """The demo's stages in order: what each reads (its fingerprint) and writes. Every stage reads the target, so
     every one carries its identity and numerics: a resumed demo in another dtype or on other kernels rebuilds."""
@@ -205,10 +231,11 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
               lambda: train_drafters(cfg, p, target, recipe), after=("data", "cache"), **numerics),
         Stage("eval", {"target": tid, "anchors": EVAL_ANCHORS, "trees": EVAL_TREES}, [p.eval],
               lambda: evaluate_drafters(cfg, p, target), after=("train", "cache"), **numerics),
-        Stage("bench", {"target": tid, "suite": s.bench.content_hash, "methods": cfg.bench_methods,
+        Stage("bench", {"target": tid, "suite": s.bench.content_hash, "methods": bench_suite_methods(cfg, target),
                         "holdout": [s.holdout.content_hash, cfg.holdout_methods, cfg.holdout_max_new_tokens],
                         "max_new_tokens": cfg.bench_max_new_tokens, "device": str(device)}, [p.bench, p.holdout],
-              lambda: bench_methods(cfg, p, target, [(s.bench, cfg.bench_methods, cfg.bench_max_new_tokens, p.bench),
+              lambda: bench_methods(cfg, p, target, [(s.bench, bench_suite_methods(cfg, target),
+                                                      cfg.bench_max_new_tokens, p.bench),
                                                      (s.holdout, cfg.holdout_methods, cfg.holdout_max_new_tokens,
                                                       p.holdout)]),
               after=("train",), **numerics),
@@ -365,6 +392,9 @@ def register(sub) -> None:
     p.add_argument("--eval-prompts", type=int, default=None)
     p.add_argument("--bench-prompts", type=int, default=None)
     p.add_argument("--bench-max-new-tokens", type=int, default=256)
+    p.add_argument("--plain-peers", choices=("auto", "none"), default="auto",
+                   help="auto: also bench ar-static and llama.cpp (when installed) on the eval suite, the fastest "
+                        "plain decoding a speedup is stated against; none: only ours")
     p.add_argument("--fresh", action="store_true", help="discard every cached stage and start over")
     add_threads_option(p)
     p.set_defaults(func=cmd_demo)
@@ -375,6 +405,6 @@ def cmd_demo(args) -> int:
                      minutes=args.minutes, budget_minutes=args.budget_minutes or None,
                      recipe=args.recipe,
                      train_prompts=args.train_prompts, eval_prompts=args.eval_prompts, bench_prompts=args.bench_prompts,
-                     bench_max_new_tokens=args.bench_max_new_tokens)
+                     bench_max_new_tokens=args.bench_max_new_tokens, plain_peers=args.plain_peers)
     run_demo(cfg, fresh=args.fresh)
     return 0
