@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -78,22 +79,17 @@ class EnginePeer:
         self.counts = {"drafted": 0, "accepted": 0, "steps": 0}
 
     def __enter__(self) -> "EnginePeer":
-        self._tmp = tempfile.TemporaryDirectory(prefix="dflashkit-peer-")
-        t0 = time.perf_counter()
-        self._started = _start(self.method, self.target, self.drafter, self.block_size, self.ctx, Path(self._tmp.name))
-        try:
-            self._engine = self._started.__enter__()
-        except BaseException:
-            self._tmp.cleanup()
-            raise
-        self.info = {"start_s": time.perf_counter() - t0, "context": self.ctx}
+        with ExitStack() as stack:  # a failed start removes its work folder; a started one keeps both to __exit__
+            work = stack.enter_context(tempfile.TemporaryDirectory(prefix="dflashkit-peer-"))
+            t0 = time.perf_counter()
+            self._engine = stack.enter_context(_start(self.method, self.target, self.drafter, self.block_size,
+                                                      self.ctx, Path(work)))
+            self.info = {"start_s": time.perf_counter() - t0, "context": self.ctx}
+            self._stack = stack.pop_all()
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            self._started.__exit__(*exc)
-        finally:
-            self._tmp.cleanup()
+        self._stack.__exit__(*exc)
 
     def one(self, ids: list[int]) -> Generation:
         """One turn: the engine's answer, timed by this process end to end (its prompt time apart)."""

@@ -217,6 +217,7 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
     numerics = {"settings": numeric_settings(target), "about": describe_numerics(target, cfg.dtype)}
     layer_ids = feature_layers(recipe, target, None)
     s = demo_suites(cfg)
+    bench_suite = bench_suite_methods(cfg, target)  # one choice of peers for the stage's key and its run
     return [
         Stage("data", {"target": tid, "suite": s.train.content_hash, "layers": layer_ids,
                        "max_new_tokens": cfg.train_max_new_tokens, "batch_size": cfg.gen_batch_size}, [p.data],
@@ -231,11 +232,10 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
               lambda: train_drafters(cfg, p, target, recipe), after=("data", "cache"), **numerics),
         Stage("eval", {"target": tid, "anchors": EVAL_ANCHORS, "trees": EVAL_TREES}, [p.eval],
               lambda: evaluate_drafters(cfg, p, target), after=("train", "cache"), **numerics),
-        Stage("bench", {"target": tid, "suite": s.bench.content_hash, "methods": bench_suite_methods(cfg, target),
+        Stage("bench", {"target": tid, "suite": s.bench.content_hash, "methods": bench_suite,
                         "holdout": [s.holdout.content_hash, cfg.holdout_methods, cfg.holdout_max_new_tokens],
                         "max_new_tokens": cfg.bench_max_new_tokens, "device": str(device)}, [p.bench, p.holdout],
-              lambda: bench_methods(cfg, p, target, [(s.bench, bench_suite_methods(cfg, target),
-                                                      cfg.bench_max_new_tokens, p.bench),
+              lambda: bench_methods(cfg, p, target, [(s.bench, bench_suite, cfg.bench_max_new_tokens, p.bench),
                                                      (s.holdout, cfg.holdout_methods, cfg.holdout_max_new_tokens,
                                                       p.holdout)]),
               after=("train",), **numerics),
