@@ -10,7 +10,9 @@ import torch
 
 from dflashkit.decode import bench
 from dflashkit.decode.speculative import generate
-from dflashkit.decode.static import StaticDecoder, attend_mm, attend_reduce, generate_static_ar, linear_reduce
+from dflashkit.decode import native
+from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_reduce, generate_static_ar, linear_native,
+                                     linear_reduce)
 from dflashkit.errors import DFlashError
 from dflashkit.target.fixtures import make_tiny_target
 from dflashkit.target.model import load_target
@@ -52,19 +54,44 @@ def verify_against_steps(d, ids):
     return logits, torch.stack([d.forward(ids[i:i + 1], i) for i in range(len(ids) - 4, len(ids))])
 
 
+@pytest.mark.parametrize("kernels", ["native", "reduce"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_verify_row_is_the_one_token_step(tiny_dirs, dtype):
+def test_a_verify_row_is_the_one_token_step(tiny_dirs, dtype, kernels):
     """Row invariance, what chain-static's exactness rests on: each row of a 4-token verify equals one-token steps
     over the same tokens, bit for bit (eager steps; compiled with bf16 weights they agree to about 6e-7)."""
     t = load_target(tiny_dirs["llama"], device="cpu", dtype=dtype)
-    logits, steps = verify_against_steps(StaticDecoder(t, 128, compile=False, layer_ids=[1, 2], verify_width=4),
-                                         prompt(t))
+    d = StaticDecoder(t, 128, kernels=kernels, compile=False, layer_ids=[1, 2], verify_width=4)
+    logits, steps = verify_against_steps(d, prompt(t))
     torch.testing.assert_close(logits, steps, rtol=0, atol=0)
 
 
 def test_linear_reduce_is_a_matmul():
     x, w = torch.randn(3, 40), torch.randn(24, 40)
     torch.testing.assert_close(linear_reduce(x, w), (x.double() @ w.double().T).float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_linear_is_a_matmul_and_row_invariant(dtype):
+    """The C++ linear against a float64 product, over inputs that are and are not a multiple of its 64 lanes; and
+    each row of a call with 1..9 rows (its four-row blocks and the rest) equals that row alone, bit for bit."""
+    native.load()
+    for k in (40, 128, 200):
+        x, w = torch.randn(9, k), torch.randn(37, k).to(dtype)
+        y = linear_native(x, w)
+        torch.testing.assert_close(y, (x.double() @ w.double().T).float(), atol=2e-5, rtol=1e-5)
+        for n in range(1, 10):
+            assert torch.equal(linear_native(x[:n], w), y[:n]), (k, n)
+        assert torch.equal(linear_native(x[None, 2:7], w)[0], y[2:7])  # leading dims kept
+
+
+def test_the_native_linear_refuses_what_it_does_not_compute():
+    native.load()
+    for x, w, says in [(torch.randn(2, 8).double(), torch.randn(4, 8), "x must be float32"),
+                       (torch.randn(2, 8), torch.randn(4, 8).half(), "use bfloat16 or float32"),
+                       (torch.randn(2, 8), torch.randn(4, 6), "x has 8 inputs, w 6"),
+                       (torch.randn(2, 8), torch.randn(8, 4).t(), "contiguous")]:
+        with pytest.raises(RuntimeError, match=says):
+            linear_native(x, w)
 
 
 def test_both_attentions_are_softmax_attention_over_the_unmasked_slots():

@@ -187,8 +187,15 @@ def attend_mm(q, k, v, mask, kvh):
     return (s.softmax(-1).view(1, kvh, g * n, -1) @ v).reshape(1, nh, n, hd)
 
 
-# a step's kernels: (linear, attention), by name
-KERNELS = {"mm": (linear_mm, attend_mm), "reduce": (linear_reduce, attend_reduce)}
+def linear_native(x, w):
+    """dflashkit::linear (native.cpp, loaded by the decoder that uses it): a fixed-order float32 dot per row
+    and output, each weight read once a call."""
+    return torch.ops.dflashkit.linear(x, w)
+
+
+# a step's kernels: (linear, attention), by name; the one-token and verify steps use `native` on a CPU
+KERNELS = {"mm": (linear_mm, attend_mm), "reduce": (linear_reduce, attend_reduce),
+           "native": (linear_native, attend_reduce)}
 
 
 def step(arena, embed, rope, kv, ids, pos, keep, span, *, geo: Geometry, kernels: str, layer_ids):
@@ -242,16 +249,25 @@ class StaticDecoder:
     pos..pos+len(ids)-1 and return logits. Rejected positions need no crop: the causal mask hides every slot past
     the query's position and the next write overwrites them."""
 
-    def __init__(self, target, max_len: int, kernels: str = "reduce", prefill_kernels: str = "mm", compile: bool = True,
+    def __init__(self, target, max_len: int, kernels: str = "auto", prefill_kernels: str = "mm", compile: bool = True,
                  layer_ids: list[int] | None = None, verify_width: int | None = None):
         geo = geometry_of(target)
         if verify_width is not None and not 1 < verify_width < PREFILL:
             raise DFlashError(f"verify width {verify_width}: the static decoder verifies 2..{PREFILL - 1} tokens")
         if verify_width is not None and layer_ids is None:
             raise DFlashError("static decoder: a verify step returns the drafter's features; give layer_ids with it")
+        if kernels == "auto":  # our C++ linear on a CPU (native.cpp), inductor's reductions elsewhere
+            kernels = "native" if target.device.type == "cpu" else "reduce"
         for name in (kernels, prefill_kernels):
             if name not in KERNELS:
-                raise DFlashError(f"kernels {name!r}: use one of {', '.join(KERNELS)}")
+                raise DFlashError(f"kernels {name!r}: use auto or one of {', '.join(KERNELS)}")
+        if "native" in (kernels, prefill_kernels):
+            if target.device.type != "cpu":
+                raise DFlashError(f"kernels 'native' run on a CPU; target {target.name} is on {target.device}: "
+                                  "use kernels='reduce' (or auto)")
+            from dflashkit.decode import native
+
+            native.load()
         cfg, dev = target.config, target.device
         self.target, self.max_len = target, max_len
         self.arena, self.embed = pack_weights(target, geo), target.embed_tokens.weight
