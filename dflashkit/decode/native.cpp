@@ -47,6 +47,25 @@ inline float to_float(c10::BFloat16 v) {
   return f;
 }
 
+// The sum of a dot's four chains in a fixed tree: chains (0+2) + (1+3), then the 16 lanes halved four times; a
+// k that is not a multiple of 64 first adds its last products to lanes 0.. of the chains in order
+template <typename W>
+inline float finish(f32x16 (&acc)[4], const float* x, const W* w, int64_t tail) {
+  if (tail) {
+    float lanes[LANES];
+    std::memcpy(lanes, acc, sizeof lanes);
+    for (int64_t j = 0; j < tail; ++j) lanes[j] += x[j] * to_float(w[j]);
+    std::memcpy(acc, lanes, sizeof lanes);
+  }
+  f32x16 v = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  f32x8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
 // R rows of x against one row of w: each weight vector is loaded once for all R rows, and every row's sums run
 // in the same order whatever R is (lane j of chain c sums x[i + 16c + j] * w[i + 16c + j] over i, then a fixed tree)
 template <int R, typename W>
@@ -59,15 +78,7 @@ inline void dot_rows(const float* __restrict x, const W* __restrict w, int64_t k
       const f32x16 wv = load16(w + i + 16 * c);
       for (int r = 0; r < R; ++r) acc[r][c] += load16(x + r * x_stride + i + 16 * c) * wv;
     }
-  for (int r = 0; r < R; ++r) {
-    float lanes[LANES];
-    std::memcpy(lanes, acc[r], sizeof lanes);
-    const float* xr = x + r * x_stride;
-    for (int64_t j = 0; i + j < k; ++j) lanes[j] += xr[i + j] * to_float(w[i + j]);
-    for (int64_t half = LANES / 2; half > 0; half /= 2)
-      for (int64_t j = 0; j < half; ++j) lanes[j] += lanes[j + half];
-    y[r * y_stride] = lanes[0];
-  }
+  for (int r = 0; r < R; ++r) y[r * y_stride] = finish(acc[r], x + r * x_stride + i, w + i, k - i);
 }
 
 template <typename W>
