@@ -175,10 +175,10 @@ def test_the_plain_peers_are_the_static_decoder_and_llama_cpp_when_installed(tin
 
     llama = tiny_targets["llama"]
     monkeypatch.setattr(install, "find", lambda engine: None)
-    assert peer_methods(DemoConfig(), llama) == ["ar-static"]
+    assert peer_methods(DemoConfig(), llama) == ["ar-static", "hybrid-auto-static"]
     assert peer_methods(DemoConfig(plain_peers="none"), llama) == []
     monkeypatch.setattr(install, "find", lambda engine: object() if engine == "llama.cpp" else None)
-    assert peer_methods(DemoConfig(), llama) == ["ar-static", "llama.cpp"]
+    assert peer_methods(DemoConfig(), llama) == ["ar-static", "hybrid-auto-static", "llama.cpp"]
     gpt_oss = load_target(make_tiny_target("gpt_oss", tmp_path / "g"), device="cpu", dtype="float32")
     assert peer_methods(DemoConfig(), gpt_oss) == ["llama.cpp"]
     with pytest.raises(DFlashError, match="plain_peers 'all': use auto or none"):

@@ -19,13 +19,14 @@ import torch
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
-from dflashkit.decode.methods import STATIC_AR, STATIC_CHAIN, needs_drafter, parse_method
+from dflashkit.decode.methods import STATIC_AR, STATIC_CHAIN, needs_drafter, parse_method, static_tree
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, engine_tau, is_engine,
                                    plain_of, predicted_tau, EnginePeer)
 from dflashkit.decode.sampling import GREEDY, Sampling
-from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
-from dflashkit.decode.static import check_greedy, decoder_for, generate_static_ar, generate_static_chain
+from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup, tree_drafts
+from dflashkit.decode.static import (check_greedy, decoder_for, generate_static_ar, generate_static_chain,
+                                     generate_static_tree)
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
@@ -54,21 +55,33 @@ def parse_methods(spec: str) -> list[str]:
     for m in [m for m in names if is_engine(m) and m.endswith("-dflash")]:
         # lossless is checked against the engine's own plain decoding, tau against our chain on the same drafter
         names += [x for x in (plain_of(m), "chain") if x not in names]
-    if STATIC_CHAIN in names and STATIC_AR not in names:
-        names.append(STATIC_AR)  # chain-static's lossless reference
+    if any(is_static(m) for m in names) and STATIC_AR not in names:
+        names.append(STATIC_AR)  # the lossless reference of chain-static and the static trees
     return ["ar"] + [m for m in names if m != "ar"]
+
+
+def is_static(method: str) -> bool:
+    """Runs on the static decoder's compiled steps: ar-static, chain-static, NAME-static trees."""
+    return method in (STATIC_AR, STATIC_CHAIN) or static_tree(method) is not None
 
 
 def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, seed: int, cost, lookups):
     """One conversation (every turn, conversation.py); the baselines (ar-stock, transformers' loops) on the model's
     own kernels, ours on the kernels that keep them exact."""
     gen = torch.Generator(device=target.device).manual_seed(seed)
-    if method in (STATIC_AR, STATIC_CHAIN):
-        def one(ids):  # one decoder for both, with the drafter's layers and block where there is one
-            d = decoder_for(target, lookups, len(ids) + max_new_tokens, proposer)
+    if is_static(method):
+        tree = static_tree(method)
+        if tree is not None and parse_method(tree)[0] in ("ngram", "hybrid"):
+            lookups.setdefault(method, new_lookup(tree))
+
+        def one(ids):  # one decoder for all, with the drafter's layers, block and tree widths where needed
+            d = decoder_for(target, lookups, len(ids) + max_new_tokens, proposer, trees=lookups.get("trees", False))
             if method == STATIC_AR:
                 return generate_static_ar(d, ids, max_new_tokens)
-            return generate_static_chain(d, proposer, ids, max_new_tokens)
+            if method == STATIC_CHAIN:
+                return generate_static_chain(d, proposer, ids, max_new_tokens)
+            drafts = tree_drafts(tree, proposer, cost=d.tree_cost, ngram=lookups.get(method))
+            return generate_static_tree(d, drafts, ids, max_new_tokens, method=method)
     elif method == STOCK_AR or parse_method(method)[0] in PEERS:
         # transformers' loops verify several tokens too: on compiled kernels when ours use them (faster for them)
         on_ours = method != STOCK_AR and uses_compiled(target.model)
@@ -92,7 +105,7 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
 
 def _greedy_only(methods: list[str], engines: list[str], temperature: float) -> None:
     """The engine peers and the static decoder's methods decode greedily: a temperature is refused up front."""
-    if STATIC_AR in methods or STATIC_CHAIN in methods:
+    if any(is_static(m) for m in methods):
         check_greedy(temperature)
     if engines and temperature != 0:
         raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
@@ -100,14 +113,14 @@ def _greedy_only(methods: list[str], engines: list[str], temperature: float) -> 
 
 def _static_parting(target, runs: list[dict]) -> tuple[list[dict], dict]:
     """ar-static against ar: other kernels, so in low precision a parting is reported; in float32 it fails.
-    chain-static against ar-static: the same steps, so any difference fails."""
+    chain-static and the static trees against ar-static: the same steps, so any difference fails."""
     p = ar_parting(runs, STATIC_AR)
     bad = ([{"prompt": k, "method": STATIC_AR, "against": "ar", "first_difference": v} for k, v in p["parts_at"].items()]
            if target.dtype == torch.float32 else [])
     plain = {r["prompt"]: r["tokens"] for r in runs if r["method"] == STATIC_AR}
-    for r in (r for r in runs if r["method"] == STATIC_CHAIN and r["prompt"] in plain):
+    for r in (r for r in runs if is_static(r["method"]) and r["method"] != STATIC_AR and r["prompt"] in plain):
         if r["tokens"] != plain[r["prompt"]]:  # the same steps: exact in every dtype
-            bad.append({"prompt": r["prompt"], "method": STATIC_CHAIN, "against": STATIC_AR,
+            bad.append({"prompt": r["prompt"], "method": r["method"], "against": STATIC_AR,
                         "first_difference": common_prefix(r["tokens"], plain[r["prompt"]])})
     return bad, p
 
@@ -137,9 +150,9 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
                                   progress, curve, peers)
     started = {m: p.info for m, p in peers.items()}
-    stock = ((STOCK_AR,) + PEERS if switched else ()) + (STATIC_AR, STATIC_CHAIN)  # other kernels
-    mismatches = (check_lossless([r for r in runs if r["method"] not in stock and not is_engine(r["method"])])
-                  if sampling.temperature == 0 else [])
+    stock = (STOCK_AR,) + PEERS if switched else ()  # other kernels (the static steps: against ar-static)
+    ours_exact = [r for r in runs if r["method"] not in stock and not is_static(r["method"]) and not is_engine(r["method"])]
+    mismatches = check_lossless(ours_exact) if sampling.temperature == 0 else []
     engine_mismatches, engine_divergences, parting = _judge_engines(target, runs)
     static_mismatches, static_parting = _static_parting(target, runs)
     divergences = []
@@ -192,7 +205,7 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
     from tqdm import tqdm
 
     # per-method state: n-gram lookups (acceptance statistics carry across prompts), the static decoder
-    lookups: dict[str, NgramLookup | object] = {}
+    lookups: dict[str, NgramLookup | object] = {"trees": any(static_tree(m) is not None for m in methods)}
     peers = peers or {}
     if warmup:
         for m in methods:

@@ -12,7 +12,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 #include <cstring>
 
 namespace {
@@ -21,6 +24,9 @@ namespace {
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
 constexpr int64_t LANES = 64;  // four vectors of 16: four independent chains of sums per dot
 
 inline f32x16 load16(const float* p) {
@@ -58,8 +64,6 @@ inline float finish(f32x16 (&acc)[4], const float* x, const W* w, int64_t tail) 
     std::memcpy(acc, lanes, sizeof lanes);
   }
   f32x16 v = (acc[0] + acc[2]) + (acc[1] + acc[3]);
-  typedef float f32x8 __attribute__((vector_size(32)));
-  typedef float f32x4 __attribute__((vector_size(16)));
   f32x8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
@@ -111,8 +115,123 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+
+// ---- attention ------------------------------------------------------------------------------------------------
+// One query row sees the cache slots 0..start-1, then the slots of its own path (its ancestors' and its own, in
+// depth order): the keys plain decoding would see at that row's position, in the same order. Its scores, softmax
+// and value sum are computed over that sequence alone, in a fixed order, so a row of a chain or tree verify equals
+// the one-token step at its position bit for bit, and only the slots in use are read.
+
+// e^x, x <= 0 (a score minus the row's maximum): 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 and p the
+// degree-6 Taylor polynomial (relative error ~2e-7); the same operations on every lane
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 zero = {};
+  const i32x16 lo = x < -87.0f;  // all ones where e^x is below float32's normal range
+  x = lo ? zero - 87.0f : x;
+  const f32x16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const f32x16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  f32x16 p = zero + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  u32x16 bits = __builtin_convertvector(__builtin_convertvector(n, i32x16) + 127, u32x16) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return lo ? zero : p * scale;
+}
+
+inline float sum16(f32x16 v) {  // the 16 lanes halved four times, as finish() does
+  f32x8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// out[h, row] for one query head and row; `seen` is the sequence length, slot(j) the cache slot of its j-th key
+template <typename Slot>
+void attend_row(const float* q, const float* k, const float* v, float* out, int64_t hd, int64_t seen, Slot slot,
+                std::vector<float>& s) {
+  const int64_t padded = (seen + 15) / 16 * 16;
+  s.resize(padded);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  float top = -INFINITY;
+  for (int64_t j = 0; j < seen; ++j) {
+    float d;
+    dot_rows<1>(q, k + slot(j) * hd, hd, &d, 0, 0);
+    s[j] = d * scale;
+    top = std::max(top, s[j]);
+  }
+  f32x16 total = {};
+  for (int64_t j = 0; j < padded; j += 16) {
+    f32x16 e = exp16(load16(s.data() + j) - top);
+    for (int64_t t = seen - j; t < 16; ++t) e[t] = 0.0f;  // past the sequence (only in the last block)
+    std::memcpy(s.data() + j, &e, sizeof e);
+    total += e;
+  }
+  f32x16 acc[8] = {};  // hd <= 128
+  const int64_t chunks = hd / 16;
+  for (int64_t j = 0; j < seen; ++j) {
+    const float* vj = v + slot(j) * hd;
+    for (int64_t c = 0; c < chunks; ++c) acc[c] += s[j] * load16(vj + 16 * c);
+  }
+  const float norm = sum16(total);
+  for (int64_t c = 0; c < chunks; ++c) {
+    f32x16 o = acc[c] / norm;
+    std::memcpy(out + 16 * c, &o, sizeof o);
+  }
+}
+
+// q [1, heads, n, hd], k and v the cache [1, kv_heads, slots, hd] (float32), start [1]: the committed slots every
+// row sees, path [n, W]: each row's own slots after them, -1 past its depth -> [1, heads, n, hd]
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& start,
+                  const at::Tensor& path) {
+  for (const auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->size(0) == 1,
+                "dflashkit::attend: q, k and v must be float32 [1, heads, rows, head_dim]");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "dflashkit::attend: the cache must be contiguous");
+  const int64_t heads = q.size(1), n = q.size(2), hd = q.size(3), kvh = k.size(1), slots = k.size(2);
+  TORCH_CHECK(hd % 16 == 0 && hd <= 128, "dflashkit::attend: head_dim ", hd, " is not a multiple of 16 up to 128");
+  TORCH_CHECK(heads % kvh == 0 && k.size(3) == hd, "dflashkit::attend: q and the cache disagree on heads");
+  TORCH_CHECK(path.scalar_type() == at::kLong && path.dim() == 2 && path.size(0) == n,
+              "dflashkit::attend: path must be long [rows, W]");
+  auto qc = q.contiguous();
+  auto pc = path.contiguous();
+  const int64_t first = start.item<int64_t>(), width = pc.size(1);
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n * width; ++i)
+    TORCH_CHECK(pp[i] < slots && (pp[i] >= 0 || i % width > 0), "dflashkit::attend: path slot ", pp[i],
+                " outside the cache's ", slots);
+  TORCH_CHECK(0 <= first && first <= slots, "dflashkit::attend: start ", first, " outside the cache");
+  auto out = at::empty_like(qc);
+  const float *qd = qc.data_ptr<float>(), *kd = k.data_ptr<float>(), *vd = v.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const int64_t group = heads / kvh;
+  at::parallel_for(0, heads * n, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores;
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t h = task / n, r = task % n;
+      const int64_t* own = pp + r * width;
+      int64_t depth = 0;
+      while (depth < width && own[depth] >= 0) ++depth;
+      auto slot = [&](int64_t j) { return j < first ? j : own[j - first]; };
+      const int64_t off = (h / group) * slots * hd;
+      attend_row(qd + (h * n + r) * hd, kd + off, vd + off, od + (h * n + r) * hd, hd, first + depth, slot, scores);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(dflashkit, m) { m.def("linear(Tensor x, Tensor w) -> Tensor"); }
+TORCH_LIBRARY(dflashkit, m) {
+  m.def("linear(Tensor x, Tensor w) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor start, Tensor path) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(dflashkit, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(dflashkit, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("attend", &attend);
+}

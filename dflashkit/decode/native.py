@@ -1,9 +1,13 @@
-"""The static decoder's own CPU linear (`native.cpp`), built on first use by torch's extension builder for this
-machine's instruction set and cached (a later process loads it in a second).
+"""The static decoder's own CPU kernels (`native.cpp`: `dflashkit::linear`, `dflashkit::attend`), compiled on
+first use for this machine's instruction set and cached (a later process loads them in a fraction of a second).
 
 Why: a one-token step is a matrix-vector product per weight; the C++ dot keeps 64 independent float32 lanes, so it
 streams weights at the memory's speed where inductor's reduction is bound by one accumulator chain, and every row's
-sum has one fixed order (a verify's rows equal the one-token step's bit for bit).
+sum has one fixed order (a verify's rows equal the one-token step's bit for bit). Attention reads a row's sequence
+(the committed slots, then its own path through a tree) in that order too, so a flat tree verify is exact.
+
+Built with the C++ compiler inductor itself needs, against torch's headers and libraries (the flags torch's own
+extension builder uses); no ninja, no change to the process's environment.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -21,7 +26,9 @@ from dflashkit.errors import DFlashError
 
 SOURCE = Path(__file__).with_name("native.cpp")
 # fp-contract: a * b + c is one fused multiply-add wherever it is written, so the one-row and four-row dots agree
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp", "-std=c++20",
+          "-fPIC", "-shared"]
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflashkit" / "native"
 
 
 def _cpu_flags() -> str:
@@ -34,32 +41,47 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH; the `ninja` package puts one in the venv, which a console script
-    does not have on PATH."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError as e:
-            raise DFlashError("native kernels: no `ninja` to build them; `pip install ninja` (in requirements), or "
-                              "build the decoder with kernels='reduce'") from e
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+def _command(out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu", "-ltorch"]
+    return ["c++", *CFLAGS, abi, *includes, str(SOURCE), "-o", str(out), *libs]
+
+
+def library_path() -> Path:
+    """Where this source, these flags, this CPU and this torch build their library."""
+    key = "\n".join([SOURCE.read_text(), *CFLAGS, _cpu_flags(), torch.__version__, torch.__file__])
+    return CACHE / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
 @functools.cache
 def load() -> None:
-    """Build (once per source, flags, CPU and torch version) and load `dflashkit::linear`."""
-    from torch.utils.cpp_extension import load as build
-
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), *CFLAGS, _cpu_flags(), torch.__version__]).encode())
-    _ninja_on_path()
-    try:
-        build(name=f"dflashkit_native_{key.hexdigest()[:12]}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except (RuntimeError, OSError) as e:
-        raise DFlashError(f"native kernels: building {SOURCE.name} failed ({e}); a C++ compiler (g++) is needed, "
-                          "or build the decoder with kernels='reduce'") from e
+    """Build (once per source, flags, CPU and torch) and load the kernels; a second process only loads them.
+    Concurrent builds each write their own temporary file and the last rename wins (the files are alike)."""
+    lib = library_path()
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            res = subprocess.run(_command(Path(tmp)), capture_output=True, text=True)
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            raise DFlashError(f"native kernels: no C++ compiler to build {SOURCE} ({e}); install g++ (inductor "
+                              "needs one too), or build the decoder with kernels='reduce'") from e
+        if res.returncode != 0:
+            Path(tmp).unlink(missing_ok=True)
+            raise DFlashError(f"native kernels: building {SOURCE} failed; build the decoder with kernels='reduce' "
+                              f"meanwhile. The compiler said:\n{res.stderr[-3000:]}")
+        os.replace(tmp, lib)
+    torch.ops.load_library(str(lib))
 
     @torch.library.register_fake("dflashkit::linear")
     def _(x, w):
         return x.new_empty(*x.shape[:-1], w.shape[0])
+
+    @torch.library.register_fake("dflashkit::attend")
+    def _(q, k, v, start, path):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -24,6 +24,9 @@ from dflashkit.errors import DFlashError
 
 WIDTHS = (1, 32)  # one token a step; prompts in chunks of 32
 PREFILL = WIDTHS[-1]
+# a tree verify runs on the smallest of these that holds its nodes (padded); with 1 and 32, four compiled widths a
+# length, so two lengths fit in dynamo's 8 entries a function
+TREE_WIDTHS = (4, 8)
 # inductor's C++ wrapper calls the step's kernels without Python between them: 12.9 -> 10.8 ms a token (SmolLM2,
 # bf16, 2-core Zen 5); passed per compile, so nothing outside this decoder changes
 COMPILE_OPTIONS = {"cpp_wrapper": True}
@@ -193,17 +196,26 @@ def linear_native(x, w):
     return torch.ops.dflashkit.linear(x, w)
 
 
+def attend_native(q, k_cache, v_cache, start, path):
+    """dflashkit::attend (native.cpp): each row attends to slots 0..start-1 and then its own `path` of slots (its
+    ancestors' and its own, in depth order), over that sequence alone in a fixed order: a row of a chain or tree
+    verify is then the one-token step at its position, and only the slots in use are read."""
+    return torch.ops.dflashkit.attend(q, k_cache, v_cache, start, path)
+
+
 # a step's kernels: (linear, attention), by name; the one-token and verify steps use `native` on a CPU
 KERNELS = {"mm": (linear_mm, attend_mm), "reduce": (linear_reduce, attend_reduce),
-           "native": (linear_native, attend_reduce)}
+           "native": (linear_native, attend_native)}
 
 
-def step(arena, embed, rope, kv, ids, pos, keep, span, *, geo: Geometry, kernels: str, layer_ids):
+def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geometry, kernels: str, layer_ids):
     """The Llama step as a pure function of its inputs, so that decoders of one geometry share its compile and
     dynamo guards a handful of tensors, not every weight: the packed weights, the embedding table, rope's
-    (cos, sin), the caches `kv` (per-layer K and V lists, written in place), ids [n] at absolute positions pos [n]
-    -> logits [k, V] of the `keep` rows (and, with `layer_ids`, those layers' hidden states of all n rows
-    [1, n, len(layer_ids) * H]). Attention reads the first len(`span`) slots of the cache (span = 0..S-1)."""
+    (cos, sin), the caches `kv` (per-layer K and V lists, written in place), ids [n] at absolute positions pos [n],
+    their K and V written to cache `slots` [n] -> logits [k, V] of the `keep` rows (and, with `layer_ids`, those
+    layers' hidden states of all n rows [1, n, len(layer_ids) * H]). What a row attends to: with native kernels,
+    slots 0..pos[0]-1 and then its `path` [n, W] (attend_native); else the first len(`span`) slots (span =
+    0..S-1) up to its position."""
     layout, stride, tail, _ = geo.layout()
     linear, attend = KERNELS[kernels]
     n, eps, nh, kvh, hd = ids.shape[0], geo.eps, geo.heads, geo.kv_heads, geo.head_dim
@@ -222,9 +234,12 @@ def step(arena, embed, rope, kv, ids, pos, keep, span, *, geo: Geometry, kernels
         if geo.qk_norm:
             q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
         q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
-        kv[0][i].index_copy_(2, pos, k)
-        kv[1][i].index_copy_(2, pos, v.view(1, n, kvh, hd).transpose(1, 2))
-        o = attend(q, kv[0][i][:, :, :S], kv[1][i][:, :, :S], mask, kvh)
+        kv[0][i].index_copy_(2, slots, k)
+        kv[1][i].index_copy_(2, slots, v.view(1, n, kvh, hd).transpose(1, 2))
+        if kernels == "native":
+            o = attend(q, kv[0][i], kv[1][i], pos[:1], path)
+        else:
+            o = attend(q, kv[0][i][:, :, :S], kv[1][i][:, :, :S], mask, kvh)
         x = x + linear(o.transpose(1, 2).reshape(1, n, geo.q_size), w["o"])
         g, u = linear(_rms(x, w["n2"], eps), w["gu"]).chunk(2, -1)
         x = x + linear(F.silu(g) * u, w["down"])
@@ -244,23 +259,31 @@ def compiled_step(geo: Geometry, kernels: str, layer_ids: tuple | None):
     return torch.compile(f, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
 
 
+def chain_path(pos: torch.Tensor) -> torch.Tensor:
+    """[n, n] paths of a chain at positions pos: row i reads pos[0..i] (then -1)."""
+    n = pos.shape[0]
+    return torch.where(torch.ones(n, n, dtype=torch.bool, device=pos.device).tril(), pos[None, :], -1)
+
+
 class StaticDecoder:
-    """One target, one run length: `forward(ids, pos)` (and `prefill`, `verify`) write the KV of positions
-    pos..pos+len(ids)-1 and return logits. Rejected positions need no crop: the causal mask hides every slot past
-    the query's position and the next write overwrites them."""
+    """One target, one run length: `forward(ids, pos)` (and `prefill`, `verify`, `verify_tree`) write the KV of
+    the tokens given and return logits. Rejected positions need no crop: a row sees only the slots before its
+    position and its own path, and the next write overwrites them."""
 
     def __init__(self, target, max_len: int, kernels: str = "auto", prefill_kernels: str = "mm", compile: bool = True,
-                 layer_ids: list[int] | None = None, verify_width: int | None = None):
+                 layer_ids: list[int] | None = None, verify_width: int | None = None, trees: bool = False):
         geo = geometry_of(target)
         if verify_width is not None and not 1 < verify_width < PREFILL:
             raise DFlashError(f"verify width {verify_width}: the static decoder verifies 2..{PREFILL - 1} tokens")
         if verify_width is not None and layer_ids is None:
             raise DFlashError("static decoder: a verify step returns the drafter's features; give layer_ids with it")
-        if kernels == "auto":  # our C++ linear on a CPU (native.cpp), inductor's reductions elsewhere
+        if kernels == "auto":  # our C++ kernels on a CPU (native.cpp), inductor's reductions elsewhere
             kernels = "native" if target.device.type == "cpu" else "reduce"
         for name in (kernels, prefill_kernels):
             if name not in KERNELS:
                 raise DFlashError(f"kernels {name!r}: use auto or one of {', '.join(KERNELS)}")
+        if trees and kernels != "native":
+            raise DFlashError(f"static decoder: tree verify needs kernels 'native' (a CPU target), not {kernels!r}")
         if "native" in (kernels, prefill_kernels):
             if target.device.type != "cpu":
                 raise DFlashError(f"kernels 'native' run on a CPU; target {target.name} is on {target.device}: "
@@ -269,7 +292,7 @@ class StaticDecoder:
 
             native.load()
         cfg, dev = target.config, target.device
-        self.target, self.max_len = target, max_len
+        self.target, self.max_len, self.kernels = target, max_len, kernels
         self.arena, self.embed = pack_weights(target, geo), target.embed_tokens.weight
         theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
         inv = 1.0 / (theta ** (torch.arange(0, geo.head_dim, 2, device=dev).float() / geo.head_dim))
@@ -287,22 +310,27 @@ class StaticDecoder:
         self.full_span = torch.arange(max_len, device=dev)
         self.first = torch.zeros(1, dtype=torch.long, device=dev)  # a one-token step keeps its only row
         # per width, its kernels and whether it returns features: a prompt's chunks use matrix products (mm reads
-        # each weight once for all 32 rows, a reduction 32 times); a verify uses the one-token step's reductions,
+        # each weight once for all 32 rows, a reduction 32 times); a verify uses the one-token step's kernels,
         # so that each of its rows is bit for bit what plain decoding computes (tests/test_static_decoder.py)
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
         ids = tuple(self.layer_ids) if self.layer_ids is not None else None
-        kinds = {1: (kernels, None), PREFILL: (prefill_kernels, ids)}
-        if verify_width is not None:
-            kinds[verify_width] = (kernels, ids)
-        self.verify_width = verify_width
+        kinds = {1: (kernels, ids if trees else None), PREFILL: (prefill_kernels, ids)}
+        for w in ((verify_width,) if verify_width is not None else ()) + (TREE_WIDTHS if trees else ()):
+            kinds[w] = (kernels, ids)
+        self.verify_width, self.trees = verify_width, trees
+        self.tree_widths = (1,) + TREE_WIDTHS if trees else ()
         self.steps = {w: compiled_step(geo, k, f) if compile else
                       functools.partial(step, geo=geo, kernels=k, layer_ids=f) for w, (k, f) in kinds.items()}
         self.compile_s: dict[int, float] = {}
+        self.step_s: dict[int, float] = {}  # median seconds of a step per width, measured by warm()
 
     def _check_room(self, pos: int, n: int) -> None:
         if pos + n > self.max_len:
             raise DFlashError(f"static decoder: position {pos + n} is past its length {self.max_len}; "
                               "build it with a larger max_len (prompt + new tokens + a verify)")
+
+    def _returns_features(self, width: int) -> bool:
+        return self.layer_ids is not None and (width != 1 or self.trees)
 
     @torch.no_grad()
     def forward(self, ids: list[int], pos: int) -> torch.Tensor:
@@ -310,7 +338,9 @@ class StaticDecoder:
         if len(ids) == 1:
             self._check_room(pos, 1)
             dev = self.embed.device
-            return self._call(1, torch.tensor(ids, device=dev), torch.tensor([pos], device=dev), self.first)[0]
+            p = torch.tensor([pos], device=dev)
+            out = self._call(1, torch.tensor(ids, device=dev), p, self.first, path=p[:, None].clone())
+            return (out[0] if self._returns_features(1) else out)[0]
         out = self.prefill(ids, pos)
         return out[0] if self.layer_ids is not None else out
 
@@ -339,29 +369,98 @@ class StaticDecoder:
         if B is None or block.shape[0] != B:
             raise DFlashError(f"static decoder: built to verify {B} tokens, given {block.shape[0]}")
         self._check_room(pos, B)
-        return self._call(B, block, torch.arange(pos, pos + B, device=block.device),
-                          torch.arange(B, device=block.device))
+        p = torch.arange(pos, pos + B, device=block.device)
+        return self._call(B, block, p, torch.arange(B, device=block.device), path=chain_path(p))
+
+    def tree_width(self, nodes: int) -> int:
+        """The compiled width a tree of `nodes` (root included) is verified on."""
+        fits = [w for w in self.tree_widths if w >= nodes]
+        if not fits:
+            raise DFlashError(f"static decoder: a tree of {nodes} nodes is past its widest verify "
+                              f"({max(self.tree_widths, default=0)}); cut it (tree_cost) or build with trees=True")
+        return fits[0]
+
+    @torch.no_grad()
+    def verify_tree(self, tree, start: int):
+        """Every node of `tree` (its root the last committed token, at `start`) in one step, flat: node i's K and V
+        go to slot start + i, its position is start + its depth, and it attends to the committed slots and then its
+        ancestors' slots in depth order, so its logits are the one-token step's at that position. The step is the
+        smallest compiled width that holds the tree (the rest padded: root-only rows, their outputs dropped).
+        Returns logits [n, V] and, with layer_ids, features [1, n, F]; `commit` then moves the accepted path's
+        K and V to the slots plain decoding would have written."""
+        n = len(tree)
+        w = self.tree_width(n)
+        self._check_room(start, w)
+        dev = self.embed.device
+        parents = tree.parents.tolist()
+        path = torch.full((w, w), -1, dtype=torch.long)
+        path[:, 0] = start  # pad rows see the root only
+        for i in range(1, n):
+            chain, j = [], i
+            while j >= 0:
+                chain.append(start + j)
+                j = parents[j]
+            path[i, : len(chain)] = torch.tensor(chain[::-1])
+        ids = torch.zeros(w, dtype=torch.long)
+        ids[:n] = tree.tokens
+        pos = torch.full((w,), start, dtype=torch.long)
+        pos[:n] += tree.depths
+        out = self._call(w, ids.to(dev), pos.to(dev), torch.arange(w, device=dev), None,
+                         torch.arange(start, start + w, device=dev), path.to(dev))
+        if self.layer_ids is None:
+            return out[:n], None
+        return out[0][:n], out[1][:, :n]
+
+    @torch.no_grad()
+    def commit(self, start: int, accepted: list[int]) -> None:
+        """After a tree verify: the accepted nodes (in depth order, root excluded) move from slots start + node to
+        start + depth, where plain decoding writes them, so later rows see them as a sequence."""
+        moved = [(start + node, start + depth) for depth, node in enumerate(accepted, start=1) if node != depth]
+        if not moved:
+            return
+        dev = self.embed.device
+        src, dst = (torch.tensor(x, device=dev) for x in zip(*moved))
+        for cache in self.kv[0] + self.kv[1]:
+            cache.index_copy_(2, dst, cache.index_select(2, src))
+
+    def tree_cost(self, nodes: int) -> float:
+        """Seconds a verify of `nodes` costs: its compiled width's measured step (warm() measures them); past the
+        widest width, infinite, so that a cost-aware tree stays within it."""
+        fits = [w for w in self.tree_widths if w >= nodes]
+        return self.step_s[fits[0]] if fits else float("inf")
 
     @torch.no_grad()  # as every call after it: grad mode is in dynamo's guards, so a warm-up with it on compiles twice
-    def warm(self) -> None:
-        """Compile (or load from inductor's cache) every width now. Writes slots from 0 on, which the next
-        prompt overwrites."""
+    def warm(self, timed: int = 5) -> None:
+        """Compile (or load from inductor's cache) every width now, then time each `timed` times (the median is
+        `step_s`, what tree_cost reads). Writes slots from 0 on, which the next prompt overwrites."""
         dev = self.embed.device
         for w in self.steps:
+            p = torch.arange(w, device=dev)
+            args = (torch.zeros(w, dtype=torch.long, device=dev), p,
+                    torch.zeros(1 if w in (1, PREFILL) else w, dtype=torch.long, device=dev), w, None, chain_path(p))
             if w not in self.compile_s:
-                self._call(w, torch.zeros(w, dtype=torch.long, device=dev), torch.arange(w, device=dev),
-                           torch.zeros(1 if w in (1, PREFILL) else w, dtype=torch.long, device=dev), w)
+                self._call(w, *args)
+            times = []
+            for _ in range(timed):
+                t0 = time.perf_counter()
+                self._call(w, *args)
+                times.append(time.perf_counter() - t0)
+            if times:
+                self.step_s[w] = sorted(times)[len(times) // 2]
 
-    def _call(self, width: int, ids, pos, keep, span: int | None = None):
+    def _call(self, width: int, ids, pos, keep, span: int | None = None, slots=None, path=None):
         """One step of `width` tokens. A prompt's chunk attends to the slots up to its last position, that length
         compiled symbolic (a 100-token prompt: 150 instead of 199 ms, 512 slots); the decode and verify steps read
-        the whole cache, where a symbolic length made the one-token step 12% slower (2-core Zen 5, side by side).
-        `span`: the slots a prompt chunk reads (its last position + 1)."""
-        slots = self.full_span
+        the whole cache (reduce kernels; a symbolic length made the one-token step 12% slower, 2-core Zen 5) or the
+        slots in use (native). `span`: the slots a prompt chunk reads (its last position + 1); `slots`: where the
+        rows' K and V go (default their positions); `path`: what native attention reads after pos[0]."""
+        slots = pos.clone() if slots is None else slots  # never the same tensor as pos: dynamo guards on aliasing
+        span_slots = self.full_span
         if width == PREFILL:
-            slots = torch.arange(span, device=ids.device)
-            torch._dynamo.mark_dynamic(slots, 0, min=2, max=self.max_len)
-        args = (self.arena, self.embed, self.rope, self.kv, ids, pos, keep, slots)
+            span_slots = torch.arange(span, device=ids.device)
+            torch._dynamo.mark_dynamic(span_slots, 0, min=2, max=self.max_len)
+            path = pos[:, None]  # unused: a prompt chunk attends by mask
+        args = (self.arena, self.embed, self.rope, self.kv, ids, pos, slots, path, keep, span_slots)
         if width in self.compile_s:
             return self.steps[width](*args)
         t0 = time.perf_counter()
@@ -370,16 +469,21 @@ class StaticDecoder:
         return out
 
 
-def decoder_for(target, state: dict, length: int, proposer=None, log=None) -> StaticDecoder:
-    """`state`'s decoder for `target` (with `proposer`'s layers and block when given, so that ar-static and
-    chain-static share one set of steps), compiled before it is returned (so no answer's time includes it),
-    rebuilt longer when a turn needs more slots than it has: `length` (prompt + new tokens) plus room for the
-    last verify, rounded up to 512 (fewer rebuilds, each compiled anew). `log(message)` hears of a compile."""
-    length += proposer.block_size if proposer is not None else 0
+def decoder_for(target, state: dict, length: int, proposer=None, log=None, trees: bool = False) -> StaticDecoder:
+    """`state`'s decoder for `target` (with `proposer`'s layers and block when given, and tree widths once a
+    method needs them, so that ar-static, chain-static and the static trees share one set of steps), compiled
+    before it is returned (so no answer's time includes it), rebuilt longer when a turn needs more slots than it
+    has: `length` (prompt + new tokens) plus room for the last verify, rounded up to 512, or 2048 on native
+    kernels, whose attention reads only the slots in use (fewer rebuilds: each adds dynamo an entry per width,
+    and it keeps 8 a function). `log(message)` hears of a compile."""
+    length += max(proposer.block_size if proposer is not None else 0, TREE_WIDTHS[-1] if trees else 0)
     d = state.get("static")
-    if d is None or d.max_len < length:
+    if d is None or d.max_len < length or trees and not d.trees:
+        trees = trees or (d is not None and d.trees)
         drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids, "verify_width": proposer.block_size}
-        d = state["static"] = StaticDecoder(target, max(512, -(-length // 512) * 512), **drafting)
+        native = target.device.type == "cpu"
+        unit = 2048 if native else 512
+        d = state["static"] = StaticDecoder(target, max(unit, -(-length // unit) * unit), trees=trees, **drafting)
         if log is not None:
             log(f"compiling the static decoder for {d.max_len} positions (about 3 min the first time on 2 cores, "
                 "seconds once inductor's cache holds it)")
@@ -464,3 +568,53 @@ def generate_static_chain(decoder: StaticDecoder, proposer, prompt_ids: list[int
             start += a + 1
             done = emit(tokens, block[1 : a + 1].tolist() + bonus.tolist(), stops, max_new_tokens)
     return Generation("chain-static", tokens, accepted, timer.finish())
+
+
+@torch.no_grad()
+def generate_static_tree(decoder: StaticDecoder, drafts, prompt_ids: list[int], max_new_tokens: int = 256,
+                         stop_ids=None, method: str = "tree-static"):
+    """Greedy tree speculative decoding (DDTree, n-gram branches, both; `drafts` a TreeDrafts) on the decoder's
+    compiled steps: the round's tree in one flat verify (`verify_tree`), the target's walk, one `commit` of the
+    accepted path into the cache. Every node's logits are the one-token step's at its position, so the output is
+    ar-static's token for token. A cost-aware tree is sized by the decoder's own step times (`tree_cost`); any
+    tree is cut to the widest compiled verify."""
+    from dflashkit.decode.speculative import Generation, _begin, emit
+    from dflashkit.tree import subtree, walk
+
+    if drafts.drafter is not None and decoder.layer_ids != drafts.layer_ids:
+        raise DFlashError(f"static decoder built for layers {decoder.layer_ids}; the drafter needs {drafts.layer_ids}")
+    if not decoder.trees:
+        raise DFlashError("static decoder: built without tree widths; build it with trees=True")
+    timer, stops, _ = _begin(decoder.target, stop_ids)
+    with timer("prefill"):
+        out = decoder.prefill(prompt_ids)
+    logits, feats = out if decoder.layer_ids is not None else (out, None)
+    bonus = logits.argmax()[None]
+    tokens: list[int] = []
+    done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
+    drafts.reset(prompt_ids)
+    drafts.by_paths = False
+    widest = decoder.tree_widths[-1]
+    start, accepted = len(prompt_ids), []
+    with collector_paused():
+        while not done:
+            t_round, t_verify, t_draft = time.perf_counter(), timer.times["verify"], timer.times["draft"]
+            tree = drafts.propose(feats, bonus, start, timer)
+            if len(tree) > widest:  # parents precede children: the first nodes are a tree
+                tree = subtree(tree, range(widest))
+            with timer("verify"):
+                node_logits, node_feats = decoder.verify_tree(tree, start)
+            choice = node_logits.argmax(-1)
+            path = walk(tree, choice.tolist())
+            decoder.commit(start, path)
+            keep = [0] + path
+            feats = node_feats[:, keep] if node_feats is not None else None
+            accepted.append(len(path) + 1)
+            new = tree.tokens[path].tolist()
+            bonus, start = choice[keep[-1:]], start + len(path) + 1
+            drafts.observe(new, int(bonus))
+            done = emit(tokens, new + bonus.tolist(), stops, max_new_tokens)
+            spent = (time.perf_counter() - t_round - (timer.times["verify"] - t_verify)
+                     - (timer.times["draft"] - t_draft))
+            drafts.fixed = spent if len(accepted) == 1 else 0.9 * drafts.fixed + 0.1 * spent
+    return Generation(method, tokens, accepted, timer.finish())

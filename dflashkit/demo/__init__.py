@@ -50,7 +50,8 @@ class DemoConfig:
     bench_max_new_tokens: int = 256
     bench_methods: str = "ar,ngram,ddtree-8,hybrid-auto,prompt-lookup"  # bench adds ar-stock where kernels differ
     # the fastest plain decoding a user could run here, beside ours on the eval suite (plain_peers): auto = our
-    # static decoder (when it runs the target) and llama.cpp (when `dflashkit engines install llama.cpp` has run)
+    # static decoder (when it runs the target; with it hybrid-auto on its steps) and llama.cpp (when
+    # `dflashkit engines install llama.cpp` has run)
     plain_peers: str = "auto"  # auto | none
     # a second suite in another style, never used for training or selection: does the speedup hold there?
     holdout_suite: str = "complete-12"
@@ -183,7 +184,8 @@ def refit_training(plan, p: Paths, asked_minutes: float, measured_s: dict[str, f
 
 def peer_methods(cfg: DemoConfig, target) -> list[str]:
     """The plain decoders a speedup is also stated against (the brief's rule: ours and the fastest a user could
-    run on this machine, same weights, dtype and threads, in the same run)."""
+    run on this machine, same weights, dtype and threads, in the same run), and hybrid-auto on the static
+    decoder's steps where they run the target (a CPU: tree verify needs its native kernels)."""
     if cfg.plain_peers == "none":
         return []
     if cfg.plain_peers != "auto":
@@ -194,7 +196,7 @@ def peer_methods(cfg: DemoConfig, target) -> list[str]:
     peers = []
     try:
         geometry_of(target)
-        peers.append("ar-static")
+        peers += ["ar-static"] + (["hybrid-auto-static"] if target.device.type == "cpu" else [])
     except DFlashError:
         pass  # a target the static decoder does not run: its refusal names it in `dflashkit bench`
     return peers + (["llama.cpp"] if find("llama.cpp") is not None else [])
