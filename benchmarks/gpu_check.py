@@ -15,6 +15,9 @@ rest still run; the exit status is 1 if any failed):
            are replaced by ones that peak at the target's greedy continuation, so tau = B) against plain greedy
            decoding under the same kernels: round cost, and the tokens where the output differs from greedy
            (bf16 verification over a block may round differently from one-token steps: counted, not hidden)
+  static   plain greedy decoding on the static decoder's compiled step (CUDA graphs on CUDA; eager in --smoke),
+           against `ar` on the same target: tokens/s, compile seconds and the tokens where the two differ
+           (attention targets only: the static step refuses hybrids by name, reported as skipped)
 Writes benchmarks/results/gpu-DATE.md (--out to change).
 """
 
@@ -256,6 +259,29 @@ def check_decode(target, S, device) -> list[dict]:
     return rows
 
 
+def check_static(target, S, device, smoke: bool) -> dict:
+    from dflashkit.decode.speculative import generate_ar
+    from dflashkit.decode.static import StaticDecoder, generate_static_ar, geometry_of
+    from dflashkit.errors import DFlashError
+
+    try:
+        geometry_of(target)
+    except DFlashError as e:
+        return {"target": target.name, "method": "ar-static", "skipped": str(e)[:120]}
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, target.vocab_size, (S["prompt_len"],), generator=g).tolist()
+    N = S["new_tokens"]
+    d = StaticDecoder(target, 512, compile=not smoke)
+    d.warm(timed=1)
+    generate_static_ar(d, prompt, 4)
+    gen, ar = generate_static_ar(d, prompt, N), generate_ar(target, prompt, N)
+    diff = [i for i, (a, b) in enumerate(zip(gen.tokens, ar.tokens)) if a != b]
+    return {"target": target.name, "method": "ar-static", "kernels": d.kernels, "compile_s": sum(d.compile_s.values()),
+            "ms_per_token": 1e3 * d.step_s[1], "tokens_per_s": len(gen.tokens) / max(1e-9, gen.times["total"]),
+            "ar_tokens_per_s": len(ar.tokens) / max(1e-9, ar.times["total"]),
+            "mismatches_vs_ar": len(diff) + abs(len(gen.tokens) - len(ar.tokens)), "first_mismatch": diff[0] if diff else None}
+
+
 # ---- the report ---------------------------------------------------------------------------------------------
 
 def fmt(v):
@@ -291,7 +317,7 @@ def main(argv=None, smoke: bool | None = None) -> int:
     today = datetime.date.today().isoformat()
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"gpu-{today}{'-smoke' if smoke else ''}.md"
     t_start = time.perf_counter()
-    results = {"train": [], "extract": [], "eval": [], "decode": []}
+    results = {"train": [], "extract": [], "eval": [], "decode": [], "static": []}
     failures = []
     for cf in configs:
         try:
@@ -304,7 +330,8 @@ def main(argv=None, smoke: bool | None = None) -> int:
         for section, fn in (("train", lambda target=target: check_train(target, S, device, paths)),
                             ("extract", lambda target=target: check_extract(target, S, device)),
                             ("eval", lambda target=target: check_eval(target, S, device)),
-                            ("decode", lambda target=target: check_decode(target, S, device))):
+                            ("decode", lambda target=target: check_decode(target, S, device)),
+                            ("static", lambda target=target: check_static(target, S, device, smoke))):
             t0 = time.perf_counter()
             try:
                 res = fn()
@@ -339,6 +366,10 @@ def main(argv=None, smoke: bool | None = None) -> int:
           "ms_per_round excludes the prefill. mismatches: tokens that differ from plain greedy under the same "
           "kernels (bf16 rounding of a block forward vs one-token steps; 0 expected in float32).\n",
           table(results["decode"]),
+          "\n## Plain decoding on the static decoder\n\nThe compiled one-token step (inductor; CUDA graphs on CUDA) on a "
+          "512-slot static KV cache, against `ar` on the same target and prompt. mismatches_vs_ar: in bf16 the two "
+          "use different kernels, so a near-tie may part them (counted, not hidden).\n",
+          table(results["static"]),
           "\n## Failures\n\n" + ("\n".join(f"- {f}" for f in failures) if failures else "none") + "\n"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(md))

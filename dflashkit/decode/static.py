@@ -32,7 +32,9 @@ PREFILL = WIDTHS[-1]
 TREE_WIDTHS = (4, 8)
 # inductor's C++ wrapper calls the step's kernels without Python between them: 12.9 -> 10.8 ms a token (SmolLM2,
 # bf16, 2-core Zen 5); passed per compile, so nothing outside this decoder changes
-COMPILE_OPTIONS = {"cpp_wrapper": True}
+# On CUDA, CUDA graphs (gpt-fast's reduce-overhead): one replay a step; the KV and weights are marked static
+# addresses so that their in-place writes do not keep the step out of a graph
+COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True}, "cuda": {"triton.cudagraphs": True}}
 LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ALIGN = 64  # elements: every weight in the arena starts on a cache line (and a vector load) boundary
 HUGE_PAGE = 2 << 20
@@ -254,12 +256,12 @@ def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geom
 
 
 @functools.cache
-def compiled_step(geo: Geometry, kernels: str, layer_ids: tuple | None):
+def compiled_step(geo: Geometry, kernels: str, layer_ids: tuple | None, device_type: str = "cpu"):
     """`step` for one geometry, compiled on its first call per input shape. One per geometry in a process, shared
     by every decoder of it: a decoder rebuilt for a longer run adds dynamo one entry per width, not a copy of
     every one (dynamo keeps 8 per function)."""
     f = functools.partial(step, geo=geo, kernels=kernels, layer_ids=layer_ids)
-    return torch.compile(f, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+    return torch.compile(f, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS[device_type])
 
 
 def chain_path(pos: torch.Tensor) -> torch.Tensor:
@@ -322,7 +324,10 @@ class StaticDecoder:
             kinds[w] = (kernels, ids)
         self.verify_width, self.trees = verify_width, trees
         self.tree_widths = (1,) + TREE_WIDTHS if trees else ()
-        self.steps = {w: compiled_step(geo, k, f) if compile else
+        if dev.type == "cuda":
+            for t in [self.arena, *self.kv[0], *self.kv[1]]:
+                torch._dynamo.mark_static_address(t)
+        self.steps = {w: compiled_step(geo, k, f, dev.type) if compile else
                       functools.partial(step, geo=geo, kernels=k, layer_ids=f) for w, (k, f) in kinds.items()}
         self.compile_s: dict[int, float] = {}
         self.step_s: dict[int, float] = {}  # median seconds of a step per width, measured by warm()
@@ -488,7 +493,7 @@ def decoder_for(target, state: dict, length: int, proposer=None, log=None, trees
         unit = 2048 if native else 512
         d = state["static"] = StaticDecoder(target, max(unit, -(-length // unit) * unit), trees=trees, **drafting)
         if log is not None:
-            log(f"compiling the static decoder for {d.max_len} positions (about 1 min the first time on 2 cores "
+            log(f"compiling the static decoder for {d.max_len} positions (about 1.5 min the first time on 2 cores "
                 "with native kernels, 3 without; seconds once inductor's cache holds it)")
         d.warm()
         if log is not None:
