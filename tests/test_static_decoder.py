@@ -10,7 +10,7 @@ import torch
 
 from dflashkit.decode import bench
 from dflashkit.decode.speculative import generate
-from dflashkit.decode import native
+from dflashkit.decode import native, static
 from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_reduce, generate_static_ar, linear_native,
                                      linear_reduce)
 from dflashkit.errors import DFlashError
@@ -158,7 +158,7 @@ def test_other_families_are_refused_by_name(tmp_path):
 def test_bench_runs_ar_static_beside_ar(tiny_targets, monkeypatch):
     """ar-static is a plain baseline in bench: timed, never held to ar's lossless check, its parting recorded."""
     t = tiny_targets["llama"]
-    monkeypatch.setattr(bench, "decoder_for",
+    monkeypatch.setattr(static, "decoder_for",
                         lambda target, state, n, proposer, **kw: StaticDecoder(target, 128, compile=False))
     ids = [("a", prompt(t)), ("b", prompt(t)[:-3])]
     res = bench.run_bench(t, None, ids, ["ar", "ar-static"], max_new_tokens=10, progress=False, warmup=False)
@@ -175,21 +175,22 @@ def test_ar_static_is_greedy_only(tiny_targets):
                         sampling=Sampling(temperature=0.7))
 
 
-def test_cli_generate_runs_ar_static(tiny_dirs, monkeypatch, capsys):
-    """`dflashkit generate --method ar-static` answers as `--method ar` does (float32, the step run eagerly)."""
+def test_cli_generate_runs_ar_static_and_a_static_tree(tiny_dirs, monkeypatch, capsys):
+    """`dflashkit generate --method ar-static` (and `ngram-static`) answers as `--method ar` does (float32, the
+    steps run eagerly)."""
     import json
 
-    import dflashkit.decode.static as static
     from dflashkit.cli import main
 
     real = static.StaticDecoder
-    monkeypatch.setattr(static, "StaticDecoder", lambda t, n, **kw: real(t, n, compile=False))
+    monkeypatch.setattr(static, "StaticDecoder", lambda t, n, **kw: real(t, n, **kw, compile=False))
     out = {}
-    for method in ("ar", "ar-static"):
+    for method in ("ar", "ar-static", "ngram-static"):
         assert main(["generate", "--target", str(tiny_dirs["llama"]), "--prompt", "hello there", "--method", method,
                      "--max-new-tokens", "12", "--json", "--dtype", "float32"]) == 0
         out[method] = json.loads(capsys.readouterr().out)[0]
-    assert out["ar-static"]["tokens"] == out["ar"]["tokens"] and out["ar-static"]["method"] == "ar-static"
+    for method in ("ar-static", "ngram-static"):
+        assert out[method]["tokens"] == out["ar"]["tokens"] and out[method]["method"] == method
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -249,7 +250,7 @@ def test_bench_holds_chain_static_to_ar_static(tiny_targets, monkeypatch):
             state["static"].warm(timed=1)
         return state["static"]
 
-    monkeypatch.setattr(bench, "decoder_for", eager)
+    monkeypatch.setattr(static, "decoder_for", eager)
     methods = bench.parse_methods("ar,chain-static,hybrid-auto-static")
     assert methods == ["ar", "chain-static", "hybrid-auto-static", "ar-static"]
     res = bench.run_bench(t, drafter, [("a", prompt(t))], methods, max_new_tokens=10, progress=False, warmup=False)
@@ -345,3 +346,17 @@ def test_a_static_tree_needs_a_decoder_built_for_trees(tiny_targets):
         generate_static_tree(d, tree_drafts("ngram", None), [1, 2, 3], 4)
     with pytest.raises(DFlashError, match="tree verify needs kernels 'native'"):
         StaticDecoder(tiny_targets["llama"], 64, compile=False, kernels="reduce", trees=True)
+
+
+def test_any_tree_method_names_its_static_twin():
+    from dflashkit.decode.methods import is_static, needs_drafter, parse_method, static_tree
+
+    assert static_tree("hybrid-auto-static") == "hybrid-auto" and parse_method("hybrid-auto-static") == ("hybrid", "auto")
+    assert static_tree("ddtree-8-static") == "ddtree-8" and needs_drafter("ddtree-8-static")
+    assert static_tree("ngram-static") == "ngram" and not needs_drafter("ngram-static")
+    assert [is_static(m) for m in ("ar-static", "chain-static", "ngram-static", "hybrid-auto", "ar")] == [
+        True, True, True, False, False]
+    for bad in ("prompt-lookup-static", "hf-generate-static", "ddtree-0-static", "static"):
+        assert static_tree(bad) is None
+        with pytest.raises(ValueError, match=f"unknown method '{bad}'"):
+            parse_method(bad)

@@ -19,14 +19,13 @@ import torch
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
-from dflashkit.decode.methods import STATIC_AR, STATIC_CHAIN, needs_drafter, parse_method, static_tree
+from dflashkit.decode.methods import STATIC_AR, is_static, needs_drafter, parse_method, static_tree
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, engine_tau, is_engine,
                                    plain_of, predicted_tau, EnginePeer)
 from dflashkit.decode.sampling import GREEDY, Sampling
-from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup, tree_drafts
-from dflashkit.decode.static import (check_greedy, decoder_for, generate_static_ar, generate_static_chain,
-                                     generate_static_tree)
+from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
+from dflashkit.decode.static import check_greedy, generate_static
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
@@ -60,28 +59,17 @@ def parse_methods(spec: str) -> list[str]:
     return ["ar"] + [m for m in names if m != "ar"]
 
 
-def is_static(method: str) -> bool:
-    """Runs on the static decoder's compiled steps: ar-static, chain-static, NAME-static trees."""
-    return method in (STATIC_AR, STATIC_CHAIN) or static_tree(method) is not None
-
-
 def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, seed: int, cost, lookups):
     """One conversation (every turn, conversation.py); the baselines (ar-stock, transformers' loops) on the model's
     own kernels, ours on the kernels that keep them exact."""
     gen = torch.Generator(device=target.device).manual_seed(seed)
     if is_static(method):
-        tree = static_tree(method)
-        if tree is not None and parse_method(tree)[0] in ("ngram", "hybrid"):
-            lookups.setdefault(method, new_lookup(tree))
+        if parse_method(method)[0] in ("ngram", "hybrid"):
+            lookups.setdefault(method, new_lookup(method))
 
         def one(ids):  # one decoder for all, with the drafter's layers, block and tree widths where needed
-            d = decoder_for(target, lookups, len(ids) + max_new_tokens, proposer, trees=lookups.get("trees", False))
-            if method == STATIC_AR:
-                return generate_static_ar(d, ids, max_new_tokens)
-            if method == STATIC_CHAIN:
-                return generate_static_chain(d, proposer, ids, max_new_tokens)
-            drafts = tree_drafts(tree, proposer, cost=d.tree_cost, ngram=lookups.get(method))
-            return generate_static_tree(d, drafts, ids, max_new_tokens, method=method)
+            return generate_static(method, target, lookups, ids, max_new_tokens, proposer, lookups.get(method),
+                                   trees=lookups.get("trees", False))
     elif method == STOCK_AR or parse_method(method)[0] in PEERS:
         # transformers' loops verify several tokens too: on compiled kernels when ours use them (faster for them)
         on_ours = method != STOCK_AR and uses_compiled(target.model)

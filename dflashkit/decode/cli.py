@@ -123,9 +123,9 @@ def cmd_generate(args) -> int:
 
     from dflashkit.decode.conversation import decode_conversation
     from dflashkit.decode.cost import measure_cost_curve
-    from dflashkit.decode.methods import STATIC_AR, needs_drafter, parse_method
+    from dflashkit.decode.methods import is_static, needs_drafter, parse_method
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
-    from dflashkit.decode.static import check_greedy, decoder_for, generate_static_ar
+    from dflashkit.decode.static import check_greedy, generate_static
     from dflashkit.rng import seeded
     from dflashkit.target.invariant import row_invariant
 
@@ -137,20 +137,21 @@ def cmd_generate(args) -> int:
     prompts = _prompts(args)  # a bad prompt file fails before the target loads
     target, drafter = _load(args, need_drafter=needs_drafter(args.method))
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
+    static = is_static(args.method)  # its -auto trees read the static decoder's own step times
     with row_invariant(target.model):  # the -auto pruning needs the cost of the kernels decoding runs
-        cost = measure_cost_curve(target, repeats=3) if size == "auto" else None
+        cost = measure_cost_curve(target, repeats=3) if size == "auto" and not static else None
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
-    state: dict = {}  # ar-static's decoder, compiled on the first prompt
-    if args.method == STATIC_AR:
+    state: dict = {}  # a static method's decoder, compiled on the first prompt
+    if static:
         check_greedy(sampling.temperature)
     records = []
     for i, (pid, item) in enumerate(prompts):
         gen = torch.Generator(device=target.device).manual_seed(sampling.seed + i)
 
         def one(ids):  # one turn
-            if args.method == STATIC_AR:
-                d = decoder_for(target, state, len(ids) + args.max_new_tokens, log=lambda m: print(m, file=sys.stderr))
-                return generate_static_ar(d, ids, args.max_new_tokens)
+            if static:
+                return generate_static(args.method, target, state, ids, args.max_new_tokens, proposer, ngram,
+                                       log=lambda m: print(m, file=sys.stderr))
             return generate(target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
                             sampling=sampling, generator=gen, cost=cost, ngram=ngram)
 

@@ -26,6 +26,11 @@ def static_tree(name: str) -> str | None:
         return None
 
 
+def is_static(name: str) -> bool:
+    """Runs on the static decoder's compiled steps: ar-static, chain-static, NAME-static trees."""
+    return name.strip() in (STATIC_AR, STATIC_CHAIN) or static_tree(name) is not None
+
+
 def parse_method(name: str) -> tuple[str, int | str | None]:
     """A method name -> (kind, N, 'auto' or None); see METHODS_HELP. A static tree parses as its tree."""
     if name.strip() in ENGINE_METHODS + (STATIC_AR, STATIC_CHAIN):

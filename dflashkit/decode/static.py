@@ -521,6 +521,24 @@ def check_greedy(temperature: float) -> None:
         raise DFlashError(f"method ar-static decodes greedily; --temperature {temperature} needs method ar")
 
 
+def generate_static(method: str, target, state: dict, prompt_ids: list[int], max_new_tokens: int, proposer=None,
+                    ngram=None, trees: bool = False, log=None):
+    """One answer of a static method (ar-static, chain-static, NAME-static trees) on `state`'s decoder (built or
+    rebuilt by decoder_for; `trees`: give it tree widths now even for ar-static, so that one set of steps serves
+    every method of a run). `ngram`: a tree method's n-gram lookup, kept by the caller across prompts."""
+    from dflashkit.decode.methods import STATIC_AR, STATIC_CHAIN, static_tree
+    from dflashkit.decode.speculative import tree_drafts
+
+    tree = static_tree(method)
+    d = decoder_for(target, state, len(prompt_ids) + max_new_tokens, proposer, log=log, trees=trees or tree is not None)
+    if method == STATIC_AR:
+        return generate_static_ar(d, prompt_ids, max_new_tokens)
+    if method == STATIC_CHAIN:
+        return generate_static_chain(d, proposer, prompt_ids, max_new_tokens)
+    drafts = tree_drafts(tree, proposer, cost=d.tree_cost, ngram=ngram)
+    return generate_static_tree(d, drafts, prompt_ids, max_new_tokens, method=method)
+
+
 @torch.no_grad()
 def generate_static_ar(decoder: StaticDecoder, prompt_ids: list[int], max_new_tokens: int = 256, stop_ids=None):
     """Greedy plain decoding on a StaticDecoder: the same Generation record as `generate_ar`."""
