@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from dflashkit.errors import DFlashError
+from dflashkit.fileio import home
 
 SOURCE = Path(__file__).with_name("native.cpp")
 # fp-contract: a * b + c is one fused multiply-add wherever it is written, so the one-row and four-row dots agree
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp", "-std=c++20",
           "-fPIC", "-shared"]
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflashkit" / "native"
 
 
 def _cpu_flags() -> str:
@@ -53,7 +53,7 @@ def _command(out: Path) -> list[str]:
 def library_path() -> Path:
     """Where this source, these flags, this CPU and this torch build their library."""
     key = "\n".join([SOURCE.read_text(), *CFLAGS, _cpu_flags(), torch.__version__, torch.__file__])
-    return CACHE / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    return home() / "native" / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
 @functools.cache
