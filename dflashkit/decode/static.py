@@ -382,11 +382,11 @@ class StaticDecoder:
 
     def tree_width(self, nodes: int) -> int:
         """The compiled width a tree of `nodes` (root included) is verified on."""
-        fits = [w for w in self.tree_widths if w >= nodes]
-        if not fits:
+        w = next((w for w in self.tree_widths if w >= nodes), None)
+        if w is None:
             raise DFlashError(f"static decoder: a tree of {nodes} nodes is past its widest verify "
                               f"({max(self.tree_widths, default=0)}); cut it (tree_cost) or build with trees=True")
-        return fits[0]
+        return w
 
     @torch.no_grad()
     def verify_tree(self, tree, start: int):
@@ -434,8 +434,8 @@ class StaticDecoder:
     def tree_cost(self, nodes: int) -> float:
         """Seconds a verify of `nodes` costs: its compiled width's measured step (warm() measures them); past the
         widest width, infinite, so that a cost-aware tree stays within it."""
-        fits = [w for w in self.tree_widths if w >= nodes]
-        return self.step_s[fits[0]] if fits else float("inf")
+        fits = self.tree_widths and nodes <= self.tree_widths[-1]
+        return self.step_s[self.tree_width(nodes)] if fits else float("inf")
 
     @torch.no_grad()  # as every call after it: grad mode is in dynamo's guards, so a warm-up with it on compiles twice
     def warm(self, timed: int = 5) -> None:
