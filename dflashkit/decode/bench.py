@@ -63,12 +63,11 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
     """One conversation (every turn, conversation.py); the baselines (ar-stock, transformers' loops) on the model's
     own kernels, ours on the kernels that keep them exact."""
     gen = torch.Generator(device=target.device).manual_seed(seed)
+    ngram = (lookups.setdefault(method, new_lookup(method))
+             if method != STOCK_AR and parse_method(method)[0] in ("ngram", "hybrid") else None)
     if is_static(method):
-        if parse_method(method)[0] in ("ngram", "hybrid"):
-            lookups.setdefault(method, new_lookup(method))
-
         def one(ids):  # one decoder for all, with the drafter's layers, block and tree widths where needed
-            return generate_static(method, target, lookups, ids, max_new_tokens, proposer, lookups.get(method),
+            return generate_static(method, target, lookups, ids, max_new_tokens, proposer, ngram,
                                    trees=lookups.get("trees", False))
     elif method == STOCK_AR or parse_method(method)[0] in PEERS:
         # transformers' loops verify several tokens too: on compiled kernels when ours use them (faster for them)
@@ -81,9 +80,6 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
             g.method = method
             return g
     else:
-        ngram = (lookups.setdefault(method, new_lookup(method)) if parse_method(method)[0] in ("ngram", "hybrid")
-                 else None)
-
         def one(ids):
             return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
                             generator=gen, cost=cost, ngram=ngram)

@@ -35,7 +35,7 @@ def parse_method(name: str) -> tuple[str, int | str | None]:
     """A method name -> (kind, N, 'auto' or None); see METHODS_HELP. A static tree parses as its tree."""
     if name.strip() in ENGINE_METHODS + (STATIC_AR, STATIC_CHAIN):
         return name.strip(), None
-    if name.strip().endswith(STATIC_SUFFIX) and (tree := static_tree(name)) is not None:
+    if (tree := static_tree(name)) is not None:
         return parse_method(tree)
     m = re.fullmatch(r"(ar|chain|ddtree|ngram|hybrid|prompt-lookup|hf-generate)(?:-([0-9]+|auto))?", name.strip())
     sized = {"ddtree": r"[0-9]+|auto", "hybrid": r"[0-9]+|auto", "prompt-lookup": r"[0-9]+"}

@@ -400,15 +400,11 @@ class StaticDecoder:
         w = self.tree_width(n)
         self._check_room(start, w)
         dev = self.embed.device
-        parents = tree.parents.tolist()
         path = torch.full((w, w), -1, dtype=torch.long)
         path[:, 0] = start  # pad rows see the root only
-        for i in range(1, n):
-            chain, j = [], i
-            while j >= 0:
-                chain.append(start + j)
-                j = parents[j]
-            path[i, : len(chain)] = torch.tensor(chain[::-1])
+        for i, seen in enumerate(tree.ancestor_mask()):  # parents precede children: index order is depth order
+            nodes = seen.nonzero()[:, 0]
+            path[i, : len(nodes)] = start + nodes
         ids = torch.zeros(w, dtype=torch.long)
         ids[:n] = tree.tokens
         pos = torch.full((w,), start, dtype=torch.long)
@@ -448,8 +444,8 @@ class StaticDecoder:
                     torch.zeros(1 if w in (1, PREFILL) else w, dtype=torch.long, device=dev), w, None, chain_path(p))
             if w not in self.compile_s:
                 self._call(w, *args)
-            times = []
-            for _ in range(timed):
+            times = []  # a prompt chunk's step is not a verify: tree_cost never reads it
+            for _ in range(timed if w != PREFILL else 0):
                 t0 = time.perf_counter()
                 self._call(w, *args)
                 times.append(time.perf_counter() - t0)
