@@ -139,7 +139,7 @@ def test_biases_the_step_does_not_compute_are_refused(tiny_dirs, tmp_path):
     cfg.attention_bias = True
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "b")
     t = load_target(tmp_path / "b", device="cpu", dtype="float32")
-    with pytest.raises(DFlashError, match="biases on o_proj.*use method 'ar'"):
+    with pytest.raises(DFlashError, match="attention_bias.*o_proj.*--engine hf"):
         StaticDecoder(t, 16, compile=False)
 
 
@@ -151,7 +151,7 @@ def test_a_run_past_its_length_is_refused(tiny_targets):
 
 def test_other_families_are_refused_by_name(tmp_path):
     t = load_target(make_tiny_target("gpt_oss", tmp_path / "g"), device="cpu", dtype="float32")
-    with pytest.raises(DFlashError, match=r"gpt_oss.*dense-attention Llama-type.*use method 'ar'"):
+    with pytest.raises(DFlashError, match=r"model_type = 'gpt_oss'.*dense-attention Llama-type.*--engine hf"):
         StaticDecoder(t, 64, compile=False)
 
 

@@ -63,6 +63,7 @@ class Geometry(NamedTuple):
     bias: bool  # q, k and v biases (Qwen2)
     qk_norm: bool  # per-head RMS norms of q and k (Qwen3)
     eps: float
+    act: str = "silu"  # the MLP's activation (ACTIVATIONS)
 
     @property
     def q_size(self) -> int:
@@ -99,27 +100,79 @@ def _view(arena, off, shape):
     return arena[off: off + torch.Size(shape).numel()].view(shape)
 
 
-def geometry_of(target) -> Geometry:
-    """The target's geometry, or a refusal naming what the static step does not compute."""
+# the MLP activations the step computes (transformers' ACT2FN names); any other is refused by name
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+# RoPE types whose frequencies transformers changes past original_max_position_embeddings (per forward): below it
+# they are the fixed ones the step is built with, so a run that stays below it is exact and a longer one refused
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _refuse(target, field: str, value, why: str):
+    raise DFlashError(f"target {target.name}: config.json field {field} = {value!r}: {why} in the static step; use "
+                      "--engine hf for this target")
+
+
+def geometry_of(target, max_len: int | None = None) -> Geometry:
+    """The target's geometry, or a refusal naming the config field the static step does not compute. Audited
+    (tests/test_static_config.py holds each against transformers' forward or its refusal): model type and
+    sliding windows, hidden_act, the RoPE type and partial_rotary_factor (frequencies and attention scaling are
+    read from the model's own rotary embedding), attention scaling, biases (q/k/v honoured, others refused), Qwen3's
+    q/k norms, rms_norm_eps, head_dim, tied embeddings (the head is read as the model uses it)."""
     cfg = target.config
     kind = getattr(cfg, "model_type", "?")
-    use = "; use method 'ar' for this one"
-    if kind not in LLAMA_TYPES or getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        raise DFlashError(f"target {target.name} ({kind}): the static decoder runs dense-attention Llama-type targets "
-                          f"({', '.join(LLAMA_TYPES)}, no sliding window) so far{use}")
+    if kind not in LLAMA_TYPES:
+        _refuse(target, "model_type", kind, f"only dense-attention Llama-type targets ({', '.join(LLAMA_TYPES)}) run")
+    window = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    if window or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        _refuse(target, "sliding_window", cfg.sliding_window, "sliding-window attention is not")
     if target.device.type != "cpu" and not torch.cuda.is_available():
         raise DFlashError(f"target {target.name} is on {target.device}: the static decoder runs on cpu or cuda")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        _refuse(target, "hidden_act", act, f"the MLP activations are {', '.join(ACTIVATIONS)}; this one is not")
     a, p = target.decoder.layers[0].self_attn, target.decoder.layers[0].mlp
+    if getattr(cfg, "mlp_bias", False) or any(x.bias is not None for x in (p.gate_proj, p.up_proj, p.down_proj)):
+        _refuse(target, "mlp_bias", True, "MLP biases are not")
     biases = [x.bias is not None for x in (a.q_proj, a.k_proj, a.v_proj)]
-    others = [x.bias is not None for x in (a.o_proj, p.gate_proj, p.up_proj, p.down_proj)]
-    if any(others) or len(set(biases)) > 1:
-        raise DFlashError(f"target {target.name}: biases on o_proj or the MLP (or on only some of q, k, v) are not "
-                          f"in the static step{use}")
+    if a.o_proj.bias is not None or len(set(biases)) > 1:
+        _refuse(target, "attention_bias", True, "biases on o_proj (or on only some of q, k, v) are not")
     nh = cfg.num_attention_heads
-    return Geometry(len(target.decoder.layers), cfg.hidden_size, nh, cfg.num_key_value_heads,
-                    getattr(cfg, "head_dim", None) or cfg.hidden_size // nh, cfg.intermediate_size,
-                    target.lm_head.weight.shape[0], all(biases), getattr(a, "q_norm", None) is not None,
-                    float(cfg.rms_norm_eps))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+    if abs(getattr(a, "scaling", head_dim ** -0.5) - head_dim ** -0.5) > 1e-12:
+        _refuse(target, "attention scaling", a.scaling, f"scores are scaled by head_dim ** -0.5 = {head_dim ** -0.5:g}")
+    rope = rope_type(cfg)
+    inv_freq = target.decoder.rotary_emb.inv_freq
+    if 2 * inv_freq.numel() != head_dim:
+        _refuse(target, "partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None),
+                f"RoPE rotates {2 * inv_freq.numel()} of {head_dim} head dimensions, the step all of them; "
+                "partial rotation is not")
+    if rope in LENGTH_DEPENDENT_ROPE:
+        limit = (getattr(cfg, "rope_parameters", None) or {}).get("original_max_position_embeddings") \
+            or cfg.max_position_embeddings
+        if max_len is not None and max_len > limit:
+            _refuse(target, "rope_parameters.rope_type", rope, f"frequencies that change past {limit} positions "
+                    f"(original_max_position_embeddings) are not, and this run needs {max_len}")
+    return Geometry(len(target.decoder.layers), cfg.hidden_size, nh, cfg.num_key_value_heads, head_dim,
+                    cfg.intermediate_size, target.lm_head.weight.shape[0], all(biases),
+                    getattr(a, "q_norm", None) is not None, float(cfg.rms_norm_eps), act)
+
+
+def rope_type(cfg) -> str:
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def rope_tables(target, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [max_len, head_dim] as the model's own rotary embedding computes them at these positions: its
+    frequencies for any RoPE type (default, linear, yarn, llama3; dynamic and longrope below their switch) and its
+    attention scaling (yarn's), in float32."""
+    rot = target.decoder.rotary_emb
+    inv = getattr(rot, "original_inv_freq", rot.inv_freq).float()
+    f = torch.outer(torch.arange(max_len, device=inv.device).float(), inv)
+    emb = torch.cat([f, f], -1)
+    scale = float(getattr(rot, "attention_scaling", 1.0))
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def _layer_weights(layer) -> dict:
@@ -247,7 +300,7 @@ def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geom
             o = attend(q, kv[0][i][:, :, :S], kv[1][i][:, :, :S], mask, kvh)
         x = x + linear(o.transpose(1, 2).reshape(1, n, geo.q_size), w["o"])
         g, u = linear(_rms(x, w["n2"], eps), w["gu"]).chunk(2, -1)
-        x = x + linear(F.silu(g) * u, w["down"])
+        x = x + linear(ACTIVATIONS[geo.act](g) * u, w["down"])
         if layer_ids is not None and i in layer_ids:
             captured[i] = x
     norm, head = (_view(arena, *tail[k]) for k in ("norm", "head"))
@@ -277,7 +330,7 @@ class StaticDecoder:
 
     def __init__(self, target, max_len: int, kernels: str = "auto", prefill_kernels: str = "mm", compile: bool = True,
                  layer_ids: list[int] | None = None, verify_width: int | None = None, trees: bool = False):
-        geo = geometry_of(target)
+        geo = geometry_of(target, max_len)
         if verify_width is not None and not 1 < verify_width < PREFILL:
             raise DFlashError(f"verify width {verify_width}: the static decoder verifies 2..{PREFILL - 1} tokens")
         if verify_width is not None and layer_ids is None:
@@ -296,14 +349,10 @@ class StaticDecoder:
             from dflashkit.decode import native
 
             native.load()
-        cfg, dev = target.config, target.device
+        dev = target.device
         self.target, self.max_len, self.kernels = target, max_len, kernels
         self.arena, self.embed = pack_weights(target, geo), target.embed_tokens.weight
-        theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
-        inv = 1.0 / (theta ** (torch.arange(0, geo.head_dim, 2, device=dev).float() / geo.head_dim))
-        f = torch.outer(torch.arange(max_len, device=dev).float(), inv)
-        emb = torch.cat([f, f], -1)
-        self.rope = (emb.cos(), emb.sin())
+        self.rope = tuple(t.to(dev) for t in rope_tables(target, max_len))
         # activations and the KV stay in float32 and only the weights are in the target's dtype: a rounding to bf16
         # between two ops is kept or skipped by inductor as it fuses them, which differs from one width to another;
         # with none, a verify's rows are the one-token step's bit for bit. One buffer per layer: an in-place write
