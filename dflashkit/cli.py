@@ -54,6 +54,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     before = None
     try:
+        if getattr(args, "out", None):  # an output path that cannot be written fails now, not after the work
+            from dflashkit.fileio import check_writable
+
+            check_writable(args.out)
         if hasattr(args, "threads"):  # commands that run models take --threads (dflashkit.threads)
             import torch
 
@@ -68,6 +72,10 @@ def main(argv=None) -> int:
         return args.func(args) or 0
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the checks could not foresee (a full disk, a folder removed meanwhile)
+        where = f" {e.filename}" if e.filename else ""
+        print(f"error:{where}: {e.strerror or e}; check the path and free space, then rerun", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; completed work is saved and a rerun resumes", file=sys.stderr)

@@ -50,6 +50,25 @@ def _umask() -> int:
     return mask
 
 
+def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
+    """Refuse, before any work, an output path that cannot be created: its nearest existing ancestor must be a
+    writable folder (the path itself may exist)."""
+    from dflashkit.errors import DFlashError
+
+    p = Path(path).absolute()
+    here = p if p.exists() else next(a for a in p.parents if a.exists())
+    if here != p and not here.is_dir():
+        raise DFlashError(f"{flag} {path}: {here} is a file, not a folder, so nothing can be written under it; "
+                          f"choose another {flag}")
+    if not os.access(here if here.is_dir() else here.parent, os.W_OK | os.X_OK):
+        raise DFlashError(f"{flag} {path}: {here} is not writable by this user; choose another {flag}")
+
+
+def rescue_dir(kind: str) -> Path:
+    """Where a finished run's results go when its own output folder cannot be written at the end."""
+    return Path(tempfile.mkdtemp(prefix=f"dflashkit-{kind}-"))
+
+
 def read_json(path, fix: str = ""):
     """Parse a JSON file; a corrupt one is a DFlashError naming the file and, if given, the fix."""
     from dflashkit.errors import DFlashError

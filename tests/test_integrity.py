@@ -346,3 +346,32 @@ def test_eval_cli_names_its_flag_not_the_python_argument(tmp_path, tiny_targets,
                  "--out", str(tmp_path / "ev")]) == 2
     err = capsys.readouterr().err
     assert "pass --allow-partial to proceed" in err and "allow_partial=True" not in err
+
+
+@pytest.mark.parametrize("argv", [["drafter", "export", "--drafter", "nowhere"],
+                                  ["bench", "--target", "nowhere", "--methods", "ar"],
+                                  ["extract", "--target", "nowhere", "--prompts", "coding-10", "--out"]])
+def test_an_output_path_under_a_file_fails_before_any_work_in_one_line(tmp_path, capsys, argv):
+    """Issue 54: `--out FILE/sub` used to end in FileExistsError's traceback, bench's only after the whole run. Now
+    every command refuses it before it starts (the target and drafter named here do not exist: they would be the
+    first thing any work reads), rc 2, one line naming the path and the fix."""
+    (tmp_path / "file").write_text("x")
+    out = str(tmp_path / "file" / "sub")
+    argv = argv + [out] if argv[-1] == "--out" else argv + ["--out", out]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert err == f"error: --out {out}: {tmp_path / 'file'} is a file, not a folder, so nothing can be written " \
+                  "under it; choose another --out"
+
+
+def test_a_bench_that_cannot_write_at_the_end_keeps_its_results(tmp_path, capsys):
+    from dflashkit.decode.bench import write_bench
+
+    (tmp_path / "file").write_text("x")
+    result = {"config": {"target": "t"}, "methods": {}, "runs": []}
+    with pytest.raises(KeyError):  # the plots need a whole result; the JSON comes first, and it must survive
+        write_bench(result, tmp_path / "file" / "sub")
+    err = capsys.readouterr().err
+    rescue = Path(err.split("the results are in ")[1].split(" instead")[0])
+    assert json.loads((rescue / "results.json").read_text()) == result

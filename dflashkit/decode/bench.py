@@ -459,8 +459,22 @@ def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
 
 def write_bench(result: dict, out) -> list[Path]:
     """results.json, report.md, speedup.png, accepted.png, cost.png and (with categories) categories.png under
-    `out`."""
-    out = Path(out)
+    `out`; where `out` cannot be written at the end of a run, under a new temporary folder instead (said on
+    stderr), so that the run is not lost."""
+    import sys
+
+    from dflashkit.fileio import rescue_dir
+
+    try:
+        return _write_bench(result, Path(out))
+    except OSError as e:
+        rescue = rescue_dir("bench")
+        print(f"warning: could not write {out} ({e.strerror or e}); the results are in {rescue} instead",
+              file=sys.stderr)
+        return _write_bench(result, rescue)
+
+
+def _write_bench(result: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", result)
     write_text(out / "report.md", bench_markdown(result))
