@@ -261,7 +261,7 @@ def check_decode(target, S, device) -> list[dict]:
 
 def check_static(target, S, device, smoke: bool) -> dict:
     from dflashkit.decode.speculative import generate_ar
-    from dflashkit.decode.static import StaticDecoder, generate_static_ar, geometry_of
+    from dflashkit.decode.static import StaticBackend, StaticDecoder, geometry_of
     from dflashkit.errors import DFlashError
 
     try:
@@ -273,8 +273,8 @@ def check_static(target, S, device, smoke: bool) -> dict:
     N = S["new_tokens"]
     d = StaticDecoder(target, 512, compile=not smoke)
     d.warm(timed=1)
-    generate_static_ar(d, prompt, 4)
-    gen, ar = generate_static_ar(d, prompt, N), generate_ar(target, prompt, N)
+    generate_ar(StaticBackend(d), prompt, 4)
+    gen, ar = generate_ar(StaticBackend(d), prompt, N), generate_ar(target, prompt, N)
     diff = [i for i, (a, b) in enumerate(zip(gen.tokens, ar.tokens)) if a != b]
     return {"target": target.name, "method": "ar-static", "kernels": d.kernels, "compile_s": sum(d.compile_s.values()),
             "ms_per_token": 1e3 * d.step_s[1], "tokens_per_s": len(gen.tokens) / max(1e-9, gen.times["total"]),

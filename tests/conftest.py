@@ -25,6 +25,17 @@ def float32_by_default(monkeypatch, request):
     monkeypatch.setattr(model, "cpu_has_bf16_matmul", lambda: False)
 
 
+@pytest.fixture(autouse=True)
+def auto_engine_is_hf(monkeypatch):
+    """`--engine auto` (the CLI's default) times both backends once per machine, compiling the static step: tests
+    get hf from it unless they test the probe itself (tests/test_engine.py calls the real one)."""
+    from dflashkit.decode import engine
+
+    real = engine.probe
+    monkeypatch.setattr(engine, "probe", lambda target, state, log=None, **kw: {"plain": "hf", "speculative": "hf"})
+    monkeypatch.setattr(engine, "real_probe", real, raising=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory, worker_id):
     """kind -> folder of a tiny random target (llama, qwen3, qwen3_5), written once per run: pytest-xdist's

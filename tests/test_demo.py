@@ -19,7 +19,7 @@ def demo_run(tiny_dirs, tmp_path_factory):
     # float32 on every machine: on a bf16 CPU a rebuilt cache record differs in its last bits (another batch), which
     # rebuilds what follows (correct, but not what the rerun test checks), and bench adds ar-stock
     cfg = DemoConfig(out=str(out), target=str(tiny_dirs["llama"]), device="cpu", dtype="float32", minutes=5, train_prompts=6,
-                     plain_peers="none",
+                     plain_peers="none", engine="hf",  # auto would time and compile the static step here
                      train_max_new_tokens=24, gen_batch_size=6, eval_prompts=2, eval_max_new_tokens=24,
                      bench_prompts=2, bench_max_new_tokens=20, holdout_max_new_tokens=16, progress=False,
                      train={"steps": 3, "target_layer_ids": [1, 2, 3], "save_every": 2, "anchors_per_seq": 8,
@@ -165,22 +165,19 @@ def test_the_report_says_why_the_recipe_with_the_newest_ablation_beside_it(tmp_p
     assert "block_size=4" in text
 
 
-def test_the_plain_peers_are_the_static_decoder_and_llama_cpp_when_installed(tiny_targets, tmp_path, monkeypatch):
-    """A speedup is also stated against the fastest plain decoding a user could run here: auto benches ar-static
-    where the static decoder runs the target and llama.cpp where it is installed; none, neither."""
+def test_the_plain_peers_are_llama_cpp_when_installed(tiny_targets, monkeypatch):
+    """A speedup is also stated against the fastest plain decoding a user could run here: auto benches llama.cpp
+    where it is installed (our own plain decoding runs on the engine chosen, and on hf beside it when that is
+    static); none, neither."""
     from dflashkit.demo import peer_methods
     from dflashkit.engines import install
-    from dflashkit.target.fixtures import make_tiny_target
-    from dflashkit.target.model import load_target
 
     llama = tiny_targets["llama"]
     monkeypatch.setattr(install, "find", lambda engine: None)
-    assert peer_methods(DemoConfig(), llama) == ["ar-static", "hybrid-auto-static"]
-    assert peer_methods(DemoConfig(plain_peers="none"), llama) == []
+    assert peer_methods(DemoConfig(), llama) == []
     monkeypatch.setattr(install, "find", lambda engine: object() if engine == "llama.cpp" else None)
-    assert peer_methods(DemoConfig(), llama) == ["ar-static", "hybrid-auto-static", "llama.cpp"]
-    gpt_oss = load_target(make_tiny_target("gpt_oss", tmp_path / "g"), device="cpu", dtype="float32")
-    assert peer_methods(DemoConfig(), gpt_oss) == ["llama.cpp"]
+    assert peer_methods(DemoConfig(), llama) == ["llama.cpp"]
+    assert peer_methods(DemoConfig(plain_peers="none"), llama) == []
     with pytest.raises(DFlashError, match="plain_peers 'all': use auto or none"):
         peer_methods(DemoConfig(plain_peers="all"), llama)
 
@@ -189,9 +186,9 @@ def test_the_quality_bar_sets_the_best_method_against_the_fastest_plain_decoder(
     """hybrid-auto at 2x our ar but 0.8x llama.cpp: the report says both, and the 1.5x-the-fastest row is missed."""
     from dflashkit.demo.report import Bench, quality_checks
 
-    rows = {"ar": (30.0, 1.0), "ar-static": (90.0, 3.0), "llama.cpp": (75.0, 2.5), "hybrid-auto": (60.0, 2.0)}
+    rows = {"ar": (30.0, 1.0), "ar@static": (90.0, 3.0), "llama.cpp": (75.0, 2.5), "hybrid-auto": (60.0, 2.0)}
     (tmp_path / "results.json").write_text(json.dumps({"methods": {
-        m: {"tokens_per_s": t, "speedup_vs_ar": s, "speedup_vs_fastest_plain": t / 90.0, "fastest_plain": "ar-static",
+        m: {"tokens_per_s": t, "speedup_vs_ar": s, "speedup_vs_fastest_plain": t / 90.0, "fastest_plain": "ar@static",
             "tau": 1.6 if m == "hybrid-auto" else None} for m, (t, s) in rows.items()}}))
     bench = Bench.read(tmp_path)
     assert bench.best().name == "hybrid-auto"  # the plain peers are baselines, not our methods
@@ -203,5 +200,5 @@ def test_the_quality_bar_sets_the_best_method_against_the_fastest_plain_decoder(
     res.bench, res.holdout = bench, Bench()
     checks, headline = quality_checks(res)
     row = next(c for c in checks if "fastest plain" in c[0])
-    assert "(ar-static)" in row[0] and abs(row[1] - 60 / 90) < 1e-9 and row[2].startswith("missed by 0.83x")
-    assert "2.00x plain decoding, 0.67x the fastest plain decoding here (ar-static" in headline
+    assert "(ar@static)" in row[0] and abs(row[1] - 60 / 90) < 1e-9 and row[2].startswith("missed by 0.83x")
+    assert "2.00x plain decoding, 0.67x the fastest plain decoding here (ar@static" in headline

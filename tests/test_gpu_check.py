@@ -45,7 +45,7 @@ def test_smoke_runs_every_section_and_reports_honestly(tmp_path):
             assert float(r["tau"]) > 3
     static = {r["target"]: r for r in rows_of(md, "Plain decoding on the static decoder")}
     assert static["qwen3-8b-8layers"]["mismatches_vs_ar"] == "0"  # float32: the static step is ar's greedy output
-    assert "the static decoder runs dense-atte" in static["qwen3.5-hybrid-8layers"]["skipped"]
+    assert "model_type = 'qwen3_5_text': only dense-attention" in static["qwen3.5-hybrid-8layers"]["skipped"]
 
 
 def test_oracle_proposer_peaks_at_the_reference():

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dflashkit.decode.speculative import generate
-from dflashkit.decode.static import StaticDecoder, generate_static_ar
+from dflashkit.decode.speculative import generate_ar
+from dflashkit.decode.static import StaticBackend, StaticDecoder
 from dflashkit.errors import DFlashError
 from dflashkit.target.fixtures import make_tiny_target, tiny_config
 from dflashkit.target.model import load_target
@@ -51,7 +52,7 @@ def equals_reference(t, n_new=24):
     torch.testing.assert_close(d.forward(ids[:-5], 0), want[-6], atol=1e-5, rtol=1e-5)
     for i in range(len(ids) - 5, len(ids)):
         torch.testing.assert_close(d.forward(ids[i:i + 1], i), want[i], atol=1e-5, rtol=1e-5)
-    assert generate_static_ar(d, ids, n_new).tokens == generate(t, ids, "ar", max_new_tokens=n_new).tokens
+    assert generate_ar(StaticBackend(d), ids, n_new).tokens == generate(t, ids, "ar", max_new_tokens=n_new).tokens
 
 
 def rope(kind, **extra):

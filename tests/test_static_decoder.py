@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dflashkit.decode import bench
-from dflashkit.decode.speculative import generate
+from dflashkit.decode.speculative import generate, generate_ar, generate_chain, generate_tree
 from dflashkit.decode import native, static
-from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_reduce, generate_static_ar, linear_native,
+from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_reduce, StaticBackend, linear_native,
                                      linear_reduce)
 from dflashkit.errors import DFlashError
 from dflashkit.target.fixtures import make_tiny_target
@@ -44,8 +44,8 @@ def test_greedy_output_is_ar(tiny_targets, kind):
     t = tiny_targets[kind]
     ids = prompt(t)
     want = generate(t, ids, "ar", max_new_tokens=40).tokens
-    got = generate_static_ar(StaticDecoder(t, 128, compile=False), ids, 40)
-    assert got.tokens == want and got.method == "ar-static"
+    got = generate_ar(StaticBackend(StaticDecoder(t, 128, compile=False)), ids, 40)
+    assert got.tokens == want and (got.method, got.engine) == ("ar", "static")
 
 
 def verify_against_steps(d, ids):
@@ -155,42 +155,57 @@ def test_other_families_are_refused_by_name(tmp_path):
         StaticDecoder(t, 64, compile=False)
 
 
-def test_bench_runs_ar_static_beside_ar(tiny_targets, monkeypatch):
-    """ar-static is a plain baseline in bench: timed, never held to ar's lossless check, its parting recorded."""
+def eager_decoders(monkeypatch):
+    """decoder_for builds eager steps (compiling costs a minute): one decoder per run, as the real one shares."""
+    real = StaticDecoder
+
+    def eager(target, state, n, proposer=None, log=None, trees=False):
+        d = state.get("static")
+        if d is None or trees and not d.trees:
+            drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids,
+                                                    "verify_width": proposer.block_size}
+            d = state["static"] = real(target, 160, compile=False, trees=trees, **drafting)
+            d.warm(timed=1)
+        return d
+
+    monkeypatch.setattr(static, "decoder_for", eager)
+
+
+def test_bench_runs_plain_decoding_on_both_engines(tiny_targets, monkeypatch):
+    """`--engine static` runs ar on the static backend and brings the reference backend's ar along (ar@hf): timed,
+    its parting from hf recorded, every row naming its engine."""
     t = tiny_targets["llama"]
-    monkeypatch.setattr(static, "decoder_for",
-                        lambda target, state, n, proposer, **kw: StaticDecoder(target, 128, compile=False))
+    eager_decoders(monkeypatch)
     ids = [("a", prompt(t)), ("b", prompt(t)[:-3])]
-    res = bench.run_bench(t, None, ids, ["ar", "ar-static"], max_new_tokens=10, progress=False, warmup=False)
-    s = res["methods"]["ar-static"]
-    assert s["tokens_per_s"] > 0 and s["ar_parting"] == {"equal": 2, "prompts": 2, "parts_at": {}}
-    assert res["mismatches"] == []
+    res = bench.run_bench(t, None, ids, ["ar"], max_new_tokens=10, progress=False, warmup=False, engine="static")
+    assert list(res["methods"]) == ["ar", "ar@hf"]
+    assert res["config"]["backends"] == {"ar": "static", "ar@hf": "hf"}
+    s = res["methods"]["ar"]
+    assert s["backend"] == "static" and s["tokens_per_s"] > 0
+    assert s["ar_parting"] == {"equal": 2, "prompts": 2, "parts_at": {}, "against": "ar@hf"}
+    assert res["mismatches"] == [] and {r["backend"] for r in res["runs"]} == {"static", "hf"}
 
 
-def test_ar_static_is_greedy_only(tiny_targets):
-    from dflashkit.decode.sampling import Sampling
-
-    with pytest.raises(DFlashError, match="ar-static decodes greedily.*needs method ar"):
-        bench.run_bench(tiny_targets["llama"], None, [("a", [1, 2, 3])], ["ar", "ar-static"], progress=False,
-                        sampling=Sampling(temperature=0.7))
-
-
-def test_cli_generate_runs_ar_static_and_a_static_tree(tiny_dirs, monkeypatch, capsys):
-    """`dflashkit generate --method ar-static` (and `ngram-static`) answers as `--method ar` does (float32, the
-    steps run eagerly)."""
+def test_cli_generate_runs_ar_and_a_tree_on_the_static_engine(tiny_dirs, monkeypatch, capsys):
+    """`dflashkit generate --method ar --engine static` (and ngram) answers as the hf engine does (float32, the
+    steps run eagerly), and says which engine ran; an old NAME-static gets one line naming the new spelling."""
     import json
 
     from dflashkit.cli import main
 
-    real = static.StaticDecoder
-    monkeypatch.setattr(static, "StaticDecoder", lambda t, n, **kw: real(t, n, **kw, compile=False))
+    eager_decoders(monkeypatch)
     out = {}
-    for method in ("ar", "ar-static", "ngram-static"):
-        assert main(["generate", "--target", str(tiny_dirs["llama"]), "--prompt", "hello there", "--method", method,
-                     "--max-new-tokens", "12", "--json", "--dtype", "float32"]) == 0
-        out[method] = json.loads(capsys.readouterr().out)[0]
-    for method in ("ar-static", "ngram-static"):
-        assert out[method]["tokens"] == out["ar"]["tokens"] and out[method]["method"] == method
+    base = ["generate", "--target", str(tiny_dirs["llama"]), "--prompt", "hello there", "--max-new-tokens", "12",
+            "--json", "--dtype", "float32"]
+    for method, engine in (("ar", "hf"), ("ar", "static"), ("ngram", "static")):
+        assert main(base + ["--method", method, "--engine", engine]) == 0
+        out[method, engine] = json.loads(capsys.readouterr().out)[0]
+    for key in (("ar", "static"), ("ngram", "static")):
+        assert out[key]["tokens"] == out["ar", "hf"]["tokens"] and out[key]["engine"] == "static"
+    assert out["ar", "hf"]["engine"] == "hf"
+    assert main(base + ["--method", "ar-static"]) == 2
+    assert "method 'ar-static': the backend is its own option now; use --method ar --engine static" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -199,20 +214,19 @@ def test_chain_on_the_static_steps_is_ar_static_token_for_token(tiny_dirs, dtype
     accepts nothing) and an oracle with planted mistakes (rounds accept part of a block): in bf16 too, because a
     verify row is computed exactly as a one-token step."""
     from dflashkit.decode.speculative import DFlashProposer
-    from dflashkit.decode.static import generate_static_chain
     from dflashkit.drafter.checkpoint import new_drafter
     from dflashkit.rng import seeded
     from helpers import Oracle
 
     t = load_target(tiny_dirs["llama"], device="cpu", dtype=dtype)
     ids, layers, B = prompt(t), [1, 2], 4
-    plain = generate_static_ar(StaticDecoder(t, 128, compile=False), ids, 40).tokens
+    plain = generate_ar(StaticBackend(StaticDecoder(t, 128, compile=False)), ids, 40).tokens
     with seeded(0):
         drafter = new_drafter(t, num_layers=1, block_size=B, target_layer_ids=layers).to(t.dtype).eval()
     wrong = {len(ids) + k for k in (3, 7, 8, 13, 20)}
     for proposer in (DFlashProposer(t, drafter), Oracle(ids + plain + [0] * B, B, t.vocab_size, wrong, layers)):
         d = StaticDecoder(t, 128, compile=False, layer_ids=layers, verify_width=B)
-        g = generate_static_chain(d, proposer, ids, 40)
+        g = generate_chain(StaticBackend(d), proposer, ids, 40)
         assert g.tokens == plain, (type(proposer).__name__, g.accepted)
     assert max(g.accepted) == B and min(g.accepted) < B  # the oracle: full blocks and rejections both ran
     if dtype == "float32":  # and the features it drafts from are the target's own
@@ -222,43 +236,38 @@ def test_chain_on_the_static_steps_is_ar_static_token_for_token(tiny_dirs, dtype
 
 
 def test_a_static_chain_refuses_a_drafter_it_was_not_built_for(tiny_targets):
-    from dflashkit.decode.static import generate_static_chain
     from helpers import Oracle
 
     t = tiny_targets["llama"]
     d = StaticDecoder(t, 64, compile=False, layer_ids=[1], verify_width=4)
     with pytest.raises(DFlashError, match="built for block 4.*needs block 8"):
-        generate_static_chain(d, Oracle([1] * 64, 8, t.vocab_size, (), [1]), [1, 2, 3], 4)
+        generate_chain(StaticBackend(d), Oracle([1] * 64, 8, t.vocab_size, (), [1]), [1, 2, 3], 4)
     with pytest.raises(DFlashError, match="verifies 2..31 tokens"):
         StaticDecoder(t, 64, compile=False, verify_width=32)
 
 
-def test_bench_holds_chain_static_to_ar_static(tiny_targets, monkeypatch):
-    """chain-static and a static tree bring ar-static along as their reference; equal outputs pass, and any
-    difference would fail."""
+def test_bench_holds_each_static_row_to_plain_decoding_on_its_own_engine(tiny_targets, monkeypatch):
+    """chain and a tree on the static engine beside the hf rows (`--engine hf,static`): each is held to ar on its
+    own engine; equal outputs pass, and any difference fails naming its reference."""
     from dflashkit.drafter.checkpoint import new_drafter
     from dflashkit.rng import seeded
 
     t = tiny_targets["llama"]
     with seeded(0):
         drafter = new_drafter(t, num_layers=1, block_size=4, target_layer_ids=[1, 2]).eval()
-    real = StaticDecoder
-
-    def eager(target, state, n, proposer=None, log=None, trees=False):
-        if "static" not in state:
-            state["static"] = real(target, 128, compile=False, layer_ids=[1, 2], verify_width=4, trees=trees)
-            state["static"].warm(timed=1)
-        return state["static"]
-
-    monkeypatch.setattr(static, "decoder_for", eager)
-    methods = bench.parse_methods("ar,chain-static,hybrid-auto-static")
-    assert methods == ["ar", "chain-static", "hybrid-auto-static", "ar-static"]
-    res = bench.run_bench(t, drafter, [("a", prompt(t))], methods, max_new_tokens=10, progress=False, warmup=False)
-    assert res["mismatches"] == [] and res["methods"]["chain-static"]["tokens_per_s"] > 0
-    assert res["methods"]["hybrid-auto-static"]["tokens_per_s"] > 0
-    bad, _ = bench._static_parting(t, [{"prompt": "a", "method": "ar-static", "tokens": [1, 2, 3]},
-                                       {"prompt": "a", "method": "chain-static", "tokens": [1, 2, 4]}])
-    assert bad == [{"prompt": "a", "method": "chain-static", "against": "ar-static", "first_difference": 2}]
+    eager_decoders(monkeypatch)
+    methods = bench.parse_methods("ar,chain,hybrid-auto")
+    res = bench.run_bench(t, drafter, [("a", prompt(t))], methods, max_new_tokens=10, progress=False, warmup=False,
+                          engine="hf,static")
+    assert res["config"]["backends"] == {"ar": "hf", "ar@static": "static", "chain": "hf", "chain@static": "static",
+                                        "hybrid-auto": "hf", "hybrid-auto@static": "static"}
+    assert res["mismatches"] == [] and res["methods"]["chain@static"]["tokens_per_s"] > 0
+    runs = [{"prompt": "a", "method": "ar", "tokens": [1, 2, 3]},
+            {"prompt": "a", "method": "ar@static", "tokens": [1, 2, 3]},
+            {"prompt": "a", "method": "chain@static", "tokens": [1, 2, 4]}]
+    rows = {"ar": ("ar", "hf"), "ar@static": ("ar", "static"), "chain@static": ("chain", "static")}
+    assert bench.check_lossless(runs, rows) == [{"prompt": "a", "method": "chain@static", "first_difference": 2,
+                                                 "lengths": [3, 3], "against": "ar@static"}]
 
 
 def test_the_collector_is_paused_for_a_decode_loop_and_restored(tiny_targets, monkeypatch):
@@ -273,11 +282,11 @@ def test_the_collector_is_paused_for_a_decode_loop_and_restored(tiny_targets, mo
     step = d.forward
     monkeypatch.setattr(d, "forward", lambda ids, pos: seen.append(gc.isenabled()) or step(ids, pos))
     assert gc.isenabled()
-    generate_static_ar(d, prompt(tiny_targets["llama"]), 5)
-    assert seen[0] and not any(seen[1:]) and len(seen) > 1 and gc.isenabled()  # the prompt's step runs with it on
+    generate_ar(StaticBackend(d), prompt(tiny_targets["llama"]), 5)
+    assert len(seen) > 1 and not any(seen) and gc.isenabled()  # every step of the loop ran with it off
     gc.disable()
     try:
-        generate_static_ar(d, prompt(tiny_targets["llama"]), 3)
+        generate_ar(StaticBackend(d), prompt(tiny_targets["llama"]), 3)
         assert not gc.isenabled()
     finally:
         gc.enable()
@@ -321,42 +330,34 @@ def test_trees_on_the_static_steps_are_ar_static_token_for_token(tiny_dirs, meth
     """DDTree, n-gram and their cost-aware merge on the static steps (bf16 weights) equal ar-static, with an
     oracle drafter whose planted mistakes DDTree recovers through a sibling."""
     from dflashkit.decode.speculative import tree_drafts
-    from dflashkit.decode.static import generate_static_tree
     from helpers import Oracle
 
     t = load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16")
     ids, layers, B = prompt(t), [1, 2], 4
-    plain = generate_static_ar(StaticDecoder(t, 128, compile=False), ids, 40).tokens
+    plain = generate_ar(StaticBackend(StaticDecoder(t, 128, compile=False)), ids, 40).tokens
     d = StaticDecoder(t, 128, compile=False, layer_ids=layers, trees=True)
     d.warm(timed=1)
     wrong = {len(ids) + k for k in (3, 7, 8, 13, 20)}
     drafts = tree_drafts(method, Oracle(ids + plain + [0] * B, B, t.vocab_size, wrong, layers), cost=d.tree_cost)
-    g = generate_static_tree(d, drafts, ids, 40, method=method + "-static")
+    g = generate_tree(StaticBackend(d), drafts, ids, 40, method=method)
     assert g.tokens == plain, g.accepted
     if method != "ngram":
         assert max(g.accepted) >= B  # the oracle's planted mistakes recovered: a whole block in a round
 
 
-def test_a_static_tree_needs_a_decoder_built_for_trees(tiny_targets):
+def test_a_tree_wider_than_the_static_backend_verifies_is_refused_not_cut(tiny_targets):
+    """ddtree-32 needs 33-node verifies, past the widest compiled width (24): refused up front, naming both; the
+    old decoder cut such trees silently to its widths."""
     from dflashkit.decode.speculative import tree_drafts
-    from dflashkit.decode.static import generate_static_tree
+    from helpers import Oracle
 
-    d = StaticDecoder(tiny_targets["llama"], 64, compile=False)
-    with pytest.raises(DFlashError, match="build it with trees=True"):
-        generate_static_tree(d, tree_drafts("ngram", None), [1, 2, 3], 4)
+    t = tiny_targets["llama"]
+    state = {"static": StaticDecoder(t, 160, compile=False, layer_ids=[1, 2], verify_width=4, trees=True)}
+    with pytest.raises(DFlashError, match=r"ddtree-32: its trees reach 33 nodes, past the static backend's widest "
+                                          r"verify \(24\).*--engine hf"):
+        generate(t, prompt(t), "ddtree-32", Oracle([1] * 64, 4, t.vocab_size, (), [1, 2]), engine="static", state=state)
+    d = StaticDecoder(t, 64, compile=False)
+    with pytest.raises(DFlashError, match="built without tree widths; build it with trees=True"):
+        generate_tree(StaticBackend(d), tree_drafts("ngram", None), prompt(t), 20, method="ngram")
     with pytest.raises(DFlashError, match="tree verify needs kernels 'native'"):
-        StaticDecoder(tiny_targets["llama"], 64, compile=False, kernels="reduce", trees=True)
-
-
-def test_any_tree_method_names_its_static_twin():
-    from dflashkit.decode.methods import is_static, needs_drafter, parse_method, static_tree
-
-    assert static_tree("hybrid-auto-static") == "hybrid-auto" and parse_method("hybrid-auto-static") == ("hybrid", "auto")
-    assert static_tree("ddtree-8-static") == "ddtree-8" and needs_drafter("ddtree-8-static")
-    assert static_tree("ngram-static") == "ngram" and not needs_drafter("ngram-static")
-    assert [is_static(m) for m in ("ar-static", "chain-static", "ngram-static", "hybrid-auto", "ar")] == [
-        True, True, True, False, False]
-    for bad in ("prompt-lookup-static", "hf-generate-static", "ddtree-0-static", "static"):
-        assert static_tree(bad) is None
-        with pytest.raises(ValueError, match=f"unknown method '{bad}'"):
-            parse_method(bad)
+        StaticDecoder(t, 64, compile=False, kernels="reduce", trees=True)

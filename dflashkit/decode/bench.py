@@ -19,13 +19,12 @@ import torch
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
-from dflashkit.decode.methods import STATIC_AR, is_static, needs_drafter, parse_method, static_tree
-from dflashkit.decode.ngram import NgramLookup
-from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, engine_tau, is_engine,
+from dflashkit.decode.engine import resolve
+from dflashkit.decode.methods import ENGINES, STATIC_KINDS, needs_drafter, parse_method
+from dflashkit.decode.peers import (TAU_TOLERANCE, check_engines, check_tau, engine_tau, is_engine,
                                    plain_of, predicted_tau, EnginePeer)
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
-from dflashkit.decode.static import check_greedy, generate_static
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
@@ -38,7 +37,40 @@ from dflashkit.tree import common_prefix
 PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split
 STOCK_AR = "ar-stock"  # plain decoding on the model's own kernels: the speed baseline where `ar` runs invariant ones
 # no drafter: what the speedups are stated against
-PLAIN = ("ar", STOCK_AR, STATIC_AR, "hf-generate", "llama.cpp", "vllm")
+PLAIN = ("ar", STOCK_AR, "ar@hf", "ar@static", "hf-generate", "llama.cpp", "vllm")
+
+
+def method_of(label: str) -> str:
+    """A row's method: 'hybrid-auto@static' -> 'hybrid-auto' (a row on a second engine of the run)."""
+    return label.split("@")[0]
+
+
+def parse_engines(spec: str) -> list[str]:
+    engines = [e.strip() for e in spec.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINES] or len(set(engines)) != len(engines) or not engines
+    if bad:
+        raise DFlashError(f"--engine {spec!r}: one of {', '.join(ENGINES)}, or several joined by commas, each once")
+    return engines
+
+
+def engine_rows(target, methods: list[str], engines: list[str], state: dict, log=None) -> dict[str, tuple[str, str]]:
+    """label -> (method, engine) for every row of the run: each of our methods on each engine asked (auto made
+    concrete; the first engine's rows keep the plain name, the others' get '@engine'), transformers' loops and the
+    engine peers once; and plain decoding on every engine a row runs on, each method's lossless reference (and on
+    hf whenever static runs: the static backend's own plain decoding is held to the reference backend's)."""
+    rows: dict[str, tuple[str, str]] = {}
+    for m in methods:
+        if is_engine(m) or m == STOCK_AR or parse_method(m)[0] not in STATIC_KINDS:
+            rows[m] = (m, "hf" if not is_engine(m) else m)
+            continue
+        for i, e in enumerate(engines):
+            concrete = resolve(e, target, m, state, log)
+            if (m, concrete) not in rows.values():
+                rows[m if i == 0 else f"{m}@{e}"] = (m, concrete)
+    ar_engine, used = rows["ar"][1], {e for m, e in rows.values() if e in ("hf", "static")}
+    for e in sorted((used | ({"hf"} if "static" in used else set())) - {ar_engine}):  # static held to hf too
+        rows[f"ar@{e}"] = ("ar", e)
+    return rows
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -54,22 +86,17 @@ def parse_methods(spec: str) -> list[str]:
     for m in [m for m in names if is_engine(m) and m.endswith("-dflash")]:
         # lossless is checked against the engine's own plain decoding, tau against our chain on the same drafter
         names += [x for x in (plain_of(m), "chain") if x not in names]
-    if any(is_static(m) for m in names) and STATIC_AR not in names:
-        names.append(STATIC_AR)  # the lossless reference of chain-static and the static trees
     return ["ar"] + [m for m in names if m != "ar"]
 
 
-def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, seed: int, cost, lookups):
-    """One conversation (every turn, conversation.py); the baselines (ar-stock, transformers' loops) on the model's
-    own kernels, ours on the kernels that keep them exact."""
+def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed: int, cost, state, rows):
+    """One conversation (every turn, conversation.py) of row `label`; the baselines (ar-stock, transformers' loops)
+    on the model's own kernels, ours on the kernels that keep them exact, on the row's engine."""
+    method, engine = rows.get(label, (label, "hf"))
     gen = torch.Generator(device=target.device).manual_seed(seed)
-    ngram = (lookups.setdefault(method, new_lookup(method))
+    ngram = (state.setdefault(("ngram", label), new_lookup(method))
              if method != STOCK_AR and parse_method(method)[0] in ("ngram", "hybrid") else None)
-    if is_static(method):
-        def one(ids):  # one decoder for all, with the drafter's layers, block and tree widths where needed
-            return generate_static(method, target, lookups, ids, max_new_tokens, proposer, ngram,
-                                   trees=lookups.get("trees", False))
-    elif method == STOCK_AR or parse_method(method)[0] in PEERS:
+    if method == STOCK_AR or parse_method(method)[0] in PEERS:
         # transformers' loops verify several tokens too: on compiled kernels when ours use them (faster for them)
         on_ours = method != STOCK_AR and uses_compiled(target.model)
 
@@ -82,40 +109,51 @@ def _run(target, proposer, item, method, max_new_tokens, sampling: Sampling, see
     else:
         def one(ids):
             return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
-                            generator=gen, cost=cost, ngram=ngram)
+                            generator=gen, cost=cost, ngram=ngram, engine=engine, state=state)
     with seeded(seed, target.device):  # transformers' generate samples from the global generator
         return decode_conversation(target, item, one)
 
 
-def _greedy_only(methods: list[str], engines: list[str], temperature: float) -> None:
-    """The engine peers and the static decoder's methods decode greedily: a temperature is refused up front."""
-    if any(is_static(m) for m in methods):
-        check_greedy(temperature)
+def _greedy_only(engines: list[str], temperature: float) -> None:
+    """The engine peers decode greedily: a temperature is refused up front."""
     if engines and temperature != 0:
         raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
 
 
-def _static_parting(target, runs: list[dict]) -> tuple[list[dict], dict]:
-    """ar-static against ar: other kernels, so in low precision a parting is reported; in float32 it fails.
-    chain-static and the static trees against ar-static: the same steps, so any difference fails."""
-    p = ar_parting(runs, STATIC_AR)
-    bad = ([{"prompt": k, "method": STATIC_AR, "against": "ar", "first_difference": v} for k, v in p["parts_at"].items()]
-           if target.dtype == torch.float32 else [])
-    plain = {r["prompt"]: r["tokens"] for r in runs if r["method"] == STATIC_AR}
-    for r in (r for r in runs if is_static(r["method"]) and r["method"] != STATIC_AR and r["prompt"] in plain):
-        if r["tokens"] != plain[r["prompt"]]:  # the same steps: exact in every dtype
-            bad.append({"prompt": r["prompt"], "method": r["method"], "against": STATIC_AR,
-                        "first_difference": common_prefix(r["tokens"], plain[r["prompt"]])})
-    return bad, p
+def _engine_parting(target, runs: list[dict], rows: dict, turns: dict) -> tuple[list[dict], list[dict], dict]:
+    """Plain decoding on the static backend against the reference backend's (hf): in float32 any difference fails;
+    in low precision their kernels round differently, so a late parting at a near-tie (hf's logit gap between the
+    two tokens within the dtype's rounding) is reported, and one in an answer's first 16 tokens or beyond rounding
+    fails. Returns (failures, reported partings, {equal, prompts, parts_at})."""
+    hf = next((label for label, (m, e) in rows.items() if m == "ar" and e == "hf"), None)
+    st = next((label for label, (m, e) in rows.items() if m == "ar" and e == "static"), None)
+    if hf is None or st is None:
+        return [], [], {}
+    ref = {r["prompt"]: r["tokens"] for r in runs if r["method"] == hf}
+    parts = {r["prompt"]: common_prefix(r["tokens"], ref[r["prompt"]]) for r in runs
+             if r["method"] == st and r["tokens"] != ref[r["prompt"]]}
+    summary = {"equal": len(ref) - len(parts), "prompts": len(ref), "parts_at": parts, "against": hf}
+    found = [{"prompt": k, "method": st, "against": hf, "first_difference": v} for k, v in parts.items()]
+    if target.dtype == torch.float32 or not found:
+        return found, [], summary
+    failed, explained = explain_by_rounding(target, turns, runs, found, reference=hf)
+    early = [x for x in explained if x["first_difference"] < EARLY]
+    return failed + early, [x for x in explained if x["first_difference"] >= EARLY], summary
+
+
+EARLY = 16  # a parting of the two backends' plain decoding within an answer's first tokens is a bug, not rounding
 
 
 def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]], methods: list[str],
               max_new_tokens: int = 128, block_size: int | None = None, sampling: Sampling = GREEDY,
-              warmup: bool = True, progress: bool = True, cost: CostCurve | None = None) -> dict:
+              warmup: bool = True, progress: bool = True, cost: CostCurve | None = None, engine: str = "hf",
+              log=None) -> dict:
     """prompts: (id, prompt token ids or a PromptItem, whose user turns each follow the method's own answer to the
     one before). Returns {"config", "cost", "methods": {name: summary}, "categories": {category: {name: summary}},
     "runs", "mismatches", "divergences"}. `cost`: a curve measured earlier on this target (else measured here, about
-    10 s on a CPU). `sampling` reaches every method whole (prompt i seeded sampling.seed + i) and is recorded."""
+    10 s on a CPU). `sampling` reaches every method whole (prompt i seeded sampling.seed + i) and is recorded.
+    `engine`: the backend(s) our methods run on (auto, hf, static, or several joined by commas: one row per method
+    and engine); every row records its engine, and each is held to plain decoding on its own engine."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
@@ -125,50 +163,78 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     with row_invariant(target.model):  # the cost curve times the kernels the speculative methods run
         curve = cost or measure_cost_curve(target, extra=(9,))
         costs = cost_report(target, curve)
-    ours = [m for m in methods if not is_engine(m)]
+    # per run: the static decoder (one set of steps for every method: tree widths when a tree method runs), auto's choice
+    state: dict = {"trees": any(not is_engine(m) and m != STOCK_AR and parse_method(m)[0] in ("ddtree", "ngram", "hybrid")
+                                for m in methods)}
+    rows = engine_rows(target, methods, parse_engines(engine), state, log)
+    ours = [m for m in rows if not is_engine(m)]
+    methods = ours + [m for m in methods if is_engine(m)]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
-    _greedy_only(methods, engines, sampling.temperature)
+    _greedy_only(engines, sampling.temperature)
     with ExitStack() as stack:  # the engines up through the whole rotation, idle but for their own turns
         peers = {m: stack.enter_context(EnginePeer(m, target, drafter, proposer.block_size if proposer else 0,
                                                    max_new_tokens)) for m in engines}
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
-                                  progress, curve, peers)
+                                  progress, curve, peers, state, rows)
     started = {m: p.info for m, p in peers.items()}
-    stock = (STOCK_AR,) + PEERS if switched else ()  # other kernels (the static steps: against ar-static)
-    ours_exact = [r for r in runs if r["method"] not in stock and not is_static(r["method"]) and not is_engine(r["method"])]
-    mismatches = check_lossless(ours_exact) if sampling.temperature == 0 else []
-    engine_mismatches, engine_divergences, parting = _judge_engines(target, runs)
-    static_mismatches, static_parting = _static_parting(target, runs)
-    divergences = []
-    if mismatches and not exact_kernels(target):  # CUDA low precision: a rounding-sized near-tie is not a bug
-        mismatches, divergences = explain_by_rounding(target, turns, runs, mismatches)
+    mismatches, divergences, judged = _judge(target, runs, rows, turns, sampling, switched)
     B = proposer.block_size if proposer else None
     categories = {pid: getattr(item, "category", None) for pid, item in prompts}
     summary = summarize_methods(runs, methods, B)
-    for m, info in started.items():
-        summary[m].update(engine=info, ar_parting=parting.get(m))
-        if m.endswith("-dflash"):  # our drafter's tau on the very tokens the engine verified
-            summary[m]["predicted_tau"] = predicted_tau(target, proposer, [r for r in runs if r["method"] == m])
-    if STATIC_AR in summary:
-        summary[STATIC_AR]["ar_parting"] = static_parting
+    _annotate(summary, rows, started, judged, lambda m: predicted_tau(target, proposer, [r for r in runs
+                                                                                    if r["method"] == m]))
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
     return {
         "config": {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
                    "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
+                   "engine": engine, "backends": {label: e for label, (m, e) in rows.items()},
                    "prompts": [p for p, _ in prompts], "categories": categories,
-                   "turns": {pid: len(t[0]) for pid, t in turns.items()}, "max_new_tokens": max_new_tokens,
+                   "turns": {pid: len(next(iter(t.values()))[0]) for pid, t in turns.items()}, "max_new_tokens": max_new_tokens,
                    **sampling.record(), "sampling": sampling.describe(),
                    "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None},
         "cost": costs,
         "methods": summary,
         "categories": by_category,
-        "mismatches": mismatches + engine_mismatches + static_mismatches,
+        "mismatches": mismatches,
         "divergences": divergences,
-        "engine_divergences": engine_divergences,
+        "engine_divergences": judged["engine_divergences"],
         "tau_checks": check_tau(summary),
         "runs": runs,
     }
+
+
+def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -> None:
+    """Each row's backend and method; the engine peers' start, parting and (-dflash) our drafter's tau on the very
+    tokens the engine verified; the static backend's parting from hf."""
+    for m, info in started.items():
+        summary[m].update(engine=info, ar_parting=judged["parting"].get(m))
+        if m.endswith("-dflash"):
+            summary[m]["predicted_tau"] = predict(m)
+    for label, (m, e) in rows.items():
+        if label in summary:
+            summary[label].update(backend=e, method_name=m)
+    if judged["static_parting"]:
+        summary[next(label for label, (m, e) in rows.items() if m == "ar" and e == "static")]["ar_parting"] = \
+            judged["static_parting"]
+
+
+def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling, switched: bool):
+    """(failures, reported divergences, {engine_divergences, parting, static_parting}): ours against plain decoding
+    on its own backend, the static backend's plain decoding against hf's, the engine peers against their own."""
+    stock = (STOCK_AR,) + PEERS if switched else ()  # other kernels
+    for r in runs:
+        r["backend"] = rows.get(r["method"], (r["method"], r["method"]))[1]
+    ours_exact = [r for r in runs if r["method"] not in stock and not is_engine(r["method"])]
+    mismatches = check_lossless(ours_exact, rows) if sampling.temperature == 0 else []
+    engine_mismatches, engine_divergences, parting = _judge_engines(target, runs)
+    static_mismatches, static_divergences, static_parting = (
+        _engine_parting(target, runs, rows, turns) if sampling.temperature == 0 else ([], [], {}))
+    divergences = []
+    if mismatches and not exact_kernels(target):  # CUDA low precision: a rounding-sized near-tie is not a bug
+        mismatches, divergences = explain_by_rounding(target, turns, runs, mismatches)
+    return (mismatches + engine_mismatches + static_mismatches, divergences + static_divergences,
+            {"engine_divergences": engine_divergences, "parting": parting, "static_parting": static_parting})
 
 
 def _judge_engines(target, runs: list[dict]) -> tuple[list[dict], list[dict], dict]:
@@ -181,15 +247,17 @@ def _judge_engines(target, runs: list[dict]) -> tuple[list[dict], list[dict], di
 
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress,
-                curve, peers: dict | None = None) -> tuple[list[dict], dict]:
+                curve, peers: dict | None = None, state: dict | None = None,
+                rows: dict | None = None) -> tuple[list[dict], dict]:
     """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike).
     The progress bar (tqdm: it also prints where the output is not a terminal) names the prompt and method running
     and the tokens/s of the last one, with an ETA. Also returns plain decoding's turns per prompt: (prompt ids per
     turn, answer lengths), what a divergence is explained from."""
     from tqdm import tqdm
 
-    # per-method state: n-gram lookups (acceptance statistics carry across prompts), the static decoder
-    lookups: dict[str, NgramLookup | object] = {"trees": any(static_tree(m) is not None for m in methods)}
+    # per-run state: n-gram lookups per row (acceptance statistics carry across prompts), the static decoder
+    state = {} if state is None else state
+    rows = rows or {}
     peers = peers or {}
     if warmup:
         for m in methods:
@@ -197,7 +265,7 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
                 peers[m].run(prompts[0][0], prompts[0][1])
             else:
                 _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), sampling, sampling.seed, curve,
-                     lookups)
+                     state, rows)
     runs, turns = [], {}
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress,
               mininterval=2.0) as bar:
@@ -208,12 +276,12 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
                 if m in peers:
                     runs.append(peers[m].run(pid, item))
                 else:
-                    c = _run(target, proposer, item, m, max_new_tokens, sampling, sampling.seed + i, curve, lookups)
+                    c = _run(target, proposer, item, m, max_new_tokens, sampling, sampling.seed + i, curve, state, rows)
                     g = c.generation
                     runs.append({"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]),
                                  "turns": c.lengths, "tokens": g.tokens, "accepted": g.accepted, "times": g.times})
-                    if m == "ar":
-                        turns[pid] = (c.prompts, c.lengths)
+                    if rows.get(m, (m,))[0] == "ar":
+                        turns.setdefault(pid, {})[m] = (c.prompts, c.lengths)
                 r = runs[-1]
                 bar.set_postfix_str(f"last {m}: {len(r['tokens']) / r['times']['total']:.1f} tok/s", refresh=False)
                 bar.update()
@@ -233,12 +301,12 @@ def rounding_tolerance(dtype: torch.dtype, a: float, b: float) -> float:
     return 8 * eps * max(abs(a), abs(b), 1.0)
 
 
-def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[dict]):
+def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[dict], reference: str = "ar"):
     """Split mismatches into (unexplained, divergences): at the first differing token, plain decoding's logits of
     its own token and of the speculative one; a gap within rounding_tolerance is a reported divergence (with its
     margin), a larger one stays a failure. turns: prompt id -> (plain decoding's prompt ids per turn, answer
     lengths), from _timed_runs."""
-    ref = {r["prompt"]: r["tokens"] for r in runs if r["method"] == "ar"}
+    ref = {r["prompt"]: r["tokens"] for r in runs if r["method"] == reference}
     other = {(r["prompt"], r["method"]): r["tokens"] for r in runs}
     failed, explained = [], []
     for x in mismatches:
@@ -247,7 +315,7 @@ def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[
         if i >= len(want) or i >= len(got):  # one output stops where the other goes on: not a rounding flip
             failed.append(x)
             continue
-        prompts, lengths = turns[x["prompt"]]
+        prompts, lengths = turns[x["prompt"]][reference]
         k, offset = turn_of(lengths, i)
         ids = torch.tensor([prompts[k] + want[i - offset:i]], device=target.device)
         with torch.no_grad():
@@ -258,23 +326,30 @@ def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[
     return failed, explained
 
 
-def check_lossless(runs: list[dict]) -> list[dict]:
-    """Every output must equal plain decoding's (temperature 0): one entry per differing (prompt, method)."""
-    ref = {r["prompt"]: r["tokens"] for r in runs if r["method"] == "ar"}
+def check_lossless(runs: list[dict], rows: dict | None = None) -> list[dict]:
+    """Every output must equal plain decoding's on its own engine (temperature 0): one entry per differing
+    (prompt, method). `rows`: label -> (method, engine) (bench's rows; default: every run on one engine)."""
+    rows = rows or {}
+    engine = lambda label: rows.get(label, (label, "hf"))[1]
+    plain = {engine(label): label for label in dict.fromkeys(r["method"] for r in runs)
+             if rows.get(label, (label,))[0] == "ar"}
+    ref = {(r["prompt"], r["method"]): r["tokens"] for r in runs if r["method"] in plain.values()}
     bad = []
     for r in runs:
-        want = ref[r["prompt"]]
-        if r["method"] != "ar" and r["tokens"] != want:
+        against = plain.get(engine(r["method"]), "ar")
+        want = ref[(r["prompt"], against)]
+        if r["method"] != against and r["tokens"] != want:
             first = common_prefix(r["tokens"], want)
             bad.append({"prompt": r["prompt"], "method": r["method"], "first_difference": first,
-                        "lengths": [len(r["tokens"]), len(want)]})
+                        "lengths": [len(r["tokens"]), len(want)]}
+                       | ({"against": against} if against != "ar" else {}))
     return bad
 
 
 def summarize_methods(runs: list[dict], methods: list[str], block_size: int | None) -> dict:
     """{method: summary with its ratios}, over the given runs."""
     out = {m: summarize([r for r in runs if r["method"] == m],
-                        None if m in ("ar", STOCK_AR) or parse_method(m)[0] in PEERS or is_engine(m)
+                        None if method_of(m) in ("ar", STOCK_AR) or parse_method(method_of(m))[0] in PEERS or is_engine(m)
                         else (block_size or 1))
            for m in methods}
     for m in methods:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from dflashkit.decode.methods import DEFAULT_METHODS, METHODS_HELP
+from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METHODS_HELP
 from dflashkit.errors import DFlashError
 from dflashkit.threads import add_threads_option
 
@@ -18,6 +18,7 @@ def register(sub) -> None:
     src.add_argument("--prompts", help="a built-in suite (coding-10, train-mix) or JSONL files (ours, OpenAI chat, "
                      "ShareGPT, z-lab turns, Spec-Bench; several joined by commas)")
     g.add_argument("--method", default="chain", help=f"one of {METHODS_HELP} (default chain)")
+    g.add_argument("--engine", default="auto", choices=ENGINES, help=f"{ENGINE_HELP}; default auto")
     g.add_argument("--budget", type=int, default=8,
                    help="drafter tree nodes per round for a bare ddtree or hybrid, root excluded (default 8)")
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -30,6 +31,8 @@ def register(sub) -> None:
                    help="a built-in suite or JSONL files (ours, OpenAI chat, ShareGPT, z-lab turns, Spec-Bench; several "
                    "joined by commas make one suite with a category per file); default coding-10")
     b.add_argument("--methods", default=None, help=f"comma list (default {DEFAULT_METHODS})")
+    b.add_argument("--engine", default="auto", help=f"{ENGINE_HELP}; several joined by commas (hf,static) run each "
+                   "method on each, rows on the second named METHOD@ENGINE; default auto")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
     b.set_defaults(func=cmd_bench)
@@ -123,9 +126,9 @@ def cmd_generate(args) -> int:
 
     from dflashkit.decode.conversation import decode_conversation
     from dflashkit.decode.cost import measure_cost_curve
-    from dflashkit.decode.methods import is_static, needs_drafter, parse_method
+    from dflashkit.decode.engine import resolve
+    from dflashkit.decode.methods import needs_drafter, parse_method
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
-    from dflashkit.decode.static import check_greedy, generate_static
     from dflashkit.rng import seeded
     from dflashkit.target.invariant import row_invariant
 
@@ -137,34 +140,31 @@ def cmd_generate(args) -> int:
     prompts = _prompts(args)  # a bad prompt file fails before the target loads
     target, drafter = _load(args, need_drafter=needs_drafter(args.method))
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
-    static = is_static(args.method)  # its -auto trees read the static decoder's own step times
-    with row_invariant(target.model):  # the -auto pruning needs the cost of the kernels decoding runs
-        cost = measure_cost_curve(target, repeats=3) if size == "auto" and not static else None
+    log = lambda m: print(m, file=sys.stderr)
+    state: dict = {}  # the static decoder (compiled on the first prompt) and auto's choice, kept across prompts
+    engine = resolve(args.engine, target, args.method, state, log)
+    with row_invariant(target.model):  # hf's -auto pruning needs the cost of the kernels decoding runs
+        cost = measure_cost_curve(target, repeats=3) if size == "auto" and engine == "hf" else None
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
-    state: dict = {}  # a static method's decoder, compiled on the first prompt
-    if static:
-        check_greedy(sampling.temperature)
     records = []
     for i, (pid, item) in enumerate(prompts):
         gen = torch.Generator(device=target.device).manual_seed(sampling.seed + i)
 
         def one(ids):  # one turn
-            if static:
-                return generate_static(args.method, target, state, ids, args.max_new_tokens, proposer, ngram,
-                                       log=lambda m: print(m, file=sys.stderr))
             return generate(target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
-                            sampling=sampling, generator=gen, cost=cost, ngram=ngram)
+                            sampling=sampling, generator=gen, cost=cost, ngram=ngram, engine=engine, state=state,
+                            log=log)
 
         with seeded(sampling.seed + i, target.device):  # transformers' loops sample from the global generator
             c = decode_conversation(target, item, one)
         g, texts = c.generation, c.answers
-        rec = {"id": pid, "category": item.category, "method": g.method, "prompt_tokens": [len(p) for p in c.prompts],
+        rec = {"id": pid, "category": item.category, "method": g.method, "engine": g.engine, "prompt_tokens": [len(p) for p in c.prompts],
                "tokens": g.tokens, "turns": texts, "text": texts[-1], "accepted": g.accepted,
                "tau": g.tau if g.accepted else None, "tokens_per_s": len(g.tokens) / g.times["total"], "times": g.times}
         records.append(rec)
         if not args.json:
             tau = f"tau {g.tau:.2f}, " if g.accepted else ""
-            print(f"== {pid} [{g.method}] {len(g.tokens)} tokens, {tau}{rec['tokens_per_s']:.1f} tokens/s")
+            print(f"== {pid} [{g.method} on {g.engine}] {len(g.tokens)} tokens, {tau}{rec['tokens_per_s']:.1f} tokens/s")
             for k, text in enumerate(texts):
                 print(f"-- turn {k + 1} --\n{text}" if len(texts) > 1 else text)
     if args.json:
@@ -182,7 +182,8 @@ def cmd_bench(args) -> int:
     prompts = _prompts(args)  # a bad prompt file fails before the target loads
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
-                       block_size=args.block_size, sampling=sampling)
+                       block_size=args.block_size, sampling=sampling, engine=args.engine,
+                       log=lambda m: print(m, file=sys.stderr))
     paths = write_bench(result, args.out)
     print(bench_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))

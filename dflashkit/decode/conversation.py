@@ -34,7 +34,7 @@ def decode_conversation(target, item, run) -> Conversation:
         out.prompts.append(ids)
         out.lengths.append(len(g.tokens))
         j = out.generation
-        j.method, j.tokens, j.accepted = g.method, j.tokens + g.tokens, j.accepted + g.accepted
+        j.method, j.engine, j.tokens, j.accepted = g.method, g.engine, j.tokens + g.tokens, j.accepted + g.accepted
         j.times = {key: j.times.get(key, 0.0) + v for key, v in g.times.items()}
     return out
 

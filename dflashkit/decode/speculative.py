@@ -17,7 +17,7 @@ The drafter enters through a small `Proposer` interface, so tests can inject an 
 
 from __future__ import annotations
 
-import functools
+import contextlib
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +44,7 @@ class Generation:
     tokens: list[int]  # new tokens, cut exactly where plain decoding stops (stop token kept, or max_new_tokens)
     accepted: list[int]  # per round: accepted drafts + 1 (the bonus), as verified, before any cut
     times: dict[str, float] = field(default_factory=dict)  # seconds: prefill, draft, verify, other, total
+    engine: str = "hf"  # the backend that ran it: hf (transformers' forward) or static (our compiled step)
 
     @property
     def rounds(self) -> int:
@@ -355,40 +356,111 @@ def _begin(target, stop_ids):
     return Timer(target.device), _stops(target, stop_ids), target.device
 
 
-def on_invariant_kernels(loop):
-    """A decoding loop runs on row-invariant kernels in bf16 (else plain and speculative decoding part ways on
-    rounding, see target/invariant.py), switched on for the loop only."""
-    @functools.wraps(loop)
-    def run(target, *args, **kwargs):
-        with row_invariant(target.model):
-            return loop(target, *args, **kwargs)
-    return run
+class HfBackend:
+    """The reference backend: transformers' own forward over a DynamicCache, every family. The verbs every loop
+    is written over (the static backend, decode/static.py, has the same): `prefill`, `verify` a chain (tree None)
+    or a flat tree at the next position, `commit` the accepted nodes (their features for the drafter), `cost` of
+    a verify of n tokens and `widest` (None: any). Hybrid targets re-run their accepted tokens (a recurrent state
+    cannot be cropped); branching trees on hybrids and under row-invariant bf16 kernels go one path per row."""
+
+    engine = "hf"
+    widest = None
+
+    def __init__(self, target, cost=None):
+        self.target, self.cost = target, cost
+        self.invariant = target.model.config._attn_implementation == ROW_INVARIANT
+        self.window = target.config.sliding_window if sliding_layers(target) else None  # once: 0.3-0.8 ms a call
+        self.by_paths = self.invariant or target.is_hybrid  # how a branching tree is verified (the cost model reads it)
+        self.timer = None
+
+    def session(self):
+        """What one generation runs under: row-invariant kernels in bf16 (else plain and speculative decoding part
+        ways on rounding, see target/invariant.py)."""
+        return row_invariant(self.target.model)
+
+    def prefill(self, ids: list[int], layer_ids):
+        self.kv, self.layer_ids, self.start = new_target_kv(self.target), layer_ids, len(ids)
+        out = self.target.forward(torch.tensor([ids], device=self.target.device), layer_ids=layer_ids,
+                                  past_key_values=self.kv, logits_to_keep=1)
+        return out.logits[0, -1:], out.features
+
+    def verify(self, tokens: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
+        """Logits [n, V] after each of `tokens` [n] placed from the next position on: a chain (tree None), or the
+        nodes of `tree` (position start + depth, each seeing its ancestors)."""
+        t, kv, start, dev = self.target, self.kv, self.start, self.target.device
+        self.tree, self.tokens = tree, tokens
+        self.saved = save_linear_states(kv) if t.is_hybrid else None
+        branching = tree is not None and int(tree.depths.max()) < len(tree) - 1
+        self.paths = branching and (self.saved is not None or self.invariant)
+        if self.paths:
+            logits, self.out, self.row_of = verify_tree_by_paths(t, kv, tree, start, self.layer_ids)
+            return logits
+        if tree is None or not branching:  # a chain: positions in order, the causal mask
+            pos = (start + torch.arange(len(tokens), device=dev))[None]
+            self.out = t.forward(tokens[None].to(dev), layer_ids=self.layer_ids, past_key_values=kv, position_ids=pos)
+        else:
+            self.out = t.forward(tokens[None].to(dev), layer_ids=self.layer_ids, past_key_values=kv,
+                                 position_ids=(start + tree.depths)[None].to(dev),
+                                 attention_mask=verify_mask(t, tree, start, self.window))
+        return self.out.logits[0]
+
+    def commit(self, keep: list[int]):
+        """Keep the verified nodes `keep` (root first, in depth order) in the target KV, at the positions plain
+        decoding would have written; returns their features [1, len(keep), F] (None without layer ids)."""
+        kv, start, n, out = self.kv, self.start, len(self.tokens), self.out
+        self.start += len(keep)
+        idx = torch.tensor(keep, device=self.target.device)
+        if self.saved is not None:  # a recurrent state: restore it and re-run the accepted tokens
+            if len(keep) == n and self.tree is None:
+                return out.features
+            with self.timer("verify") if self.timer is not None else contextlib.nullcontext():
+                return rerun(self.target, kv, self.saved, self.tokens.to(idx.device)[idx], start, self.layer_ids)
+        if self.paths:  # the accepted path is a prefix of its last node's row: keep that row only
+            r = int(self.row_of[keep[-1]])
+            for layer in _attention_layers(kv):
+                layer.keys, layer.values = layer.keys[r : r + 1], layer.values[r : r + 1]
+            crop_kv(kv, start + len(keep))
+            return out.features[r : r + 1, : len(keep)] if self.layer_ids is not None else None
+        if len(keep) < n:
+            compact_kv(kv, start, idx)
+        return out.features[:, idx] if self.layer_ids is not None else None
 
 
-# ---- the loops ------------------------------------------------------------------------------------------------
+def backend_of(x, cost=None):
+    """A backend as given, or the reference backend over a target."""
+    return x if hasattr(x, "verify") else HfBackend(x, cost)
 
-@on_invariant_kernels
+
+def chain_tree(tokens: torch.Tensor) -> Tree:
+    n = len(tokens)
+    return Tree(tokens.cpu(), torch.arange(n), torch.arange(-1, n - 1), torch.zeros(n))
+
+
+# ---- the loops, each written once over a backend -----------------------------------------------------------
+
 @torch.no_grad()
-def generate_ar(target, prompt_ids: list[int], max_new_tokens: int = 256, sampling: Sampling = GREEDY,
+def generate_ar(backend, prompt_ids: list[int], max_new_tokens: int = 256, sampling: Sampling = GREEDY,
                 generator: torch.Generator | None = None, stop_ids=None) -> Generation:
-    """Plain decoding, one target forward per token: the baseline every speedup is measured against."""
-    timer, stops, dev = _begin(target, stop_ids)
+    """Plain decoding, one target forward per token: the baseline every speedup is measured against. `backend`: a
+    target (the reference backend) or a backend."""
+    b = backend_of(backend)
+    timer, stops, dev = _begin(b.target, stop_ids)
     temperature = sampling.temperature
-    kv = new_target_kv(target)
-    with timer("prefill"):
-        out = target.forward(torch.tensor([prompt_ids], device=dev), past_key_values=kv, logits_to_keep=1)
-    token = choose(out.logits[0, -1:], temperature, generator)  # [1]
-    tokens: list[int] = []
-    done = emit(tokens, token.tolist(), stops, max_new_tokens)
-    pos, accepted = len(prompt_ids), []
-    while not done:
-        with timer("verify"):
-            out = target.forward(token[None], past_key_values=kv, position_ids=torch.tensor([[pos]], device=dev))
-        token = choose(out.logits[0, -1:], temperature, generator)
-        accepted.append(1)
-        pos += 1
+    with b.session():
+        with timer("prefill"):
+            logits, _ = b.prefill(prompt_ids, None)
+        token = choose(logits, temperature, generator)  # [1]
+        tokens: list[int] = []
         done = emit(tokens, token.tolist(), stops, max_new_tokens)
-    return Generation("ar", tokens, accepted, timer.finish())
+        accepted = []
+        while not done:
+            with timer("verify"):
+                logits = b.verify(token)
+            b.commit([0])
+            token = choose(logits, temperature, generator)
+            accepted.append(1)
+            done = emit(tokens, token.tolist(), stops, max_new_tokens)
+    return Generation("ar", tokens, accepted, timer.finish(), b.engine)
 
 
 def greedy_accepted(block: torch.Tensor, posterior: torch.Tensor) -> int:
@@ -397,50 +469,41 @@ def greedy_accepted(block: torch.Tensor, posterior: torch.Tensor) -> int:
     return int((block[1:] == posterior[:-1]).cumprod(0).sum())
 
 
-@on_invariant_kernels
 @torch.no_grad()
-def generate_chain(target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
+def generate_chain(backend, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                    sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
     per round. At T>0, the sampling's acceptance picks the rule (see draft_block); both keep the target's
     distribution."""
-    timer, stops, dev = _begin(target, stop_ids)
+    b = backend_of(backend)
+    timer, stops, dev = _begin(b.target, stop_ids)
+    b.timer = timer
     temperature = sampling.temperature
-    B, layer_ids = proposer.block_size, proposer.layer_ids
-    offsets = torch.arange(B, device=dev)
-    kv = new_target_kv(target)
-    with timer("prefill"):
-        out = target.forward(torch.tensor([prompt_ids], device=dev), layer_ids=layer_ids, past_key_values=kv,
-                             logits_to_keep=1)
-    bonus = choose(out.logits[0, -1:], temperature, generator)  # [1] first new token, not yet run
-    tokens: list[int] = []
-    done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
-    proposer.reset(prompt_ids)
-    feats, start, accepted = out.features, len(prompt_ids), []  # start: position of the bonus token
-    while not done:
-        with timer("draft"):
-            drafts, q = draft_block(proposer, feats, bonus, start, sampling, generator)
-        block = torch.cat([bonus, drafts])  # [B]: the bonus, then B-1 drafts
-        saved = save_linear_states(kv) if target.is_hybrid else None
-        with timer("verify"):
-            out = target.forward(block[None], layer_ids=layer_ids, past_key_values=kv,
-                                 position_ids=(start + offsets)[None])
-        if q is None:
-            posterior = choose(out.logits[0], temperature, generator)  # [B]: target's token after block[:i+1]
-            a = greedy_accepted(block, posterior)
-            next_token = posterior[a : a + 1]
-        else:
-            a, next_token = rejection_accept(block[1:], q, out.logits[0], temperature, generator)
-        feats = out.features[:, : a + 1]
-        if saved is None:
-            crop_kv(kv, start + a + 1)
-        elif a < B - 1:  # a recurrent state cannot be cropped: restore it and re-run the accepted tokens
+    with b.session():
+        with timer("prefill"):
+            logits, feats = b.prefill(prompt_ids, proposer.layer_ids)
+        bonus = choose(logits, temperature, generator)  # [1] first new token, not yet run
+        tokens: list[int] = []
+        done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
+        proposer.reset(prompt_ids)
+        accepted = []
+        while not done:
+            with timer("draft"):
+                drafts, q = draft_block(proposer, feats, bonus, b.start, sampling, generator)
+            block = torch.cat([bonus, drafts])  # [B]: the bonus, then B-1 drafts
             with timer("verify"):
-                feats = rerun(target, kv, saved, block[: a + 1], start, layer_ids)
-        accepted.append(a + 1)
-        bonus, start = next_token, start + a + 1
-        done = emit(tokens, block[1 : a + 1].tolist() + bonus.tolist(), stops, max_new_tokens)
-    return Generation("chain", tokens, accepted, timer.finish())
+                logits = b.verify(block)
+            if q is None:
+                posterior = choose(logits, temperature, generator)  # [B]: target's token after block[:i+1]
+                a = greedy_accepted(block, posterior)
+                next_token = posterior[a : a + 1]
+            else:
+                a, next_token = rejection_accept(block[1:], q, logits, temperature, generator)
+            feats = b.commit(list(range(a + 1)))
+            accepted.append(a + 1)
+            bonus = next_token
+            done = emit(tokens, block[1 : a + 1].tolist() + bonus.tolist(), stops, max_new_tokens)
+    return Generation("chain", tokens, accepted, timer.finish(), b.engine)
 
 
 def draft_tree(logits: torch.Tensor, budget: int, anchor: torch.Tensor, to_tokens) -> Tree:
@@ -505,6 +568,11 @@ class TreeDrafts:
         self.t_draft = 0.0  # running mean of one drafter forward
         self.added: dict[int, list[float]] = {}  # n-gram confidence bucket -> [tokens added, weight, rounds idle]
         self.bucket, self.drafted, self.pending = 0, False, None
+
+    def most_nodes(self) -> int:
+        """The widest tree this proposer can build (root included): the drafter's budget plus each n-gram branch."""
+        n = self.ngram
+        return 1 + self.budget + (n.max_tokens * getattr(n, "branches", 1) if n is not None else 0)
 
     def reset(self, prompt_ids) -> None:
         self.pending = None
@@ -586,67 +654,48 @@ class TreeDrafts:
         self.ngram.extend(new)
 
 
-@on_invariant_kernels
 @torch.no_grad()
-def generate_tree(target, drafts: TreeDrafts, prompt_ids: list[int], max_new_tokens: int = 256,
+def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_tokens: int = 256,
                   sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None,
                   method: str = "tree") -> Generation:
     """Tree verification (docs/design.md section 5): whatever tree the round proposes (DDTree nodes, an n-gram branch,
     both) is verified in one target forward over root + nodes (position start + depth, ancestor-only mask); the
     walk picks the accepted path, and only that path stays in the target KV. A node is accepted iff it is the
-    target's own choice, whatever the sampling's acceptance rule (that one is the chain's)."""
-    timer, stops, dev = _begin(target, stop_ids)
+    target's own choice, whatever the sampling's acceptance rule (that one is the chain's). A tree wider than the
+    backend verifies is refused, never cut."""
+    b = backend_of(backend)
+    timer, stops, dev = _begin(b.target, stop_ids)
+    b.timer = timer
     temperature = sampling.temperature
-    layer_ids = drafts.layer_ids
-    kv = new_target_kv(target)
-    with timer("prefill"):
-        out = target.forward(torch.tensor([prompt_ids], device=dev), layer_ids=layer_ids, past_key_values=kv,
-                             logits_to_keep=1)
-    bonus = choose(out.logits[0, -1:], temperature, generator)
-    tokens: list[int] = []
-    done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
-    drafts.reset(prompt_ids)
-    invariant = target.model.config._attn_implementation == ROW_INVARIANT
-    drafts.by_paths = invariant or target.is_hybrid
-    window = target.config.sliding_window if sliding_layers(target) else None  # once: 0.3-0.8 ms a call
-    feats, start, accepted = out.features, len(prompt_ids), []
-    while not done:
-        t_round, t_verify, t_draft = perf_counter(), timer.times["verify"], timer.times["draft"]
-        tree = drafts.propose(feats, bonus, start, timer)
-        saved = save_linear_states(kv) if target.is_hybrid else None
-        by_paths = saved is not None or (invariant and int(tree.depths.max()) < len(tree) - 1)  # branching
-        if not by_paths:
-            mask = verify_mask(target, tree, start, window)
+    drafts.by_paths = b.by_paths
+    with b.session():
+        with timer("prefill"):
+            logits, feats = b.prefill(prompt_ids, drafts.layer_ids)
+        bonus = choose(logits, temperature, generator)
+        tokens: list[int] = []
+        done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
+        drafts.reset(prompt_ids)
+        accepted = []
+        while not done:
+            t_round, t_verify, t_draft = perf_counter(), timer.times["verify"], timer.times["draft"]
+            tree = drafts.propose(feats, bonus, b.start, timer)
+            if b.widest is not None and len(tree) > b.widest:
+                raise DFlashError(f"method {method}: a tree of {len(tree)} nodes, past the {b.engine} backend's widest "
+                                  f"verify ({b.widest} nodes); use a smaller budget or --engine hf")
             with timer("verify"):
-                out = target.forward(tree.tokens[None].to(dev), layer_ids=layer_ids, past_key_values=kv,
-                                     position_ids=(start + tree.depths)[None].to(dev), attention_mask=mask)
-            node_logits = out.logits[0]  # [n, V]
-        else:
-            with timer("verify"):
-                node_logits, out, row_of = verify_tree_by_paths(target, kv, tree, start, layer_ids)
-        choice = choose(node_logits, temperature, generator)  # [n]: the target's token after each node
-        path = walk(tree, choice.tolist())
-        keep = torch.tensor([0] + path, device=dev)  # root (the bonus) + accepted nodes
-        if not by_paths:
-            compact_kv(kv, start, keep)
-            feats = out.features[:, keep] if layer_ids is not None else None
-        elif saved is None:  # the accepted path is a prefix of its last node's row: keep that row only
-            r = int(row_of[keep[-1]])
-            for layer in _attention_layers(kv):
-                layer.keys, layer.values = layer.keys[r : r + 1], layer.values[r : r + 1]
-            crop_kv(kv, start + len(keep))
-            feats = out.features[r : r + 1, : len(keep)] if layer_ids is not None else None
-        else:
-            with timer("verify"):
-                feats = rerun(target, kv, saved, tree.tokens.to(dev)[keep], start, layer_ids)
-        accepted.append(len(path) + 1)
-        new = tree.tokens[path].tolist()
-        bonus, start = choice[keep[-1:]], start + len(path) + 1
-        drafts.observe(new, int(bonus))
-        done = emit(tokens, new + bonus.tolist(), stops, max_new_tokens)
-        spent = perf_counter() - t_round - (timer.times["verify"] - t_verify) - (timer.times["draft"] - t_draft)
-        drafts.fixed = spent if len(accepted) == 1 else 0.9 * drafts.fixed + 0.1 * spent
-    return Generation(method, tokens, accepted, timer.finish())
+                node_logits = b.verify(tree.tokens, tree)
+            choice = choose(node_logits, temperature, generator)  # [n]: the target's token after each node
+            path = walk(tree, choice.tolist())
+            keep = [0] + path  # root (the bonus) + accepted nodes
+            feats = b.commit(keep)
+            accepted.append(len(path) + 1)
+            new = tree.tokens[path].tolist()
+            bonus = choice[keep[-1]:keep[-1] + 1]
+            drafts.observe(new, int(bonus))
+            done = emit(tokens, new + bonus.tolist(), stops, max_new_tokens)
+            spent = perf_counter() - t_round - (timer.times["verify"] - t_verify) - (timer.times["draft"] - t_draft)
+            drafts.fixed = spent if len(accepted) == 1 else 0.9 * drafts.fixed + 0.1 * spent
+    return Generation(method, tokens, accepted, timer.finish(), b.engine)
 
 
 def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: int = 8, max_new_tokens: int = 256,
@@ -700,20 +749,32 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
 
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
              max_new_tokens: int = 256, sampling: Sampling = GREEDY, generator=None, stop_ids=None, cost=None,
-             ngram=None) -> Generation:
-    """One entry point for every method name of `parse_method`; `budget` applies to a bare 'ddtree' or 'hybrid';
-    the sampling's acceptance is the chain's rule at T>0 (trees accept a node iff it is the target's own sample),
-    and transformers' loops take its temperature only."""
+             ngram=None, engine: str = "hf", state: dict | None = None, log=None) -> Generation:
+    """One entry point for every method name of `parse_method`, on the backend `engine` (hf, static or auto,
+    decode/engine.py; the Generation records which ran). `budget` applies to a bare 'ddtree' or 'hybrid'; the
+    sampling's acceptance is the chain's rule at T>0 (trees accept a node iff it is the target's own sample), and
+    transformers' loops take its temperature only. `state`: what a run keeps across calls (the static decoder,
+    auto's choice); without it a static call builds its decoder anew. `cost`: hf's cost curve for -auto trees (the
+    static backend reads its own step times)."""
+    from dflashkit.decode.engine import open_backend, resolve
+
     kind, n = parse_method(method)
-    if kind == "ar":
-        return generate_ar(target, prompt_ids, max_new_tokens, sampling, generator, stop_ids)
+    state = {} if state is None else state
+    engine = resolve(engine, target, method, state, log)
     if kind in ("prompt-lookup", "hf-generate"):
         return generate_hf(target, prompt_ids, max_new_tokens, sampling.temperature,
                            (n or 10) if kind == "prompt-lookup" else None, stop_ids)
     if needs_drafter(method) and proposer is None:
         raise ValueError(f"method {method!r} needs a drafter")
+    backend = open_backend(engine, target, method, state, len(prompt_ids) + max_new_tokens,
+                           proposer if kind != "ar" or engine == "static" else None, cost, log)
+    if kind == "ar":
+        return generate_ar(backend, prompt_ids, max_new_tokens, sampling, generator, stop_ids)
     if kind == "chain":
-        return generate_chain(target, proposer, prompt_ids, max_new_tokens, sampling, generator, stop_ids)
+        return generate_chain(backend, proposer, prompt_ids, max_new_tokens, sampling, generator, stop_ids)
     name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
-    return generate_tree(target, tree_drafts(method, proposer, budget, cost, ngram), prompt_ids, max_new_tokens,
-                         sampling, generator, stop_ids, method=name)
+    drafts = tree_drafts(method, proposer, budget, backend.cost, ngram)
+    if backend.widest is not None and n != "auto" and drafts.most_nodes() > backend.widest:
+        raise DFlashError(f"method {name}: its trees reach {drafts.most_nodes()} nodes, past the static backend's "
+                          f"widest verify ({backend.widest}); use a smaller budget, its -auto variant or --engine hf")
+    return generate_tree(backend, drafts, prompt_ids, max_new_tokens, sampling, generator, stop_ids, method=name)

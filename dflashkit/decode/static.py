@@ -18,6 +18,7 @@ import ctypes
 import functools
 import gc
 import time
+import types
 from typing import NamedTuple
 
 import torch
@@ -27,9 +28,10 @@ from dflashkit.errors import DFlashError
 
 WIDTHS = (1, 32)  # one token a step; prompts in chunks of 32
 PREFILL = WIDTHS[-1]
-# a tree verify runs on the smallest of these that holds its nodes (padded); with 1 and 32, four compiled widths a
-# length, so two lengths fit in dynamo's 8 entries a function
-TREE_WIDTHS = (4, 8)
+# a tree verify runs on the smallest of these that holds its nodes (padded): a budget-16 DDTree, an n-gram's
+# 10-token branch, a hybrid-8 tree with its branch (19 nodes); a wider tree is refused by name, never cut. Each width
+# compiles as its own function, so dynamo's 8 entries a function bound lengths, not widths
+TREE_WIDTHS = (4, 8, 16, 24)
 # inductor's C++ wrapper calls the step's kernels without Python between them: 12.9 -> 10.8 ms a token (SmolLM2,
 # bf16, 2-core Zen 5); passed per compile, so nothing outside this decoder changes
 # On CUDA, CUDA graphs (gpt-fast's reduce-overhead): one replay a step; the KV and weights are marked static
@@ -309,11 +311,13 @@ def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geom
 
 
 @functools.cache
-def compiled_step(geo: Geometry, kernels: str, layer_ids: tuple | None, device_type: str = "cpu"):
-    """`step` for one geometry, compiled on its first call per input shape. One per geometry in a process, shared
-    by every decoder of it: a decoder rebuilt for a longer run adds dynamo one entry per width, not a copy of
-    every one (dynamo keeps 8 per function)."""
-    f = functools.partial(step, geo=geo, kernels=kernels, layer_ids=layer_ids)
+def compiled_step(geo: Geometry, kernels: str, layer_ids: tuple | None, device_type: str = "cpu", width: int = 0):
+    """`step` for one geometry and width, compiled on its first call. One per geometry and width in a process,
+    shared by every decoder of it; each width is its own copy of the function (dynamo keeps 8 compiled entries per
+    function), so a decoder rebuilt for a longer run adds one entry to each, and seven widths fit."""
+    code = step.__code__.replace(co_name=f"step_{width}")  # its own code object: dynamo counts entries per code
+    f = types.FunctionType(code, step.__globals__, f"step_{width}")
+    f.__kwdefaults__ = {"geo": geo, "kernels": kernels, "layer_ids": layer_ids}
     return torch.compile(f, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS[device_type])
 
 
@@ -376,7 +380,7 @@ class StaticDecoder:
         if dev.type == "cuda":
             for t in [self.arena, *self.kv[0], *self.kv[1]]:
                 torch._dynamo.mark_static_address(t)
-        self.steps = {w: compiled_step(geo, k, f, dev.type) if compile else
+        self.steps = {w: compiled_step(geo, k, f, dev.type, w) if compile else
                       functools.partial(step, geo=geo, kernels=k, layer_ids=f) for w, (k, f) in kinds.items()}
         self.compile_s: dict[int, float] = {}
         self.step_s: dict[int, float] = {}  # median seconds of a step per width, measured by warm()
@@ -531,7 +535,9 @@ def decoder_for(target, state: dict, length: int, proposer=None, log=None, trees
     and it keeps 8 a function). `log(message)` hears of a compile."""
     length += max(proposer.block_size if proposer is not None else 0, TREE_WIDTHS[-1] if trees else 0)
     d = state.get("static")
-    if d is None or d.max_len < length or trees and not d.trees:
+    other_drafter = proposer is not None and (d is not None and (d.layer_ids != proposer.layer_ids
+                                                                  or d.verify_width != proposer.block_size))
+    if d is None or d.max_len < length or trees and not d.trees or other_drafter:
         trees = trees or (d is not None and d.trees)
         drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids, "verify_width": proposer.block_size}
         native = target.device.type == "cpu"
@@ -561,131 +567,55 @@ def collector_paused():
             gc.enable()
 
 
-def check_greedy(temperature: float) -> None:
-    if temperature != 0:
-        raise DFlashError(f"method ar-static decodes greedily; --temperature {temperature} needs method ar")
+class StaticBackend:
+    """Our compiled step as a backend of the loops in decode/speculative.py (the same verbs as HfBackend): a chain
+    of the decoder's verify width, or any tree up to its widest compiled width, in one step whose rows are the
+    one-token step's; `commit` moves the accepted path's KV where plain decoding writes it. Rejected slots need
+    no crop: the next write overwrites them."""
 
+    engine = "static"
+    by_paths = False
+    timer = None
 
-def generate_static(method: str, target, state: dict, prompt_ids: list[int], max_new_tokens: int, proposer=None,
-                    ngram=None, trees: bool = False, log=None):
-    """One answer of a static method (ar-static, chain-static, NAME-static trees) on `state`'s decoder (built or
-    rebuilt by decoder_for; `trees`: give it tree widths now even for ar-static, so that one set of steps serves
-    every method of a run). `ngram`: a tree method's n-gram lookup, kept by the caller across prompts."""
-    from dflashkit.decode.methods import STATIC_AR, STATIC_CHAIN, static_tree
-    from dflashkit.decode.speculative import tree_drafts
+    def __init__(self, decoder: StaticDecoder):
+        self.d, self.target = decoder, decoder.target
+        self.widest = max(decoder.tree_widths, default=decoder.verify_width or 1)
+        self.cost = decoder.tree_cost
 
-    tree = static_tree(method)
-    d = decoder_for(target, state, len(prompt_ids) + max_new_tokens, proposer, log=log, trees=trees or tree is not None)
-    if method == STATIC_AR:
-        return generate_static_ar(d, prompt_ids, max_new_tokens)
-    if method == STATIC_CHAIN:
-        return generate_static_chain(d, proposer, prompt_ids, max_new_tokens)
-    drafts = tree_drafts(tree, proposer, cost=d.tree_cost, ngram=ngram)
-    return generate_static_tree(d, drafts, prompt_ids, max_new_tokens, method=method)
+    def session(self):
+        return collector_paused()
 
+    def prefill(self, ids: list[int], layer_ids):
+        d = self.d
+        if layer_ids is not None and list(layer_ids) != d.layer_ids:
+            raise DFlashError(f"static decoder built for layers {d.layer_ids}; the drafter needs {list(layer_ids)}")
+        out = d.prefill(ids)
+        logits, feats = out if d.layer_ids is not None else (out, None)
+        self.start = len(ids)
+        return logits[None], feats
 
-@torch.no_grad()
-def generate_static_ar(decoder: StaticDecoder, prompt_ids: list[int], max_new_tokens: int = 256, stop_ids=None):
-    """Greedy plain decoding on a StaticDecoder: the same Generation record as `generate_ar`."""
-    from dflashkit.decode.speculative import Generation, _begin, emit
+    def verify(self, tokens: torch.Tensor, tree=None) -> torch.Tensor:
+        d, n = self.d, len(tokens)
+        self.tree, self.feats = tree, None
+        if tree is None and n == 1:
+            return d.forward(tokens.tolist(), self.start)[None]
+        if tree is None and n != d.verify_width and not d.trees:
+            raise DFlashError(f"static decoder built for block {d.verify_width}; the drafter needs block {n}")
+        if tree is not None and not d.trees:
+            raise DFlashError("static decoder: built without tree widths; build it with trees=True")
+        if tree is None and n == d.verify_width:
+            logits, self.feats = d.verify(tokens.to(d.embed.device), self.start)
+            return logits
+        if tree is None:
+            from dflashkit.decode.speculative import chain_tree
 
-    timer, stops, _ = _begin(decoder.target, stop_ids)
-    with timer("prefill"):
-        token = int(decoder.forward(prompt_ids, 0).argmax())
-    tokens: list[int] = []
-    done = emit(tokens, [token], stops, max_new_tokens)
-    pos, accepted = len(prompt_ids), []
-    with collector_paused():
-        while not done:
-            with timer("verify"):
-                token = int(decoder.forward([token], pos).argmax())
-            accepted.append(1)
-            pos += 1
-            done = emit(tokens, [token], stops, max_new_tokens)
-    return Generation("ar-static", tokens, accepted, timer.finish())
+            tree = self.tree = chain_tree(tokens)
+        logits, self.feats = d.verify_tree(tree, self.start)
+        return logits
 
+    def commit(self, keep: list[int]):
+        if self.tree is not None:
+            self.d.commit(self.start, keep[1:])
+        self.start += len(keep)
+        return self.feats[:, keep] if self.feats is not None else None
 
-@torch.no_grad()
-def generate_static_chain(decoder: StaticDecoder, proposer, prompt_ids: list[int], max_new_tokens: int = 256,
-                          stop_ids=None):
-    """Greedy chain speculative decoding on the decoder's compiled steps: one drafter pass and one verify of B
-    tokens a round. The verify's rows are plain decoding's own one-token rows, so the output is ar-static's
-    token for token; a rejected draft needs no crop (the next verify overwrites its slots)."""
-    from dflashkit.decode.sampling import GREEDY
-    from dflashkit.decode.speculative import Generation, _begin, draft_block, emit, greedy_accepted
-
-    if decoder.verify_width != proposer.block_size or decoder.layer_ids != proposer.layer_ids:
-        raise DFlashError(f"static decoder built for block {decoder.verify_width}, layers {decoder.layer_ids}; "
-                          f"the drafter needs block {proposer.block_size}, layers {proposer.layer_ids}")
-    timer, stops, _ = _begin(decoder.target, stop_ids)
-    with timer("prefill"):
-        logits, feats = decoder.prefill(prompt_ids)
-    bonus = logits.argmax()[None]
-    tokens: list[int] = []
-    done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
-    proposer.reset(prompt_ids)
-    start, accepted = len(prompt_ids), []
-    with collector_paused():
-        while not done:
-            with timer("draft"):
-                drafts, _ = draft_block(proposer, feats, bonus, start, GREEDY, None)
-            block = torch.cat([bonus, drafts])
-            with timer("verify"):
-                logits, feats = decoder.verify(block, start)
-            posterior = logits.argmax(-1)
-            a = greedy_accepted(block, posterior)
-            feats, bonus = feats[:, : a + 1], posterior[a : a + 1]
-            accepted.append(a + 1)
-            start += a + 1
-            done = emit(tokens, block[1 : a + 1].tolist() + bonus.tolist(), stops, max_new_tokens)
-    return Generation("chain-static", tokens, accepted, timer.finish())
-
-
-@torch.no_grad()
-def generate_static_tree(decoder: StaticDecoder, drafts, prompt_ids: list[int], max_new_tokens: int = 256,
-                         stop_ids=None, method: str = "tree-static"):
-    """Greedy tree speculative decoding (DDTree, n-gram branches, both; `drafts` a TreeDrafts) on the decoder's
-    compiled steps: the round's tree in one flat verify (`verify_tree`), the target's walk, one `commit` of the
-    accepted path into the cache. Every node's logits are the one-token step's at its position, so the output is
-    ar-static's token for token. A cost-aware tree is sized by the decoder's own step times (`tree_cost`); any
-    tree is cut to the widest compiled verify."""
-    from dflashkit.decode.speculative import Generation, _begin, emit
-    from dflashkit.tree import subtree, walk
-
-    if drafts.drafter is not None and decoder.layer_ids != drafts.layer_ids:
-        raise DFlashError(f"static decoder built for layers {decoder.layer_ids}; the drafter needs {drafts.layer_ids}")
-    if not decoder.trees:
-        raise DFlashError("static decoder: built without tree widths; build it with trees=True")
-    timer, stops, _ = _begin(decoder.target, stop_ids)
-    with timer("prefill"):
-        out = decoder.prefill(prompt_ids)
-    logits, feats = out if decoder.layer_ids is not None else (out, None)
-    bonus = logits.argmax()[None]
-    tokens: list[int] = []
-    done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
-    drafts.reset(prompt_ids)
-    drafts.by_paths = False
-    widest = decoder.tree_widths[-1]
-    start, accepted = len(prompt_ids), []
-    with collector_paused():
-        while not done:
-            t_round, t_verify, t_draft = time.perf_counter(), timer.times["verify"], timer.times["draft"]
-            tree = drafts.propose(feats, bonus, start, timer)
-            if len(tree) > widest:  # parents precede children: the first nodes are a tree
-                tree = subtree(tree, range(widest))
-            with timer("verify"):
-                node_logits, node_feats = decoder.verify_tree(tree, start)
-            choice = node_logits.argmax(-1)
-            path = walk(tree, choice.tolist())
-            decoder.commit(start, path)
-            keep = [0] + path
-            feats = node_feats[:, keep] if node_feats is not None else None
-            accepted.append(len(path) + 1)
-            new = tree.tokens[path].tolist()
-            bonus, start = choice[keep[-1:]], start + len(path) + 1
-            drafts.observe(new, int(bonus))
-            done = emit(tokens, new + bonus.tolist(), stops, max_new_tokens)
-            spent = (time.perf_counter() - t_round - (timer.times["verify"] - t_verify)
-                     - (timer.times["draft"] - t_draft))
-            drafts.fixed = spent if len(accepted) == 1 else 0.9 * drafts.fixed + 0.1 * spent
-    return Generation(method, tokens, accepted, timer.finish())

@@ -49,10 +49,10 @@ class DemoConfig:
     bench_prompts: int | None = None
     bench_max_new_tokens: int = 256
     bench_methods: str = "ar,ngram,ddtree-8,hybrid-auto,prompt-lookup"  # bench adds ar-stock where kernels differ
-    # the fastest plain decoding a user could run here, beside ours on the eval suite (plain_peers): auto = our
-    # static decoder (when it runs the target; with it hybrid-auto on its steps) and llama.cpp (when
-    # `dflashkit engines install llama.cpp` has run)
+    # the fastest plain decoding a user could run here, beside ours on the eval suite (plain_peers): auto =
+    # llama.cpp (when `dflashkit engines install llama.cpp` has run); ours runs on the engine chosen (`engine`)
     plain_peers: str = "auto"  # auto | none
+    engine: str = "auto"  # the backend our methods run on (decode/engine.py): auto picks the faster here
     # a second suite in another style, never used for training or selection: does the speedup hold there?
     holdout_suite: str = "complete-12"
     holdout_methods: str = "ar,ngram,hybrid-auto,prompt-lookup"
@@ -183,23 +183,15 @@ def refit_training(plan, p: Paths, asked_minutes: float, measured_s: dict[str, f
 
 
 def peer_methods(cfg: DemoConfig, target) -> list[str]:
-    """The plain decoders a speedup is also stated against (the brief's rule: ours and the fastest a user could
-    run on this machine, same weights, dtype and threads, in the same run), and hybrid-auto on the static
-    decoder's steps where they run the target (a CPU: tree verify needs its native kernels)."""
+    """The plain decoders a speedup is also stated against besides ours (the brief's rule: the fastest a user could
+    run on this machine, same weights, dtype and threads, in the same run)."""
     if cfg.plain_peers == "none":
         return []
     if cfg.plain_peers != "auto":
         raise DFlashError(f"demo plain_peers {cfg.plain_peers!r}: use auto or none")
-    from dflashkit.decode.static import geometry_of
     from dflashkit.engines.install import find
 
-    peers = []
-    try:
-        geometry_of(target)
-        peers += ["ar-static"] + (["hybrid-auto-static"] if target.device.type == "cpu" else [])
-    except DFlashError:
-        pass  # a target the static decoder does not run: its refusal names it in `dflashkit bench`
-    return peers + (["llama.cpp"] if find("llama.cpp") is not None else [])
+    return ["llama.cpp"] if find("llama.cpp") is not None else []
 
 
 def bench_suite_methods(cfg: DemoConfig, target) -> str:
@@ -365,7 +357,7 @@ def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
     for suite, methods, max_new_tokens, out in runs:
         prompts = [(it.id, target.chat_ids(it.messages)) for it in suite.items]
         result = run_bench(target, drafter, prompts, parse_methods(methods), max_new_tokens=max_new_tokens,
-                           progress=cfg.progress, cost=cost)
+                           progress=cfg.progress, cost=cost, engine=cfg.engine)
         cost = CostCurve.from_dict(result["cost"])
         result["config"]["suite"] = suite.name
         write_bench(result, out)
@@ -395,8 +387,10 @@ def register(sub) -> None:
     p.add_argument("--bench-prompts", type=int, default=None)
     p.add_argument("--bench-max-new-tokens", type=int, default=256)
     p.add_argument("--plain-peers", choices=("auto", "none"), default="auto",
-                   help="auto: also bench ar-static and llama.cpp (when installed) on the eval suite, the fastest "
-                        "plain decoding a speedup is stated against; none: only ours")
+                   help="auto: also bench llama.cpp (when installed) on the eval suite, the fastest plain decoding "
+                        "a speedup is stated against; none: only ours")
+    p.add_argument("--engine", choices=("auto", "hf", "static"), default="auto",
+                   help="the backend our methods run on: auto (the faster here, measured once), hf or static")
     p.add_argument("--fresh", action="store_true", help="discard every cached stage and start over")
     add_threads_option(p)
     p.set_defaults(func=cmd_demo)
@@ -407,6 +401,7 @@ def cmd_demo(args) -> int:
                      minutes=args.minutes, budget_minutes=args.budget_minutes or None,
                      recipe=args.recipe,
                      train_prompts=args.train_prompts, eval_prompts=args.eval_prompts, bench_prompts=args.bench_prompts,
-                     bench_max_new_tokens=args.bench_max_new_tokens, plain_peers=args.plain_peers)
+                     bench_max_new_tokens=args.bench_max_new_tokens, plain_peers=args.plain_peers,
+                     engine=args.engine)
     run_demo(cfg, fresh=args.fresh)
     return 0

@@ -14,7 +14,7 @@ from pathlib import Path
 from dflashkit.fileio import read_json, write_json, write_text
 
 BAR = {"best_speedup": 1.6, "vs_fastest_plain": 1.5, "ahead_of_prompt_lookup": 0.3, "ddtree8_tau": 2.0, "verify9_ratio": 1.25}
-BASELINES = ("ar", "ar-stock", "hf-generate", "ar-static", "llama.cpp", "vllm")  # plain decoders; prompt-lookup
+BASELINES = ("ar", "ar-stock", "hf-generate", "ar@hf", "ar@static", "llama.cpp", "vllm")  # plain decoders; prompt-lookup
 #                                                                                  (transformers') is a baseline too
 DRAFTERS = ("trained", "first-checkpoint", "untrained")
 ANCHORS = ("stride", "walk")
@@ -310,7 +310,7 @@ def write_report(root: Path, cfg, device, timings: dict, plan: str = "") -> dict
     brows = [[m.name, m.tau, m.tokens_per_s, m.speedup_vs_ar, m.speedup_vs_fastest_plain, m.speedup_vs_prompt_lookup,
               m.ceiling] for m in res.bench.methods.values()]
     lines += ["## Online speculative decoding (live target, temperature 0)", "",
-              "ar-static and llama.cpp (when installed: `make engines`) are plain decoders beside ours, the same "
+              "ar on the other backend and llama.cpp (when installed: `make engines`) are plain decoders beside ours, the same "
               "weights, dtype and threads: a speedup holds against the fastest of them too.", "",
               markdown_table(["method", "tau", "tokens/s", "speedup vs AR", f"vs fastest plain ({res.bench.fastest_plain})",
                               "vs prompt-lookup", "ceiling"], brows),

@@ -1,0 +1,131 @@
+"""Which backend runs a method (`--engine auto|hf|static`): `hf`, transformers' own forward (the reference, every
+family), or `static`, our compiled step (decode/static.py: Llama-type targets). Methods are written once over
+either (decode/speculative.py). Which one is faster depends on the CPU (on a bf16 Xeon static was 1.6x hf, on a
+float32-only Zen 3 0.9x), so `auto` measures both on this machine once (a one-token step and an 8-node verify,
+about 10 s, plus the static step's compile) and caches the answer per CPU, target, dtype and threads; where static
+refuses a target, auto says why and runs hf."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from dflashkit.decode.methods import ENGINES, STATIC_KINDS, parse_method
+from dflashkit.errors import DFlashError
+
+
+def static_refusal(target) -> str | None:
+    """Why the static backend cannot run `target` (its message names the config field), or None."""
+    from dflashkit.decode.static import geometry_of
+
+    if target.device.type != "cpu":
+        return f"target {target.name} is on {target.device}: the static backend's trees run on CPU kernels"
+    try:
+        geometry_of(target)
+    except DFlashError as e:
+        return str(e)
+    return None
+
+
+def check_engine(engine: str, method: str) -> None:
+    if engine not in ENGINES:
+        raise DFlashError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "static" and parse_method(method)[0] not in STATIC_KINDS:
+        raise DFlashError(f"method {method!r} is transformers' own loop (or an engine peer): it runs on --engine hf; "
+                          f"the static backend runs {', '.join(STATIC_KINDS)}")
+
+
+def resolve(engine: str, target, method: str, state: dict, log=None) -> str:
+    """`engine` for `method` on `target`, with `auto` made concrete (cached in `state` for the run)."""
+    check_engine(engine, method)
+    if engine != "auto":
+        if engine == "static" and (why := static_refusal(target)):
+            raise DFlashError(why)
+        return engine
+    kind = parse_method(method)[0]
+    if kind not in STATIC_KINDS:
+        return "hf"
+    if "auto" not in state:
+        why = static_refusal(target)
+        if why is not None:
+            _say(log, f"engine auto: hf ({why})")
+            state["auto"] = {"plain": "hf", "speculative": "hf"}
+        else:
+            state["auto"] = probe(target, state, log)
+    return state["auto"]["plain" if kind == "ar" else "speculative"]
+
+
+def _say(log, message: str) -> None:
+    (log or (lambda m: print(m, file=sys.stderr)))(message)
+
+
+def machine_key(target) -> tuple[str, dict]:
+    """What a probe's answer depends on: the CPU (model and its vector flags), the target's weights, dtype, threads
+    and torch's version."""
+    cpu, flags = platform.processor(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and cpu in ("", platform.processor()):
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    vector = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    ident = target.identity()
+    record = {"cpu": cpu, "flags": vector, "target": ident.get("weights_hash") or ident.get("name"),
+              "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+              "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16], record
+
+
+def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
+    """Time both backends on this machine (cached under $DFLASHKIT_HOME/engine-probe): the one-token step (what
+    plain decoding runs) and one-token + 8-node verify (what a speculative round spends on the target)."""
+    from dflashkit.decode.cost import measure_cost_curve
+    from dflashkit.decode.static import decoder_for
+    from dflashkit.fileio import home, write_json
+    from dflashkit.target.invariant import row_invariant
+
+    key, record = machine_key(target)
+    path = home() / "engine-probe" / f"{key}.json"
+    if path.is_file():
+        found = json.loads(path.read_text())
+        _say(log, f"engine auto: plain on {found['plain']}, speculative on {found['speculative']} (measured on "
+                  f"{found['cpu']}; {path})")
+        return found
+    _say(log, "engine auto: timing the hf and static backends on this machine (once; cached)")
+    t0 = time.perf_counter()
+    with row_invariant(target.model):
+        curve = measure_cost_curve(target, ns=(1, 8), repeats=repeats)
+    d = decoder_for(target, state, 512, trees=True, log=log)
+    hf = {"1": curve(1), "8": curve(8)}
+    static = {"1": d.step_s[1], "8": d.step_s[8]}
+    pick = lambda k: "static" if sum(static[x] for x in k) < sum(hf[x] for x in k) else "hf"
+    found = {**record, "hf_s": hf, "static_s": static, "plain": pick(("1",)), "speculative": pick(("1", "8")),
+             "probe_s": round(time.perf_counter() - t0, 1)}
+    write_json(path, found)
+    _say(log, f"engine auto: plain on {found['plain']} (one token: hf {1e3 * hf['1']:.1f} ms, static "
+              f"{1e3 * static['1']:.1f}), speculative on {found['speculative']} (8-node verify: hf "
+              f"{1e3 * hf['8']:.1f} ms, static {1e3 * static['8']:.1f})")
+    return found
+
+
+def open_backend(engine: str, target, method: str, state: dict, length: int, proposer=None, cost=None, log=None):
+    """The backend that runs `method` (engine already resolved): a fresh HfBackend, or `state`'s static decoder
+    (built, or rebuilt longer, for `length` positions, the drafter's layers and block, and tree widths)."""
+    from dflashkit.decode.speculative import HfBackend
+
+    if engine == "hf":
+        return HfBackend(target, cost)
+    from dflashkit.decode.static import StaticBackend, decoder_for
+
+    kind = parse_method(method)[0]
+    trees = kind in ("ddtree", "ngram", "hybrid") or state.get("trees", False)
+    return StaticBackend(decoder_for(target, state, length, proposer, log=log, trees=trees))
