@@ -54,6 +54,28 @@ class Oracle:
         return idx
 
 
+def eager_decoders(monkeypatch, length: int = 160):
+    """decoder_for builds eager static steps (compiling costs a minute): one decoder per run, as the real one
+    shares, rebuilt for another drafter or for trees."""
+    from dflashkit.decode import static
+
+    real = static.StaticDecoder
+
+    def eager(target, state, n, proposer=None, log=None, trees=False):
+        d = state.get("static")
+        other = proposer is not None and d is not None and (d.layer_ids, d.verify_width) != (
+            proposer.layer_ids, proposer.block_size)
+        n += 32  # room for the last verify, as decoder_for leaves
+        if d is None or trees and not d.trees or other or d.max_len < n:
+            drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids,
+                                                    "verify_width": proposer.block_size}
+            d = state["static"] = real(target, max(length, n), compile=False, trees=trees, **drafting)
+            d.warm(timed=1)
+        return d
+
+    monkeypatch.setattr(static, "decoder_for", eager)
+
+
 def chi_square(counts: dict, probs: torch.Tensor, n: int) -> tuple[float, float]:
     """Pearson statistic over bins of expected count >= 5 plus one pooled bin for the rest, and its critical
     value at p = 1e-4 (Wilson-Hilferty approximation of the chi-square quantile)."""

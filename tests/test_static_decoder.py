@@ -16,6 +16,7 @@ from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_reduce, St
 from dflashkit.errors import DFlashError
 from dflashkit.target.fixtures import make_tiny_target
 from dflashkit.target.model import load_target
+from helpers import eager_decoders
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -153,22 +154,6 @@ def test_other_families_are_refused_by_name(tmp_path):
     t = load_target(make_tiny_target("gpt_oss", tmp_path / "g"), device="cpu", dtype="float32")
     with pytest.raises(DFlashError, match=r"model_type = 'gpt_oss'.*dense-attention Llama-type.*--engine hf"):
         StaticDecoder(t, 64, compile=False)
-
-
-def eager_decoders(monkeypatch):
-    """decoder_for builds eager steps (compiling costs a minute): one decoder per run, as the real one shares."""
-    real = StaticDecoder
-
-    def eager(target, state, n, proposer=None, log=None, trees=False):
-        d = state.get("static")
-        if d is None or trees and not d.trees:
-            drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids,
-                                                    "verify_width": proposer.block_size}
-            d = state["static"] = real(target, 160, compile=False, trees=trees, **drafting)
-            d.warm(timed=1)
-        return d
-
-    monkeypatch.setattr(static, "decoder_for", eager)
 
 
 def test_bench_runs_plain_decoding_on_both_engines(tiny_targets, monkeypatch):

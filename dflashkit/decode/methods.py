@@ -23,9 +23,10 @@ def parse_method(name: str) -> tuple[str, int | str | None]:
         return name.strip(), None
     m = re.fullmatch(r"(ar|chain|ddtree|ngram|hybrid|prompt-lookup|hf-generate)(?:-([0-9]+|auto))?", name.strip())
     sized = {"ddtree": r"[0-9]+|auto", "hybrid": r"[0-9]+|auto", "prompt-lookup": r"[0-9]+"}
-    if m is None and name.strip().endswith("-static"):
-        base = name.strip().removesuffix("-static")
-        raise ValueError(f"method {name!r}: the backend is its own option now; use --method {base} --engine static")
+    engine = next((e for e in ENGINES if name.strip().endswith(f"-{e}")), None)
+    if m is None and engine is not None:  # the old spelling of a method on a backend
+        base = name.strip()[: -len(engine) - 1]
+        raise ValueError(f"method {name!r}: the backend is its own option now; use --method {base} --engine {engine}")
     if m is None or m.group(2) == "0" or (m.group(2) is not None and
                                           not re.fullmatch(sized.get(m.group(1), "(?!)"), m.group(2))):
         raise ValueError(f"unknown method {name!r}; use {METHODS_HELP}")

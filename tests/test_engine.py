@@ -1,0 +1,146 @@
+"""One decode engine over two backends (issue 49): every method name runs through `generate()` on hf and on static
+and records which ran, greedy outputs equal plain decoding on either, trees are verified whole (never cut to a
+compiled width), `auto` picks by a measured, cached probe and falls back to hf where static refuses a target, and
+the compiled static program (not only its eager twin) decodes as transformers does."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflashkit.decode import engine as engines
+from dflashkit.decode.cost import CostCurve
+from dflashkit.decode.methods import parse_method
+from dflashkit.decode.speculative import generate
+from dflashkit.errors import DFlashError
+from dflashkit.target.fixtures import make_tiny_target
+from dflashkit.target.model import load_target
+from helpers import Oracle, eager_decoders
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+METHODS = ("ar", "chain", "ddtree", "ddtree-4", "ddtree-auto", "ngram", "hybrid", "hybrid-4", "hybrid-auto",
+           "prompt-lookup", "prompt-lookup-5", "hf-generate")
+TRANSFORMERS_LOOPS = ("prompt-lookup", "prompt-lookup-5", "hf-generate")
+
+
+def prompt(t):
+    return t.chat_ids([{"role": "user", "content": "def add(a, b): return a + b  # and more text"}])
+
+
+def oracle_for(t, ids, n, layers=(1, 2), B=4):
+    plain = generate(t, ids, "ar", max_new_tokens=n).tokens
+    wrong = {len(ids) + k for k in (3, 7, 8, 13)}
+    return plain, Oracle(ids + plain + [0] * 2 * B, B, t.vocab_size, wrong, list(layers))
+
+
+@pytest.mark.parametrize("backend", ["hf", "static"])
+def test_every_method_name_runs_through_generate_on_each_backend(tiny_targets, monkeypatch, backend):
+    """Each name of METHODS_HELP on each backend: the tokens are plain greedy decoding's, the Generation records the
+    backend that ran; transformers' own loops run on hf and are refused on static with the reason."""
+    eager_decoders(monkeypatch)
+    t = tiny_targets["llama"]
+    ids = prompt(t)
+    plain, oracle = oracle_for(t, ids, 24)
+    state = {"trees": True}
+    for method in METHODS:
+        if backend == "static" and method in TRANSFORMERS_LOOPS:
+            with pytest.raises(DFlashError, match=f"method '{method}' is transformers' own loop.*--engine hf"):
+                generate(t, ids, method, oracle, max_new_tokens=24, engine=backend, state=state)
+            continue
+        g = generate(t, ids, method, oracle, max_new_tokens=24, engine=backend, state=state,
+                     cost=CostCurve([1, 32], [0.01, 0.02]))
+        assert g.tokens == plain, method
+        assert g.engine == ("hf" if method in TRANSFORMERS_LOOPS else backend), method
+
+
+def test_an_old_static_name_says_how_to_spell_it_now():
+    for old, new in (("ar-static", "--method ar --engine static"), ("hybrid-auto-static", "--method hybrid-auto "
+                                                                   "--engine static"), ("chain-hf", "--method chain --engine hf")):
+        with pytest.raises(ValueError, match=re.escape(f"the backend is its own option now; use {new}")):
+            parse_method(old)
+    source = (Path(engines.__file__).parent / "methods.py").read_text()
+    assert "-static" not in source  # one vocabulary: no method name carries a backend
+
+
+@pytest.mark.parametrize("method,most", [("ddtree-8", 9), ("ddtree-16", 17), ("ngram", 11), ("hybrid-8", 19)])
+def test_the_static_backend_verifies_every_node_a_tree_method_builds(tiny_targets, monkeypatch, method, most):
+    """The nodes verified per round, counted at the backend: the budget asked (+ the root, + the n-gram branch),
+    on static as on hf. The old decoder verified at most 8 (its widest compiled width) and dropped the rest."""
+    from dflashkit.decode import speculative, static
+
+    eager_decoders(monkeypatch)
+    t = tiny_targets["llama"]
+    ids = prompt(t) * 2  # repeated text: the n-gram lookup finds continuations
+    _, oracle = oracle_for(t, ids, 30)
+    seen = {"hf": [], "static": []}
+    for name, cls in (("hf", speculative.HfBackend), ("static", static.StaticBackend)):
+        real = cls.verify
+        monkeypatch.setattr(cls, "verify", lambda self, tokens, tree=None, real=real, name=name:
+                            seen[name].append(len(tokens)) or real(self, tokens, tree))
+    out = {e: generate(t, ids, method, oracle, max_new_tokens=30, engine=e, state={}).tokens for e in seen}
+    assert out["hf"] == out["static"]
+    assert max(seen["static"]) == max(seen["hf"]) and max(seen["static"]) <= most
+    if method.startswith("ddtree"):
+        assert max(seen["static"]) == most  # a full budget-N DDTree every drafted round
+
+
+def test_auto_runs_hf_where_static_refuses_the_target_and_says_why(tmp_path):
+    t = load_target(make_tiny_target("gpt_oss", tmp_path / "g"), device="cpu", dtype="float32")
+    said = []
+    assert engines.resolve("auto", t, "hybrid-auto", {}, said.append) == "hf"
+    assert said == [f"engine auto: hf (target {t.name}: config.json field model_type = 'gpt_oss': only dense-attention "
+                    "Llama-type targets (llama, qwen2, qwen3, mistral) run in the static step; use --engine hf for "
+                    "this target)"]
+    with pytest.raises(DFlashError, match="model_type = 'gpt_oss'"):
+        engines.resolve("static", t, "ar", {})
+    assert engines.resolve("auto", t, "prompt-lookup", {}) == "hf"
+    with pytest.raises(DFlashError, match="--engine 'fast': use one of auto, hf, static"):
+        engines.resolve("fast", t, "ar", {})
+
+
+@pytest.mark.slow
+def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets, tmp_path, monkeypatch):
+    """The real probe on the compiled static step: timed once, written with the CPU named, then read back (no
+    second measurement) by a later run; plain and speculative each get the faster backend of the probe."""
+    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
+    t = tiny_targets["llama"]
+    said = []
+    found = engines.real_probe(t, {}, said.append, repeats=3)
+    files = list((tmp_path / "engine-probe").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text()) == found
+    for kind, widths in (("plain", ("1",)), ("speculative", ("1", "8"))):
+        faster = min(("hf", "static"), key=lambda e: sum(found[f"{e}_s"][w] for w in widths))
+        assert found[kind] == faster
+    assert found["cpu"] and found["threads"] == torch.get_num_threads() and found["dtype"] == "float32"
+    monkeypatch.setattr(engines, "decoder_for", None, raising=False)  # a second measurement would fail here
+    assert engines.real_probe(t, {}, said.append) == found
+    assert said[-1].startswith(f"engine auto: plain on {found['plain']}") and str(files[0]) in said[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_compiled_static_program_decodes_as_hf(tiny_dirs, dtype):
+    """What users run: the steps compiled by inductor with the native kernels (every test above runs them eagerly).
+    Plain decoding equals hf's tokens in float32 (in bf16 the two backends' kernels round differently, so there
+    the compiled step is held to its own eager twin bit for bit), and chain and trees equal static plain decoding."""
+    from dflashkit.decode.static import StaticDecoder
+
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype=dtype)
+    ids = prompt(t)
+    _, oracle = oracle_for(t, ids, 40)
+    state = {"static": StaticDecoder(t, 2048, layer_ids=[1, 2], verify_width=4, trees=True)}
+    state["static"].warm(timed=1)
+    plain = generate(t, ids, "ar", max_new_tokens=40, engine="static", state=state).tokens
+    if dtype == "float32":
+        assert plain == generate(t, ids, "ar", max_new_tokens=40).tokens
+    else:
+        eager = {"static": StaticDecoder(t, 2048, layer_ids=[1, 2], verify_width=4, trees=True, compile=False)}
+        assert plain == generate(t, ids, "ar", max_new_tokens=40, engine="static", state=eager).tokens
+    for method in ("chain", "ddtree-8", "hybrid-auto", "ngram"):
+        g = generate(t, ids, method, oracle, max_new_tokens=40, engine="static", state=state)
+        assert g.tokens == plain and g.engine == "static", method
+    assert set(state["static"].compile_s) == {1, 32, 4, 8, 16, 24}
