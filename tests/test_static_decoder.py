@@ -260,7 +260,6 @@ def test_the_collector_is_paused_for_a_decode_loop_and_restored(tiny_targets, mo
     found it: on when it was on, off when it was off, and back on after an error inside the loop."""
     import gc
 
-    from dflashkit.decode import static
 
     d = StaticDecoder(tiny_targets["llama"], 128, compile=False)
     seen = []
