@@ -267,7 +267,7 @@ def check_static(target, S, device, smoke: bool) -> dict:
     try:
         geometry_of(target)
     except DFlashError as e:
-        return {"target": target.name, "method": "ar-static", "skipped": str(e)[:120]}
+        return {"target": target.name, "method": "ar", "engine": "static", "skipped": str(e)[:120]}
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(3, target.vocab_size, (S["prompt_len"],), generator=g).tolist()
     N = S["new_tokens"]
@@ -276,7 +276,7 @@ def check_static(target, S, device, smoke: bool) -> dict:
     generate_ar(StaticBackend(d), prompt, 4)
     gen, ar = generate_ar(StaticBackend(d), prompt, N), generate_ar(target, prompt, N)
     diff = [i for i, (a, b) in enumerate(zip(gen.tokens, ar.tokens)) if a != b]
-    return {"target": target.name, "method": "ar-static", "kernels": d.kernels, "compile_s": sum(d.compile_s.values()),
+    return {"target": target.name, "method": "ar", "engine": "static", "kernels": d.kernels, "compile_s": sum(d.compile_s.values()),
             "ms_per_token": 1e3 * d.step_s[1], "tokens_per_s": len(gen.tokens) / max(1e-9, gen.times["total"]),
             "ar_tokens_per_s": len(ar.tokens) / max(1e-9, ar.times["total"]),
             "mismatches_vs_ar": len(diff) + abs(len(gen.tokens) - len(ar.tokens)), "first_mismatch": diff[0] if diff else None}

@@ -21,14 +21,15 @@ from common import cpu_name, write_results
 
 def run(method: str, args, busy: bool) -> tuple[float, str]:
     """(tokens/s over the prompts, the CLI's thread line or '') of one `dflashkit generate` process."""
-    method, _, threads = method.partition("@")  # NAME@N: --threads N instead of the default
+    method, _, threads = method.partition("@")  # NAME[:ENGINE]@N: --threads N instead of the default
+    method, _, engine = method.partition(":")
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         time.sleep(0.5 if busy else 0)
         res = subprocess.run([sys.executable, "-m", "dflashkit.cli", "generate", "--target", args.target,
                               "--method", method, "--prompts", "coding-10", "--num-prompts", str(args.prompts),
                               "--max-new-tokens", str(args.new), "--dtype", args.dtype, "--json"]
-                             + (["--threads", threads] if threads else []),
+                             + (["--threads", threads] if threads else []) + ["--engine", engine or "auto"],
                              capture_output=True, text=True, check=True)
     finally:
         if spin is not None:
@@ -51,7 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--methods", default="ar-static,ar,ar-static@2", help="NAME@N: with --threads N")
+    ap.add_argument("--methods", default="ar:static,ar:hf,ar:static@2",
+                    help="NAME[:ENGINE][@N]: on --engine ENGINE (default auto), with --threads N")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)

@@ -17,6 +17,8 @@ _EXPORTS = {
     "load_drafter": "dflashkit.drafter.checkpoint",
     "save_drafter": "dflashkit.drafter.checkpoint",
     "DraftHead": "dflashkit.drafter.head",
+    "DFlashProposer": "dflashkit.decode.speculative",
+    "generate": "dflashkit.decode.speculative",
 }
 __all__ = ["__version__", *_EXPORTS]
 

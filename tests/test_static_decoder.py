@@ -1,6 +1,6 @@
 """The static decoder (issue 38): the Llama step written out over a static KV cache. Its logits are transformers'
 own (float32), its greedy output is our `ar`'s, a target it cannot run is refused by name, and `bench` runs it as
-`ar-static`, recording how it compares with `ar`. The compiled steps are timed by benchmarks, not here: these
+the static backend (`--engine static`), recording how it compares with hf. The compiled steps are timed by benchmarks, not here: these
 tests run the same step eagerly (compiling costs a minute)."""
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def test_bench_holds_each_static_row_to_plain_decoding_on_its_own_engine(tiny_ta
 
 
 def test_the_collector_is_paused_for_a_decode_loop_and_restored(tiny_targets, monkeypatch):
-    """ar-static decodes with Python's collector off (its collections cost 5-6% of a step) and leaves it as it
+    """Plain decoding on the static backend runs with Python's collector off (its collections cost 5-6% of a step) and leaves it as it
     found it: on when it was on, off when it was off, and back on after an error inside the loop."""
     import gc
 
@@ -311,7 +311,7 @@ def test_a_tree_verify_row_is_the_one_token_step_and_commit_makes_it_a_chain(tin
 
 @pytest.mark.parametrize("method", ["ddtree-8", "hybrid-auto", "ngram"])
 def test_trees_on_the_static_steps_are_ar_static_token_for_token(tiny_dirs, method):
-    """DDTree, n-gram and their cost-aware merge on the static steps (bf16 weights) equal ar-static, with an
+    """DDTree, n-gram and their cost-aware merge on the static steps (bf16 weights) equal its plain decoding, with an
     oracle drafter whose planted mistakes DDTree recovers through a sibling."""
     from dflashkit.decode.speculative import tree_drafts
     from helpers import Oracle
@@ -345,3 +345,31 @@ def test_a_tree_wider_than_the_static_backend_verifies_is_refused_not_cut(tiny_t
         generate_tree(StaticBackend(d), tree_drafts("ngram", None), prompt(t), 20, method="ngram")
     with pytest.raises(DFlashError, match="tree verify needs kernels 'native'"):
         StaticDecoder(t, 64, compile=False, kernels="reduce", trees=True)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_wrong_static_step_fails_a_bf16_bench_with_the_position_named(tiny_dirs, monkeypatch, planted):
+    """Issue 54: in bf16 the two backends' tokens may part at a near-tie, so tokens alone let a slightly wrong
+    step through. The bench checks the static step's logits against transformers' float32 forward over the same
+    weights: one weight scaled by 1.01 fails, naming the position; the honest step passes."""
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16")
+    real = StaticDecoder
+
+    def built(target, state, n, proposer=None, log=None, trees=False):
+        if "static" not in state:
+            d = state["static"] = real(target, 256, compile=False)
+            if planted:
+                layer, stride, _, _ = static.geometry_of(target).layout()
+                off, shape = layer["o"]
+                d.arena[stride + off: stride + off + shape[0] * shape[1]] *= 1.01  # layer 1's o_proj
+        return state["static"]
+
+    monkeypatch.setattr(static, "decoder_for", built)
+    res = bench.run_bench(t, None, [("a", prompt(t))], ["ar"], max_new_tokens=12, progress=False, warmup=False,
+                          engine="static")
+    step = [x for x in res["mismatches"] if "logit_gap" in x]
+    if not planted:
+        assert step == [] and res["mismatches"] == []
+        return
+    assert step and step[0]["position"] == 0 and step[0]["logit_gap"] > 1e-3
+    assert "the static step's logits" in bench.bench_markdown(res) and "at position 0" in bench.bench_markdown(res)

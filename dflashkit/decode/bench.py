@@ -20,7 +20,7 @@ import torch
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
 from dflashkit.decode.engine import resolve
-from dflashkit.decode.methods import ENGINES, STATIC_KINDS, needs_drafter, parse_method
+from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
 from dflashkit.decode.peers import (TAU_TOLERANCE, check_engines, check_tau, engine_tau, is_engine,
                                    plain_of, predicted_tau, EnginePeer)
 from dflashkit.decode.sampling import GREEDY, Sampling
@@ -109,7 +109,8 @@ def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed
     else:
         def one(ids):
             return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
-                            generator=gen, cost=cost, ngram=ngram, engine=engine, state=state)
+                            generator=gen, cost=cost, ngram=ngram, engine=engine, state=state,
+                            log=state.get("log"))
     with seeded(seed, target.device):  # transformers' generate samples from the global generator
         return decode_conversation(target, item, one)
 
@@ -120,28 +121,57 @@ def _greedy_only(engines: list[str], temperature: float) -> None:
         raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
 
 
-def _engine_parting(target, runs: list[dict], rows: dict, turns: dict) -> tuple[list[dict], list[dict], dict]:
+def _engine_parting(target, runs: list[dict], rows: dict, turns: dict, decoder=None):
     """Plain decoding on the static backend against the reference backend's (hf): in float32 any difference fails;
-    in low precision their kernels round differently, so a late parting at a near-tie (hf's logit gap between the
-    two tokens within the dtype's rounding) is reported, and one in an answer's first 16 tokens or beyond rounding
-    fails. Returns (failures, reported partings, {equal, prompts, parts_at})."""
+    in low precision their kernels round differently, so a parting at a near-tie (hf's logit gap between the two
+    tokens within the dtype's rounding) is reported and a wider one fails; and the static step's own logits are
+    held to a float32 forward over the same weights (check_static_step), which sees a wrong step that tokens alone
+    would pass as rounding. Returns (failures, reported partings, {equal, prompts, parts_at}). (A parting in an
+    answer's first tokens is no sign of a bug in bf16: on a 2-core Zen 4, hf's own bf16 logits tied exactly at
+    tokens 6 and 7 of two coding-10 answers.)"""
     hf = next((label for label, (m, e) in rows.items() if m == "ar" and e == "hf"), None)
     st = next((label for label, (m, e) in rows.items() if m == "ar" and e == "static"), None)
     if hf is None or st is None:
         return [], [], {}
+    step = check_static_step(target, decoder, runs, st) if decoder is not None else []
     ref = {r["prompt"]: r["tokens"] for r in runs if r["method"] == hf}
     parts = {r["prompt"]: common_prefix(r["tokens"], ref[r["prompt"]]) for r in runs
              if r["method"] == st and r["tokens"] != ref[r["prompt"]]}
     summary = {"equal": len(ref) - len(parts), "prompts": len(ref), "parts_at": parts, "against": hf}
     found = [{"prompt": k, "method": st, "against": hf, "first_difference": v} for k, v in parts.items()]
     if target.dtype == torch.float32 or not found:
-        return found, [], summary
+        return step + found, [], summary
     failed, explained = explain_by_rounding(target, turns, runs, found, reference=hf)
-    early = [x for x in explained if x["first_difference"] < EARLY]
-    return failed + early, [x for x in explained if x["first_difference"] >= EARLY], summary
+    return step + failed, explained, summary
 
 
-EARLY = 16  # a parting of the two backends' plain decoding within an answer's first tokens is a bug, not rounding
+STEP_TOLERANCE = 1e-3  # of the largest logit: float32 math over the same weights, summed in another order
+CHECKED = (2, 64)  # prompts whose first tokens the static step is checked on, and how many answer tokens
+
+
+@torch.no_grad()
+def check_static_step(target, decoder, runs: list[dict], label: str) -> list[dict]:
+    """The static step's logits, a token at a time over the first prompts and their answers, against transformers'
+    forward in float32 over the same weights (the step computes in float32 over weights in their own dtype, so
+    the two agree to float32's summation order in every dtype): a gap beyond STEP_TOLERANCE of the largest logit
+    fails, naming the first position past it. Tokens alone cannot see a slightly wrong step in bf16, whose near-tie
+    partings rounding also explains."""
+    import copy
+
+    ref = target.model if target.dtype == torch.float32 else copy.deepcopy(target.model).float()
+    bad = []
+    for r in [r for r in runs if r["method"] == label][: CHECKED[0]]:
+        ids = (r["prompt_ids"] + r["tokens"][: CHECKED[1]])[: decoder.max_len - 1]
+        want = ref(torch.tensor([ids], device=target.device)).logits[0].float()
+        got = torch.stack([decoder.forward([t], i) for i, t in enumerate(ids)])
+        gap = (got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1.0)
+        past = (gap > STEP_TOLERANCE).nonzero()
+        if len(past):
+            i = int(past[0])
+            bad.append({"prompt": r["prompt"], "method": label, "against": "float32 reference",
+                        "first_difference": max(0, i - r["prompt_tokens"] + 1), "position": i,
+                        "logit_gap": float(gap[i]), "tolerance": STEP_TOLERANCE})
+    return bad
 
 
 def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]], methods: list[str],
@@ -164,8 +194,9 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         curve = cost or measure_cost_curve(target, extra=(9,))
         costs = cost_report(target, curve)
     # per run: the static decoder (one set of steps for every method: tree widths when a tree method runs), auto's choice
-    state: dict = {"trees": any(not is_engine(m) and m != STOCK_AR and parse_method(m)[0] in ("ddtree", "ngram", "hybrid")
-                                for m in methods)}
+    state: dict = {"trees": any(parse_method(m)[0] in TREE_KINDS for m in methods if m != STOCK_AR)}
+    # the static step's compile is said where it happens; auto's probe builds the decoder the run then uses
+    state.update(log=log, proposer=proposer)
     rows = engine_rows(target, methods, parse_engines(engine), state, log)
     ours = [m for m in rows if not is_engine(m)]
     methods = ours + [m for m in methods if is_engine(m)]
@@ -177,7 +208,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
                                   progress, curve, peers, state, rows)
     started = {m: p.info for m, p in peers.items()}
-    mismatches, divergences, judged = _judge(target, runs, rows, turns, sampling, switched)
+    mismatches, divergences, judged = _judge(target, runs, rows, turns, sampling, switched, state.get("static"))
     B = proposer.block_size if proposer else None
     categories = {pid: getattr(item, "category", None) for pid, item in prompts}
     summary = summarize_methods(runs, methods, B)
@@ -189,6 +220,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         "config": {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
                    "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
                    "engine": engine, "backends": {label: e for label, (m, e) in rows.items()},
+                   "threads": torch.get_num_threads(), "static_kernels": _kernels_built_for(state.get("static")),
                    "prompts": [p for p, _ in prompts], "categories": categories,
                    "turns": {pid: len(next(iter(t.values()))[0]) for pid, t in turns.items()}, "max_new_tokens": max_new_tokens,
                    **sampling.record(), "sampling": sampling.describe(),
@@ -202,6 +234,17 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         "tau_checks": check_tau(summary),
         "runs": runs,
     }
+
+
+def _kernels_built_for(decoder) -> str | None:
+    """The static step's kernels and the instruction set they were compiled for, where a static row ran."""
+    if decoder is None:
+        return None
+    from dflashkit.decode.native import CFLAGS, instruction_set
+
+    if decoder.kernels != "native":
+        return f"{decoder.kernels} (inductor)"
+    return f"native, {' '.join(f for f in CFLAGS if f.startswith('-m'))} on this CPU: {instruction_set()}"
 
 
 def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -> None:
@@ -219,7 +262,7 @@ def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -
             judged["static_parting"]
 
 
-def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling, switched: bool):
+def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling, switched: bool, decoder=None):
     """(failures, reported divergences, {engine_divergences, parting, static_parting}): ours against plain decoding
     on its own backend, the static backend's plain decoding against hf's, the engine peers against their own."""
     stock = (STOCK_AR,) + PEERS if switched else ()  # other kernels
@@ -229,7 +272,7 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
     mismatches = check_lossless(ours_exact, rows) if sampling.temperature == 0 else []
     engine_mismatches, engine_divergences, parting = _judge_engines(target, runs)
     static_mismatches, static_divergences, static_parting = (
-        _engine_parting(target, runs, rows, turns) if sampling.temperature == 0 else ([], [], {}))
+        _engine_parting(target, runs, rows, turns, decoder) if sampling.temperature == 0 else ([], [], {}))
     divergences = []
     if mismatches and not exact_kernels(target):  # CUDA low precision: a rounding-sized near-tie is not a bug
         mismatches, divergences = explain_by_rounding(target, turns, runs, mismatches)
@@ -278,7 +321,7 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
                 else:
                     c = _run(target, proposer, item, m, max_new_tokens, sampling, sampling.seed + i, curve, state, rows)
                     g = c.generation
-                    runs.append({"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]),
+                    runs.append({"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]), "prompt_ids": c.prompts[0],
                                  "turns": c.lengths, "tokens": g.tokens, "accepted": g.accepted, "times": g.times})
                     if rows.get(m, (m,))[0] == "ar":
                         turns.setdefault(pid, {})[m] = (c.prompts, c.lengths)
@@ -411,7 +454,9 @@ def bench_markdown(result: dict) -> str:
     lines = [f"# Decoding benchmark: {c['target']} on {c['device']} ({c['dtype']})", "",
              f"{len(c['prompts'])} prompts, up to {c['max_new_tokens']} new tokens, "
              f"{c.get('sampling') or 'temperature ' + str(c['temperature'])}, seed {c.get('seed')}, "
-             f"block size {c['block_size']}; methods run in rotated order per prompt after a warm-up.", ""]
+             f"block size {c['block_size']}; methods run in rotated order per prompt after a warm-up; "
+             f"{c.get('threads')} threads; backends: " + ", ".join(f"{m} on {e}" for m, e in (c.get("backends") or {}).items())
+             + (f"; static kernels: {c['static_kernels']}" if c.get("static_kernels") else "") + ".", ""]
     lines += cost_markdown(result.get("cost"))
     fastest = next(iter(result["methods"].values())).get("fastest_plain", "ar")
     headers = ["method", "tau", "tokens/s", "speedup vs ar", f"vs fastest plain ({fastest})", "vs hf-generate",
@@ -438,7 +483,9 @@ def bench_markdown(result: dict) -> str:
         if result["mismatches"]:
             lines.append(f"**LOSSLESS CHECK FAILED**: {len(result['mismatches'])} outputs differ from plain decoding:")
             lines += [f"- {x['method']} on {x['prompt']}: first difference at token {x['first_difference']}"
-                      + (f" (against the engine's own {x['against']})" if "against" in x else "")
+                      + (f" (the static step's logits {x['logit_gap']:.1e} of the largest off transformers' float32 "
+                         f"forward over the same weights at position {x['position']}, beyond {x['tolerance']:.0e})"
+                         if "logit_gap" in x else f" (against {x['against']})" if "against" in x else "")
                       + (f" (logit gap {x['gap']:.4f}, beyond the dtype's rounding {x['tolerance']:.4f})"
                          if "gap" in x else "") for x in result["mismatches"]]
         elif not divergences:

@@ -141,7 +141,8 @@ def cmd_generate(args) -> int:
     target, drafter = _load(args, need_drafter=needs_drafter(args.method))
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
     log = lambda m: print(m, file=sys.stderr)
-    state: dict = {}  # the static decoder (compiled on the first prompt) and auto's choice, kept across prompts
+    # the static decoder (compiled on the first prompt; auto's probe builds it for the drafter) and auto's choice
+    state: dict = {"proposer": proposer}
     engine = resolve(args.engine, target, args.method, state, log)
     with row_invariant(target.model):  # hf's -auto pruning needs the cost of the kernels decoding runs
         cost = measure_cost_curve(target, repeats=3) if size == "auto" and engine == "hf" else None

@@ -41,6 +41,16 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def instruction_set() -> str:
+    """What -march=native builds the kernels for here, in the words a reader compares machines by: the widest
+    vector ISA and whether bf16 dot products are native (what bench and the demo report beside dtype and threads)."""
+    flags = set(_cpu_flags().split())
+    isa = "avx512" if "avx512f" in flags else "avx2+fma" if {"avx2", "fma"} <= flags else "baseline x86-64" \
+        if "sse2" in flags else platform.machine()
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return isa + (f" ({', '.join(bf16)})" if bf16 else ", no native bf16")
+
+
 def _command(out: Path) -> list[str]:
     from torch.utils import cpp_extension
 

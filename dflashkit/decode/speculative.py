@@ -760,6 +760,8 @@ def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Pro
 
     kind, n = parse_method(method)
     state = {} if state is None else state
+    if proposer is not None:  # auto's probe builds the static decoder the run then uses
+        state.setdefault("proposer", proposer)
     engine = resolve(engine, target, method, state, log)
     if kind in ("prompt-lookup", "hf-generate"):
         return generate_hf(target, prompt_ids, max_new_tokens, sampling.temperature,

@@ -528,7 +528,7 @@ class StaticDecoder:
 
 def decoder_for(target, state: dict, length: int, proposer=None, log=None, trees: bool = False) -> StaticDecoder:
     """`state`'s decoder for `target` (with `proposer`'s layers and block when given, and tree widths once a
-    method needs them, so that ar-static, chain-static and the static trees share one set of steps), compiled
+    method needs them, so that plain decoding, chain and the trees of a run share one set of steps), compiled
     before it is returned (so no answer's time includes it), rebuilt longer when a turn needs more slots than it
     has: `length` (prompt + new tokens) plus room for the last verify, rounded up to 512, or 2048 on native
     kernels, whose attention reads only the slots in use (fewer rebuilds: each adds dynamo an entry per width,
