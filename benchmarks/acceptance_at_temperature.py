@@ -29,7 +29,7 @@ from dflashkit.decode.speculative import DFlashProposer, generate  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter  # noqa: E402
 from dflashkit.fileio import write_json, write_text  # noqa: E402
 from dflashkit.prompts import load_prompts  # noqa: E402
-from dflashkit.target.model import load_target  # noqa: E402
+from dflashkit.targets.model import load_target  # noqa: E402
 
 
 def parse_rules(spec: str, T: float) -> list[tuple[str, float | None, float]]:

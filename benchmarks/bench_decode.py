@@ -20,7 +20,7 @@ import torch
 from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench, write_bench
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.prompts import load_prompts
-from dflashkit.target.model import load_target
+from dflashkit.targets.model import load_target
 
 LIMIT = 0.10
 

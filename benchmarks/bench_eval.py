@@ -21,7 +21,7 @@ from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.drafter.head import DraftHead
 from dflashkit.evaluate.offline import _labels, block_embeddings, evaluate_sequence, score_block, stride_anchors
 from dflashkit.prompts import load_prompts
-from dflashkit.target.model import load_target
+from dflashkit.targets.model import load_target
 
 TREES = ["budget:4", "budget:8"]
 

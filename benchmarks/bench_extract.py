@@ -29,8 +29,8 @@ from dflashkit.cache.extraction import _write_record, capture_features
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import load_prompts
 from dflashkit.report import markdown_table
-from dflashkit.target.generation import iter_generate_greedy
-from dflashkit.target.model import load_target
+from dflashkit.targets.generation import iter_generate_greedy
+from dflashkit.targets.model import load_target
 
 
 def timed(fn) -> float:

@@ -31,7 +31,7 @@ import torch
 
 from dflashkit.fileio import write_json, write_text
 from dflashkit.report import markdown_table
-from dflashkit.target.model import load_target
+from dflashkit.targets.model import load_target
 from dflashkit.train.config import load_config
 from dflashkit.cache.sequences import generate_sequences  # noqa: E402
 from dflashkit.train.data import MemorySource, OnlineSource, Sequence

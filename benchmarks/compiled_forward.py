@@ -5,7 +5,7 @@
 benchmarks/cpu_kernels.py times the decoder's linears back to back in one compiled graph. A verify also runs
 attention, norms and rotary embeddings between them, and calls each compiled unit from Python (61 calls per
 forward on SmolLM2), so this times the product itself: the cost curve `bench` measures (one forward over n new
-tokens after a 400-token KV cache), on the stock kernels and on `--kernels compiled` (dflashkit/target/compiled.py),
+tokens after a 400-token KV cache), on the stock kernels and on `--kernels compiled` (dflashkit/targets/compiled.py),
 in alternating rounds so that both see the same machine; the compile seconds; and whether plain greedy decoding on
 the compiled kernels equals the stock one. Writes benchmarks/results/cpu-DATE-compiled-forward.{md,json}.
 """
@@ -26,8 +26,8 @@ from common import cpu_name, write_results  # noqa: E402
 from dflashkit.decode.cost import measure_cost_curve  # noqa: E402
 from dflashkit.decode.speculative import generate  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402
-from dflashkit.target.invariant import row_invariant, stock_kernels  # noqa: E402
-from dflashkit.target.model import load_target  # noqa: E402
+from dflashkit.targets.invariant import row_invariant, stock_kernels  # noqa: E402
+from dflashkit.targets.model import load_target  # noqa: E402
 
 
 def main() -> int:

@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from common import cpu_name, write_results  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402
-from dflashkit.target.compiled import memoise_templates  # noqa: E402
-from dflashkit.target.model import load_target  # noqa: E402
+from dflashkit.targets.compiled import memoise_templates  # noqa: E402
+from dflashkit.targets.model import load_target  # noqa: E402
 
 
 class DecoderLinears(torch.nn.Module):

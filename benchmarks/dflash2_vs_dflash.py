@@ -44,7 +44,7 @@ def build_data(demo: DemoConfig):
     """The demo's data + cache stages only (skipped when their fingerprints match)."""
     from rich.console import Console
 
-    from dflashkit.target.model import pick_device
+    from dflashkit.targets.model import pick_device
 
     p = Paths(Path(demo.out), demo.eval_suite)
     target, _ = load_demo_target(demo)

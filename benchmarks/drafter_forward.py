@@ -27,7 +27,7 @@ from common import cpu_name, write_results  # noqa: E402
 from dflashkit.decode.speculative import DFlashProposer  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402
-from dflashkit.target.model import load_target  # noqa: E402
+from dflashkit.targets.model import load_target  # noqa: E402
 
 
 def main() -> int:

@@ -27,8 +27,8 @@ from common import cpu_name, write_results  # noqa: E402
 from dflashkit.cache.extraction import _batches, capture_features  # noqa: E402
 from dflashkit.demo import DemoConfig, demo_suites  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402
-from dflashkit.target.generation import iter_generate_greedy, iter_generate_with_features  # noqa: E402
-from dflashkit.target.model import load_target  # noqa: E402
+from dflashkit.targets.generation import iter_generate_greedy, iter_generate_with_features  # noqa: E402
+from dflashkit.targets.model import load_target  # noqa: E402
 
 LAYERS = [1, 8, 14, 20, 27]
 

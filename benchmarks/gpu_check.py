@@ -49,8 +49,9 @@ def build_target(config_file: Path, device, dtype, smoke: bool):
     """A Target around a random model of the config's shape (smoke: the tiny fixture of the same architecture)."""
     from transformers import AutoModelForCausalLM
 
-    from dflashkit.target.fixtures import _tokenizer, tiny_config
-    from dflashkit.target.model import Target
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny fixtures: test harness
+    from tiny_targets import _tokenizer, tiny_config
+    from dflashkit.targets.model import Target
 
     spec = yaml.safe_load(config_file.read_text())
     kind = spec["architecture"]

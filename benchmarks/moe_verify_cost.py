@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from dflashkit.report import markdown_table
 def build(kind: str, folder: Path, hidden: int, layers: int, experts: int, top_k: int, expert_width: int):
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
-    from dflashkit.target.fixtures import _tokenizer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny fixtures: test harness
+    from tiny_targets import _tokenizer
 
     common = dict(vocab_size=4096, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=hidden // 8, max_position_embeddings=4096, tie_word_embeddings=False)
@@ -42,7 +44,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=f"benchmarks/results/cpu-{time.strftime('%Y-%m-%d')}-moe-verify-cost")
     args = ap.parse_args()
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     shape = dict(hidden=512, layers=6, experts=16, top_k=2, expert_width=768)
     curves = {}

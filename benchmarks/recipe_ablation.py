@@ -43,7 +43,7 @@ from dflashkit.evaluate.runs import run_eval  # noqa: E402
 from dflashkit.fileio import read_json, write_json, write_text  # noqa: E402
 from dflashkit.prompts import load_prompts  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402
-from dflashkit.target.model import load_target  # noqa: E402
+from dflashkit.targets.model import load_target  # noqa: E402
 
 LEVERS = {"recipe": [], "kl": ["loss=kl"], "warm-start": ["warm_start=true"], "dflash2": ["arch=dflash2"]}
 

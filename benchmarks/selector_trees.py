@@ -22,7 +22,7 @@ from dflashkit.decode.speculative import DFlashProposer, generate  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter  # noqa: E402
 from dflashkit.evaluate.offline import evaluate  # noqa: E402
 from dflashkit.fileio import write_json  # noqa: E402
-from dflashkit.target.model import load_target  # noqa: E402
+from dflashkit.targets.model import load_target  # noqa: E402
 
 
 def main() -> int:

@@ -28,7 +28,7 @@ from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench, wri
 from dflashkit.drafter.checkpoint import load_drafter  # noqa: E402
 from dflashkit.fileio import write_text  # noqa: E402
 from dflashkit.prompts import select_prompts  # noqa: E402
-from dflashkit.target.model import load_target  # noqa: E402
+from dflashkit.targets.model import load_target  # noqa: E402
 
 SETS = {"spec-bench": ["spec-bench/question.jsonl"],
         "zlab-sets": [f"deepspec/{n}.jsonl" for n in ("gsm8k", "math500", "mbpp", "mt-bench")]}

@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--linear", choices=["mm", "reduce"], default="mm", help="mm: F.linear; reduce: linear_reduce")
     args = ap.parse_args()
     from dflashkit.decode.speculative import generate
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     t = load_target("smollm2-135m", device="cpu", dtype=args.dtype)
     prompt = t.chat_ids([{"role": "user", "content": "Write a Python function that checks whether a number is prime."}])

@@ -12,7 +12,7 @@ from dflashkit.lazy import lazy_exports
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_target": "dflashkit.target.model",
+    "load_target": "dflashkit.targets.model",
     "new_drafter": "dflashkit.drafter.checkpoint",
     "load_drafter": "dflashkit.drafter.checkpoint",
     "save_drafter": "dflashkit.drafter.checkpoint",

@@ -14,7 +14,7 @@ from dflashkit.errors import DFlashError
 
 # The stages a user walks through, in order; each module defines register(subparsers).
 STAGES = [
-    "dflashkit.target.cli",
+    "dflashkit.targets.cli",
     "dflashkit.drafter.cli",
     "dflashkit.export",  # `drafter export`: it needs engines and evaluate, above the drafter stage
     "dflashkit.cache.cli",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflashkit.target.model import pick_device
+from dflashkit.targets.model import pick_device
 
 
 @dataclass

@@ -61,7 +61,7 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     import torch
 
     from dflashkit.drafter.checkpoint import load_drafter, run_latest, save_drafter
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     if fmt not in ("zlab", "gguf"):
         raise DFlashError(f"--format {fmt!r}: use zlab or gguf")

@@ -20,7 +20,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per cor
 def float32_by_default(monkeypatch, request):
     """dtype "auto" means bf16 on CPUs with native bf16 dot products: tests pin the float32 answer so that they
     check the same numbers on every CPU; bf16 tests ask for bfloat16 explicitly."""
-    from dflashkit.target import model
+    from dflashkit.targets import model
 
     monkeypatch.setattr(model, "cpu_has_bf16_matmul", lambda: False)
 
@@ -42,7 +42,7 @@ def tiny_dirs(tmp_path_factory, worker_id):
     workers share this run's folder (behind a lock), as the targets are the same."""
     from filelock import FileLock
 
-    from dflashkit.target.fixtures import KINDS, make_tiny_target
+    from tiny_targets import KINDS, make_tiny_target
 
     if worker_id == "master":
         root = tmp_path_factory.mktemp("targets")
@@ -54,7 +54,7 @@ def tiny_dirs(tmp_path_factory, worker_id):
 
 @pytest.fixture(scope="session")
 def tiny_targets(tiny_dirs):
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     return {k: load_target(p, device="cpu", dtype="float32") for k, p in tiny_dirs.items()}
 
@@ -64,7 +64,7 @@ def smollm2():
     """The real embedded default, prepared once per machine (about 20 s the first time)."""
     import torch
 
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     torch.manual_seed(0)
     return load_target("smollm2-135m", device="cpu", dtype="float32")

@@ -10,11 +10,11 @@ from dflashkit.decode.bench import run_bench
 from dflashkit.decode.speculative import DFlashProposer, generate
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.errors import DFlashError
-from dflashkit.target import compiled
-from dflashkit.target.compiled import CompiledUnit, choose_kernels, compiled_linears
-from dflashkit.target.invariant import row_invariant
-from dflashkit.target.fixtures import make_tiny_target
-from dflashkit.target.model import load_target
+from dflashkit.targets import compiled
+from dflashkit.targets.compiled import CompiledUnit, choose_kernels, compiled_linears
+from dflashkit.targets.invariant import row_invariant
+from tiny_targets import make_tiny_target
+from dflashkit.targets.model import load_target
 from helpers import Oracle, greedy_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group(name="compiled")]  # one compile (~30 s)

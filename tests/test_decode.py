@@ -195,7 +195,7 @@ def dflash2_oracle(target, oracle):
 def test_smollm2_coding_prompts_lossless(smollm2):
     """The real target on a coding prompt: chain and DDTree equal plain greedy decoding."""
     from dflashkit.prompts import load_prompts
-    from dflashkit.target.generation import iter_generate_greedy
+    from dflashkit.targets.generation import iter_generate_greedy
 
     target = smollm2
     torch.manual_seed(0)

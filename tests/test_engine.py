@@ -17,8 +17,8 @@ from dflashkit.decode.cost import CostCurve
 from dflashkit.decode.methods import parse_method
 from dflashkit.decode.speculative import generate
 from dflashkit.errors import DFlashError
-from dflashkit.target.fixtures import make_tiny_target
-from dflashkit.target.model import load_target
+from tiny_targets import make_tiny_target
+from dflashkit.targets.model import load_target
 from helpers import Oracle, eager_decoders
 
 pytestmark = pytest.mark.usefixtures("one_thread")

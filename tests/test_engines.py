@@ -139,7 +139,7 @@ def test_bench_fails_an_engine_that_is_not_lossless_or_accepts_other_than_predic
 def test_in_bf16_an_engines_own_parting_is_reported_not_failed(tiny_dirs, monkeypatch):
     """Engines verify a block on other kernels than their one-token step: in bf16 a near-tie may flip there, which
     says nothing about our drafter or export; in float32 (the test above) it fails the bench."""
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     t = load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16")
     torch.manual_seed(0)

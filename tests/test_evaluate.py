@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def t64(tiny_dirs):
     """The tiny llama in float64: equality tests compare argmaxes, and float64 keeps them away from ties."""
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     return load_target(tiny_dirs["llama"], device="cpu", dtype=torch.float64)
 

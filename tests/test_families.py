@@ -10,9 +10,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dflashkit.errors import DFlashError
-from dflashkit.families import GDN_INEXACT, STAGES, family_matrix, greedy_reference, matrix_markdown, with_matrix
-from dflashkit.target.fixtures import ALL_KINDS, FAMILIES, make_tiny_target
-from dflashkit.target.model import load_target
+from families import GDN_INEXACT, STAGES, family_matrix, greedy_reference, matrix_markdown, with_matrix
+from tiny_targets import ALL_KINDS, FAMILIES, make_tiny_target
+from dflashkit.targets.model import load_target
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group(name="families")]
 DOC = Path(__file__).resolve().parents[1] / "docs" / "targets.md"
@@ -75,7 +75,7 @@ def test_drafter_inputs_are_the_unscaled_embedding_rows(root):
 @pytest.mark.parametrize("doc", [DOC, DOC.parents[1] / "README.md"], ids=["docs/targets.md", "README.md"])
 def test_the_supported_targets_tables_are_the_matrix(matrix, doc):
     """docs/targets.md and the README hold the tables this matrix writes
-    (`python -m dflashkit.families --write docs/targets.md README.md`)."""
+    (`python tests/families.py --write docs/targets.md README.md`)."""
     text = doc.read_text()
     assert with_matrix(text, list(matrix.values())) == text, f"{doc.name} is stale: regenerate it"
 

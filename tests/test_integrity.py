@@ -20,9 +20,9 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DFlashError
 from dflashkit.prompts import load_prompts
-from dflashkit.target import model as target_model
-from dflashkit.target.fixtures import make_tiny_target
-from dflashkit.target.model import load_target
+from dflashkit.targets import model as target_model
+from tiny_targets import make_tiny_target
+from dflashkit.targets.model import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TESTS = Path(__file__).parent
@@ -175,7 +175,7 @@ def sliding_target(tmp_path_factory):
 def test_sliding_window_target_decodes_online_as_greedy_past_its_window(sliding_target, method):
     """Once refused (its cache could not roll back a rejected draft), now exact: 24 tokens past a window of 8."""
     from dflashkit.decode.speculative import DFlashProposer, generate
-    from dflashkit.families import greedy_reference
+    from families import greedy_reference
 
     t = sliding_target
     assert t.config.layer_types.count("sliding_attention") == 4
@@ -281,7 +281,7 @@ def test_threads_option_is_applied_and_restored(monkeypatch):
     from dflashkit import threads
 
     seen = []
-    monkeypatch.setattr("dflashkit.target.cli.cmd_info", lambda args: seen.append(torch.get_num_threads()) or 0)
+    monkeypatch.setattr("dflashkit.targets.cli.cmd_info", lambda args: seen.append(torch.get_num_threads()) or 0)
     before = torch.get_num_threads()
     assert main(["target", "info", "x", "--threads", "2"]) == 0
     assert seen == [2] and torch.get_num_threads() == before  # in-process callers get their setting back
@@ -331,7 +331,7 @@ def test_make_test_fast_skips_the_slow_tests():
 # ---- 7. user-facing text ------------------------------------------------------------------------------------
 
 def test_target_prepare_prints_only_the_path_on_stdout(monkeypatch, capsys, tmp_path):
-    from dflashkit.target import registry
+    from dflashkit.targets import registry
 
     monkeypatch.setattr(registry, "prepare", lambda name, force=False: tmp_path / name)
     assert main(["target", "prepare", "smollm2-135m"]) == 0

@@ -12,12 +12,12 @@ ROOT = Path(dflashkit.__file__).parent
 # lower number = lower layer; shared utilities sit at the bottom, the CLI and the demo at the top
 LAYERS = {
     "errors": 0, "lazy": 0, "rng": 0, "configs": 2, "fileio": 1, "threads": 2, "report": 2, "prompts": 2, "tree": 2,
-    "target": 3,
-    "drafter": 4, "distributed": 4,  # distributed picks the device the way target does
+    "targets": 3,
+    "drafter": 4, "distributed": 4,  # distributed picks the device the way targets does
     "cache": 5, "engines": 5,  # engines export drafters in the formats llama.cpp and vLLM read
     "evaluate": 6, "decode": 6,
     "train": 7,  # evaluates held-out checkpoints while it trains
-    "demo": 8, "cli": 8, "__init__": 8, "families": 8, "export": 8,  # families runs every stage on each fixture family
+    "demo": 8, "cli": 8, "__init__": 8, "export": 8,
 }
 TOP = 8
 

@@ -16,9 +16,9 @@ from dflashkit.decode.cost import CostCurve
 from dflashkit.decode.speculative import DFlashProposer, crop_kv, generate, new_target_kv, verify_mask
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.errors import DFlashError
-from dflashkit.families import greedy_reference
-from dflashkit.target.fixtures import KINDS, _tokenizer, make_tiny_target, tiny_config
-from dflashkit.target.model import load_target
+from families import greedy_reference
+from tiny_targets import KINDS, _tokenizer, make_tiny_target, tiny_config
+from dflashkit.targets.model import load_target
 from dflashkit.tree import Tree, attention_mask, build_tree
 from helpers import Oracle
 
@@ -179,7 +179,7 @@ def test_row_invariant_attention_keeps_sinks_and_softcap():
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
 
-    from dflashkit.target.invariant import row_invariant_attention
+    from dflashkit.targets.invariant import row_invariant_attention
 
     torch.manual_seed(0)
     module = SimpleNamespace(num_key_value_groups=2, sinks=torch.randn(4), training=False, head_dim=8)

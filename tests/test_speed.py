@@ -12,7 +12,7 @@ from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.sampling import Sampling
 from dflashkit.decode.speculative import TreeDrafts, generate, generate_tree
-from dflashkit.target.invariant import NAME as ROW_INVARIANT, RowInvariantLinear, row_invariant, stock_kernels_active
+from dflashkit.targets.invariant import NAME as ROW_INVARIANT, RowInvariantLinear, row_invariant, stock_kernels_active
 from dflashkit.tree import Tree, accepted_path, add_branch, build_tree, prune_by_cost
 from helpers import KINDS, Oracle, chi_square, greedy_reference, sampling_setup
 
@@ -181,7 +181,7 @@ def test_ngram_and_hybrid_sample_the_target_distribution(tiny_targets):
 
 @pytest.fixture(scope="module")
 def bf16_llama(tiny_dirs):
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     return load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16")
 
@@ -224,7 +224,7 @@ def test_row_invariant_kernels_give_each_token_the_same_logits_alone_or_in_a_blo
 def test_row_invariant_linear_gives_a_row_the_same_output_in_calls_of_1_to_200_rows():
     """At SmolLM2's MLP width in bf16: a row alone, and a row at any place of calls of up to 200 rows (a hybrid
     tree verifies paths x depth rows at once). On an AMX CPU F.linear rounds differently from 33 rows on."""
-    from dflashkit.target.invariant import RowInvariantLinear
+    from dflashkit.targets.invariant import RowInvariantLinear
 
     torch.manual_seed(0)
     lin = RowInvariantLinear(576, 1536, bias=False).bfloat16()
@@ -240,7 +240,7 @@ def test_row_invariant_attention_gives_a_query_the_same_output_alone_or_in_a_blo
     """At SmolLM2's head shapes, every key length from 30 to 300: a query verified in a block of 4 (with the
     block's extra keys masked) gets bit for bit what it gets alone with exactly its keys. A bf16 matmul fails
     this on AMX CPUs (a query's scores round differently with 52 keys than with 53); the float64 path holds."""
-    from dflashkit.target.invariant import row_invariant_attention
+    from dflashkit.targets.invariant import row_invariant_attention
 
     torch.manual_seed(0)
     h, kvh, d, W = 9, 3, 64, 4
@@ -262,7 +262,7 @@ def test_row_invariant_attention_gives_a_query_the_same_output_alone_or_in_a_blo
 
 @pytest.fixture(scope="module")
 def smollm2_bf16():
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     return load_target("smollm2-135m", device="cpu", dtype="bfloat16")
 
@@ -392,7 +392,7 @@ def wide_bf16_target(tiny_dirs):
     """SmolLM2's width (where bf16 GEMV and GEMM round differently) on the tiny fixture's tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from dflashkit.target.model import Target
+    from dflashkit.targets.model import Target
 
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=9,
                       num_key_value_heads=3, vocab_size=272, max_position_embeddings=512, tie_word_embeddings=True,
@@ -423,7 +423,7 @@ def test_bf16_branching_trees_equal_bf16_greedy_at_full_width(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def bf16_hybrid(tiny_dirs):
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     return load_target(tiny_dirs["qwen3_5"], device="cpu", dtype="bfloat16")
 
@@ -451,7 +451,7 @@ def test_stepwise_linear_attention_is_what_one_token_steps_compute(bf16_hybrid):
     from transformers import DynamicCache
 
     from dflashkit.decode.speculative import load_linear_states, save_linear_states
-    from dflashkit.target.invariant import _is_linear_attention
+    from dflashkit.targets.invariant import _is_linear_attention
 
     t = bf16_hybrid
     layer = next(m for m in t.model.modules() if _is_linear_attention(m))

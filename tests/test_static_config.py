@@ -11,8 +11,8 @@ from dflashkit.decode.speculative import generate
 from dflashkit.decode.speculative import generate_ar
 from dflashkit.decode.static import StaticBackend, StaticDecoder
 from dflashkit.errors import DFlashError
-from dflashkit.target.fixtures import make_tiny_target, tiny_config
-from dflashkit.target.model import load_target
+from tiny_targets import make_tiny_target, tiny_config
+from dflashkit.targets.model import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

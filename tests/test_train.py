@@ -533,7 +533,7 @@ def test_learning_rate_schedule_by_steps_and_by_time(llama, data, tmp_path, monk
 
 @pytest.mark.slow
 def test_data_generate_resumes_and_feeds_online_training(tiny_dirs, llama, tmp_path, capsys):
-    from dflashkit.target.generation import iter_generate_greedy
+    from dflashkit.targets.generation import iter_generate_greedy
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"write function {i} " * (1 + i % 3)}) + "\n"
@@ -570,7 +570,7 @@ def test_data_generate_resumes_and_feeds_online_training(tiny_dirs, llama, tmp_p
 
 
 def load_target_qwen(tiny_dirs):
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     return load_target(tiny_dirs["qwen3"], device="cpu")
 
@@ -614,7 +614,7 @@ def test_smollm2_kl_training_steps_with_a_draft_vocabulary(smollm2, tmp_path):
 
 
 def test_auto_dtype_uses_bf16_autocast_only_on_cpus_with_native_bf16(monkeypatch):
-    from dflashkit.target import model as target_model
+    from dflashkit.targets import model as target_model
     from dflashkit.train import loop
 
     cpu = torch.device("cpu")
@@ -628,7 +628,7 @@ def test_auto_dtype_uses_bf16_autocast_only_on_cpus_with_native_bf16(monkeypatch
 
 
 def test_num_target_layers_picks_that_many_layers_by_zlabs_rule(llama):
-    from dflashkit.target.model import default_layer_ids
+    from dflashkit.targets.model import default_layer_ids
     from dflashkit.train.loop import feature_layers
 
     cfg = load_config(None, {"num_layers": 1, "num_target_layers": 3})

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,11 @@ def test_the_built_wheel_runs_a_reduced_demo_outside_the_repository(tmp_path, ti
     subprocess.run([str(uv), "build", "--wheel", "--out-dir", str(tmp_path / "dist"), str(REPO)], check=True,
                    capture_output=True)
     wheel = next((tmp_path / "dist").glob("dflashkit-*.whl"))
+    with zipfile.ZipFile(wheel) as whl:  # the test harness (tiny fixtures, the family matrix) stays out of the wheel
+        shipped = whl.namelist()
+    harness = [n for n in shipped if n.endswith(("tiny_targets.py", "families.py", "fixtures.py")) or "tests/" in n]
+    assert not harness, harness
+    assert any(n.startswith("dflashkit/targets/") for n in shipped), "the target stage is missing from the wheel"
     venv = tmp_path / "venv"
     subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflashkit.target.cli import target_layers_arg
+from dflashkit.targets.cli import target_layers_arg
 from dflashkit.threads import add_threads_option
 
 
@@ -70,7 +70,7 @@ def cmd_extract(args) -> int:
     from dflashkit.cache.extraction import extract
     from dflashkit.distributed import init_distributed
     from dflashkit.prompts import select_prompts
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     suite = select_prompts(args.prompts, args.num_prompts, args.per_category)
     d = init_distributed(args.device)  # under torchrun: one GPU per rank (cuda:LOCAL_RANK), or the CPU

@@ -31,9 +31,9 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_path, sha256_file, write_json
 from dflashkit.prompts import PromptItem, PromptSuite
 from dflashkit.rng import seeded
-from dflashkit.target.backends import linear_attention as la_backend
-from dflashkit.target.backends import resolve_backend
-from dflashkit.target.generation import iter_generate_with_features
+from dflashkit.targets.backends import linear_attention as la_backend
+from dflashkit.targets.backends import resolve_backend
+from dflashkit.targets.generation import iter_generate_with_features
 
 LOG_GLOB = ".completions.rank*.jsonl"
 
@@ -70,7 +70,7 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
     """Write (or finish) the cache of `suite` under `out`; returns `out`.
 
     layer_ids: target layers to store (default target.default_layer_ids(5)), kept once each, ascending.
-    linear_attention: auto|torch|torch-recurrent|fla, for hybrid targets (see dflashkit.target.backends).
+    linear_attention: auto|torch|torch-recurrent|fla, for hybrid targets (see dflashkit.targets.backends).
     enable_thinking: passed to chat templates that have a thinking mode (recorded either way).
     completions_from: another cache whose completions are reused instead of generating (compare backends
     on identical tokens).

@@ -22,7 +22,7 @@ FORMAT = "dflashkit-sequences/1"
 
 def same_target(a: dict | None, b: dict | None) -> bool:
     """Target identities match (the one comparison: target.model.identity_mismatch), wherever the folder lives."""
-    from dflashkit.target.model import identity_mismatch
+    from dflashkit.targets.model import identity_mismatch
 
     return a is not None and b is not None and not identity_mismatch(a, b)
 
@@ -98,7 +98,7 @@ def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_si
     from tqdm import tqdm
 
     from dflashkit.prompts import PromptSuite, load_prompts
-    from dflashkit.target.generation import iter_generate_greedy
+    from dflashkit.targets.generation import iter_generate_greedy
 
     try:
         suite = prompts if isinstance(prompts, PromptSuite) else load_prompts(prompts)

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import read_json, sha256_file, sha256_json
-from dflashkit.target.model import check_same_target, identity_mismatch
+from dflashkit.targets.model import check_same_target, identity_mismatch
 
 FORMAT = "dflashkit-cache/1"
 MANIFEST, COMPLETIONS = "manifest.json", "completions.json"

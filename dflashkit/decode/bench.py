@@ -30,8 +30,8 @@ from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
 from dflashkit.report import bar_plot, fmt, hist_plot, line_plot, markdown_table
 from dflashkit.rng import seeded
-from dflashkit.target.compiled import uses_compiled
-from dflashkit.target.invariant import needs_switch, row_invariant, stock_kernels
+from dflashkit.targets.compiled import uses_compiled
+from dflashkit.targets.invariant import needs_switch, row_invariant, stock_kernels
 from dflashkit.tree import common_prefix
 
 PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split

@@ -91,7 +91,7 @@ def _check(args):
 
 
 def _load(args, need_drafter: bool):
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     target = load_target(args.target, device=args.device, dtype=args.dtype, kernels=args.kernels)
     if target.kernels == "compiled":
@@ -130,7 +130,7 @@ def cmd_generate(args) -> int:
     from dflashkit.decode.methods import needs_drafter, parse_method
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
     from dflashkit.rng import seeded
-    from dflashkit.target.invariant import row_invariant
+    from dflashkit.targets.invariant import row_invariant
 
     sampling = _check(args)
     try:

@@ -91,7 +91,7 @@ def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     from dflashkit.decode.cost import measure_cost_curve
     from dflashkit.decode.static import decoder_for
     from dflashkit.fileio import home, write_json
-    from dflashkit.target.invariant import row_invariant
+    from dflashkit.targets.invariant import row_invariant
 
     key, record = machine_key(target)
     path = home() / "engine-probe" / f"{key}.json"

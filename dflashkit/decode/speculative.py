@@ -32,8 +32,8 @@ from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.drafter.head import DraftHead, decoding_products
 from dflashkit.drafter.model import mix_greedy
 from dflashkit.errors import DFlashError
-from dflashkit.target.invariant import NAME as ROW_INVARIANT
-from dflashkit.target.invariant import row_invariant
+from dflashkit.targets.invariant import NAME as ROW_INVARIANT
+from dflashkit.targets.invariant import row_invariant
 from dflashkit.tree import Tree, accepted_path, add_branch, attention_mask, build_tree, common_prefix, prune_by_cost, walk
 
 # ---- results and timing ---------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class Paths:
 def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     from rich.console import Console
 
-    from dflashkit.target.model import pick_device
+    from dflashkit.targets.model import pick_device
 
     console, p, device = Console(), Paths(Path(cfg.out), cfg.eval_suite), pick_device(cfg.device)
     if fresh and p.root.exists():
@@ -135,7 +135,7 @@ def plan_demo(cfg: DemoConfig, p: Paths, target, console, spent_s: float):
     """The plan of an earlier run with the same settings, or a new one from a short probe of this machine."""
     from dflashkit.decode.bench import parse_methods
     from dflashkit.demo import plan, probe
-    from dflashkit.target.invariant import needs_switch
+    from dflashkit.targets.invariant import needs_switch
 
     key, path = plan.settings_key(cfg), p.root / "plan.json"
     old = plan.load_plan(path, key)
@@ -242,8 +242,8 @@ def numeric_settings(target) -> dict:
 
 
 def describe_numerics(target, asked: str = "auto") -> str:
-    from dflashkit.target.invariant import describe_kernels
-    from dflashkit.target.model import dtype_reason
+    from dflashkit.targets.invariant import describe_kernels
+    from dflashkit.targets.model import dtype_reason
 
     return (f"Numerics: dtype {dtype_reason(target.dtype, target.device, asked)}. Decoding kernels: "
             f"{describe_kernels(target.model)}.")
@@ -254,8 +254,8 @@ def load_demo_target(cfg: DemoConfig):
     """(target, seconds): the registry converts and caches the embedded default once per machine."""
     import time
 
-    from dflashkit.target.model import load_target
-    from dflashkit.target.registry import REGISTRY, prepare
+    from dflashkit.targets.model import load_target
+    from dflashkit.targets.registry import REGISTRY, prepare
 
     t0 = time.time()
     if cfg.target in REGISTRY:

@@ -28,7 +28,7 @@ import torch
 
 from dflashkit.decode.cost import measure_cost_curve
 from dflashkit.decode.methods import parse_method
-from dflashkit.target.compiled import compiled_linears, uses_compiled
+from dflashkit.targets.compiled import compiled_linears, uses_compiled
 
 # time per generated token relative to plain decoding, from measured runs on coding-10: float32 on compiled kernels
 # (benchmarks/results/cpu-2026-12-01-compiled-coding-10.md) and the bf16 demo report, which agree within 10%

@@ -14,7 +14,7 @@ from dflashkit.drafter.config import ARCH_CLASS, DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, read_json, write_json
-from dflashkit.target.model import check_same_target
+from dflashkit.targets.model import check_same_target
 
 CONTRACT_FILE = "dflashkit.json"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflashkit.target.cli import target_layers_arg
+from dflashkit.targets.cli import target_layers_arg
 from dflashkit.threads import add_threads_option
 
 
@@ -38,7 +38,7 @@ def cmd_info(args) -> int:
 
     target = None
     if args.target:
-        from dflashkit.target.model import load_target
+        from dflashkit.targets.model import load_target
 
         target = load_target(args.target, device="cpu")
     d = load_drafter(args.path, target=target, allow_skipped=args.allow_skipped)
@@ -82,7 +82,7 @@ def cmd_info(args) -> int:
 def cmd_init(args) -> int:
     from dflashkit.drafter.checkpoint import new_drafter, save_drafter
     from dflashkit.rng import seeded
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     target = load_target(args.target, device="cpu")
     block = args.block_size or (8 if args.arch == "dflash2" else 16)

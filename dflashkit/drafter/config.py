@@ -286,7 +286,7 @@ def _layer_ids(cfg: dict, dfc: dict, source: str, fc_features: int | None, notes
     if ids is None:
         if n_target is None or fc_features is None:
             raise DFlashError(f"{source}: dflash_config.target_layer_ids is missing and cannot be derived (needs num_target_layers)")
-        from dflashkit.target.model import default_layer_ids
+        from dflashkit.targets.model import default_layer_ids
 
         ids = default_layer_ids(n_target, fc_features)
         notes.append(f"dflash_config.target_layer_ids missing: derived {ids} from num_target_layers={n_target} and fc width")

@@ -44,7 +44,7 @@ def cmd_eval(args) -> int:
     from dflashkit.cache.store import check_target
     from dflashkit.errors import DFlashError
     from dflashkit.evaluate import offline, runs
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     trees = offline.parse_trees(args.trees)  # bad settings fail before anything loads
     offline.check_mode(args.anchors, args.max_blocks)

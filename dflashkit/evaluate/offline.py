@@ -23,7 +23,7 @@ import torch
 from dflashkit.drafter.checkpoint import check_against_target, check_feature_layers
 from dflashkit.drafter.head import LOGIT_ELEMENTS, DraftHead
 from dflashkit.errors import DFlashError
-from dflashkit.target.model import check_same_target
+from dflashkit.targets.model import check_same_target
 from dflashkit.tree import accepted_path, build_tree_topk, parse_tree_spec, paths_streak, top_logprobs, width_streak
 
 ANCHOR_MODES = ("stride", "walk")

@@ -57,7 +57,7 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     from dflashkit.errors import DFlashError
     from dflashkit.prompts import select_prompts
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
     from dflashkit.cache.sequences import generate_sequences, read_sequences
 
     if args.max_new_tokens < 1 or args.batch_size < 1:

@@ -40,7 +40,7 @@ from dflashkit.evaluate.offline import evaluate
 from dflashkit.fileio import write_json, write_text
 from dflashkit.report import line_plot, markdown_table
 from dflashkit.rng import seeded
-from dflashkit.target.model import load_target, pick_dtype
+from dflashkit.targets.model import load_target, pick_dtype
 from dflashkit.train.checkpoint import (
     check_resume_contract,
     latest_checkpoint,

@@ -19,8 +19,8 @@ import torch
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import home, read_json, sha256_file, sha256_json, write_json
-from dflashkit.target.compiled import ATTRIBUTE, choose_kernels
-from dflashkit.target.registry import resolve
+from dflashkit.targets.compiled import ATTRIBUTE, choose_kernels
+from dflashkit.targets.registry import resolve
 
 
 def pick_device(device: str = "auto") -> torch.device:

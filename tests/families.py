@@ -55,8 +55,8 @@ ONLINE = {"ar": "ar", "chain": "chain", "ddtree": "ddtree-4", "ngram": "ngram", 
 @torch.no_grad()
 def check_family(kind: str, root: str | Path) -> dict[str, str]:
     """{stage: "pass" | "refused: <reason>" | "skipped: <stage> did not pass"} for one fixture family."""
-    from dflashkit.target.fixtures import make_tiny_target
-    from dflashkit.target.model import load_target
+    from tiny_targets import make_tiny_target
+    from dflashkit.targets.model import load_target
 
     row, state = {}, {}
 
@@ -213,7 +213,7 @@ def _zlab_loop(state: dict, folder: Path) -> None:
 
 def family_matrix(root: str | Path, kinds=None) -> list[dict]:
     """One row per family: {"family": kind, stage: outcome, ...}, the fixtures built under `root`."""
-    from dflashkit.target.fixtures import ALL_KINDS
+    from tiny_targets import ALL_KINDS
 
     return [{"family": k, **check_family(k, root)} for k in (kinds or ALL_KINDS)]
 
@@ -228,9 +228,9 @@ EXAMPLES = {  # checkpoints of each family that z-lab publishes DFlash drafters 
     "minimax_m2": "MiniMax-M2",
 }
 MARKERS = {  # (begin, end) -> the table written between them
-    ("<!-- family matrix: python -m dflashkit.families --write docs/targets.md -->", "<!-- end of matrix -->"):
+    ("<!-- family matrix: python tests/families.py --write docs/targets.md -->", "<!-- end of matrix -->"):
         "matrix",
-    ("<!-- targets: python -m dflashkit.families --write README.md -->", "<!-- end of targets -->"): "summary",
+    ("<!-- targets: python tests/families.py --write README.md -->", "<!-- end of targets -->"): "summary",
 }
 
 
@@ -269,14 +269,14 @@ def with_matrix(doc: str, rows: list[dict]) -> str:
     return doc
 
 
-if __name__ == "__main__":  # python -m dflashkit.families --write docs/targets.md
+if __name__ == "__main__":  # python tests/families.py --write docs/targets.md
     import sys
     import tempfile
 
     from dflashkit.fileio import write_text
 
     if sys.argv[1:2] != ["--write"] or len(sys.argv) < 3:
-        sys.exit("usage: python -m dflashkit.families --write docs/targets.md README.md")
+        sys.exit("usage: python tests/families.py --write docs/targets.md README.md")
     with tempfile.TemporaryDirectory() as tmp:
         rows = family_matrix(tmp)
     for doc in map(Path, sys.argv[2:]):

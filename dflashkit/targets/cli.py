@@ -42,7 +42,7 @@ def register(sub) -> None:
 
 
 def cmd_list(args) -> int:
-    from dflashkit.target.registry import REGISTRY, prepared_dir
+    from dflashkit.targets.registry import REGISTRY, prepared_dir
 
     for name, spec in REGISTRY.items():
         state = "prepared" if (prepared_dir(name) / "dflashkit-target.json").is_file() else "not prepared"
@@ -52,7 +52,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from dflashkit.target.registry import REGISTRY, prepare
+    from dflashkit.targets.registry import REGISTRY, prepare
 
     t0 = time.time()
     if args.install and args.name in REGISTRY:
@@ -64,7 +64,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from dflashkit.target.model import load_target
+    from dflashkit.targets.model import load_target
 
     t = load_target(args.target, device="cpu")
     ident = t.identity()

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflashkit.target.compiled import compiled_linears, uses_compiled
+from dflashkit.targets.compiled import compiled_linears, uses_compiled
 
 NAME = "row_invariant"  # (a name containing "flash" would be routed to flash-attention kernels)
 
