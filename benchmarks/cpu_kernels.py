@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from common import cpu_name, write_results  # noqa: E402
 from dflashkit.report import markdown_table  # noqa: E402
-from dflashkit.targets.compiled import memoise_templates  # noqa: E402
+
 from dflashkit.targets.model import load_target  # noqa: E402
 
 
@@ -106,7 +106,6 @@ def build(choice: str, module):
     ind.max_autotune_gemm_backends = "CPP,ATEN"
     if choice == "max-autotune":
         return torch.compile(module, mode="max-autotune", dynamic=False)
-    memoise_templates()
     compiled = torch.compile(module, mode="max-autotune", dynamic=True)
 
     def run(x):

@@ -5,7 +5,7 @@
 In a decoding round the drafter runs right after a target forward that has pushed its weights out of the CPU's
 caches. This replays DFlashProposer.propose on 1-4 new context positions per call (a 200-token context first),
 streaming 96 MB through the cache before each call to stand in for the target forward, once with the drafter's
-products on F.linear and once inside decoding_products() (drafter/head.py), alternating rounds, and reports the
+products on F.linear and once inside DecodingProducts (drafter/head.py), alternating rounds, and reports the
 median milliseconds per forward, the ratio and the largest logit difference.
 Writes benchmarks/results/cpu-DATE-drafter-forward.{md,json}, naming the CPU.
 """

@@ -19,6 +19,7 @@ STAGES = [
     "dflashkit.export",  # `drafter export`: it needs engines and evaluate, above the drafter stage
     "dflashkit.cache.cli",
     "dflashkit.evaluate.cli",
+    "dflashkit.prediction",  # `cost`, and `eval --engine`: it joins evaluate and decode, above both
     "dflashkit.decode.cli",
     "dflashkit.engines.cli",
     "dflashkit.train.cli",
@@ -61,14 +62,13 @@ def main(argv=None) -> int:
         if hasattr(args, "threads"):  # commands that run models take --threads (dflashkit.threads)
             import torch
 
-            from dflashkit.threads import apply_threads, physical_cores, under_torchrun
+            from dflashkit.threads import apply_threads, load_warning, under_torchrun
 
             before = torch.get_num_threads()
-            n, cores = apply_threads(args), physical_cores()
-            if (args.threads is None and n < min(before, cores) and not under_torchrun()
-                    and not os.environ.get("OMP_NUM_THREADS")):
-                print(f"threads: {n} (other work keeps {cores - n} of {cores} cores busy; --threads N to choose)",
-                      file=sys.stderr)
+            n = apply_threads(args)
+            warning = None if under_torchrun() or n == 1 else load_warning(n)  # one thread: nothing to share
+            if warning:
+                print(warning, file=sys.stderr)
         return args.func(args) or 0
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,12 +1,12 @@
 """`--threads`: torch's intra-op threads for every command that runs models.
 
-torch starts one thread per logical CPU. Two processes doing that on one machine (two torchrun ranks, or two
-commands run side by side) oversubscribe the cores, and spinning threads then make each process 10-140x
-slower than with one thread each. The default is therefore the physical cores this process may use, divided
-by the processes torchrun starts on this machine (LOCAL_WORLD_SIZE), less the cores other work keeps busy right
-now (a 0.2 s look at /proc/stat): beside one busy process on 2 cores, the static decoder made 27.8 tok/s on two
-threads and 57.1 on one, against 86.7 quiet (SmolLM2 bf16, Zen 5). Outside torchrun an explicit
-OMP_NUM_THREADS wins over that default, and `--threads N` always wins.
+torch starts one thread per logical CPU. The default is a number a user can predict: OMP_NUM_THREADS when set,
+else the physical cores this process may use, divided under torchrun by the processes it starts on this machine
+(LOCAL_WORLD_SIZE). It does not move with the machine's load: two processes that each take every core
+oversubscribe them, and spinning threads then make each 10-140x slower (beside one busy process on 2 cores the
+static decoder made 27.8 tok/s on two threads and 57.1 on one, against 86.7 quiet: SmolLM2 bf16, Zen 5), so the
+CLI looks at /proc/stat once and says so in one line, naming `--threads`, where other work keeps cores busy.
+Every result records the threads it ran on.
 
 Wiring: `add_threads_option(parser)` on a subcommand's parser; `dflashkit.cli.main` calls `apply_threads(args)`
 before the command runs (call it yourself when parsing arguments elsewhere).
@@ -82,24 +82,32 @@ def under_torchrun() -> bool:
     return "LOCAL_WORLD_SIZE" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def default_threads(busy: int | None = None) -> int:
+def default_threads() -> int:
     """Under torchrun: physical cores // processes on this machine (torchrun itself sets OMP_NUM_THREADS=1, so
-    that variable is ignored there). Otherwise OMP_NUM_THREADS when set, else the physical cores less the
-    `busy` ones (measured when None)."""
+    that variable is ignored there). Otherwise OMP_NUM_THREADS when set, else the physical cores."""
     if under_torchrun():
         return max(1, physical_cores() // local_processes())
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return max(1, physical_cores() - (busy_cores() if busy is None else busy))
+    return physical_cores()
+
+
+def load_warning(threads: int, sample_s: float = 0.2) -> str | None:
+    """One line when other work keeps cores busy that these threads would compete for, else None."""
+    busy, cores = busy_cores(sample_s), len(_usable_cpus())
+    if busy == 0 or threads + busy <= cores:
+        return None
+    return (f"threads: {threads}, while other work keeps {busy} of {cores} CPUs busy: each side may run many times "
+            f"slower; --threads {max(1, cores - busy)} shares them (the default is the physical cores, {threads})")
 
 
 def add_threads_option(parser) -> None:
     """Add `--threads N` to an argparse (sub)parser."""
     parser.add_argument(
         "--threads", type=int, default=None, metavar="N",
-        help="torch CPU threads for this process (default: OMP_NUM_THREADS if set, else the physical cores less "
-             "those other work keeps busy, or divided by the processes torchrun starts on this machine)",
+        help=f"torch CPU threads for this process (default: OMP_NUM_THREADS if set, else the physical cores, "
+             f"{physical_cores()} here; under torchrun divided by the processes it starts on this machine)",
     )
 
 
@@ -113,8 +121,6 @@ def apply_threads(args_or_n=None) -> int:
     import torch
 
     if n is None:
-        if not under_torchrun() and torch.get_num_threads() == 1:
-            return 1  # nothing to lower: no look at the machine's load
         n = default_threads()
         if not under_torchrun():
             n = min(n, torch.get_num_threads())

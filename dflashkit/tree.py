@@ -52,11 +52,6 @@ class Tree:
                 mask[i] |= mask[p]
         return mask
 
-    def expected_depth(self) -> float:
-        """If the target sampled from the drafter, P(depth >= d) = mass of the depth-d nodes,
-        so E[accepted depth] = sum of all non-root prefix probabilities."""
-        return self.log_probs[1:].double().exp().sum().item()
-
 
 def attention_mask(tree: Tree, past: int, dtype: torch.dtype, device, window: int | None = None) -> Tensor:
     """[1, 1, n, past + n] additive mask for one verify forward: every position already in the target KV
@@ -283,15 +278,3 @@ def parse_tree_spec(spec: str) -> tuple[str, int]:
         raise ValueError(f"bad tree spec {spec!r}: {allowed}")
     family, num = m.group(1) or "budget", m.group(2)
     return family, int(num)
-
-
-def tree_streak(logits: Tensor, labels: Tensor, spec: str) -> float:
-    """Accepted depth of one block (logits [L, V], labels [L], -100 = past sequence end) under `spec`."""
-    family, k = parse_tree_spec(spec)
-    if family == "budget":
-        return float(accepted_depth(build_tree(logits, k), labels))
-    if family == "paths":
-        return float(paths_streak(logits, labels, k))
-    if family == "selector":
-        raise ValueError(f"{spec}: a selector tree needs the DFlash2 drafter's selector, not logits alone")
-    return float(width_streak(logits, labels, k).item())

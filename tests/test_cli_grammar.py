@@ -31,7 +31,7 @@ PINNED = {
 GONE = {"--layers", "--run-dir", "--output", "--output-dir", "--out-dir", "--outdir", "--dir", "--save-dir"}
 # Commands that write files; each names its output with --out (train's folder is its config key `out=`).
 WRITERS = {"extract", "drafter init", "drafter export", "eval", "compare", "bench", "demo", "data generate",
-           "cache diff"}
+           "cache diff", "cost", "generate", "parity"}
 
 
 def commands(parser, path=()):
@@ -60,7 +60,7 @@ def tree():
 
 def test_the_tree_holds_every_stage(tree):
     for name in ("target prepare", "drafter init", "drafter export", "extract", "cache diff", "eval", "compare",
-                 "generate", "bench", "train", "data generate", "demo"):
+                 "generate", "bench", "train", "data generate", "demo", "parity"):
         assert name in tree, name
     assert "export" not in tree  # export sits with the drafter commands
 

@@ -56,8 +56,7 @@ def test_every_stage_writes_its_outputs(demo_run):
 def test_stage_estimates_come_from_a_probe_of_this_machine_and_the_report_sets_them_against_the_actuals(demo_run):
     cfg, out, _ = demo_run
     probe = json.loads((out / "plan.json").read_text())  # the plan: the probe, the sizes, the estimates
-    assert all(v > 0 for k, v in probe["probe"].items() if k != "compiled_verify_s")
-    assert probe["probe"]["compiled_verify_s"] is None  # a tiny target: stock kernels only
+    assert all(v > 0 for v in probe["probe"].values())
     assert probe["probe"]["batch"] == cfg.gen_batch_size
     built = {k: v for k, v in stamps(out).items()}
     assert set(built) == {"data", "cache", "train", "eval", "bench"}

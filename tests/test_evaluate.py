@@ -15,7 +15,7 @@ from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.drafter.head import DraftHead
 from dflashkit.errors import DFlashError
 from dflashkit.evaluate.compare import compare_runs
-from dflashkit.tree import accepted_depth, build_tree, streak as ddtree_streak, tree_streak
+from dflashkit.tree import accepted_depth, build_tree, parse_tree_spec, paths_streak, streak as ddtree_streak, width_streak
 from dflashkit.evaluate.offline import (
     CURVE_BUDGETS,
     aggregate,
@@ -41,6 +41,16 @@ def t64(tiny_dirs):
     from dflashkit.targets.model import load_target
 
     return load_target(tiny_dirs["llama"], device="cpu", dtype=torch.float64)
+
+
+def tree_streak(logits, labels, spec: str) -> float:
+    """Accepted depth of one block under a tree spec, each family by its own definition."""
+    family, k = parse_tree_spec(spec)
+    if family == "budget":
+        return float(accepted_depth(build_tree(logits, k), labels))
+    if family == "paths":
+        return float(paths_streak(logits, labels, k))
+    return float(width_streak(logits, labels, k).item())
 
 
 def drafter_for(target, seed=0, layers=LAYERS):
@@ -137,7 +147,7 @@ def test_batched_stride_equals_block_by_block_loop(t64):
         for spec in TREES:
             assert r["trees"][spec] == tree_streak(logits, labels, spec), (a, spec)
         for b in (4, 8):
-            assert r["expected"][f"budget:{b}"] == pytest.approx(build_tree(logits, b).expected_depth(), rel=1e-5)
+            assert r["expected"][f"budget:{b}"] == pytest.approx(build_tree(logits, b).log_probs[1:].double().exp().sum().item(), rel=1e-5)
     assert max(planted) >= 5  # the comparison saw long streaks, not only zeros
 
     few = evaluate_sequence(d, head, t64.embed_tokens, tokens, feats, 12, trees=TREES, max_blocks=3)
@@ -156,7 +166,7 @@ def test_all_budgets_from_one_tree_equal_separate_trees():
         for b in CURVE_BUDGETS:
             tree = build_tree(logits, b)
             assert rec["curve"][str(b)] == accepted_depth(tree, labels)
-            assert rec["curve_expected"][str(b)] == pytest.approx(tree.expected_depth(), rel=1e-6)
+            assert rec["curve_expected"][str(b)] == pytest.approx(tree.log_probs[1:].double().exp().sum().item(), rel=1e-6)
         assert rec["curve"]["1"] == rec["matches"][0]  # budget 1 is position-1 accuracy
 
 
@@ -212,7 +222,7 @@ def test_walk_reproduces_online_chain_decoding(t64, kind):
         for r in recs:
             logits, labels = block_reference(t64, d, tokens, feats, r["anchor"])
             assert r["matches"] == (logits.argmax(-1) == labels)[: r["n_labels"]].int().tolist()
-            assert r["expected"]["budget:8"] == pytest.approx(build_tree(logits, 8).expected_depth(), rel=1e-5)
+            assert r["expected"]["budget:8"] == pytest.approx(build_tree(logits, 8).log_probs[1:].double().exp().sum().item(), rel=1e-5)
             assert r["trees"] == {s: tree_streak(logits, labels, s) for s in TREES}
 
 

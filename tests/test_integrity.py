@@ -243,13 +243,16 @@ def test_default_threads(monkeypatch):
     from dflashkit import threads
 
     monkeypatch.setattr(threads, "physical_cores", lambda: 8)
-    monkeypatch.setattr(threads, "busy_cores", lambda: 0)
+    monkeypatch.setattr(threads, "_usable_cpus", lambda: list(range(8)))
     for var in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
-    assert threads.default_threads() == 8
-    assert threads.default_threads(busy=3) == 5 and threads.default_threads(busy=9) == 1  # others' busy cores
-    monkeypatch.setattr(threads, "busy_cores", lambda: 2)
-    assert threads.default_threads() == 6
+    monkeypatch.setattr(threads, "busy_cores", lambda s: 2)
+    assert threads.default_threads() == 8  # predictable: the load moves a warning, never the number
+    warning = threads.load_warning(8)
+    assert "2 of 8 CPUs busy" in warning and "--threads 6" in warning
+    assert threads.load_warning(6) is None
+    monkeypatch.setattr(threads, "busy_cores", lambda s: 0)
+    assert threads.load_warning(8) is None
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads.default_threads() == 3
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: cores divided by its processes (it sets OMP to 1 itself)

@@ -17,7 +17,7 @@ LAYERS = {
     "cache": 5, "engines": 5,  # engines export drafters in the formats llama.cpp and vLLM read
     "evaluate": 6, "decode": 6,
     "train": 7,  # evaluates held-out checkpoints while it trains
-    "demo": 8, "cli": 8, "__init__": 8, "export": 8,
+    "demo": 8, "cli": 8, "__init__": 8, "export": 8, "prediction": 8,
 }
 TOP = 8
 

@@ -175,18 +175,32 @@ def test_chunked_attention_is_still_refused():
 
 
 def test_row_invariant_attention_keeps_sinks_and_softcap():
-    """The bf16 CPU switch runs gpt-oss's attention sinks and Gemma 2's soft-capping as their own eager code does."""
+    """Inside the row-invariant kernels gpt-oss's attention sinks and Gemma 2's soft-capping run as their own eager
+    code does (in float64, rounded once), and a bf16 query's output no longer depends on the keys masked beside it."""
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
 
-    from dflashkit.targets.invariant import row_invariant_attention
+    from dflashkit.targets.invariant import RowInvariantKernels
 
     torch.manual_seed(0)
     module = SimpleNamespace(num_key_value_groups=2, sinks=torch.randn(4), training=False, head_dim=8)
     for q_len in (1, 3):
         q, k, v = torch.randn(1, 4, q_len, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
         mask = torch.zeros(1, 1, q_len, 9).masked_fill_(torch.rand(1, 1, q_len, 9) < 0.3, torch.finfo(torch.float32).min)
-        want = gpt_oss_eager(module, q, k, v, mask, scaling=0.5)[0]
-        torch.testing.assert_close(row_invariant_attention(module, q, k, v, mask, 0.5, s_aux=module.sinks)[0], want)
-        want = gemma2_eager(module, q, k, v, mask, scaling=0.5, softcap=2.0)[0]
-        torch.testing.assert_close(row_invariant_attention(module, q, k, v, mask, 0.5, softcap=2.0)[0], want)
+        for eager, extra in ((gpt_oss_eager, {}), (gemma2_eager, {"softcap": 2.0})):
+            want = eager(module, q, k, v, mask, scaling=0.5, **extra)[0]
+            with RowInvariantKernels():
+                got = eager(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16(), scaling=0.5, **extra)[0]
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # bf16 inputs, rounded once
+    # one query alone with its keys, and the same query beside three more with theirs masked: the same bf16 output
+    q, k, v = torch.randn(1, 4, 4, 8).bfloat16(), torch.randn(1, 2, 12, 8).bfloat16(), torch.randn(1, 2, 12, 8).bfloat16()
+    mask = torch.zeros(1, 1, 4, 12)
+    for i in range(4):
+        mask[..., i, 9 + i:] = torch.finfo(torch.bfloat16).min
+    module.sinks = module.sinks.bfloat16()
+    for eager, extra in ((gpt_oss_eager, {}), (gemma2_eager, {"softcap": 2.0})):
+        with RowInvariantKernels():
+            block = eager(module, q, k, v, mask.bfloat16(), scaling=0.5, **extra)[0]
+            for i in range(4):
+                alone = eager(module, q[:, :, i : i + 1], k[:, :, : 9 + i], v[:, :, : 9 + i], None, scaling=0.5, **extra)[0]
+                assert torch.equal(alone[0, 0], block[0, i]), (eager.__module__, i)

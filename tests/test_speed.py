@@ -12,7 +12,9 @@ from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.sampling import Sampling
 from dflashkit.decode.speculative import TreeDrafts, generate, generate_tree
-from dflashkit.targets.invariant import NAME as ROW_INVARIANT, RowInvariantLinear, row_invariant, stock_kernels_active
+from torch.overrides import _get_current_function_mode_stack
+
+from dflashkit.targets.invariant import RowInvariantKernels, invariant_linear, invariant_sdpa, kernels_for
 from dflashkit.tree import Tree, accepted_path, add_branch, build_tree, prune_by_cost
 from helpers import KINDS, Oracle, chi_square, greedy_reference, sampling_setup
 
@@ -215,8 +217,8 @@ def test_row_invariant_kernels_give_each_token_the_same_logits_alone_or_in_a_blo
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     plain = _block_vs_one_by_one(model, cfg)
-    with row_invariant(model) as switched:
-        assert switched and _block_vs_one_by_one(model, cfg) == 0
+    with RowInvariantKernels():
+        assert _block_vs_one_by_one(model, cfg) == 0
     if plain == 0:
         pytest.skip("this CPU's bf16 kernels are row-invariant already; nothing to compare against")
 
@@ -224,24 +226,21 @@ def test_row_invariant_kernels_give_each_token_the_same_logits_alone_or_in_a_blo
 def test_row_invariant_linear_gives_a_row_the_same_output_in_calls_of_1_to_200_rows():
     """At SmolLM2's MLP width in bf16: a row alone, and a row at any place of calls of up to 200 rows (a hybrid
     tree verifies paths x depth rows at once). On an AMX CPU F.linear rounds differently from 33 rows on."""
-    from dflashkit.targets.invariant import RowInvariantLinear
-
     torch.manual_seed(0)
-    lin = RowInvariantLinear(576, 1536, bias=False).bfloat16()
+    lin = torch.nn.Linear(576, 1536, bias=False).bfloat16()
     x = torch.randn(200, 576).bfloat16()
     with torch.no_grad():
-        alone = torch.cat([lin(x[i:i + 1]) for i in range(200)])
+        alone = torch.cat([invariant_linear(x[i:i + 1], lin.weight) for i in range(200)])
         for m in (2, 7, 32, 33, 64, 65, 200):
-            assert torch.equal(lin(x[:m]), alone[:m]), m
-            assert torch.equal(lin(x[:m].reshape(1, m, 576))[0], alone[:m]), m
+            assert torch.equal(invariant_linear(x[:m], lin.weight), alone[:m]), m
+            with RowInvariantKernels():  # what a model's own nn.Linear computes inside the kernels
+                assert torch.equal(lin(x[:m].reshape(1, m, 576))[0], alone[:m]), m
 
 
 def test_row_invariant_attention_gives_a_query_the_same_output_alone_or_in_a_block():
     """At SmolLM2's head shapes, every key length from 30 to 300: a query verified in a block of 4 (with the
     block's extra keys masked) gets bit for bit what it gets alone with exactly its keys. A bf16 matmul fails
     this on AMX CPUs (a query's scores round differently with 52 keys than with 53); the float64 path holds."""
-    from dflashkit.targets.invariant import row_invariant_attention
-
     torch.manual_seed(0)
     h, kvh, d, W = 9, 3, 64, 4
     differ = []
@@ -251,11 +250,11 @@ def test_row_invariant_attention_gives_a_query_the_same_output_alone_or_in_a_blo
         mask = torch.zeros(1, 1, W, T + W)
         for i in range(W):
             mask[..., i, T + i + 1:] = torch.finfo(torch.bfloat16).min
-        block, _ = row_invariant_attention(None, q, k, v, mask.bfloat16(), scaling=d ** -0.5)
+        block = invariant_sdpa(q, k, v, mask.bfloat16(), scale=d ** -0.5, enable_gqa=True)
         for j in range(W):
-            one, _ = row_invariant_attention(None, q[:, :, j:j + 1], k[:, :, :T + j + 1], v[:, :, :T + j + 1], None,
-                                             scaling=d ** -0.5)
-            if not torch.equal(one[0, 0], block[0, j]):
+            one = invariant_sdpa(q[:, :, j:j + 1], k[:, :, :T + j + 1], v[:, :, :T + j + 1], None, scale=d ** -0.5,
+                                 enable_gqa=True)
+            if not torch.equal(one[0, :, 0], block[0, :, j]):
                 differ.append((T, j))
     assert differ == []
 
@@ -276,8 +275,8 @@ def test_smollm2_bf16_tokens_get_the_same_logits_alone_or_in_a_block(smollm2_bf1
     t = smollm2_bf16
     m = t.model
     ids = t.chat_ids([{"role": "user", "content": "Write a Python function that reverses a linked list."}])
-    with torch.no_grad(), row_invariant(m):
-        seq = generate(t, ids, "ar", max_new_tokens=96).tokens
+    seq = generate(t, ids, "ar", max_new_tokens=96).tokens
+    with torch.no_grad(), RowInvariantKernels():
         one, block = DynamicCache(config=m.config), DynamicCache(config=m.config)
         for kv in (one, block):
             m(torch.tensor([ids]), past_key_values=kv, use_cache=True)
@@ -303,19 +302,26 @@ def test_bf16_speculative_equals_bf16_greedy(bf16_llama):
             assert generate(t, ids, method, oracle, max_new_tokens=30).tokens == ref, method
 
 
-def test_float32_models_are_left_alone(tiny_targets):
-    with row_invariant(tiny_targets["qwen3"].model) as switched:
-        assert not switched
+def active_kernels() -> set[str]:
+    return {type(m).__name__ for m in _get_current_function_mode_stack()}
+
+
+def test_float32_models_are_left_alone(tiny_targets, bf16_llama):
+    assert not isinstance(kernels_for(tiny_targets["qwen3"]), RowInvariantKernels)
+    assert isinstance(kernels_for(bf16_llama), RowInvariantKernels)
+    assert not isinstance(kernels_for(bf16_llama, stock=True), RowInvariantKernels)
 
 
 def test_kernel_switch_is_scoped_extract_decode_extract_bit_for_bit(bf16_llama, tmp_path):
-    """Decoding switches a bf16 CPU target to row-invariant kernels for its own duration only: features extracted
-    after decoding equal those extracted before, bit for bit, and the model is back on its own kernels."""
+    """Decoding runs a bf16 CPU target on row-invariant kernels around its own forwards only, changing nothing on
+    the model: features extracted after decoding equal those extracted before, bit for bit, and no module, class
+    or config differs."""
     from dflashkit.cache import extract, open_cache
     from dflashkit.prompts import load_prompts
 
     t = bf16_llama
     before_attn = t.model.config._attn_implementation
+    classes = [type(m) for m in t.model.modules()]
     suite = load_prompts("coding-10").subset(2)
 
     def features(name):
@@ -327,8 +333,8 @@ def test_kernel_switch_is_scoped_extract_decode_extract_bit_for_bit(bf16_llama, 
     seen = []
     real = t.model.forward
 
-    def spy(*a, **k):  # decoding does run on the switched kernels
-        seen.append(t.model.config._attn_implementation)
+    def spy(*a, **k):  # decoding does run on the row-invariant kernels
+        seen.append(frozenset(active_kernels()))
         return real(*a, **k)
 
     t.model.forward = spy
@@ -336,9 +342,9 @@ def test_kernel_switch_is_scoped_extract_decode_extract_bit_for_bit(bf16_llama, 
         generate(t, ids, "ngram", max_new_tokens=8)
     finally:
         del t.model.forward
-    assert set(seen) == {ROW_INVARIANT}
-    assert t.model.config._attn_implementation == before_attn
-    assert not any(isinstance(m, RowInvariantLinear) for m in t.model.modules())
+    assert set(seen) == {frozenset({"RowInvariantKernels"})}
+    assert t.model.config._attn_implementation == before_attn and not active_kernels()
+    assert [type(m) for m in t.model.modules()] == classes
     second = features("b")
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
@@ -446,8 +452,8 @@ def test_bf16_hybrid_target_speculative_equals_bf16_greedy(bf16_hybrid):
 
 
 def test_stepwise_linear_attention_is_what_one_token_steps_compute(bf16_hybrid):
-    """Inside the switch a cached multi-token call of a Gated DeltaNet layer returns, bit for bit, what one-token
-    calls return (the prefill, with no state yet, keeps the chunked path); outside it the class is restored."""
+    """A bf16 CPU target loads its Gated DeltaNet layers stepwise: a cached multi-token call returns, bit for bit,
+    what one-token calls return (the prefill, with no state yet, keeps the chunked path)."""
     from transformers import DynamicCache
 
     from dflashkit.decode.speculative import load_linear_states, save_linear_states
@@ -456,16 +462,15 @@ def test_stepwise_linear_attention_is_what_one_token_steps_compute(bf16_hybrid):
     t = bf16_hybrid
     layer = next(m for m in t.model.modules() if _is_linear_attention(m))
     x = torch.randn(1, 20, t.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    with torch.no_grad(), row_invariant(t.model):
+    assert type(layer).__name__.startswith("Stepwise")
+    with torch.no_grad():
         kv = DynamicCache(config=t.model.config)
         layer(x[:, :12], cache_params=kv)
         saved = save_linear_states(kv)
         block = layer(x[:, 12:], cache_params=kv)
         load_linear_states(kv, saved)
         steps = torch.cat([layer(x[:, i : i + 1], cache_params=kv) for i in range(12, 20)], dim=1)
-        assert type(layer).__name__.startswith("Stepwise")
     assert torch.equal(block, steps)
-    assert not type(layer).__name__.startswith("Stepwise")
 
 
 def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, monkeypatch):
@@ -477,25 +482,38 @@ def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, mo
     t = bf16_llama
     prompts = [("p", t.chat_ids([{"role": "user", "content": REPEATING[0]}]))]
     kernels, current = {}, []
-    real_generate, real_forward = bench.generate, t.model.forward
+    real_generate, real_ar, real_forward = bench.generate, bench.generate_ar, t.model.forward
 
     def spy_generate(target, ids, method, *a, **k):  # which method is running
-        current.append(method if not stock_kernels_active() else method + " (stock)")
+        current.append(method)
         return real_generate(target, ids, method, *a, **k)
 
+    def spy_ar(backend, *a, **k):  # bench runs ar-stock on a stock reference backend
+        current.append("ar-stock")
+        return real_ar(backend, *a, **k)
+
     def spy_forward(*a, **k):  # which kernels its forwards see
-        kernels.setdefault(current[-1] if current else "cost curve", set()).add(t.model.config._attn_implementation)
+        kernels.setdefault(current[-1] if current else "cost curve", set()).add(frozenset(active_kernels()))
         return real_forward(*a, **k)
 
+    from dflashkit.report import parity
+    real_top2 = parity.top2_at
+
+    def spy_top2(*a, **k):  # the parity report's margin, read on the baseline's (ar's) kernels after the runs
+        current.append("margin")
+        return real_top2(*a, **k)
+
     monkeypatch.setattr(bench, "generate", spy_generate)
+    monkeypatch.setattr(bench, "generate_ar", spy_ar)
     monkeypatch.setattr(t.model, "forward", spy_forward)
+    monkeypatch.setattr(parity, "top2_at", spy_top2)
     res = bench.run_bench(t, None, prompts, ["ar", "ngram", "prompt-lookup"], max_new_tokens=8, progress=False,
                           warmup=False)
     monkeypatch.undo()
     assert res["config"]["methods"] == ["ar", "ar-stock", "ngram", "prompt-lookup"]
     assert res["mismatches"] == []
-    assert kernels["ar"] == kernels["ngram"] == kernels["cost curve"] == {ROW_INVARIANT}
-    assert ROW_INVARIANT not in kernels["ar (stock)"] | kernels["prompt-lookup (stock)"]
+    assert kernels["ar"] == kernels["ngram"] == kernels["cost curve"] == {frozenset({"RowInvariantKernels"})}
+    assert kernels["ar-stock"] == kernels["prompt-lookup"] == {frozenset()}
     assert res["methods"]["ar"]["tokens_per_s"] and res["methods"]["ar-stock"]["tokens_per_s"]
     ups = sorted(res["methods"][m]["speedup_vs_ar"] for m in ("ar", "ar-stock"))  # against the faster of the two
     assert ups[1] == pytest.approx(1.0) and ups[0] <= 1.0

@@ -132,7 +132,6 @@ def test_every_input_that_changes_a_stages_numbers_changes_its_fingerprint(tiny_
     every, trained = {"data", "cache", "train", "eval", "bench"}, {"train", "eval", "bench"}
     cases = {
         "dtype": ({}, {"dtype": torch.bfloat16}, every),
-        "kernels": ({}, {"kernels": "compiled"}, every),
         "device": ({}, {"device": torch.device("cuda")}, every),
         "target": ({}, {"identity": lambda: {**llama.identity(), "weights_hash": "another fine-tune"}}, every),
         "recipe seed": ({"train": {**base.train, "seed": 7}}, {}, trained),

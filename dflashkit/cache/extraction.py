@@ -38,12 +38,13 @@ from dflashkit.targets.generation import iter_generate_with_features
 LOG_GLOB = ".completions.rank*.jsonl"
 
 
-def capture_features(target, seqs: list[list[int]], layer_ids) -> list[dict[int, torch.Tensor]]:
-    """Features of several sequences in one forward (Target.features: right padding, never seen).
+def capture_features(target, seqs: list[list[int]], layer_ids, padding: str = "right") -> list[dict[int, torch.Tensor]]:
+    """Features of several sequences in one forward (Target.features: right padding, never seen; left: masked, with
+    positions from each row's first token). Equal to batch size 1 per sequence (tests/test_contracts.py).
 
     seqs: token id lists; returns per sequence {layer id: [T_i, H] tensor on CPU, target dtype}.
     """
-    feats = target.features(seqs, layer_ids).cpu()  # [b, T, K*H]
+    feats = target.features(seqs, layer_ids, padding).cpu()  # [b, T, K*H]
     H = target.hidden_size
     return [{l: feats[r, : len(s), k * H:(k + 1) * H].clone() for k, l in enumerate(layer_ids)}
             for r, s in enumerate(seqs)]
@@ -361,6 +362,7 @@ def _manifest(target, suite, settings: dict, requested_backend: str, batch_size:
         "finished": None,
         "target": target.identity(),
         "layer_ids": settings["layer_ids"],
+        "features": dict(store.FEATURES),  # which tensor each layer_{l} is: decoder layer l's output, no final norm
         "dtype": settings["dtype"],
         "feature_dtype": settings["dtype"],
         "device": str(target.device),

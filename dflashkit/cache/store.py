@@ -27,6 +27,9 @@ FORMAT = "dflashkit-cache/1"
 MANIFEST, COMPLETIONS = "manifest.json", "completions.json"
 SHARD_THRESHOLD = 2000  # caches with more prompts than this put their files in shard folders
 SHARD_SIZE = 1000  # prompts per shard folder
+# which tensor `layer_{l}` is (docs/design.md section 14): the output of decoder layer l, i.e. Hugging Face's
+# output_hidden_states[l + 1] (index 0 is the embeddings), the last layer too taken before the target's final norm
+FEATURES = {"hidden_states_index": "layer_id + 1", "final_norm": False}
 
 
 def record_name(index: int, pid: str, sharded: bool) -> str:
@@ -46,7 +49,21 @@ def read_manifest(path) -> dict:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise DFlashError(f"{f}: field 'format' is {m.get('format') if isinstance(m, dict) else None!r}, expected {FORMAT!r}; "
                           "this is not a cache written by this version of dflashkit")
+    check_features(f, m.get("features", FEATURES))  # caches from before the field: written by the same hooks
     return m
+
+
+def check_features(source, features: dict) -> None:
+    """A cache whose layers are other tensors than a drafter reads is refused on opening, in one line each."""
+    index = features.get("hidden_states_index")
+    if index != FEATURES["hidden_states_index"]:
+        raise DFlashError(f"{source}: features.hidden_states_index is {index!r}, but a drafter's layer l is the output of "
+                          "decoder layer l = output_hidden_states[l + 1] (index 0 is the embeddings); re-extract with "
+                          "`dflashkit extract` (or store hidden_states[l + 1] as layer_{l})")
+    if features.get("final_norm") is not False:
+        raise DFlashError(f"{source}: features.final_norm is {features.get('final_norm')!r}: the last layer was stored "
+                          "after the target's final norm (Hugging Face's last hidden_states entry), but drafters read "
+                          "raw decoder-layer outputs; re-extract with `dflashkit extract`")
 
 
 def read_header(file: Path, layer_ids, hidden_size: int) -> dict:

@@ -23,15 +23,15 @@ from dflashkit.decode.engine import resolve
 from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
 from dflashkit.decode.peers import (TAU_TOLERANCE, check_engines, check_tau, engine_tau, is_engine,
                                    plain_of, predicted_tau, EnginePeer)
+from dflashkit.decode.predict import predict_bench, predicted_markdown
 from dflashkit.decode.sampling import GREEDY, Sampling
-from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
+from dflashkit.decode.speculative import DFlashProposer, HfBackend, generate, generate_ar, new_lookup
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
 from dflashkit.report import bar_plot, fmt, hist_plot, line_plot, markdown_table
 from dflashkit.rng import seeded
-from dflashkit.targets.compiled import uses_compiled
-from dflashkit.targets.invariant import needs_switch, row_invariant, stock_kernels
+from dflashkit.targets.invariant import kernels_for, needs_invariant
 from dflashkit.tree import common_prefix
 
 PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split
@@ -97,13 +97,11 @@ def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed
     ngram = (state.setdefault(("ngram", label), new_lookup(method))
              if method != STOCK_AR and parse_method(method)[0] in ("ngram", "hybrid") else None)
     if method == STOCK_AR or parse_method(method)[0] in PEERS:
-        # transformers' loops verify several tokens too: on compiled kernels when ours use them (faster for them)
-        on_ours = method != STOCK_AR and uses_compiled(target.model)
-
         def one(ids):  # a fresh context per turn: a conversation calls this once per user turn
-            with row_invariant(target.model) if on_ours else stock_kernels():
-                g = generate(target, ids, "ar" if method == STOCK_AR else method, max_new_tokens=max_new_tokens,
-                             sampling=sampling, generator=gen)
+            if method == STOCK_AR:  # the reference backend on the model's own kernels
+                g = generate_ar(HfBackend(target, stock=True), ids, max_new_tokens, sampling, gen)
+            else:  # transformers' loops: the model's own kernels, as transformers runs them
+                g = generate(target, ids, method, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen)
             g.method = method
             return g
     else:
@@ -177,7 +175,7 @@ def check_static_step(target, decoder, runs: list[dict], label: str) -> list[dic
 def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]], methods: list[str],
               max_new_tokens: int = 128, block_size: int | None = None, sampling: Sampling = GREEDY,
               warmup: bool = True, progress: bool = True, cost: CostCurve | None = None, engine: str = "hf",
-              log=None) -> dict:
+              log=None, offline: dict | None = None, predict: bool = True) -> dict:
     """prompts: (id, prompt token ids or a PromptItem, whose user turns each follow the method's own answer to the
     one before). Returns {"config", "cost", "methods": {name: summary}, "categories": {category: {name: summary}},
     "runs", "mismatches", "divergences"}. `cost`: a curve measured earlier on this target (else measured here, about
@@ -187,10 +185,10 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
-    switched = needs_switch(target.model)
+    switched = needs_invariant(target.model)
     if switched and "ar" in methods and STOCK_AR not in methods:  # the fair baseline: stock kernels
         methods = ["ar", STOCK_AR] + [m for m in methods if m != "ar"]
-    with row_invariant(target.model):  # the cost curve times the kernels the speculative methods run
+    with kernels_for(target):  # the cost curve times the kernels the speculative methods run
         curve = cost or measure_cost_curve(target, extra=(9,))
         costs = cost_report(target, curve)
     # per run: the static decoder (one set of steps for every method: tree widths when a tree method runs), auto's choice
@@ -214,18 +212,16 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     summary = summarize_methods(runs, methods, B)
     _annotate(summary, rows, started, judged, lambda m: predicted_tau(target, proposer, [r for r in runs
                                                                                     if r["method"] == m]))
+    # predicted beside measured (decode/predict.py): each row's own rounds, and `offline` (an eval's results) given
+    models = predict_bench(target, proposer, runs, rows, summary, state, offline, log) if predict else {}
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
-    return {
-        "config": {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
-                   "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
-                   "engine": engine, "backends": {label: e for label, (m, e) in rows.items()},
-                   "threads": torch.get_num_threads(), "static_kernels": _kernels_built_for(state.get("static")),
-                   "prompts": [p for p, _ in prompts], "categories": categories,
-                   "turns": {pid: len(next(iter(t.values()))[0]) for pid, t in turns.items()}, "max_new_tokens": max_new_tokens,
-                   **sampling.record(), "sampling": sampling.describe(),
-                   "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None},
+    config = _config(target, drafter, B, methods, engine, rows, state, prompts, categories, turns, max_new_tokens,
+                     sampling)
+    return _add_parity(target, rows, sampling, {
+        "config": config,
         "cost": costs,
+        "cost_models": models,
         "methods": summary,
         "categories": by_category,
         "mismatches": mismatches,
@@ -233,7 +229,36 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         "engine_divergences": judged["engine_divergences"],
         "tau_checks": check_tau(summary),
         "runs": runs,
-    }
+    })
+
+
+def _config(target, drafter, B, methods, engine, rows, state, prompts, categories, turns, max_new_tokens,
+            sampling: Sampling) -> dict:
+    """What a bench result says it ran: target, dtype, threads, the backend of every row, what the kernels were
+    built for, prompts and sampling."""
+    return {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
+            "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
+            "engine": engine, "backends": {label: e for label, (m, e) in rows.items()},
+            "threads": torch.get_num_threads(), "static_kernels": _kernels_built_for(state.get("static")),
+            "prompts": [p for p, _ in prompts], "categories": categories,
+            "turns": {pid: len(next(iter(t.values()))[0]) for pid, t in turns.items()}, "max_new_tokens": max_new_tokens,
+            **sampling.record(), "sampling": sampling.describe(),
+            "drafter_layers": drafter.config.num_hidden_layers if drafter is not None else None}
+
+
+def _add_parity(target, rows: dict, sampling: Sampling, result: dict) -> dict:
+    """The per-request records of every run (requests.jsonl) and, at temperature 0, each row's parity against its
+    plain baseline (first divergence, text, top-2 margin, verdict; dflashkit/report/parity.py), beside the
+    lossless check's failures, which stay as they were."""
+    from dflashkit.decode.records import bench_parity, bench_records
+    from dflashkit.report.parity import brief
+
+    result["requests"] = bench_records(result)
+    result["parity"] = bench_parity(target, result["requests"], rows) if sampling.temperature == 0 else {}
+    for label, p in result["parity"].items():
+        if label in result["methods"]:
+            result["methods"][label]["parity"] = brief(p)
+    return result
 
 
 def _kernels_built_for(decoder) -> str | None:
@@ -322,7 +347,9 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
                     c = _run(target, proposer, item, m, max_new_tokens, sampling, sampling.seed + i, curve, state, rows)
                     g = c.generation
                     runs.append({"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]), "prompt_ids": c.prompts[0],
-                                 "turns": c.lengths, "tokens": g.tokens, "accepted": g.accepted, "times": g.times})
+                                 "turn_prompts": c.prompts,
+                                 "turns": c.lengths, "tokens": g.tokens, "accepted": g.accepted, "times": g.times,
+                                 "widths": g.widths, "drafted": g.drafted})
                     if rows.get(m, (m,))[0] == "ar":
                         turns.setdefault(pid, {})[m] = (c.prompts, c.lengths)
                 r = runs[-1]
@@ -470,6 +497,7 @@ def bench_markdown(result: dict) -> str:
                      None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"])
     lines += ["## Methods", "", markdown_table(headers, rows, digits=2)]
     lines += engines_markdown(result)
+    lines += predicted_markdown(result)
     lines += ["tau: mean tokens committed per round (accepted drafts + the bonus). ar is plain decoding in our engine "
               "(same dtype and kernels as every method); hf-generate is transformers' greedy `generate` and "
               "prompt-lookup its `generate(prompt_lookup_num_tokens=...)`, both timed end to end. ngram: continuation "
@@ -478,6 +506,10 @@ def bench_markdown(result: dict) -> str:
               "per second under the cost curve. decode speedup excludes prefill; ceiling = tau * t_ar / (t_draft + "
               "t_verify); overhead = time outside drafter and target forwards / decode time.", ""]
     lines += category_markdown(result)
+    if result.get("parity"):
+        from dflashkit.report.parity import parity_markdown
+
+        lines += parity_markdown(result["parity"])
     if c["temperature"] == 0:
         divergences = result.get("divergences") or []
         if result["mismatches"]:
@@ -598,9 +630,13 @@ def write_bench(result: dict, out) -> list[Path]:
 
 def _write_bench(result: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", result)
+    from dflashkit.report.requests import FILE, write_requests
+
+    write_json(out / "results.json", {k: v for k, v in result.items() if k != "requests"})  # those: requests.jsonl
     write_text(out / "report.md", bench_markdown(result))
     paths = [out / "results.json", out / "report.md"]
+    if result.get("requests") is not None:
+        paths.append(write_requests(out / FILE, result["requests"]))
     groups = {m: {"end to end": s["speedup_vs_ar"] or 0.0, "decode": s["decode_speedup_vs_ar"] or 0.0,
                   "decode ceiling": s["ceiling"] or 0.0} for m, s in result["methods"].items()}
     paths.append(bar_plot(out / "speedup.png", groups, f"Speedup over plain decoding ({result['config']['target']})",

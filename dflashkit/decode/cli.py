@@ -23,6 +23,8 @@ def register(sub) -> None:
                    help="drafter tree nodes per round for a bare ddtree or hybrid, root excluded (default 8)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--json", action="store_true", help="print ids, text, accepted length per round and timings as JSON")
+    g.add_argument("--out", help="file for the per-request records, one JSON line per prompt (the schema bench writes "
+                   "to requests.jsonl; `dflashkit parity` and `compare` read it)")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="all decoding methods on the same prompts: tau, tokens/s, speedup, time split")
@@ -35,6 +37,8 @@ def register(sub) -> None:
                    "method on each, rows on the second named METHOD@ENGINE; default auto")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
+    b.add_argument("--offline", metavar="RUN", help="an eval run folder of the same drafter (`dflashkit eval`, best "
+                   "--anchors walk on these prompts): bench also predicts tokens/s from its acceptance, beside measured")
     b.set_defaults(func=cmd_bench)
 
 
@@ -62,9 +66,6 @@ def _common(p) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
                    "float32 | bfloat16")
-    p.add_argument("--kernels", choices=("auto", "eager", "compiled"), default="auto",
-                   help="float32 CPU targets: compiled layers make a 2-8 token verify cost 1.1-1.5x one token "
-                   "instead of 1.6-1.8x (about 2 min to compile, once per run); auto compiles for targets of 50M+ parameters")
     add_threads_option(p)
 
 
@@ -93,10 +94,7 @@ def _check(args):
 def _load(args, need_drafter: bool):
     from dflashkit.targets.model import load_target
 
-    target = load_target(args.target, device=args.device, dtype=args.dtype, kernels=args.kernels)
-    if target.kernels == "compiled":
-        print("kernels: compiled linears for this float32 CPU (the first forward compiles them, about 2 min on 2 "
-              "cores; --kernels eager skips that)", file=sys.stderr)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
     drafter = None
     if args.drafter:
         from dflashkit.drafter.checkpoint import load_drafter
@@ -128,9 +126,11 @@ def cmd_generate(args) -> int:
     from dflashkit.decode.cost import measure_cost_curve
     from dflashkit.decode.engine import resolve
     from dflashkit.decode.methods import needs_drafter, parse_method
+    from dflashkit.decode.records import generation_record
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
+    from dflashkit.report.requests import write_requests
     from dflashkit.rng import seeded
-    from dflashkit.targets.invariant import row_invariant
+    from dflashkit.targets.invariant import kernels_for
 
     sampling = _check(args)
     try:
@@ -144,10 +144,10 @@ def cmd_generate(args) -> int:
     # the static decoder (compiled on the first prompt; auto's probe builds it for the drafter) and auto's choice
     state: dict = {"proposer": proposer}
     engine = resolve(args.engine, target, args.method, state, log)
-    with row_invariant(target.model):  # hf's -auto pruning needs the cost of the kernels decoding runs
+    with kernels_for(target):  # hf's -auto pruning needs the cost of the kernels decoding runs
         cost = measure_cost_curve(target, repeats=3) if size == "auto" and engine == "hf" else None
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
-    records = []
+    records, requests = [], []
     for i, (pid, item) in enumerate(prompts):
         gen = torch.Generator(device=target.device).manual_seed(sampling.seed + i)
 
@@ -163,6 +163,7 @@ def cmd_generate(args) -> int:
                "tokens": g.tokens, "turns": texts, "text": texts[-1], "accepted": g.accepted,
                "tau": g.tau if g.accepted else None, "tokens_per_s": len(g.tokens) / g.times["total"], "times": g.times}
         records.append(rec)
+        requests.append(generation_record(pid, i, c, target))
         if not args.json:
             tau = f"tau {g.tau:.2f}, " if g.accepted else ""
             print(f"== {pid} [{g.method} on {g.engine}] {len(g.tokens)} tokens, {tau}{rec['tokens_per_s']:.1f} tokens/s")
@@ -171,7 +172,26 @@ def cmd_generate(args) -> int:
     if args.json:
         json.dump(records, sys.stdout, indent=1)
         print()
+    if args.out:
+        print(f"wrote {write_requests(args.out, requests)}", file=sys.stderr)
     return 0
+
+
+def offline_run(folder: str) -> dict:
+    """An eval run's results.json, with where it came from (bench's offline prediction names it)."""
+    from pathlib import Path
+
+    from dflashkit.fileio import read_json
+
+    path = Path(folder) / "results.json"
+    if not path.is_file():
+        raise DFlashError(f"--offline {folder}: no results.json there; pass a folder `dflashkit eval --out` wrote")
+    res = read_json(path, fix="rerun `dflashkit eval` to rewrite it")
+    if "overall" not in res or "settings" not in res:
+        raise DFlashError(f"--offline {folder}: {path} has no 'overall' or 'settings'; it is not an eval run")
+    s, o = res["settings"], res["overall"]
+    res["source"] = f"offline eval {folder} ({s.get('anchors')} anchors, {o.get('blocks')} blocks)"
+    return res
 
 
 def cmd_bench(args) -> int:
@@ -181,10 +201,11 @@ def cmd_bench(args) -> int:
     sampling = _check(args)
     methods = parse_methods(args.methods or DEFAULT_METHODS)
     prompts = _prompts(args)  # a bad prompt file fails before the target loads
+    offline = offline_run(args.offline) if args.offline else None  # a bad run folder fails before the target loads
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, sampling=sampling, engine=args.engine,
-                       log=lambda m: print(m, file=sys.stderr))
+                       log=lambda m: print(m, file=sys.stderr), offline=offline)
     paths = write_bench(result, args.out)
     print(bench_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))

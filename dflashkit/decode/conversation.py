@@ -35,6 +35,7 @@ def decode_conversation(target, item, run) -> Conversation:
         out.lengths.append(len(g.tokens))
         j = out.generation
         j.method, j.engine, j.tokens, j.accepted = g.method, g.engine, j.tokens + g.tokens, j.accepted + g.accepted
+        j.widths, j.drafted = j.widths + g.widths, j.drafted + g.drafted
         j.times = {key: j.times.get(key, 0.0) + v for key, v in g.times.items()}
     return out
 

@@ -91,7 +91,7 @@ def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     from dflashkit.decode.cost import measure_cost_curve
     from dflashkit.decode.static import decoder_for
     from dflashkit.fileio import home, write_json
-    from dflashkit.targets.invariant import row_invariant
+    from dflashkit.targets.invariant import kernels_for
 
     key, record = machine_key(target)
     path = home() / "engine-probe" / f"{key}.json"
@@ -102,7 +102,7 @@ def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
         return found
     _say(log, "engine auto: timing the hf and static backends on this machine (once; cached)")
     t0 = time.perf_counter()
-    with row_invariant(target.model):
+    with kernels_for(target):
         curve = measure_cost_curve(target, ns=(1, 8), repeats=repeats)
     d = decoder_for(target, state, 512, state.get("proposer"), trees=True, log=log)  # the run's own decoder
     hf = {"1": curve(1), "8": curve(8)}

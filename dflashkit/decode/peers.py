@@ -20,6 +20,7 @@ import torch
 from dflashkit.decode.conversation import decode_conversation
 from dflashkit.decode.sampling import GREEDY
 from dflashkit.decode.speculative import Generation, draft_block
+from dflashkit.drafter.config import engine_block
 from dflashkit.errors import DFlashError
 from dflashkit.tree import common_prefix
 
@@ -56,14 +57,15 @@ def _start(method: str, target, drafter, block_size: int, ctx: int, workdir: Pat
 
         model = target_gguf(engine, target, dtype)
         draft = drafter_gguf(engine, drafter, target, dtype, workdir / "drafter.gguf") if speculative else None
-        return LlamaServer(model, threads, ctx, draft, block_size - 1, log=workdir / f"{method}.log", engine=engine)
+        return LlamaServer(model, threads, ctx, draft, engine_block("llama.cpp", block_size)[1],
+                           log=workdir / f"{method}.log", engine=engine)
     from dflashkit.engines.vllm_client import VllmWorker
 
     folder = None
     if speculative:
         folder = save_drafter(drafter, workdir / "vllm-drafter", format="zlab", dtype=target.dtype,
                               lm_head=target.lm_head.weight)
-    return VllmWorker(Path(target.path), dtype, threads, ctx, folder, block_size - 1, engine=engine)
+    return VllmWorker(Path(target.path), dtype, threads, ctx, folder, engine_block("vllm", block_size)[1], engine=engine)
 
 
 class EnginePeer:
@@ -85,6 +87,9 @@ class EnginePeer:
             self._engine = stack.enter_context(_start(self.method, self.target, self.drafter, self.block_size,
                                                       self.ctx, Path(work)))
             self.info = {"start_s": time.perf_counter() - t0, "context": self.ctx}
+            if self.method.endswith("-dflash"):  # which count the engine was given (docs/design.md section 14)
+                name, n = engine_block(plain_of(self.method), self.block_size)
+                self.info["block"] = f"block_size {self.block_size} (anchor counted) -> {name} {n}"
             self._stack = stack.pop_all()
         return self
 
@@ -92,22 +97,37 @@ class EnginePeer:
         self._stack.__exit__(*exc)
 
     def one(self, ids: list[int]) -> Generation:
-        """One turn: the engine's answer, timed by this process end to end (its prompt time apart)."""
+        """One turn: the engine's answer, timed by this process end to end (its prompt time apart, where the
+        engine reports it); its per-position acceptance summed over turns (None once a turn has none)."""
         a = self._engine.complete(ids, self.max_new_tokens, self.stops)
         for k in self.counts:
             self.counts[k] += getattr(a, k)
+        pos, known = self.reported["per_position"], getattr(a, "per_position", None)
+        self.reported["per_position"] = (None if known is None or (pos is None and self.turns)
+                                         else add_counts(pos or [], known))
+        self.reported["prefill_known"] &= a.prompt_seconds is not None
+        self.turns += 1
+        prompt = a.prompt_seconds or 0.0
         return Generation(self.method, a.tokens[: self.max_new_tokens], [],
-                          {"prefill": a.prompt_seconds, "draft": 0.0, "verify": 0.0,
-                           "other": a.seconds - a.prompt_seconds, "total": a.seconds})
+                          {"prefill": prompt, "draft": 0.0, "verify": 0.0, "other": a.seconds - prompt,
+                           "total": a.seconds})
 
     def run(self, pid: str, item) -> dict:
-        """One conversation as a bench run record, with the engine's own draft counters."""
+        """One conversation as a bench run record, with the engine's own draft counters (and, for the
+        per-request record, what it reported per draft position and whether it timed its prompt)."""
         self.counts = dict.fromkeys(self.counts, 0)
+        self.reported, self.turns = {"per_position": None, "prefill_known": True}, 0
         c = decode_conversation(self.target, item, self.one)
         g = c.generation
         return {"prompt": pid, "method": self.method, "prompt_tokens": len(c.prompts[0]), "turns": c.lengths,
-                "tokens": g.tokens, "accepted": [], "times": g.times, "engine": dict(self.counts),
+                "tokens": g.tokens, "accepted": [], "times": g.times, "engine": {**self.counts, **self.reported},
                 "turn_prompts": c.prompts}
+
+
+def add_counts(a: list[int], b: list[int]) -> list[int]:
+    """Per-position counts summed, the shorter list padded with zeros."""
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
 def engine_tau(runs: list[dict]) -> float | None:

@@ -29,11 +29,10 @@ import torch
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.sampling import GREEDY, Sampling
-from dflashkit.drafter.head import DraftHead, decoding_products
-from dflashkit.drafter.model import mix_greedy
+from dflashkit.drafter.head import DecodingProducts, DraftHead
+from dflashkit.drafter.model import block_ids, mix_greedy
 from dflashkit.errors import DFlashError
-from dflashkit.targets.invariant import NAME as ROW_INVARIANT
-from dflashkit.targets.invariant import row_invariant
+from dflashkit.targets.invariant import kernels_for, needs_invariant
 from dflashkit.tree import Tree, accepted_path, add_branch, attention_mask, build_tree, common_prefix, prune_by_cost, walk
 
 # ---- results and timing ---------------------------------------------------------------------------------
@@ -45,6 +44,8 @@ class Generation:
     accepted: list[int]  # per round: accepted drafts + 1 (the bonus), as verified, before any cut
     times: dict[str, float] = field(default_factory=dict)  # seconds: prefill, draft, verify, other, total
     engine: str = "hf"  # the backend that ran it: hf (transformers' forward) or static (our compiled step)
+    widths: list[int] = field(default_factory=list)  # per round: tokens the target verified (root included)
+    drafted: list[bool] = field(default_factory=list)  # per round: whether the drafter ran (the cost model prices both)
 
     @property
     def rounds(self) -> int:
@@ -105,7 +106,8 @@ class DFlashProposer:
     Its context KV (the drafter's keys/values of the context, see ContextKV) holds context positions only, so
     each call passes just the newly committed features."""
 
-    def __init__(self, target, drafter, block_size: int | None = None, selector_trees: bool = False):
+    def __init__(self, target, drafter, block_size: int | None = None, selector_trees: bool = False,
+                 slot0: str = "seed"):
         self.target, self.drafter = target, drafter
         # DFlash2: DDTree children scored by the candidate selector given their parent, or (default: no gain
         # measured, benchmarks/results/cpu-2026-12-01-selector-trees.md) the marginals as the reference does
@@ -113,8 +115,8 @@ class DFlashProposer:
         self.head = DraftHead.for_drafter(target, drafter)
         self.block_size = int(block_size or drafter.config.block_size)
         self.layer_ids = list(drafter.config.target_layer_ids)
-        dev = target.device
-        self.mask_ids = torch.full((self.block_size - 1,), drafter.config.mask_token_id, dtype=torch.long, device=dev)
+        self.slot0, self.mask_id = slot0, drafter.config.mask_token_id  # slot0: see block_ids (always "seed" in use)
+        block_ids(torch.zeros((), dtype=torch.long), self.block_size, self.mask_id, slot0)  # checks the name now
         self.dtype = drafter.fc.weight.dtype
         self.context_kv = None
 
@@ -124,10 +126,10 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, features, anchor, start: int) -> torch.Tensor:
         n = features.shape[1]
-        ids = torch.cat([anchor, self.mask_ids])
+        ids = block_ids(anchor[0], self.block_size, self.mask_id, self.slot0)
         block_embeds = self.drafter.embed_block(self.target.embed, ids, self.dtype)[None]  # [1, B, H]
         positions = torch.arange(start - n, start + self.block_size, device=block_embeds.device)[None]  # context, block
-        with decoding_products():
+        with DecodingProducts():
             h = self.drafter(features.to(self.dtype), block_embeds, positions, past_key_values=self.context_kv,
                              use_cache=True)
             self.hidden, self.anchor = h[:, 1:], anchor  # DFlash2's selector reads them in draft()
@@ -361,27 +363,33 @@ class HfBackend:
     is written over (the static backend, decode/static.py, has the same): `prefill`, `verify` a chain (tree None)
     or a flat tree at the next position, `commit` the accepted nodes (their features for the drafter), `cost` of
     a verify of n tokens and `widest` (None: any). Hybrid targets re-run their accepted tokens (a recurrent state
-    cannot be cropped); branching trees on hybrids and under row-invariant bf16 kernels go one path per row."""
+    cannot be cropped); branching trees on hybrids and under row-invariant bf16 kernels go one path per row.
+    `stock`: the model's own kernels even in low precision (bench's ar-stock, the fair speed baseline)."""
 
     engine = "hf"
     widest = None
 
-    def __init__(self, target, cost=None):
-        self.target, self.cost = target, cost
-        self.invariant = target.model.config._attn_implementation == ROW_INVARIANT
+    def __init__(self, target, cost=None, stock: bool = False):
+        self.target, self.cost, self.stock = target, cost, stock
+        self.invariant = not stock and needs_invariant(target.model)
         self.window = target.config.sliding_window if sliding_layers(target) else None  # once: 0.3-0.8 ms a call
         self.by_paths = self.invariant or target.is_hybrid  # how a branching tree is verified (the cost model reads it)
         self.timer = None
 
     def session(self):
-        """What one generation runs under: row-invariant kernels in bf16 (else plain and speculative decoding part
-        ways on rounding, see target/invariant.py)."""
-        return row_invariant(self.target.model)
+        """What one generation runs under: nothing here (the kernels go around each target forward)."""
+        return contextlib.nullcontext()
+
+    def kernels(self):
+        """What every target forward of this backend runs under: row-invariant kernels in bf16 on a CPU (else plain
+        and speculative decoding part ways on rounding, see targets/invariant.py), never the drafter's calls."""
+        return kernels_for(self.target, self.stock)
 
     def prefill(self, ids: list[int], layer_ids):
         self.kv, self.layer_ids, self.start = new_target_kv(self.target), layer_ids, len(ids)
-        out = self.target.forward(torch.tensor([ids], device=self.target.device), layer_ids=layer_ids,
-                                  past_key_values=self.kv, logits_to_keep=1)
+        with self.kernels():
+            out = self.target.forward(torch.tensor([ids], device=self.target.device), layer_ids=layer_ids,
+                                      past_key_values=self.kv, logits_to_keep=1)
         return out.logits[0, -1:], out.features
 
     def verify(self, tokens: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
@@ -392,16 +400,14 @@ class HfBackend:
         self.saved = save_linear_states(kv) if t.is_hybrid else None
         branching = tree is not None and int(tree.depths.max()) < len(tree) - 1
         self.paths = branching and (self.saved is not None or self.invariant)
-        if self.paths:
-            logits, self.out, self.row_of = verify_tree_by_paths(t, kv, tree, start, self.layer_ids)
-            return logits
-        if tree is None or not branching:  # a chain: positions in order, the causal mask
-            pos = (start + torch.arange(len(tokens), device=dev))[None]
-            self.out = t.forward(tokens[None].to(dev), layer_ids=self.layer_ids, past_key_values=kv, position_ids=pos)
-        else:
+        with self.kernels():
+            if self.paths:
+                logits, self.out, self.row_of = verify_tree_by_paths(t, kv, tree, start, self.layer_ids)
+                return logits
+            pos = start + (torch.arange(len(tokens)) if tree is None or not branching else tree.depths)
+            mask = verify_mask(t, tree, start, self.window) if branching else None  # a chain: the causal mask
             self.out = t.forward(tokens[None].to(dev), layer_ids=self.layer_ids, past_key_values=kv,
-                                 position_ids=(start + tree.depths)[None].to(dev),
-                                 attention_mask=verify_mask(t, tree, start, self.window))
+                                 position_ids=pos[None].to(dev), attention_mask=mask)
         return self.out.logits[0]
 
     def commit(self, keep: list[int]):
@@ -413,7 +419,7 @@ class HfBackend:
         if self.saved is not None:  # a recurrent state: restore it and re-run the accepted tokens
             if len(keep) == n and self.tree is None:
                 return out.features
-            with self.timer("verify") if self.timer is not None else contextlib.nullcontext():
+            with self.timer("verify") if self.timer is not None else contextlib.nullcontext(), self.kernels():
                 return rerun(self.target, kv, self.saved, self.tokens.to(idx.device)[idx], start, self.layer_ids)
         if self.paths:  # the accepted path is a prefix of its last node's row: keep that row only
             r = int(self.row_of[keep[-1]])
@@ -460,7 +466,7 @@ def generate_ar(backend, prompt_ids: list[int], max_new_tokens: int = 256, sampl
             token = choose(logits, temperature, generator)
             accepted.append(1)
             done = emit(tokens, token.tolist(), stops, max_new_tokens)
-    return Generation("ar", tokens, accepted, timer.finish(), b.engine)
+    return Generation("ar", tokens, accepted, timer.finish(), b.engine, [1] * len(accepted), [False] * len(accepted))
 
 
 def greedy_accepted(block: torch.Tensor, posterior: torch.Tensor) -> int:
@@ -503,7 +509,8 @@ def generate_chain(backend, proposer: Proposer, prompt_ids: list[int], max_new_t
             accepted.append(a + 1)
             bonus = next_token
             done = emit(tokens, block[1 : a + 1].tolist() + bonus.tolist(), stops, max_new_tokens)
-    return Generation("chain", tokens, accepted, timer.finish(), b.engine)
+    return Generation("chain", tokens, accepted, timer.finish(), b.engine, [proposer.block_size] * len(accepted),
+                      [True] * len(accepted))
 
 
 def draft_tree(logits: torch.Tensor, budget: int, anchor: torch.Tensor, to_tokens) -> Tree:
@@ -675,10 +682,12 @@ def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_to
         tokens: list[int] = []
         done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
         drafts.reset(prompt_ids)
-        accepted = []
+        accepted, widths, drafted = [], [], []
         while not done:
             t_round, t_verify, t_draft = perf_counter(), timer.times["verify"], timer.times["draft"]
             tree = drafts.propose(feats, bonus, b.start, timer)
+            widths.append(len(tree))
+            drafted.append(drafts.drafted)
             if b.widest is not None and len(tree) > b.widest:
                 raise DFlashError(f"method {method}: a tree of {len(tree)} nodes, past the {b.engine} backend's widest "
                                   f"verify ({b.widest} nodes); use a smaller budget or --engine hf")
@@ -695,7 +704,7 @@ def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_to
             done = emit(tokens, new + bonus.tolist(), stops, max_new_tokens)
             spent = perf_counter() - t_round - (timer.times["verify"] - t_verify) - (timer.times["draft"] - t_draft)
             drafts.fixed = spent if len(accepted) == 1 else 0.9 * drafts.fixed + 0.1 * spent
-    return Generation(method, tokens, accepted, timer.finish(), b.engine)
+    return Generation(method, tokens, accepted, timer.finish(), b.engine, widths, drafted)
 
 
 def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: int = 8, max_new_tokens: int = 256,

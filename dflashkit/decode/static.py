@@ -490,20 +490,33 @@ class StaticDecoder:
     def warm(self, timed: int = 5) -> None:
         """Compile (or load from inductor's cache) every width now, then time each `timed` times (the median is
         `step_s`, what tree_cost reads). Writes slots from 0 on, which the next prompt overwrites."""
-        dev = self.embed.device
         for w in self.steps:
-            p = torch.arange(w, device=dev)
-            args = (torch.zeros(w, dtype=torch.long, device=dev), p,
-                    torch.zeros(1 if w in (1, PREFILL) else w, dtype=torch.long, device=dev), w, None, chain_path(p))
             if w not in self.compile_s:
-                self._call(w, *args)
-            times = []  # a prompt chunk's step is not a verify: tree_cost never reads it
-            for _ in range(timed if w != PREFILL else 0):
+                self._call(w, *self._probe_args(w, 0))
+        self.step_s.update(self.time_widths(0, timed))
+
+    def _probe_args(self, w: int, depth: int) -> tuple:
+        dev = self.embed.device
+        p = torch.arange(depth, depth + w, device=dev)
+        return (torch.zeros(w, dtype=torch.long, device=dev), p,
+                torch.zeros(1 if w in (1, PREFILL) else w, dtype=torch.long, device=dev), depth + w, None, chain_path(p))
+
+    @torch.no_grad()
+    def time_widths(self, depth: int = 0, timed: int = 5) -> dict[int, float]:
+        """Median seconds of a step per verify width with `depth` slots before it (the cost model times them after a
+        realistic context; native attention reads the slots in use). A prompt chunk's step is not a verify: left
+        out. Writes slots from `depth` on, which the next prompt overwrites."""
+        self._check_room(depth, max(self.steps))
+        out = {}
+        for w in (w for w in self.steps if w != PREFILL and timed):
+            args = self._probe_args(w, depth)
+            times = []
+            for _ in range(timed):
                 t0 = time.perf_counter()
                 self._call(w, *args)
                 times.append(time.perf_counter() - t0)
-            if times:
-                self.step_s[w] = sorted(times)[len(times) // 2]
+            out[w] = sorted(times)[len(times) // 2]
+        return out
 
     def _call(self, width: int, ids, pos, keep, span: int | None = None, slots=None, path=None):
         """One step of `width` tokens. A prompt's chunk attends to the slots up to its last position, that length

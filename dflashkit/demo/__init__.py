@@ -34,7 +34,6 @@ class DemoConfig:
     target: str = "smollm2-135m"
     device: str = "auto"
     dtype: str = "auto"  # float32 forces the float32 path on a bf16 CPU (to measure what an AVX2-only CPU sees)
-    kernels: str = "auto"  # decoding's linears on a float32 CPU: auto | eager | compiled (target/compiled.py)
     minutes: float = 15.0  # training time box, before the plan fits it to the budget
     budget_minutes: float | None = 40.0  # the whole demo on this machine (plan.py); None or 0: the sizes as given
     recipe: str = str(RECIPE)  # the training settings (a `dflashkit train --config` file)
@@ -135,7 +134,7 @@ def plan_demo(cfg: DemoConfig, p: Paths, target, console, spent_s: float):
     """The plan of an earlier run with the same settings, or a new one from a short probe of this machine."""
     from dflashkit.decode.bench import parse_methods
     from dflashkit.demo import plan, probe
-    from dflashkit.targets.invariant import needs_switch
+    from dflashkit.targets.invariant import needs_invariant
 
     key, path = plan.settings_key(cfg), p.root / "plan.json"
     old = plan.load_plan(path, key)
@@ -147,11 +146,10 @@ def plan_demo(cfg: DemoConfig, p: Paths, target, console, spent_s: float):
         return round(sum(len(target.chat_ids(it.messages)) for it in suite.items) / max(1, len(suite.items)))
 
     train_context, eval_context = mean_prompt(s.train), mean_prompt(s.eval)
-    compiling = f", and about {probe.COMPILE_S / 60:.0f} min to compile its kernels first" if target.kernels == "compiled" else ""
-    console.print(f"[dim]timing this machine to plan the demo (about a minute{compiling})...[/dim]")
+    console.print("[dim]timing this machine to plan the demo (about a minute)...[/dim]")
     measured = probe.probe(target, target.chat_ids(s.train.items[0].messages), cfg.gen_batch_size,
                            train_context + cfg.train_max_new_tokens // 2)
-    stock = ["ar-stock"] if needs_switch(target.model) else []  # bench adds plain decoding on the stock kernels
+    stock = ["ar-stock"] if needs_invariant(target.model) else []  # bench adds plain decoding on the stock kernels
     bench_runs = [(len(s.bench.items), parse_methods(bench_suite_methods(cfg, target)) + stock, cfg.bench_max_new_tokens),
                   (len(s.holdout.items), parse_methods(cfg.holdout_methods) + stock, cfg.holdout_max_new_tokens)]
     fixed = {
@@ -238,7 +236,9 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
 
 def numeric_settings(target) -> dict:
     """What changes a stage's numbers besides its inputs: the dtype, device and kernels the target runs on."""
-    return {"dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device), "kernels": target.kernels}
+    # "kernels" stays in the fingerprint (the reference backend's linears are the stock ones since the compiled
+    # ones went, 2026-12-05), so stages built before keep their cache
+    return {"dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device), "kernels": "eager"}
 
 
 def describe_numerics(target, asked: str = "auto") -> str:
@@ -260,7 +260,7 @@ def load_demo_target(cfg: DemoConfig):
     t0 = time.time()
     if cfg.target in REGISTRY:
         prepare(cfg.target)
-    return load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels), time.time() - t0
+    return load_target(cfg.target, device=cfg.device, dtype=cfg.dtype), time.time() - t0
 
 
 def load_recipe(cfg: DemoConfig):
@@ -351,13 +351,18 @@ def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
     from dflashkit.decode.bench import parse_methods, run_bench, write_bench
     from dflashkit.decode.cost import CostCurve
     from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.fileio import read_json
 
     drafter = load_drafter(final_checkpoint(p), target=target, device=target.device, dtype=target.dtype)
     cost = None
     for suite, methods, max_new_tokens, out in runs:
         prompts = [(it.id, target.chat_ids(it.messages)) for it in suite.items]
+        # the trained drafter's walk on the eval cache: bench predicts tokens/s from it too (decode/predict.py)
+        walk = p.eval / "trained-walk" / "results.json"
+        offline = {**read_json(walk), "source": f"offline walk of the trained drafter ({walk.parent})"} \
+            if out == p.bench and walk.is_file() else None
         result = run_bench(target, drafter, prompts, parse_methods(methods), max_new_tokens=max_new_tokens,
-                           progress=cfg.progress, cost=cost, engine=cfg.engine)
+                           progress=cfg.progress, cost=cost, engine=cfg.engine, offline=offline)
         cost = CostCurve.from_dict(result["cost"])
         result["config"]["suite"] = suite.name
         write_bench(result, out)
@@ -376,8 +381,6 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda")
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | float32 | bfloat16")
-    p.add_argument("--kernels", choices=("auto", "eager", "compiled"), default="auto",
-                   help="decoding's linears on a float32 CPU (auto: compiled for the embedded target)")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--recipe", default=str(RECIPE), help="training settings file or shipped name (default smollm2-cpu)")
     p.add_argument("--out", default="runs/demo")
@@ -397,7 +400,7 @@ def register(sub) -> None:
 
 
 def cmd_demo(args) -> int:
-    cfg = DemoConfig(out=args.out, target=args.target, device=args.device, dtype=args.dtype, kernels=args.kernels,
+    cfg = DemoConfig(out=args.out, target=args.target, device=args.device, dtype=args.dtype,
                      minutes=args.minutes, budget_minutes=args.budget_minutes or None,
                      recipe=args.recipe,
                      train_prompts=args.train_prompts, eval_prompts=args.eval_prompts, bench_prompts=args.bench_prompts,

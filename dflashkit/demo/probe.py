@@ -3,11 +3,8 @@
 Constants measured on one CPU were off by 2x on another (a float32-only CPU ran the data stage in 17 min against
 an estimate of 9), so the demo times the operations its stages repeat and scales them:
 - a batched greedy step and prefill at the data stage's batch size and typical context (data, cache stages);
-- a one-token forward on the stock kernels (bench's ar-stock, and the offline eval, which scales with the machine)
-  and, where the target chose compiled kernels (target/compiled.py), on those (every other bench method): timing
-  them compiles them, so the compile is paid here, once per process. Generation stays on the stock kernels: on
-  them its step time is predictable (compiled, batched generation ran 1.10x faster, but the probe's step varied
-  0.27-0.37 s against 0.23 s in the stage; benchmarks/results/cpu-2026-12-02-generation-kernels.md).
+- a one-token forward on the reference backend's kernels (bench's ar, and the offline eval, which scales with the
+  machine).
 Per-method factors (time per token relative to plain decoding) come from measured demo runs; they are the one
 part that depends on the drafter, so the bench estimate is the loosest.
 On a 2-core bf16 CPU the probe reads the batched step 1.5x slow: at 32 or 96 rows its step at the mid-answer context
@@ -28,10 +25,9 @@ import torch
 
 from dflashkit.decode.cost import measure_cost_curve
 from dflashkit.decode.methods import parse_method
-from dflashkit.targets.compiled import compiled_linears, uses_compiled
 
-# time per generated token relative to plain decoding, from measured runs on coding-10: float32 on compiled kernels
-# (benchmarks/results/cpu-2026-12-01-compiled-coding-10.md) and the bf16 demo report, which agree within 10%
+# time per generated token relative to plain decoding, from measured runs on coding-10 (float32 and the bf16 demo
+# report, which agree within 10%)
 METHOD_FACTOR = {"ar": 1.0, "ar-stock": 1.0, "ngram": 0.6, "hybrid": 0.6, "ddtree": 1.2, "chain": 1.0,
                  "prompt-lookup": 0.7, "hf-generate": 1.05,
                  # the plain peer, against the stock one-token forward (bf16, 2-core Zen 5: ar 34.5, llama.cpp 146
@@ -42,7 +38,6 @@ EVAL_STEPS_PER_TOKEN = 0.3  # offline eval of one cached token (3 drafters x 2 a
 #                             103 s for coding-10's cache at an 82 ms verify (runs/demo-small)
 TRAIN_OVERHEAD_S = 10.0  # saving the untrained twin and the first checkpoint after the time box (measured 3 s)
 BENCH_OVERHEAD_S = 20.0  # the cost curve and the warm-up
-COMPILE_S = 120.0  # compiling a 135M float32 target's layers on 2 cores (target/compiled.py): 115-132 s measured
 # the first compile of the static decoder's steps on 2 cores (native kernels: about 1 min, its tree widths 1 more;
 # 10 s from inductor's cache), and llama.cpp's first GGUF conversion and server start
 PEER_START_S = {"llama.cpp": 30.0}
@@ -59,7 +54,6 @@ class Probe:
     prefill_token_s: float  # per token of a batched prefill
     verify_s: float  # a one-token forward at `context` tokens
     seconds: float  # what the probe itself took
-    compiled_verify_s: float | None = None  # the same on the compiled kernels decoding runs (None: not chosen)
 
 
 STEPS = 8  # timed greedy steps; the median is the step time
@@ -86,12 +80,8 @@ def probe(target, prompt_ids: list[int], batch: int, context: int) -> Probe:
                                use_cache=True, logits_to_keep=1)
             steps.append(time.perf_counter() - t)
     step = statistics.median(steps[1:])
-    verify = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)  # the stock kernels
-    compiled = None
-    if uses_compiled(target.model):  # compiles them (about 2 minutes), once per process
-        with compiled_linears(target.model):
-            compiled = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)
-    return Probe(batch, context, step, prefill, verify, time.perf_counter() - t0, compiled)
+    verify = measure_cost_curve(target, ns=(1,), context=context, repeats=5)(1)
+    return Probe(batch, context, step, prefill, verify, time.perf_counter() - t0)
 
 
 def data_seconds(p: Probe, num_prompts: int, batch: int, max_new_tokens: int, context: int) -> float:
@@ -112,11 +102,9 @@ def method_factor(method: str) -> float:
 
 
 def bench_seconds(p: Probe, runs: list[tuple[int, list[str], int]]) -> float:
-    """runs: (prompts, methods, max new tokens) per suite. Tokens x a one-token forward on the kernels the method
-    runs on (ar-stock: the stock ones) x the method's factor."""
+    """runs: (prompts, methods, max new tokens) per suite. Tokens x a one-token forward x the method's factor."""
     def token_s(method: str) -> float:
-        fast = p.compiled_verify_s if p.compiled_verify_s and method != "ar-stock" else p.verify_s
-        return fast * method_factor(method)
+        return p.verify_s * method_factor(method)
 
     starts = ENGINE_START_S + sum(PEER_START_S.get(m, 0.0) for m in {m for _, methods, _ in runs for m in methods})
     return BENCH_OVERHEAD_S + starts + sum(n * tokens * ANSWER_FILL * token_s(m) for n, methods, tokens in runs

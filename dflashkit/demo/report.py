@@ -52,6 +52,7 @@ class Bench:
     cost: dict | None = None
     mismatches: list = field(default_factory=list)
     ran: bool = False
+    config: dict = field(default_factory=dict)
 
     @classmethod
     def read(cls, folder: Path) -> "Bench":
@@ -61,7 +62,15 @@ class Bench:
                                                           "fastest_plain", "ceiling")},
                              new_tokens=s.get("new_tokens") or 0, ms_per_round=s.get("ms_per_round") or {})
                    for m, s in raw.get("methods", {}).items()}
-        return cls(methods, raw.get("cost"), raw.get("mismatches") or [], bool(raw))
+        return cls(methods, raw.get("cost"), raw.get("mismatches") or [], bool(raw), raw.get("config") or {})
+
+    def ran_on(self) -> str:
+        """Backends, threads and the static kernels' instruction set, as the bench recorded them."""
+        c = self.config
+        parts = [f"backends {', '.join(c['backends'])}" if c.get("backends") else "",
+                 f"{c['threads']} threads" if c.get("threads") else "",
+                 f"static kernels built for {c['static_kernels']}" if c.get("static_kernels") else ""]
+        return "; ".join(p for p in parts if p)
 
     @property
     def lossless(self) -> bool:
@@ -315,7 +324,8 @@ def write_report(root: Path, cfg, device, timings: dict, plan: str = "") -> dict
               markdown_table(["method", "tau", "tokens/s", "speedup vs AR", f"vs fastest plain ({res.bench.fastest_plain})",
                               "vs prompt-lookup", "ceiling"], brows),
               f"Lossless check: {'every output equals plain greedy decoding' if res.bench.lossless else 'FAILED or not run'}.",
-              "", "![speedup](bench/speedup.png)", "", *cost_markdown(res.bench.cost, "bench/cost.png")]
+              "", *([f"Ran on: {res.bench.ran_on()}.", ""] if res.bench.ran_on() else []),
+              "![speedup](bench/speedup.png)", "", *cost_markdown(res.bench.cost, "bench/cost.png")]
     lines += ["## Held-out suite (never trained on or selected with)", "",
               f"`{cfg.holdout_suite}`: complete a function from its signature and docstring (coding-10 asks for a "
               "function from a description).", "",

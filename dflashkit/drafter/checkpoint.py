@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflashkit.drafter.config import ARCH_CLASS, DrafterConfig
-from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.drafter.model import DFlashDrafter, rotary_dim
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, read_json, write_json
 from dflashkit.targets.model import check_same_target
@@ -28,6 +28,7 @@ def contract(drafter: DFlashDrafter, target_identity: dict | None = None, **extr
         "target_layer_ids": list(c.target_layer_ids),
         "block_size": c.block_size,
         "mask_token_id": c.mask_token_id,
+        "block_slot0": "seed",  # slot 0 = the last accepted token, slots 1..B-1 = mask (docs/design.md section 14)
         "hidden_size": c.hidden_size,
         "num_target_layers": c.num_target_layers,
         "target": target_identity,
@@ -90,9 +91,7 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
     con = read_contract(path)
     vocab = token_map(raw, state, weights)
     if con:
-        for key in ("target_layer_ids", "block_size", "mask_token_id"):
-            if con.get(key) != getattr(cfg, key):
-                raise DFlashError(f"{path / CONTRACT_FILE}: {key}={con.get(key)} disagrees with config.json ({getattr(cfg, key)})")
+        check_contract(con, cfg, path / CONTRACT_FILE)
     if target is not None:
         check_against_target(cfg, target, str(cfg_file))
         if con and con.get("target") and same_target:
@@ -110,6 +109,18 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
     drafter.load_report = report
     drafter.contract = con
     return drafter.to(device=device, dtype=dtype).eval()
+
+
+def check_contract(con: dict, cfg: DrafterConfig, source: Path) -> None:
+    """dflashkit.json against config.json, and the block input it was trained with: a drafter trained with mask in
+    slot 0 runs in every engine at a fraction of its tau (reported: 1.46 for 6.34), so it is refused at load."""
+    for key in ("target_layer_ids", "block_size", "mask_token_id"):
+        if con.get(key) != getattr(cfg, key):
+            raise DFlashError(f"{source}: {key}={con.get(key)} disagrees with config.json ({getattr(cfg, key)})")
+    slot0 = con.get("block_slot0", "seed")  # folders from before the field: dflashkit always trained with the seed
+    if slot0 != "seed":
+        raise DFlashError(f"{source}: block_slot0 is {slot0!r}, but dflashkit and every engine put the last accepted "
+                          "token in slot 0 (mask only in slots 1..B-1); retrain with block_slot0 'seed'")
 
 
 def token_map(raw: dict, state: dict, weights: Path) -> list[int] | None:
@@ -172,7 +183,11 @@ def describe(cfg: DrafterConfig) -> str:
     """One line that says which model runs: layers, attention kinds, scaling fields, DFlash2 parts."""
     kinds = [cfg.attention_kind(i) for i in range(cfg.num_hidden_layers)]
     attn = ", ".join(f"{'causal' if c else 'non-causal'}{f' window {w}' if w else ''}" for c, w in kinds)
-    out = f"{cfg.num_hidden_layers} layers [{attn}], block {cfg.block_size}"
+    out = (f"{cfg.num_hidden_layers} layers [{attn}], block {cfg.block_size} = the last accepted token + "
+           f"{cfg.block_size - 1} mask slots (drafts: vLLM num_speculative_tokens {cfg.block_size - 1}), target layers "
+           f"{cfg.target_layer_ids} (layer l = hidden_states[l + 1])")
+    if cfg.partial_rotary_factor != 1.0:
+        out += f", RoPE on {rotary_dim(cfg)} of {cfg.head_dim} head dims (partial_rotary_factor {cfg.partial_rotary_factor:g})"
     if cfg.input_embedding_scale != 1.0:
         out += f", input_embedding_scale {cfg.input_embedding_scale}"
     if cfg.output_multiplier != 1.0:

@@ -39,6 +39,7 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     rope_scaling: dict | None = None
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first int(head_dim * factor) dims of each head
     max_position_embeddings: int = 32768
     layer_types: list[str] = field(default_factory=list)  # "full_attention" | "sliding_attention" per layer
     sliding_window: int | None = None
@@ -66,6 +67,10 @@ class DrafterConfig:
             raise DFlashError(f"block_size must be at least 2 (one anchor + drafts), got {self.block_size}")
         if self.arch not in ARCH_CLASS:
             raise DFlashError(f"arch {self.arch!r} is not one of: {', '.join(ARCH_CLASS)}")
+        rot = self.head_dim * self.partial_rotary_factor
+        if not 0 < self.partial_rotary_factor <= 1 or rot != int(rot) or int(rot) % 2:
+            raise DFlashError(f"partial_rotary_factor {self.partial_rotary_factor}: must be in (0, 1] and rotate an even "
+                              f"whole number of the {self.head_dim} head dims")
         if self.arch == "dflash2" and self.hidden_size % self.conv_group_size:
             raise DFlashError(f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}")
 
@@ -128,6 +133,10 @@ class DrafterConfig:
         }
         if self.is_causal is not None:  # the reference reads it from the top level only
             out["is_causal"] = self.is_causal
+        if self.partial_rotary_factor != 1.0:  # top level: llama.cpp's converter; rope_parameters: vLLM's get_rope
+            out["partial_rotary_factor"] = self.partial_rotary_factor
+            out["rope_parameters"] = {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"}),
+                                      "partial_rotary_factor": self.partial_rotary_factor}
         return out
 
     @classmethod
@@ -151,6 +160,7 @@ class DrafterConfig:
         layer_types, window = _layer_types(cfg, notes)
         heads = cfg["num_attention_heads"]
         theta, scaling = _rope(cfg, notes)
+        partial = _partial_rotary(cfg, source)
         conf = cls(
             hidden_size=cfg["hidden_size"], num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
@@ -160,7 +170,7 @@ class DrafterConfig:
             num_target_layers=int(n_target) if n_target is not None else max(ids) + 3,
             mask_token_id=int(dfc["mask_token_id"]), vocab_size=cfg.get("vocab_size", 0), block_size=int(block),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768), layer_types=layer_types,
+            partial_rotary_factor=partial, max_position_embeddings=cfg.get("max_position_embeddings", 32768), layer_types=layer_types,
             sliding_window=window if "sliding_attention" in layer_types else None, arch=arch,
             **{k: v for k, v in dfc.items() if k not in ("block_size", "mask_token_id", "target_layer_ids")},
         )
@@ -211,9 +221,6 @@ def _refuse_unsupported(cfg: dict, source: str) -> None:
     if cfg.get("hidden_act", "silu") != "silu":
         raise DFlashError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (the drafter's MLP is SwiGLU "
                           "with silu, as in z-lab's Qwen3 drafters); convert the checkpoint or set hidden_act silu")
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise DFlashError(f"{source}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported "
-                          "(the drafter rotates the whole head); remove the field only if it was 1.0 in training")
 
 
 def _architecture(cfg: dict, source: str, notes: list[str]) -> str:
@@ -241,6 +248,7 @@ def _dflash_fields(cfg: dict, arch: str, source: str) -> dict:
         hint = (" (DFlash2 fields: set architectures to DFlash2DraftModel)" if set(unknown) & DFLASH2_KEYS else "")
         raise DFlashError(f"{source}: dflash_config has unknown key(s) {unknown}{hint}; dflashkit knows "
                           f"{sorted(known)}. A field it cannot honour is refused rather than ignored")
+    _check_block_size(cfg, dfc, source)
     out = {k: dfc.get(k, cfg.get(k)) for k in known}
     out = {k: v for k, v in out.items() if v is not None}
     for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
@@ -271,6 +279,15 @@ def _refuse_non_causal(cfg: dict, dfc: dict, source: str) -> None:
                               "runs sliding_attention layers causal; dflashkit refuses rather than run a model the "
                               f"reference does not. Remove {NON_CAUSAL_KEY} (or set it false) if the drafter was trained "
                               "with causal sliding layers; otherwise the folder is not a z-lab DFlash drafter")
+
+
+def _check_block_size(cfg: dict, dfc: dict, source: str) -> None:
+    """block_size counts the anchor (z-lab, SGLang, llama.cpp's dflash.block_size; vLLM drafts block_size - 1):
+    a top-level value that disagrees with dflash_config's leaves engines drafting different numbers of tokens."""
+    top, inner = cfg.get("block_size"), dfc.get("block_size")
+    if top is not None and inner is not None and int(top) != int(inner):
+        raise DFlashError(f"{source}: block_size {top} (top level) disagrees with dflash_config.block_size {inner}; "
+                          "set both to the trained block, anchor included (vLLM then drafts block_size - 1)")
 
 
 def _check_aux_layers(cfg: dict, dfc: dict, source: str) -> None:
@@ -320,5 +337,36 @@ def _rope(cfg: dict, notes: list[str]) -> tuple[float, dict | None]:
                      "transformers' Qwen3Config default, which the reference runs")
     scaling = cfg.get("rope_scaling")
     if scaling is None and rope.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
     return float(theta), scaling
+
+
+def _partial_rotary(cfg: dict, source: str) -> float:
+    """partial_rotary_factor from the top level or rope_parameters (llama.cpp's converter and vLLM read either);
+    two that disagree are refused: engines would rotate other dims than training did (speculators #613)."""
+    top, rope = cfg.get("partial_rotary_factor"), (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if top is not None and rope is not None and float(top) != float(rope):
+        raise DFlashError(f"{source}: partial_rotary_factor {top} disagrees with rope_parameters.partial_rotary_factor "
+                          f"{rope}; set both to the factor the drafter was trained with")
+    return float(top if top is not None else rope if rope is not None else 1.0)
+
+
+# how each engine is told the block (docs/design.md section 14): z-lab, SGLang and llama.cpp's GGUF key count the
+# anchor, vLLM's num_speculative_tokens and llama-server's --spec-draft-n-max count the drafts only
+ENGINE_BLOCK = {"zlab": ("dflash_config.block_size", 0), "sglang": ("speculative_num_draft_tokens", 0),
+                "llama.cpp": ("--spec-draft-n-max", -1), "vllm": ("num_speculative_tokens", -1)}
+
+
+def engine_block(engine: str, block_size: int) -> tuple[str, int]:
+    """(setting, value) that makes `engine` draft block_size - 1 tokens a round with a block-`block_size` drafter."""
+    name, offset = ENGINE_BLOCK[engine]
+    return name, block_size + offset
+
+
+def check_engine_block(engine: str, value: int, block_size: int, source: str) -> None:
+    """Refuses an engine setting that would draft another number of tokens than the drafter was trained for."""
+    name, want = engine_block(engine, block_size)
+    if int(value) != want:
+        counts = "the anchor included" if ENGINE_BLOCK[engine][1] == 0 else "the drafts only, not the anchor"
+        raise DFlashError(f"{source}: {engine} {name} is {value} for a drafter of block_size {block_size}; {name} counts "
+                          f"{counts}: set it to {want}")

@@ -82,3 +82,52 @@ def read_token_map(path: Path) -> list[int] | None:
 
     t = next((t for t in gguf.GGUFReader(str(path)).tensors if t.name == "d2t"), None)
     return None if t is None else np.asarray(t.data).astype(np.int64).tolist()
+
+
+def gguf_keys(path: Path) -> dict:
+    """The key/value pairs of a GGUF file, as plain Python values."""
+    import gguf
+
+    return {k: _value(f)[0] for k, f in gguf.GGUFReader(str(path)).fields.items() if not k.startswith("GGUF.")}
+
+
+def uses_mrope(target_config: dict) -> bool:
+    """A target config (its text_config for a VL wrapper) whose RoPE has sections (mRoPE: Qwen2/3-VL, Qwen3.5)."""
+    cfg = target_config.get("text_config", target_config)
+    return "mrope_section" in (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+
+
+def check_gguf(path: Path, cfg, vocab: list[int] | None, target_config: dict) -> list[str]:
+    """Read back what llama.cpp will run from a DFlash GGUF and refuse, in one line, any contract it breaks
+    (docs/design.md section 14): target layers in llama.cpp's hidden_states convention (id + 1), the block counting
+    the anchor, the mask id, the rotated dims, mRoPE sections for a VL target, the draft vocabulary. Returns the
+    lines that state them."""
+    from dflashkit.drafter.model import rotary_dim
+
+    keys = gguf_keys(path)
+    a = keys.get("general.architecture")
+    want = {f"{a}.target_layers": [i + 1 for i in cfg.target_layer_ids], f"{a}.block_size": cfg.block_size,
+            "tokenizer.ggml.mask_token_id": cfg.mask_token_id}
+    fix = {f"{a}.target_layers": "llama.cpp taps output_hidden_states[id + 1]: write target_layer_ids + 1",
+           f"{a}.block_size": "it counts the anchor: write the trained block_size",
+           "tokenizer.ggml.mask_token_id": "write dflash_config.mask_token_id"}
+    for key, value in want.items():
+        if keys.get(key) != value:
+            raise DFlashError(f"{path}: {key} is {keys.get(key)!r}, the drafter needs {value!r}; {fix[key]}")
+    n_rot = keys.get(f"{a}.rope.dimension_count", keys.get(f"{a}.attention.key_length", cfg.head_dim))
+    if n_rot != rotary_dim(cfg):
+        raise DFlashError(f"{path}: {a}.rope.dimension_count is {n_rot}, but the drafter was trained rotating "
+                          f"{rotary_dim(cfg)} of {cfg.head_dim} head dims (partial_rotary_factor "
+                          f"{cfg.partial_rotary_factor:g}); write partial_rotary_factor into config.json and re-convert")
+    sections = keys.get(f"{a}.rope.dimension_sections")
+    if uses_mrope(target_config) and not sections:
+        raise DFlashError(f"{path}: no {a}.rope.dimension_sections, but the target uses mRoPE (rope_parameters."
+                          "mrope_section); llama.cpp would rope the drafter as a text model: convert with a llama.cpp "
+                          "whose converter writes the sections for a VL target (z-lab #170)")
+    written = read_token_map(path)
+    if written != (list(vocab) if vocab else None):
+        raise DFlashError(f"{path}: d2t holds {len(written or [])} token ids, the drafter's draft vocabulary "
+                          f"{len(vocab or [])}; export with the token map (drop --full-vocab) or re-export")
+    return [f"{path.name}: {a}.target_layers {want[f'{a}.target_layers']} (id + 1), {a}.block_size {cfg.block_size} "
+            f"(anchor counted: llama.cpp --spec-draft-n-max {cfg.block_size - 1}), RoPE dims {n_rot}"
+            + (f", mRoPE sections {sections}" if sections else "") + f", d2t {len(written) if written else 'none'}"]

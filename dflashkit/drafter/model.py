@@ -16,17 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.drafter.head import few_rows_linear, scaled
+from dflashkit.drafter.head import scaled
 from dflashkit.errors import DFlashError
 from dflashkit.tree import Tree
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict keys) whose few-row inference calls on a CPU take the faster
-    product of decoding (few_rows_linear)."""
-
-    def forward(self, x):
-        return few_rows_linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -50,8 +42,9 @@ def rope_init(cfg: DrafterConfig) -> dict:
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     out = {"attention_scaling": 1.0, "long_inv_freq": None, "original_max": None}
-    if kind == "default":
-        out["inv_freq"] = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    if kind == "default":  # partial rotary: frequencies over the rotated dims only, as transformers computes them
+        dim = rotary_dim(cfg)
+        out["inv_freq"] = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         return out
     if "dynamic" in kind:
         raise DFlashError(f"rope_scaling {scaling}: dynamic RoPE (frequencies recomputed as the sequence grows) is not "
@@ -64,7 +57,8 @@ def rope_init(cfg: DrafterConfig) -> dict:
                           f"{', '.join(k for k in ROPE_INIT_FUNCTIONS if 'dynamic' not in k)}")
     hf = Qwen3Config(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
                      max_position_embeddings=cfg.max_position_embeddings,
-                     rope_parameters={"rope_theta": cfg.rope_theta, **scaling, "rope_type": kind})
+                     rope_parameters={"rope_theta": cfg.rope_theta, **scaling, "rope_type": kind,
+                                      "partial_rotary_factor": cfg.partial_rotary_factor})
     inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
     out.update(inv_freq=inv_freq.float(), attention_scaling=float(scale))
     if kind == "longrope":
@@ -73,9 +67,10 @@ def rope_init(cfg: DrafterConfig) -> dict:
     return out
 
 
-def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
-    """The RoPE frequencies (see rope_init for the attention scaling that goes with them)."""
-    return rope_init(cfg)["inv_freq"]
+def rotary_dim(cfg: DrafterConfig) -> int:
+    """Head dimensions RoPE rotates: int(head_dim * partial_rotary_factor), the first ones (transformers' and
+    llama.cpp's `rope.dimension_count`); the rest pass through unrotated."""
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
 
 
 def rotate_half(x):
@@ -84,8 +79,27 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x [b, h, T, d]; cos/sin [b, T, d]."""
+    """x [b, h, T, d]; cos/sin [b, T, r]: the first r <= d dims rotate (partial rotary), the rest pass."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+SLOT0 = ("seed", "mask")  # what slot 0 of a block holds: "seed" (the last accepted token) is every engine's
+
+
+def block_ids(anchor_ids, block_size: int, mask_id: int, slot0: str = "seed") -> torch.Tensor:
+    """[..., B] block inputs for anchor tokens [...]: slot 0 the anchor (the last token the target accepted and
+    has not run yet), slots 1..B-1 the mask id. Training, evaluation and decoding all build blocks here.
+    slot0="mask" is the failure engines have shipped (mask in slot 0 too): it runs, at a fraction of the tau."""
+    if slot0 not in SLOT0:
+        raise DFlashError(f"slot0={slot0!r} is not one of: {', '.join(SLOT0)}")
+    anchor_ids = torch.as_tensor(anchor_ids)
+    ids = torch.full((*anchor_ids.shape, block_size), mask_id, dtype=torch.long, device=anchor_ids.device)
+    if slot0 == "seed":
+        ids[..., 0] = anchor_ids
+    return ids
 
 
 class ContextKV:
@@ -94,7 +108,7 @@ class ContextKV:
     It exists so that online decoding (and the offline walk) projects each committed position's target
     features through fc and k/v once, not again every round: each call passes only the newly committed
     features and attends to these plus its own block. Block keys never enter it, so nothing needs cropping
-    after a draft; `crop` exists for callers that roll the context back. Not the target's KV cache (the
+    after a draft. Not the target's KV cache (the
     decode loops call that the target KV) and not the hidden-state cache folder of `dflashkit extract`."""
 
     def __init__(self, num_layers: int):
@@ -110,19 +124,16 @@ class ContextKV:
     def get_seq_length(self) -> int:
         return 0 if self.kv[0] is None else self.kv[0][0].shape[2]
 
-    def crop(self, length: int):
-        self.kv = [None if e is None else (e[0][:, :, :length], e[1][:, :, :length]) for e in self.kv]
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer: int):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.layer, self.n_heads, self.n_kv, self.head_dim = layer, cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = Linear(h, self.n_kv * d, bias=False)
-        self.v_proj = Linear(h, self.n_kv * d, bias=False)
-        self.o_proj = Linear(self.n_heads * d, h, bias=False)
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -150,9 +161,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -205,7 +216,7 @@ class GroupedDynamicConv(nn.Module):
         super().__init__()
         self.kernel_size, self.group_size = kernel_size, group_size
         self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden))
-        self.kernel_projection = Linear(hidden, 2 * kernel_size * (hidden // group_size), bias=False)
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * (hidden // group_size), bias=False)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -245,7 +256,7 @@ class CandidateSelector(nn.Module):
         self.top_k = cfg.selector_top_k
         self.predecessor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
         self.successor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
-        self.hidden_projection = Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
         nn.init.normal_(self.predecessor_codebook, std=0.02)
         nn.init.normal_(self.successor_codebook, std=0.02)
 
@@ -315,7 +326,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
-        self.fc = Linear(cfg.num_features * h, h, bias=False)
+        self.fc = nn.Linear(cfg.num_features * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)

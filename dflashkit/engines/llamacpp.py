@@ -29,11 +29,12 @@ class EngineAnswer:
 
     tokens: list[int]
     seconds: float
-    prompt_seconds: float
+    prompt_seconds: float | None  # None: the engine does not report its prompt time apart
     drafted: int = 0
     accepted: int = 0
     steps: int = 0  # verify steps (rounds) that carried a draft
     extra: dict = field(default_factory=dict)
+    per_position: list[int] | None = None  # rounds that accepted a draft at position k = 1.., where reported
 
 
 def gguf_dir() -> Path:
@@ -74,6 +75,13 @@ class LlamaServer:
 
     def __init__(self, model: Path, threads: int, ctx: int, drafter: Path | None = None, draft_max: int = 0,
                  log: Path | None = None, engine: LlamaCpp | None = None):
+        if drafter is not None:  # before any start: --spec-draft-n-max counts drafts, dflash.block_size the anchor too
+            from dflashkit.drafter.config import check_engine_block
+            from dflashkit.drafter.gguf import gguf_keys
+
+            keys = gguf_keys(Path(drafter))
+            check_engine_block("llama.cpp", draft_max, int(keys[f"{keys['general.architecture']}.block_size"]),
+                               str(drafter))
         self.engine = engine or require("llama.cpp")
         self.port = _free_port()
         self.log = log or (gguf_dir() / f"server-{self.port}.log")
@@ -133,15 +141,22 @@ class LlamaServer:
         except urllib.error.HTTPError as e:
             raise DFlashError(f"llama-server refused a completion ({e.code}: {e.read()[:300]!r}); its log "
                               f"{self.log}:\n{self.log_tail()}") from None
-        seconds = time.perf_counter() - t0
-        tokens = list(res.get("tokens") or [])
-        if res.get("stop_type") == "eos" and not (tokens and tokens[-1] in stop_ids):
-            tokens.append(min(stop_ids))  # ours keep the stop token; the server drops it from the answer
-        t = res.get("timings") or {}
-        accepted = int(t.get("draft_n_accepted") or 0)
-        steps = max(0, int(t.get("predicted_n") or len(tokens)) - 1 - accepted) if t.get("draft_n") else 0
-        return EngineAnswer(tokens, seconds, float(t.get("prompt_ms") or 0.0) / 1000, int(t.get("draft_n") or 0),
-                            accepted, steps, {"stop_type": res.get("stop_type")})
+        return answer_of(res, time.perf_counter() - t0, stop_ids)
+
+
+def answer_of(res: dict, seconds: float, stop_ids: set[int]) -> EngineAnswer:
+    """A `/completion` response as an EngineAnswer: its tokens (the stop token put back), its prompt time and draft
+    counters from `timings` (draft_n, draft_n_accepted; verify steps = generated tokens after the first that the
+    accepted drafts do not account for). The server counts totals only: no rounds, no per-position acceptance."""
+    tokens = list(res.get("tokens") or [])
+    if res.get("stop_type") == "eos" and not (tokens and tokens[-1] in stop_ids):
+        tokens.append(min(stop_ids))  # ours keep the stop token; the server drops it from the answer
+    t = res.get("timings") or {}
+    accepted = int(t.get("draft_n_accepted") or 0)
+    steps = max(0, int(t.get("predicted_n") or len(tokens)) - 1 - accepted) if t.get("draft_n") else 0
+    prompt = None if t.get("prompt_ms") is None else float(t["prompt_ms"]) / 1000
+    return EngineAnswer(tokens, seconds, prompt, int(t.get("draft_n") or 0), accepted, steps,
+                        {"stop_type": res.get("stop_type")})
 
 
 def drafter_gguf(engine: LlamaCpp, drafter, target, dtype: str, out: Path, token_map: bool = True) -> Path:
@@ -153,7 +168,7 @@ def drafter_gguf(engine: LlamaCpp, drafter, target, dtype: str, out: Path, token
     import torch
 
     from dflashkit.drafter.checkpoint import save_drafter
-    from dflashkit.drafter.gguf import add_token_map
+    from dflashkit.drafter.gguf import add_token_map, check_gguf
 
     vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab") if token_map else None
     wdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -164,6 +179,7 @@ def drafter_gguf(engine: LlamaCpp, drafter, target, dtype: str, out: Path, token
             out.parent.mkdir(parents=True, exist_ok=True)
             with atomic_path(out) as dst:
                 dst.write_bytes(plain.read_bytes())
-            return out
-        head = target.lm_head.weight.detach().float().cpu().numpy()
-        return add_token_map(plain, out, vocab, head)
+        else:
+            add_token_map(plain, out, vocab, target.lm_head.weight.detach().float().cpu().numpy())
+    check_gguf(out, drafter.config, vocab, json.loads((Path(target.path) / "config.json").read_text()))
+    return out

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from dflashkit.drafter.config import check_engine_block
 from dflashkit.engines.install import Vllm, require
 from dflashkit.engines.llamacpp import EngineAnswer
 from dflashkit.errors import DFlashError
@@ -28,6 +29,10 @@ class VllmWorker:
 
     def __init__(self, model: Path, dtype: str, threads: int, max_model_len: int, drafter: Path | None = None,
                  num_speculative_tokens: int = 0, engine: Vllm | None = None, start_timeout: float = 900):
+        if drafter is not None:  # before any start: vLLM counts drafts, the folder's block_size the anchor too
+            cfg = json.loads((Path(drafter) / "config.json").read_text())
+            block = (cfg.get("dflash_config") or {}).get("block_size", cfg.get("block_size", 16))
+            check_engine_block("vllm", num_speculative_tokens, int(block), str(Path(drafter) / "config.json"))
         self.engine = engine or require("vllm")
         self.cfg = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len,
                     "speculative": None if drafter is None else
@@ -85,7 +90,12 @@ class VllmWorker:
     def complete(self, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> EngineAnswer:
         self.proc.stdin.write(json.dumps({"ids": ids, "max_tokens": max_new_tokens}) + "\n")
         self.proc.stdin.flush()
-        r = self._reply(3600, "answering")
-        # vLLM's prompt time is not reported apart; its answers count from the request, like ours from the prompt
-        return EngineAnswer(r["tokens"], r["seconds"], 0.0, r["drafts"] * int(
-            (self.cfg["speculative"] or {}).get("num_speculative_tokens", 0)), r["accepted"], r["drafts"])
+        return answer_of(self._reply(3600, "answering"), (self.cfg["speculative"] or {}).get("num_speculative_tokens", 0))
+
+
+def answer_of(reply: dict, num_speculative_tokens: int) -> EngineAnswer:
+    """A worker's reply as an EngineAnswer: vLLM's own counters (drafts = verify steps with a draft, each of
+    num_speculative_tokens tokens; accepted; per draft position where its metrics have them). vLLM does not report
+    the prompt's time apart (None); its answers count from the request, like ours from the prompt."""
+    return EngineAnswer(reply["tokens"], reply["seconds"], None, reply["drafts"] * int(num_speculative_tokens),
+                        reply["accepted"], reply["drafts"], per_position=reply.get("per_position"))

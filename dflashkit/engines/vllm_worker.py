@@ -2,8 +2,11 @@
 
 argv[1]: a JSON file {"model", "dtype", "max_model_len", "speculative": null or vLLM's speculative_config}.
 stdin: one JSON line per request {"ids": [...], "max_tokens": N}; stdout: one line per answer, prefixed
-REPLY (vLLM logs to the same streams), {"tokens", "seconds", "drafts", "accepted"} from vLLM's own counters.
+REPLY (vLLM logs to the same streams), {"tokens", "seconds", "drafts", "accepted", "per_position"} from vLLM's own
+counters (per_position null where this vLLM keeps no per-position counts).
 """
+
+from __future__ import annotations
 
 import json
 import sys
@@ -13,13 +16,30 @@ REPLY = "@@dflashkit "
 
 
 def counters(llm) -> dict:
-    out = {"drafts": 0, "accepted": 0}
+    """vLLM's spec-decode counters; per_position (a Vector metric: rounds that accepted a draft at position k)
+    stays None where this vLLM does not keep it."""
+    out = {"drafts": 0, "accepted": 0, "per_position": None}
     for m in llm.get_metrics():
         if m.name == "vllm:spec_decode_num_drafts":
             out["drafts"] += int(m.value)
         elif m.name == "vllm:spec_decode_num_accepted_tokens":
             out["accepted"] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and getattr(m, "values", None) is not None:
+            out["per_position"] = combine(out["per_position"] or [], [int(v) for v in m.values], 1)
     return out
+
+
+def combine(a: list, b: list, sign: int) -> list:
+    """a + sign * b, position by position (the shorter padded with zeros)."""
+    n = max(len(a), len(b))
+    return [x + sign * y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+
+
+def per_request(after: dict, before: dict) -> list | None:
+    """This request's per-position counts: the metric after it minus before it (None where vLLM keeps none)."""
+    if after["per_position"] is None:
+        return None
+    return combine(after["per_position"], before["per_position"] or [], -1)
 
 
 def main() -> None:
@@ -41,7 +61,9 @@ def main() -> None:
         after = counters(llm)
         print(REPLY + json.dumps({"tokens": list(out.outputs[0].token_ids), "seconds": seconds,
                                   "drafts": after["drafts"] - before["drafts"],
-                                  "accepted": after["accepted"] - before["accepted"]}), flush=True)
+                                  "accepted": after["accepted"] - before["accepted"],
+                                  "per_position": per_request(after, before)}),
+              flush=True)
 
 
 if __name__ == "__main__":  # vLLM starts worker processes that re-import the main module

@@ -1,4 +1,5 @@
-"""`dflashkit eval` (a drafter on cached target states) and `dflashkit compare` (runs side by side)."""
+"""`dflashkit eval` (a drafter on cached target states), `dflashkit compare` (runs side by side) and `dflashkit
+parity` (two decoding runs token for token)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,26 @@ def register(sub) -> None:
                    help="compare runs with different caches, prompts, anchors or block settings (the table says so)")
     c.set_defaults(func=cmd_compare)
 
+    q = sub.add_parser("parity", help="two bench or generate outputs token for token: per prompt equal or the first "
+                       "divergence, with the text and the target's top-2 margin there")
+    q.add_argument("run_a", metavar="RUN_A", help="a bench folder or a `generate --out` file")
+    q.add_argument("run_b", metavar="RUN_B", help="the same, from any engine")
+    q.add_argument("--method", help="RUN_A's method to compare (default: the one it holds, or every shared one)")
+    q.add_argument("--against", help="RUN_B's method to compare with (default: --method)")
+    q.add_argument("--target", help="tokenizer for the text (default: the target folder the runs recorded)")
+    q.add_argument("--out", help="folder for parity.json and parity.md (default: print only)")
+    q.add_argument("--json", action="store_true", help="print the result as JSON instead of Markdown")
+    q.set_defaults(func=cmd_parity)
+
 
 def cmd_eval(args) -> int:
+    run_eval_command(args)
+    return 0
+
+
+def run_eval_command(args) -> tuple[dict, object]:
+    """What `dflashkit eval` does; returns (the run's result, the target), for `eval --engine` (dflashkit/prediction.py:
+    the prediction needs decode, a sibling stage, so it sits above both)."""
     from tqdm import tqdm
 
     from dflashkit.cache import open_cache
@@ -60,9 +79,9 @@ def cmd_eval(args) -> int:
         target_ref = cache.target.get("name")  # the registry name, when the recorded folder has moved
     target = load_target(target_ref, device=args.device)
     check_target(cache.path, cache.manifest, target.identity())  # weights included: a fine-tune is another target
-    runs.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,
-                     show_matches=args.show_matches, say=tqdm.write, allow_skipped=args.allow_skipped)
-    return 0
+    result = runs.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,
+                           show_matches=args.show_matches, say=tqdm.write, allow_skipped=args.allow_skipped)
+    return result, target
 
 
 def cmd_compare(args) -> int:
@@ -73,3 +92,16 @@ def cmd_compare(args) -> int:
     print(res["markdown"])
     print(f"written to {out}")
     return 0
+
+
+def cmd_parity(args) -> int:
+    """Exit 1 when a prompt parts other than at a numerics near-tie (docs/design.md section 11: a failed check)."""
+    import json
+
+    from dflashkit.evaluate.parity import parity_markdown, run_parity, write_parity
+
+    res = run_parity(args.run_a, args.run_b, args.method, args.against, args.target)
+    print(json.dumps(res, indent=1) if args.json else parity_markdown(res))
+    if args.out:
+        print("wrote " + ", ".join(str(p) for p in write_parity(res, args.out)))
+    return 0 if res["ok"] else 1

@@ -70,11 +70,16 @@ def _diff(a, ref):
 
 
 def compare_runs(run_dirs, out=None, force: bool = False) -> dict:
-    """Compare eval run folders; the first is the reference (differences are run - ref, ratios run / ref).
+    """Compare eval run folders; the first is the reference (differences are run - ref, ratios run / ref). Bench
+    folders and `generate --out` files compare their per-request records instead (evaluate/requests.py).
     Writes compare.md, compare.json and overlaid plots to `out` when given. Returns the comparison as a dict
     (markdown in "markdown")."""
     if len(run_dirs) < 2:
         raise DFlashError("compare needs at least two run folders")
+    from dflashkit.evaluate.requests import compare_requests, holds_requests
+
+    if all(holds_requests(p) for p in run_dirs):  # bench folders or generate outputs: per-request records
+        return compare_requests(run_dirs, out)
     runs = [load_run(p) for p in run_dirs]
     names = _names(run_dirs)
     diffs = differences(runs, names)

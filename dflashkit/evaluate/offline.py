@@ -22,6 +22,7 @@ import torch
 
 from dflashkit.drafter.checkpoint import check_against_target, check_feature_layers
 from dflashkit.drafter.head import LOGIT_ELEMENTS, DraftHead
+from dflashkit.drafter.model import block_ids
 from dflashkit.errors import DFlashError
 from dflashkit.targets.model import check_same_target
 from dflashkit.tree import accepted_path, build_tree_topk, parse_tree_spec, paths_streak, top_logprobs, width_streak
@@ -72,10 +73,10 @@ def _labels(tokens, anchors: list[int], B: int) -> torch.Tensor:
     return torch.where(pos < T, tokens[pos.clamp(max=T - 1)], torch.full_like(pos, -100))
 
 
-def block_embeddings(embed_tokens, tokens, anchors: list[int], B: int, mask_id: int, dtype) -> torch.Tensor:
-    """block_embeds [n*B, H]: embeddings of each block, the anchor token then B-1 mask tokens."""
-    ids = torch.full((len(anchors), B), mask_id, dtype=torch.long, device=tokens.device)
-    ids[:, 0] = tokens[torch.tensor(anchors, device=tokens.device)]
+def block_embeddings(embed_tokens, tokens, anchors: list[int], B: int, mask_id: int, dtype,
+                     slot0: str = "seed") -> torch.Tensor:
+    """block_embeds [n*B, H]: embeddings of each block, the anchor token then B-1 mask tokens (block_ids)."""
+    ids = block_ids(tokens[torch.tensor(anchors, device=tokens.device)], B, mask_id, slot0)
     return embed_tokens(ids.reshape(-1)).to(dtype)
 
 

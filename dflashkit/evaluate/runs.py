@@ -176,7 +176,10 @@ def save_run(run_dir, result: dict, log_lines: list[str], drafter_path, plots: b
     sha256)."""
     import os
 
+    import torch
+
     run_dir = Path(run_dir)
+    result = {**result, "threads": result.get("threads", torch.get_num_threads())}  # what the timings ran on
     with atomic_dir(run_dir) as tmp:
         write_json(tmp / "results.json", result)
         write_text(tmp / "summary.md", summary_markdown(result, result.get("header", []), plots))

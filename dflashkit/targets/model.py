@@ -19,7 +19,7 @@ import torch
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import home, read_json, sha256_file, sha256_json, write_json
-from dflashkit.targets.compiled import ATTRIBUTE, choose_kernels
+from dflashkit.targets.invariant import step_linear_attention
 from dflashkit.targets.registry import resolve
 
 
@@ -119,11 +119,6 @@ class Target:
         embedding module multiplies by sqrt(hidden) for its own layers; a drafter's only input scale is its
         input_embedding_scale, so a z-lab Gemma drafter drafts here what it drafts there."""
         return torch.nn.functional.embedding(ids, self.embed_tokens.weight)
-
-    @property
-    def kernels(self) -> str:
-        """eager or compiled: the linears decoding runs (target/compiled.py)."""
-        return getattr(self.model, ATTRIBUTE, "eager")
 
     @property
     def architecture(self) -> str:
@@ -229,19 +224,27 @@ class Target:
             self._capture = None
         return TargetOutput(logits, feats, past)
 
-    def features(self, seqs, layer_ids) -> torch.Tensor:
+    def features(self, seqs, layer_ids, padding: str = "right") -> torch.Tensor:
         """Features [b, T, K*H] of several token sequences (lists or 1-D tensors) in one forward, on the target's
-        device. Sequences are right-padded to the longest: causal layers never look ahead at the padding, so row
-        r's first len(seqs[r]) positions are that sequence's own features and the rest is padding."""
+        device; row r's first len(seqs[r]) positions are that sequence's own features, the rest padding.
+        padding "right" (causal layers never look ahead at it) or "left" (as generation batches: the mask hides the
+        padding and position ids count from each row's first real token, else RoPE shifts every row's positions)."""
+        if padding not in ("right", "left"):
+            raise DFlashError(f"padding={padding!r}: use right or left")
         T = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), T, dtype=torch.long)
         mask = torch.zeros(len(seqs), T, dtype=torch.long)
         for r, s in enumerate(seqs):
-            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-            mask[r, : len(s)] = 1
+            at = slice(0, len(s)) if padding == "right" else slice(T - len(s), T)
+            ids[r, at] = torch.as_tensor(s, dtype=torch.long)
+            mask[r, at] = 1
         same = all(len(s) == T for s in seqs)
-        return self.forward(ids.to(self.device), layer_ids=layer_ids, use_cache=False, compute_logits=False,
-                            attention_mask=None if same else mask.to(self.device)).features
+        pos = None if padding == "right" or same else (mask.cumsum(1) - 1).clamp(min=0).to(self.device)
+        feats = self.forward(ids.to(self.device), layer_ids=layer_ids, use_cache=False, compute_logits=False,
+                             attention_mask=None if same else mask.to(self.device), position_ids=pos).features
+        if padding == "left" and not same:  # each row's own positions first, as with right padding
+            feats = torch.stack([feats[r].roll(len(s) - T, dims=0) for r, s in enumerate(seqs)])
+        return feats
 
 
 # ---- identity: the weights, not only the config ---------------------------------------------------------
@@ -395,10 +398,9 @@ def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
     raise DFlashError("the target has no mask token, no spare embedding row and no unused special token; pass a mask id explicitly")
 
 
-def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = "auto", dtype=None,
-                kernels: str = "eager") -> Target:
-    """Load a registry target or a local Hugging Face folder, offline, frozen. `kernels`: what decoding runs on a
-    float32 CPU, eager (the stock ones), compiled or auto (target/compiled.py); decoding commands pass auto."""
+def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = "auto", dtype=None) -> Target:
+    """Load a registry target or a local Hugging Face folder, offline, frozen. A low-precision CPU target's
+    linear-attention layers step their cached multi-token calls (targets/invariant.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name, path = resolve(name_or_path)
@@ -413,5 +415,5 @@ def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = 
         raise DFlashError(f"{path}: cannot load as a causal LM ({str(e).splitlines()[0]})") from e
     check_loading_info(path, info)
     target = Target(model.to(dev), tokenizer, path, name)
-    setattr(target.model, ATTRIBUTE, choose_kernels(target.model, kernels))
+    step_linear_attention(target.model)
     return target

@@ -17,6 +17,7 @@ import torch
 
 from dflashkit.cache import open_cache
 from dflashkit.cache.sequences import read_sequences, same_target
+from dflashkit.drafter.model import block_ids as make_block_ids
 from dflashkit.errors import DFlashError
 
 
@@ -224,8 +225,10 @@ class Batch:
         return Batch(*(t.to(device) for t in (self.anchors, self.valid, self.block_ids, self.labels, self.lengths)))
 
 
-def build_batch(seqs: list[Sequence], anchors: list[torch.Tensor], block_size: int, mask_id: int) -> Batch:
-    """Blocks at positions a..a+B-1; slot 0 = the anchor token (no loss), slots 1..B-1 = MASK with label a+k."""
+def build_batch(seqs: list[Sequence], anchors: list[torch.Tensor], block_size: int, mask_id: int,
+                slot0: str = "seed") -> Batch:
+    """Blocks at positions a..a+B-1; slot 0 = the anchor token (no loss), slots 1..B-1 = MASK with label a+k
+    (slot0="mask": the engines' failure of docs/design.md section 14, for the test that shows what it costs)."""
     B, b = block_size, len(seqs)
     n = max(1, max(len(a) for a in anchors))
     T = max(s.length for s in seqs)
@@ -241,8 +244,7 @@ def build_batch(seqs: list[Sequence], anchors: list[torch.Tensor], block_size: i
     labels = at.clone()
     labels[:, :, 0] = -100
     labels[~valid] = -100
-    block_ids = torch.full((b, n, B), mask_id, dtype=torch.long)
-    block_ids[:, :, 0] = torch.where(valid, at[:, :, 0], mask_id)
+    block_ids = make_block_ids(torch.where(valid, at[:, :, 0], mask_id), B, mask_id, slot0)
     return Batch(A, valid, block_ids, labels, torch.tensor([s.length for s in seqs]))
 
 

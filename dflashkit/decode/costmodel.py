@@ -1,0 +1,303 @@
+"""A cost model per engine, so that an offline acceptance says what a drafter is worth on an engine before it is
+served (issue 50): what one target forward over n = 1..64 new tokens costs after a realistic KV, what one drafter
+call costs, and what the loop spends per round besides the two. A short probe measures it once and caches it
+under $DFLASHKIT_HOME/cost-model/ (beside the backend probe of decode/engine.py), keyed by the CPU (model and
+vector flags), the target's weights, dtype, threads, the engine and its version, and the drafter's shape
+(its call is priced on this machine; its weights do not change the price). decode/predict.py turns a model and an
+acceptance into tokens per second.
+
+Backends: `hf` times transformers' forward with decode/cost.py's curve (under the kernels decoding runs); `static`
+times its compiled widths (a verify of n runs on the smallest width >= n, none past the widest). Peers: llama.cpp
+times its forward with its own `llama-bench` (n tokens after 400 of context) and its rounds through `llama-server`;
+vLLM times whole rounds through its worker (its forward is not reachable apart). The loops' own work is the
+`other` share of a short decode of each loop on that engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflashkit.errors import DFlashError
+
+PROBE_NS = (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)  # chain blocks 4/8/16, DDTree-b verifies b+1
+MODEL_ENGINES = ("hf", "static", "llama.cpp", "vllm")
+LOOPS = ("ar", "chain", "tree")
+FORMAT = "dflashkit-cost-model/1"
+FIX = "delete the file to measure again (`dflashkit cost ... --force`)"
+PROBE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
+PROBE_TOKENS = 48
+DEPTH = 400  # tokens of context before a timed forward, as decode/cost.py
+
+
+@dataclass
+class CostModel:
+    """Milliseconds, per round of a loop: `forward(n)` of the target over n new tokens, `draft_ms` one drafter call
+    (None: measured without a drafter), `overhead(loop)` the loop's own work (ar, chain or tree)."""
+
+    engine: str
+    ns: list[int]
+    forward_ms: list[float]
+    draft_ms: float | None
+    overhead_ms: dict
+    rounding: str = "linear"  # linear between measured n (linear beyond); "up": the smallest measured n >= n
+    record: dict = field(default_factory=dict)  # what it was measured on, and when
+    path: Path | None = None
+
+    def forward(self, n: int) -> float:
+        """ms of one target forward over n tokens; infinite past an engine's widest verify ('up')."""
+        from bisect import bisect_left
+
+        from dflashkit.decode.cost import CostCurve
+
+        if self.rounding == "up":
+            i = bisect_left(self.ns, n)
+            return self.forward_ms[i] if i < len(self.ns) else float("inf")
+        return CostCurve(self.ns, self.forward_ms)(n)
+
+    def overhead(self, loop: str) -> float:
+        """A loop's own ms per round; a loop the probe could not run (no drafter) is priced as plain decoding's."""
+        return float(self.overhead_ms.get(loop, self.overhead_ms["ar"]))
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "engine": self.engine, "forward": {"ns": self.ns, "ms": self.forward_ms,
+                "rounding": self.rounding}, "draft_ms": self.draft_ms, "overhead_ms": self.overhead_ms,
+                "record": self.record}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "cost model") -> "CostModel":
+        """Checks every field it reads: a missing or malformed one is one line naming it and the fix."""
+        def need(obj, key, kinds, name):
+            if not isinstance(obj, dict) or key not in obj:
+                raise DFlashError(f"{where}: field {name!r} is missing; {FIX}")
+            if not isinstance(obj[key], kinds):
+                raise DFlashError(f"{where}: field {name!r} is {obj[key]!r}, not a {kinds}; {FIX}")
+            return obj[key]
+
+        fwd = need(d, "forward", dict, "forward")
+        ns, ms = need(fwd, "ns", list, "forward.ns"), need(fwd, "ms", list, "forward.ms")
+        if not ns or len(ns) != len(ms) or ns != sorted(set(ns)):
+            raise DFlashError(f"{where}: fields 'forward.ns' and 'forward.ms' must be one time per increasing n; {FIX}")
+        overhead = need(d, "overhead_ms", dict, "overhead_ms")
+        need(overhead, "ar", (int, float), "overhead_ms.ar")
+        return cls(need(d, "engine", str, "engine"), [int(n) for n in ns], [float(t) for t in ms],
+                   need(d, "draft_ms", (int, float, type(None)), "draft_ms"), overhead,
+                   fwd.get("rounding", "linear"), d.get("record") or {})
+
+
+def load_model(path) -> CostModel:
+    from dflashkit.fileio import read_json
+
+    model = CostModel.from_dict(read_json(path, fix=FIX), str(path))
+    model.path = Path(path)
+    return model
+
+
+def engine_version(engine: str) -> str:
+    """What a re-measure is due on: our own code and torch for the backends, the build for a peer."""
+    if engine == "llama.cpp":
+        from dflashkit.engines.install import LLAMA_CPP_BUILD
+
+        return f"llama.cpp build {LLAMA_CPP_BUILD}"
+    if engine == "vllm":
+        from dflashkit.engines.install import VLLM_VERSION
+
+        return f"vllm {VLLM_VERSION}"
+    import torch
+    import transformers
+
+    from dflashkit import __version__
+
+    return f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def drafter_shape(proposer) -> dict | None:
+    """What a drafter call's price depends on: its geometry and block, not its weights."""
+    if proposer is None or not hasattr(proposer, "drafter"):
+        return None
+    c = proposer.drafter.config
+    return {"arch": c.arch, "layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads, "intermediate": c.intermediate_size, "block_size": proposer.block_size,
+            "vocab": proposer.head.size}
+
+
+def model_key(target, engine: str, proposer=None) -> tuple[str, dict]:
+    from dflashkit.decode.engine import machine_key
+    from dflashkit.fileio import sha256_json
+
+    _, record = machine_key(target)
+    record = {**record, "engine": engine, "engine_version": engine_version(engine), "device": str(target.device),
+              "drafter": drafter_shape(proposer)}
+    return sha256_json(record)[:16], record
+
+
+def check_model_engine(engine: str) -> None:
+    if engine not in MODEL_ENGINES:
+        raise DFlashError(f"--engine {engine!r}: no cost model for it; use one of auto, {', '.join(MODEL_ENGINES)}")
+
+
+def model_path(target, engine: str, proposer=None) -> Path:
+    from dflashkit.fileio import home
+
+    return home() / "cost-model" / f"{engine}-{model_key(target, engine, proposer)[0]}.json"
+
+
+def cost_model(engine: str, target, proposer=None, state: dict | None = None, force: bool = False,
+               log=None, measure: bool = True) -> CostModel:
+    """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now (and cached)
+    where none is, or with `force`; not `measure`: a missing one is an error naming the command that measures it.
+    `state`: a run's state (decode/engine.py), whose static decoder it reuses."""
+    from dflashkit.fileio import write_json
+
+    check_model_engine(engine)
+    key, record = model_key(target, engine, proposer)
+    path = model_path(target, engine, proposer)
+    if path.is_file() and not force:
+        return load_model(path)
+    if not measure:
+        raise DFlashError(f"no {engine} cost model cached for this machine, target, dtype and threads ({path}); measure "
+                          f"it once: `dflashkit cost --target {target.name} --engine {engine}"
+                          + (" --drafter DIR`" if proposer is not None else "`"))
+    say = log or (lambda m: None)
+    say(f"cost model: measuring {engine} on this machine (once; cached in {path})")
+    t0 = time.perf_counter()
+    model = PROBES[engine](target, proposer, {} if state is None else state, log)
+    model.record = {**record, "probe_s": round(time.perf_counter() - t0, 1),
+                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    write_json(path, model.to_dict())
+    model.path = path
+    return model
+
+
+def probe_loops(target, proposer, engine: str, state: dict) -> tuple[float | None, dict]:
+    """(ms of one drafter call, {loop: ms per round of its own work}) from a short decode of each loop on `engine`:
+    ar, chain and ddtree-8 with a drafter (the n-gram tree without one), each after a warm-up."""
+    from dflashkit.decode.speculative import generate
+
+    ids = target.chat_ids([{"role": "user", "content": PROBE_PROMPT}])
+    loops = {"ar": "ar", "chain": "chain", "tree": "ddtree-8"} if proposer is not None else {"ar": "ar", "tree": "ngram"}
+    draft, overhead = None, {}
+    for loop, method in loops.items():
+        for n in (8, PROBE_TOKENS):  # the first warms the loop's shapes
+            g = generate(target, ids, method, proposer, max_new_tokens=n, engine=engine, state=state)
+        rounds = max(1, g.rounds)
+        overhead[loop] = 1000 * g.times["other"] / rounds
+        if loop == "chain":
+            draft = 1000 * g.times["draft"] / rounds
+    return draft, overhead
+
+
+def probe_hf(target, proposer, state: dict, log=None) -> CostModel:
+    from dflashkit.decode.cost import measure_cost_curve
+    from dflashkit.targets.invariant import kernels_for
+
+    with kernels_for(target):  # the kernels decoding runs (low-precision CPU targets switch)
+        curve = measure_cost_curve(target, ns=PROBE_NS, context=DEPTH, repeats=5)
+    draft, overhead = probe_loops(target, proposer, "hf", state)
+    return CostModel("hf", curve.ns, [1000 * t for t in curve.seconds], draft, overhead)
+
+
+def probe_static(target, proposer, state: dict, log=None) -> CostModel:
+    """The static step per compiled width, timed after DEPTH slots (a tree or chain runs on the smallest width that
+    holds it, so n rounds up)."""
+    from dflashkit.decode.engine import static_refusal
+    from dflashkit.decode.static import decoder_for
+
+    if why := static_refusal(target):
+        raise DFlashError(why)
+    d = decoder_for(target, state, 512, proposer, log=log, trees=True)
+    times = d.time_widths(depth=min(DEPTH, d.max_len - 2 * max(d.steps)), timed=7)
+    draft, overhead = probe_loops(target, proposer, "static", state)
+    widths = sorted(times)
+    return CostModel("static", widths, [1000 * times[w] for w in widths], draft, overhead, rounding="up")
+
+
+def llama_bench_curve(engine, model: Path, threads: int) -> tuple[list[int], list[float]]:
+    """llama.cpp's own forward over n tokens after DEPTH of context (`llama-bench -p n -d DEPTH`), ms per n."""
+    cmd = [str(engine.binary("llama-bench")), "-m", str(model), "-t", str(threads), "-n", "0", "-r", "5", "-o", "json",
+           "-d", str(DEPTH), "-p", ",".join(map(str, PROBE_NS))]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise DFlashError(f"llama-bench failed ({' '.join(cmd)}): {res.stderr.strip()[-300:]}")
+    rows = {int(r["n_prompt"]): r["avg_ns"] / 1e6 for r in json.loads(res.stdout) if r.get("n_prompt")}
+    ns = sorted(rows)
+    return ns, [rows[n] for n in ns]
+
+
+def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
+    """ms per round of an engine peer decoding the probe prompt (a round: one token plain, one verify with a
+    drafter), its prefill and first token taken off by a one-token answer."""
+    import tempfile
+
+    from dflashkit.decode.peers import _context_length, _start
+
+    ids = target.chat_ids([{"role": "user", "content": PROBE_PROMPT}])
+    stops = set(target.stop_token_ids)
+    with tempfile.TemporaryDirectory(prefix="dflashkit-cost-") as work:
+        with _start(method, target, drafter, block_size, _context_length(target), Path(work)) as engine:
+            engine.complete(ids, 8, stops)  # warm-up
+            one, full = engine.complete(ids, 1, stops), engine.complete(ids, PROBE_TOKENS, stops)
+    rounds = full.steps - one.steps if drafter is not None else len(full.tokens) - len(one.tokens)
+    return 1000 * (full.seconds - one.seconds) / max(1, rounds)
+
+
+def probe_llama_cpp(target, proposer, state: dict, log=None) -> CostModel:
+    """The forward curve from llama-bench; the loop's work per token is the server's plain round less its
+    one-token forward; the drafter's call, its speculative round less the verify and that work."""
+    import torch
+
+    from dflashkit.engines.install import require
+    from dflashkit.engines.llamacpp import target_gguf
+
+    engine = require("llama.cpp")
+    ns, ms = llama_bench_curve(engine, target_gguf(engine, target, str(target.dtype).removeprefix("torch.")),
+                               torch.get_num_threads())
+    model = CostModel("llama.cpp", ns, ms, None, {})
+    model.overhead_ms = {"ar": max(0.0, peer_round_ms("llama.cpp", target, None, 0) - model.forward(1))}
+    if proposer is not None:
+        B = proposer.block_size
+        spec = peer_round_ms("llama.cpp-dflash", target, proposer.drafter, B)
+        model.draft_ms = max(0.0, spec - model.forward(B) - model.overhead("ar"))
+    return model
+
+
+def probe_vllm(target, proposer, state: dict, log=None) -> CostModel:
+    """vLLM's forward is not reachable apart from its loop: its plain round stands for forward(1) and, with a
+    drafter, its speculative round for forward(B) (drafter and loop included, so both are 0 here)."""
+    ns, ms = [1], [peer_round_ms("vllm", target, None, 0)]
+    if proposer is not None:
+        ns.append(proposer.block_size)
+        ms.append(peer_round_ms("vllm-dflash", target, proposer.drafter, proposer.block_size))
+    return CostModel("vllm", ns, ms, 0.0 if proposer is not None else None, {"ar": 0.0, "chain": 0.0}, rounding="up")
+
+
+PROBES = {"hf": probe_hf, "static": probe_static, "llama.cpp": probe_llama_cpp, "vllm": probe_vllm}
+
+
+def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> list[str]:
+    """The model as report lines: forward per n (and its ratio to one token), the drafter call, the loops' work."""
+    from dflashkit.report import fmt, markdown_table
+
+    one = model.forward(1)
+    rows = [[n, model.forward(n), model.forward(n) / one] for n in ns]
+    r = model.record
+    where = f"{r.get('cpu', '?')}, {r.get('dtype', '?')}, {r.get('threads', '?')} threads, {r.get('engine_version', '')}"
+    return [f"## Cost model: {model.engine} ({where})", "",
+            markdown_table(["n tokens", "ms", "ratio to n=1"], rows, digits=3),
+            f"Drafter call: {fmt(model.draft_ms, 2)} ms; the loop's own work per round: "
+            + ", ".join(f"{k} {fmt(v, 2)} ms" for k, v in model.overhead_ms.items())
+            + (f". Measured {r['measured']} in {r.get('probe_s')} s" if r.get("measured") else "")
+            + (f"; cached in {model.path}" if model.path else "") + ".", ""]
+
+
+def cost_plot(path, models: list[CostModel], title: str) -> Path:
+    """ms of a forward over n = 1..64 tokens, one line per engine (a static width past its widest is left off)."""
+    from dflashkit.report import line_plot
+
+    series = {}
+    for m in models:
+        ns = [n for n in range(1, 65) if m.forward(n) != float("inf")]
+        series[m.engine] = (ns, [m.forward(n) for n in ns])
+    return line_plot(path, series, title, "tokens in one forward", "ms")

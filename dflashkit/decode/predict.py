@@ -1,0 +1,209 @@
+"""Predicted decoding speed: an acceptance and an engine's cost model (decode/costmodel.py) give tokens per round,
+time per round, tokens per second and the speedup over that engine's plain decoding (docs/decoding.md,
+"Predicting speed from offline acceptance"):
+
+    time per round   = draft + forward(width) + overhead(loop)        (ms; plain decoding: forward(1) + overhead(ar))
+    tokens per round = 1 + sum_k P(drafts 1..k all accepted)           (chain, width B)
+                     = 1 + mean accepted depth of the budget-b tree     (ddtree-b, width b + 1)
+    tokens/s         = 1000 * tokens per round / time per round;  speedup = tokens/s / plain tokens/s
+
+ddtree-auto is predicted as the best fixed budget (the online tree is cut per round, so it can do a little better).
+The acceptance comes either from an offline eval (`offline_acceptance`: both halves predicted) or from a decode's
+own rounds (`predict_rounds`: its tokens and widths per round, which checks the cost half alone)."""
+
+from __future__ import annotations
+
+import math
+
+from dflashkit.errors import DFlashError
+
+ERROR_BAR = 0.10  # |predicted - measured| / measured the prediction is held to (issue 50)
+
+
+def _row(tokens: float, draft: float, verify: float, overhead: float, **extra) -> dict:
+    total = draft + verify + overhead
+    tps = 1000 * tokens / total if math.isfinite(total) and total > 0 else None
+    return {"tokens_per_round": tokens, "ms_per_round": {"draft": draft, "verify": verify, "overhead": overhead,
+            "total": total}, "tokens_per_s": tps, **extra}
+
+
+def plain(model) -> dict:
+    """Plain decoding on the model's engine: one token a round, one forward, no drafter."""
+    return _row(1.0, 0.0, model.forward(1), model.overhead("ar"), width=1)
+
+
+def _draft_ms(model) -> float:
+    if model.draft_ms is None:
+        raise DFlashError(f"cost model {model.path or model.engine}: measured without a drafter (field 'draft_ms' is "
+                          "null); measure it with the drafter: `dflashkit cost --drafter DIR --force`")
+    return float(model.draft_ms)
+
+
+def chain_tokens(cumulative: list[float]) -> float:
+    """1 + sum of P(streak >= k): the bonus plus each draft the chain reaches and keeps."""
+    return 1.0 + sum(p for p in cumulative if p is not None)
+
+
+def predict_offline(acceptance: dict, model) -> dict:
+    """{method: predicted row} for ar, chain, every ddtree-b of the acceptance and ddtree-auto. `acceptance`:
+    {"block_size": B, "chain": [P(streak >= k), k = 1..B-1], "ddtree": {b: mean accepted depth}}."""
+    for field in ("block_size", "chain", "ddtree"):
+        if field not in acceptance:
+            raise DFlashError(f"acceptance: field {field!r} is missing (an eval results.json's 'overall' gives it)")
+    draft, base = _draft_ms(model), plain(model)
+    B = int(acceptance["block_size"])
+    out = {"ar": base, "chain": _row(chain_tokens(acceptance["chain"]), draft, model.forward(B),
+                                     model.overhead("chain"), width=B)}
+    trees = {}
+    for b, depth in sorted((int(b), d) for b, d in acceptance["ddtree"].items() if d is not None):
+        trees[f"ddtree-{b}"] = _row(1.0 + depth, draft, model.forward(b + 1), model.overhead("tree"), width=b + 1)
+    out.update(trees)
+    paying = [(r["tokens_per_s"], m) for m, r in trees.items() if r["tokens_per_s"]]
+    if paying:
+        best = max(paying)[1]
+        out["ddtree-auto"] = {**trees[best], "budget": int(best.split("-")[1])}
+    return with_speedups(out, base)
+
+
+def with_speedups(rows: dict, base: dict) -> dict:
+    for r in rows.values():
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if r["tokens_per_s"] and base["tokens_per_s"] else None
+    return rows
+
+
+def offline_acceptance(overall: dict, block_size: int, source: str = "offline eval") -> dict:
+    """The acceptance of an eval's `overall` (evaluate/offline.py): per-position streak acceptance and the mean
+    accepted depth of every budget it measured (its budget curve and its budget:b trees)."""
+    for field in ("acc_cumulative", "budget_curve"):
+        if field not in overall:
+            raise DFlashError(f"{source}: field 'overall.{field}' is missing; rerun `dflashkit eval` to rewrite it")
+    ddtree = {int(b): d for b, d in overall["budget_curve"].items()}
+    ddtree |= {int(k.split(":")[1]): v for k, v in overall.items() if k.startswith("budget:") and v is not None}
+    return {"block_size": block_size, "chain": overall["acc_cumulative"], "ddtree": ddtree, "source": source}
+
+
+def loop_of(method: str) -> str:
+    """Which loop's work a method pays per round: plain decoding, the chain or a tree."""
+    name = method.split("@")[0].removesuffix("-dflash")
+    if name in ("ar", "ar-stock", "llama.cpp", "vllm"):
+        return "ar"
+    return "chain" if name == "chain" or method.endswith("-dflash") else "tree"
+
+
+def predict_rounds(accepted: list[int], widths: list[int], drafted: list[bool], model, loop: str) -> dict:
+    """A decode's own rounds (tokens committed, nodes verified, whether the drafter ran) priced by the model."""
+    if not accepted:
+        return _row(0.0, 0.0, float("inf"), 0.0)
+    n = len(accepted)
+    draft = (_draft_ms(model) * sum(drafted) / n) if any(drafted) else 0.0
+    verify = sum(model.forward(w) for w in widths) / n if widths else model.forward(1)
+    return _row(sum(accepted) / n, draft, verify, model.overhead(loop), width=sum(widths) / n if widths else 1)
+
+
+def error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured."""
+    return predicted / measured - 1 if predicted and measured else None
+
+
+def prediction_markdown(rows: dict, model, source: str) -> list[str]:
+    """Predicted rows as report lines: per method its tokens and ms per round, tokens/s and speedup."""
+    from dflashkit.report import markdown_table
+
+    table = [[m, r["tokens_per_round"], r["ms_per_round"]["draft"], r["ms_per_round"]["verify"],
+              r["ms_per_round"]["overhead"], r["tokens_per_s"], r.get("speedup")]
+             + ([f"budget {r['budget']}"] if "budget" in r else [""]) for m, r in rows.items()]
+    return [f"## Predicted decoding speed on {model.engine}", "",
+            f"Acceptance: {source}; cost model: {model.path or model.engine}. Per round: time = draft + forward(width) "
+            "+ the loop's own work; tokens/s = tokens per round / time per round (decoding only, prefill excluded); "
+            f"speedup against plain decoding on {model.engine}.", "",
+            markdown_table(["method", "tokens/round", "ms draft", "ms verify", "ms overhead", "tokens/s",
+                            "speedup vs plain", "note"], table, digits=2)]
+
+
+# ---- bench: predicted beside measured ----------------------------------------------------------------------
+
+NOT_PREDICTED = ("ar-stock", "prompt-lookup", "hf-generate")  # stock kernels or transformers' loops: no cost model
+
+
+def measured_decode_tps(runs: list[dict]) -> float | None:
+    """Tokens per second after each turn's prefill (its first token comes from the prefill), as bench states."""
+    tokens = sum(len(r["tokens"]) - len(r.get("turns") or [1]) for r in runs)
+    seconds = sum(r["times"]["total"] - r["times"]["prefill"] for r in runs)
+    return tokens / seconds if seconds > 0 else None
+
+
+def _online(label: str, runs: list[dict], summary: dict, model, block_size: int | None) -> dict:
+    """A row's own acceptance priced by the model: our loops' rounds, or an engine peer's own tau."""
+    if label in ("llama.cpp", "vllm"):
+        return plain(model)
+    if label.endswith("-dflash"):
+        return _row(summary["tau"] or 1.0, _draft_ms(model), model.forward(block_size), model.overhead("chain"),
+                    width=block_size)
+    pick = lambda key: [x for r in runs for x in (r.get(key) or [])]
+    return predict_rounds(pick("accepted"), pick("widths"), pick("drafted"), model, loop_of(label))
+
+
+def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict, state: dict,
+                  offline: dict | None = None, log=None) -> dict:
+    """Each row's predicted decode tokens/s beside its measured one (`summary[label]["predicted"]`): from its own
+    rounds (the cost half), and from an offline eval's acceptance where one is given (both halves); returns the
+    cost models used, by engine. A model that cannot be had (an engine not installed) is said on the row."""
+    from dflashkit.decode.costmodel import cost_model
+
+    B = proposer.block_size if proposer is not None else None
+    models, acceptance = {}, None
+    if offline is not None:
+        acceptance = offline_acceptance(offline["overall"], offline["settings"]["block_size"],
+                                        offline.get("source", "offline eval"))
+    for label, s in summary.items():
+        method, engine = rows.get(label, (label, label))
+        if method in NOT_PREDICTED or method.split("-")[0] in ("prompt", "hf"):
+            s["predicted"] = {"why": "stock kernels or transformers' own loop: no cost model of ours"}
+            continue
+        engine = engine.removesuffix("-dflash")
+        if engine not in models:
+            try:  # the peers' probes start their engines (minutes): measured by `dflashkit cost` only
+                models[engine] = cost_model(engine, target, proposer, state, log=log, measure=engine in ("hf", "static"))
+            except (DFlashError, OSError) as e:
+                models[engine] = str(e)
+        model = models[engine]
+        if isinstance(model, str):
+            s["predicted"] = {"why": model}
+            continue
+        measured = measured_decode_tps([r for r in runs if r["method"] == label])
+        online = _online(label, [r for r in runs if r["method"] == label], s, model, B)
+        s["predicted"] = {"engine": engine, "measured_decode_tokens_per_s": measured,
+                          "online": {**online, "error": error(online["tokens_per_s"], measured)}}
+        if acceptance is not None and (row := predict_offline(acceptance, model).get(
+                "chain" if label.endswith("-dflash") else method)):
+            s["predicted"]["offline"] = {**row, "error": error(row["tokens_per_s"], measured),
+                                         "source": acceptance["source"]}
+    return {e: m.to_dict() if not isinstance(m, str) else {"why": m} for e, m in models.items()}
+
+
+def predicted_markdown(result: dict) -> list[str]:
+    """The bench's predicted-beside-measured table (decode tokens/s, prefill excluded), with each error."""
+    from dflashkit.report import fmt, markdown_table
+
+    rows, offline = [], None
+    for m, s in result["methods"].items():
+        p = s.get("predicted")
+        if not p:
+            continue
+        if "why" in p:
+            rows.append([m, "-", "", "", "", "", "", p["why"][:120]])
+            continue
+        on, off = p["online"], p.get("offline") or {}
+        offline = offline or off.get("source")
+        pct = lambda e: "" if e is None else f"{100 * e:+.1f}%" + ("" if abs(e) <= ERROR_BAR else " (beyond 10%)")
+        rows.append([m, p["engine"], p["measured_decode_tokens_per_s"], on["tokens_per_s"], pct(on["error"]),
+                     off.get("tokens_per_s"), pct(off.get("error")), ""])
+    if not rows:
+        return []
+    return ["## Predicted beside measured", "",
+            "Decode tokens/s (prefill excluded) measured here, and predicted by the engine's cached cost model "
+            "(`dflashkit cost`) from each row's own acceptance (its rounds' tokens and widths: checks the cost half) "
+            + (f"and from {offline} (checks both halves)" if offline else "and, given `--offline RUN`, from an offline "
+               "eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%.", "",
+            markdown_table(["method", "engine", "measured", "predicted (own acceptance)", "error",
+                            "predicted (offline)", "error", "not predicted: why"], rows, digits=1)]

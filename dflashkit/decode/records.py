@@ -1,0 +1,116 @@
+"""The per-request records (dflashkit/report/requests.py) of bench's runs and generate's answers: one conversion
+for our loops, transformers' loops and the engine peers, so every source fills the same fields or says why not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflashkit.decode.methods import ENGINE_METHODS, parse_method
+from dflashkit.report.requests import request_record
+
+TRANSFORMERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no rounds
+END_TO_END = "timed end to end by transformers' generate: no draft/verify split"
+
+
+def kind_of(label: str) -> str:
+    """A row's method kind: 'hybrid-auto@static' -> 'hybrid', 'ar-stock' -> 'ar', 'llama.cpp-dflash' itself."""
+    method = label.split("@")[0]
+    return "ar" if method == "ar-stock" else parse_method(method)[0]
+
+
+def run_record(run: dict, index: int, target: dict, dtype: str | None) -> dict:
+    """One bench run (or a generate answer in the same shape: prompt, method, tokens, accepted, times, turns,
+    turn_prompts, backend) as a per-request record; `target`: the target's identity (name, path)."""
+    label = run["method"]
+    common = dict(target=target.get("name"), target_path=target.get("path"), dtype=dtype, turn_tokens=run.get("turns"),
+                  prompt_ids=run.get("turn_prompts"))
+    if label in ENGINE_METHODS:
+        return _engine_record(run, index, common)
+    t = run["times"]
+    if kind_of(label) in TRANSFORMERS:
+        why = {k: END_TO_END for k in ("draft_s", "verify_s", "prefill_s", "tokens_per_round", "rounds", "accepted",
+                                        "accepted_per_position", "tau")}
+        return request_record(run["prompt"], index, label, "transformers", run.get("backend", "hf"), run["tokens"],
+                              times={"total": t["total"]}, missing=why, **common)
+    return request_record(run["prompt"], index, label, "dflashkit", run.get("backend", "hf"), run["tokens"],
+                          tokens_per_round=list(run["accepted"]), times=t, **common)
+
+
+def _engine_record(run: dict, index: int, common: dict) -> dict:
+    """An engine peer's run: its own counters (llama.cpp's server timings, vLLM's spec-decode metrics) and this
+    process's end-to-end time; what the engine does not report is null, and `missing` names why."""
+    label, counts, t = run["method"], run.get("engine") or {}, run["times"]
+    engine = label.removesuffix("-dflash")
+    speculative = label.endswith("-dflash")
+    missing = {"tokens_per_round": f"{engine} reports totals per request, not rounds",
+               "draft_s": f"{engine} does not time its drafter apart",
+               "verify_s": f"{engine} does not time its verify apart"}
+    if not counts.get("prefill_known", True):
+        missing["prefill_s"] = f"{engine} does not report its prompt time apart"
+    per_pos = counts.get("per_position")
+    if per_pos is None:
+        missing["accepted_per_position"] = f"{engine} does not report acceptance per draft position"
+    if not speculative:
+        missing.update(rounds="plain decoding in the engine: no draft rounds", accepted="no drafts",
+                       accepted_per_position="no drafts", tau="no drafts")
+    return request_record(run["prompt"], index, label, engine, engine, run["tokens"],
+                          rounds=counts.get("steps") if speculative else None,
+                          accepted=counts.get("accepted") if speculative else None,
+                          accepted_per_position=per_pos if speculative else None,
+                          times={"total": t["total"], "prefill": t["prefill"] if "prefill_s" not in missing else None},
+                          missing=missing, **common)
+
+
+def generation_record(pid: str, index: int, conversation, target) -> dict:
+    """A `generate` answer (every turn of a conversation) as its per-request record."""
+    g = conversation.generation
+    run = {"prompt": pid, "method": g.method, "tokens": g.tokens, "accepted": g.accepted, "times": g.times,
+           "turns": conversation.lengths, "turn_prompts": conversation.prompts, "backend": g.engine}
+    return run_record(run, index, {"name": target.name, "path": str(Path(target.path).resolve())},
+                      str(target.dtype).removeprefix("torch."))
+
+
+def bench_records(result: dict) -> list[dict]:
+    """Every run of a bench result as a per-request record, in run order."""
+    c = result["config"]
+    index = {p: i for i, p in enumerate(c["prompts"])}
+    target = c.get("target_identity") or {"name": c.get("target")}
+    return [run_record(r, index.get(r["prompt"], -1), target, c.get("dtype")) for r in result["runs"]]
+
+
+def baseline_of(label: str, rows: dict) -> str | None:
+    """The plain decoding a row is held to: an engine's -dflash its own plain decoding, a plain engine our ar; our
+    methods plain decoding on their own backend; plain decoding on a second backend the reference backend's (hf);
+    None for the reference itself."""
+    if label in ENGINE_METHODS:
+        return label.removesuffix("-dflash") if label.endswith("-dflash") else "ar"
+    method, engine = rows.get(label, (label, "hf"))
+    ar = {e: lab for lab, (m, e) in rows.items() if m == "ar"}
+    if method == "ar":
+        ref = ar.get("hf", "ar")
+        return None if label == ref else ref
+    return ar.get(engine, "ar")
+
+
+def bench_parity(target, records: list[dict], rows: dict) -> dict:
+    """Every row against its plain baseline (baseline_of), prompt by prompt: equal or the first divergence, the text
+    there and the target's top-2 margin at it on the baseline's tokens (recorded into the baseline's record, as
+    `parity` reads it). Returns {label: parity with its "against"}."""
+    from dflashkit.report.parity import first_divergence, parity, top2_at
+    from dflashkit.report.requests import add_margin
+
+    by = {(r["prompt"], r["method"]): r for r in records}
+    out = {}
+    for label in dict.fromkeys(r["method"] for r in records):
+        base = baseline_of(label, rows)
+        pairs = [(by[(r["prompt"], base)], r) for r in records if r["method"] == label and (r["prompt"], base) in by]
+        if base is None or not pairs:
+            continue
+        for ref, r in pairs:
+            i = first_divergence(ref["tokens"], r["tokens"])
+            if (i is not None and i < min(len(ref["tokens"]), len(r["tokens"])) and ref["prompt_ids"]
+                    and str(i) not in (ref["top2"] or {})):
+                add_margin(ref, i, *top2_at(target, ref, i))
+        out[label] = {"against": base, **parity([a for a, _ in pairs], [b for _, b in pairs],
+                                                lambda ids: target.tokenizer.decode(ids))}
+    return out

@@ -1,0 +1,133 @@
+"""`dflashkit cost` (an engine's cost model: table and plot) and `dflashkit eval ... --engine NAME` (the offline
+acceptance priced on that engine's cost model: predicted tokens/s and speedup before serving).
+
+It sits above the stages because it joins two siblings: evaluate (the offline acceptance) and decode (the cost
+models and the formula, decode/costmodel.py and decode/predict.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dflashkit.errors import DFlashError
+
+ENGINE_CHOICES = "auto, hf, static, llama.cpp or vllm"
+
+
+def register(sub) -> None:
+    """`cost`, and `--engine` on `eval` (evaluate/cli.py registers eval itself)."""
+    from dflashkit.threads import add_threads_option
+
+    c = sub.add_parser("cost", help="an engine's cost model: a target forward over n = 1..64 tokens, a drafter call, "
+                                    "the loop's own work per round (measured once per machine, cached)")
+    c.add_argument("--target", default="smollm2-135m", help="registry name or local Hugging Face folder")
+    c.add_argument("--drafter", help="drafter folder: its call is priced too (needed to predict speculative methods)")
+    c.add_argument("--engine", default="auto", help=f"{ENGINE_CHOICES}, several joined by commas; auto: the backend "
+                   "speculative decoding picks here (decode/engine.py)")
+    c.add_argument("--device", default="auto")
+    c.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
+                   "float32 | bfloat16")
+    c.add_argument("--out", default="runs/cost", help="folder for cost.json, cost.md and cost.png")
+    c.add_argument("--json", action="store_true", help="print the cost models as JSON")
+    c.add_argument("--force", action="store_true", help="measure again, replacing the cached model")
+    add_threads_option(c)
+    c.set_defaults(func=cmd_cost)
+
+    e = sub.choices["eval"]
+    e.add_argument("--engine", default=None, help=f"also predict decoding speed on this engine ({ENGINE_CHOICES}) "
+                   "from the run's acceptance and the engine's cost model (measured once and cached)")
+    e.set_defaults(func=cmd_eval)
+
+
+def engines_of(spec: str) -> list[str]:
+    from dflashkit.decode.costmodel import check_model_engine
+
+    names = [e.strip() for e in spec.split(",") if e.strip()]
+    for name in names:
+        if name != "auto":
+            check_model_engine(name)
+    if not names:
+        raise DFlashError(f"--engine {spec!r}: name one of {ENGINE_CHOICES}")
+    return names
+
+
+def models_for(names: list[str], target, proposer, force: bool = False, log=None) -> list:
+    """The cost model of each engine named (auto made concrete for the drafter's methods, or plain decoding)."""
+    from dflashkit.decode.costmodel import cost_model
+    from dflashkit.decode.engine import resolve
+
+    state: dict = {"proposer": proposer, "trees": True}
+    concrete = [resolve("auto", target, "chain" if proposer else "ar", state, log) if n == "auto" else n
+                for n in names]
+    return [cost_model(e, target, proposer, state, force=force, log=log) for e in dict.fromkeys(concrete)]
+
+
+def _load(args):
+    """The target in the dtype decoding runs it, and the proposer of the drafter if one is named."""
+    from dflashkit.targets.model import load_target
+
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    return target, proposer_of(target, args.drafter)
+
+
+def proposer_of(target, drafter_ref):
+    from dflashkit.decode.speculative import DFlashProposer
+
+    if not drafter_ref:
+        return None
+    from dflashkit.drafter.checkpoint import load_drafter
+
+    return DFlashProposer(target, load_drafter(drafter_ref, target=target, device=target.device, dtype=target.dtype))
+
+
+def cmd_cost(args) -> int:
+    from dflashkit.decode.costmodel import cost_markdown, cost_plot
+    from dflashkit.fileio import write_json, write_text
+
+    names = engines_of(args.engine)  # a wrong name fails before the target loads
+    target, proposer = _load(args)
+    log = lambda m: print(m, file=sys.stderr)
+    models = models_for(names, target, proposer, force=args.force, log=log)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Cost models: {target.name}", ""] + [line for m in models for line in cost_markdown(m)]
+    lines += ["![cost against n](cost.png)", ""]
+    write_json(out / "cost.json", {m.engine: m.to_dict() for m in models})
+    write_text(out / "cost.md", "\n".join(lines))
+    cost_plot(out / "cost.png", models, f"One target forward over n tokens ({target.name}, "
+                                        f"{str(target.dtype).removeprefix('torch.')})")
+    if args.json:
+        json.dump({m.engine: m.to_dict() for m in models}, sys.stdout, indent=1)
+        print()
+    else:
+        print("\n".join(lines))
+    print(f"wrote {out / 'cost.json'}, {out / 'cost.md'}, {out / 'cost.png'}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    """`dflashkit eval`, then (with --engine) the run's acceptance priced on that engine's cost model."""
+    from dflashkit.evaluate.cli import run_eval_command
+
+    names = engines_of(args.engine) if args.engine else []  # a wrong name fails before the evaluation runs
+    result, target = run_eval_command(args)
+    if names:
+        for line in predict_eval(result, target, args, names):
+            print(line)
+    return 0
+
+
+def predict_eval(result: dict, target, args, names: list[str]) -> list[str]:
+    from dflashkit.decode.predict import offline_acceptance, predict_offline, prediction_markdown
+
+    proposer = proposer_of(target, args.drafter)  # eval loads the target in the dtype decoding picks (auto)
+    settings = result["settings"]
+    source = (f"offline eval ({settings['anchors']} anchors, {result['overall']['blocks']} blocks, "
+              f"{result['overall']['prompts']} prompts)")
+    acceptance = offline_acceptance(result["overall"], settings["block_size"], source)
+    lines = []
+    for model in models_for(names, target, proposer, log=lambda m: print(m, file=sys.stderr)):
+        lines += prediction_markdown(predict_offline(acceptance, model), model, source)
+    return lines

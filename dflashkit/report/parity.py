@@ -1,0 +1,145 @@
+"""Token parity of two runs' per-request records (report/requests.py): per prompt, equal or the first divergence
+by new-token index, the text around it and, where logits were recorded, the target's top-2 margin there.
+
+A near-tie (margin within the dtype's rounding) is a numerics divergence: two kernels that round differently
+may pick either token. A clear margin means a loop committed a token the target does not choose: a logic
+divergence. `dflashkit parity` and bench (each method against its plain baseline) both call `parity`.
+"""
+
+from __future__ import annotations
+
+EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}  # torch.finfo(dtype).eps
+CONTEXT = 8  # tokens shown on each side of a divergence
+
+
+def rounding_tolerance(dtype: str | None, logit: float) -> float:
+    """The logit gap a rounding difference of `dtype` can explain: a few units in the last place of the largest
+    logit (as bench's check of our own outputs)."""
+    return 8 * EPS.get(dtype or "float32", EPS["float32"]) * max(abs(logit), 1.0)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first new-token index where a and b differ (the shorter one's length when one is a prefix of the
+    other); None when equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def margin_at(records: tuple[dict, dict], i: int) -> dict | None:
+    """The top-2 margin recorded at token i, from the first run that has it (a run's logits there are the same
+    prefix's: both runs agree on tokens before i)."""
+    for r in records:
+        m = (r.get("top2") or {}).get(str(i))
+        if m is not None:
+            return m
+    return None
+
+
+def top2_at(target, record: dict, i: int) -> tuple[float, float]:
+    """(top-2 margin, top logit) of the target's next-token logits before new token i of a record's answer: its
+    turn's prompt (record["prompt_ids"]) and that turn's tokens before i, one forward (transformers' own, in the
+    target's dtype)."""
+    import torch
+
+    k, start = 0, 0
+    for k, n in enumerate(record["turn_tokens"] or [len(record["tokens"])]):
+        if i < start + n:
+            break
+        start += n
+    ids = record["prompt_ids"][k] + record["tokens"][start:i]
+    with torch.no_grad():
+        top = target.forward(torch.tensor([ids], device=target.device), logits_to_keep=1).logits[0, -1].float().topk(2)
+    return float(top.values[0] - top.values[1]), float(top.values[0])
+
+
+def verdict(index: int | None, a: list[int], b: list[int], margin: dict | None, dtype: str | None) -> str:
+    """equal | prefix (one stops where the other goes on, same tokens) | numerics | logic | unknown (no logits)."""
+    if index is None:
+        return "equal"
+    if index >= min(len(a), len(b)):
+        return "prefix"
+    if margin is None:
+        return "unknown"
+    return "numerics" if abs(margin["margin"]) <= rounding_tolerance(dtype, margin["logit"]) else "logic"
+
+
+def around(a: list[int], b: list[int], i: int, decode=None) -> dict:
+    """The tokens (and, with `decode`, the text) before token i, which both share, and from i on in each run."""
+    part = {"before": a[max(0, i - CONTEXT):i], "a": a[i:i + CONTEXT], "b": b[i:i + CONTEXT]}
+    if decode is not None:
+        part.update({f"{k}_text": decode(v) for k, v in list(part.items())})
+    return part
+
+
+def compare_pair(ra: dict, rb: dict, decode=None) -> dict:
+    """One prompt of two runs."""
+    a, b = ra["tokens"], rb["tokens"]
+    i = first_divergence(a, b)
+    m = margin_at((ra, rb), i) if i is not None else None
+    out = {"prompt": ra["prompt"], "a": ra["method"], "b": rb["method"], "equal": i is None, "index": i,
+           "lengths": [len(a), len(b)], "margin": m, "verdict": verdict(i, a, b, m, ra.get("dtype") or rb.get("dtype"))}
+    if i is not None:
+        out["tokens"] = [a[i] if i < len(a) else None, b[i] if i < len(b) else None]
+        out["context"] = around(a, b, i, decode)
+    return out
+
+
+def parity(a: list[dict], b: list[dict], decode=None) -> dict:
+    """Records of run a against run b, paired by prompt (the records of one method each). Returns {"prompts",
+    "equal", "diverged": count, "first": the earliest divergence or None, "verdicts": {verdict: count},
+    "per_prompt": [compare_pair, ...]} over the prompts both ran."""
+    by_b = {r["prompt"]: r for r in b}
+    rows = [compare_pair(r, by_b[r["prompt"]], decode) for r in a if r["prompt"] in by_b]
+    parted = [x for x in rows if not x["equal"]]
+    verdicts: dict[str, int] = {}
+    for x in rows:
+        verdicts[x["verdict"]] = verdicts.get(x["verdict"], 0) + 1
+    return {"prompts": len(rows), "equal": len(rows) - len(parted), "diverged": len(parted),
+            "first": min(parted, key=lambda x: x["index"]) if parted else None, "verdicts": verdicts,
+            "per_prompt": rows}
+
+
+def describe(x: dict) -> str:
+    """One line for a prompt's comparison."""
+    if x["equal"]:
+        return f"{x['prompt']}: equal ({x['lengths'][0]} tokens)"
+    line = f"{x['prompt']}: parts at token {x['index']} ({x['verdict']}"
+    if x["margin"] is not None:
+        line += f", top-2 margin {x['margin']['margin']:.4g}"
+    return line + f"; lengths {x['lengths'][0]} and {x['lengths'][1]})"
+
+
+def brief(p: dict) -> dict:
+    """A parity result in a few fields (bench's per-method summary): counts, the earliest divergence, its margin
+    and verdict."""
+    first = p["first"]
+    return {"against": p.get("against"), "prompts": p["prompts"], "equal": p["equal"], "verdicts": p["verdicts"],
+            "first_prompt": first and first["prompt"], "first_index": first and first["index"],
+            "margin": first and first["margin"] and first["margin"]["margin"], "verdict": first and first["verdict"]}
+
+
+VERDICTS = ("equal: the same tokens; prefix: one stops where the other goes on; numerics: the target's top-2 margin "
+            "there is within the dtype's rounding (a near-tie two kernels may break either way); logic: a clear "
+            "margin (a loop committed a token the target does not choose); unknown: no logits recorded there.")
+
+
+def parity_markdown(table: dict[str, dict], title: str = "## Parity") -> list[str]:
+    """One row per compared pair (label -> parity with its `against`), then each divergence with its text."""
+    from dflashkit.report import markdown_table
+
+    rows, lines = [], []
+    for label, p in table.items():
+        b = brief(p)
+        rows.append([label, b["against"], f"{b['equal']}/{b['prompts']}",
+                     "-" if b["first_index"] is None else f"{b['first_prompt']} @ token {b['first_index']}",
+                     b["margin"], b["verdict"] or "equal",
+                     ", ".join(f"{k} {v}" for k, v in p["verdicts"].items() if k != "equal") or "-"])
+        for x in (x for x in p["per_prompt"] if not x["equal"]):
+            c = x["context"]
+            text = (f": ...{c['before_text']!r} then {c['a_text']!r} / {c['b_text']!r}" if "a_text" in c
+                    else f": ...{c['before']} then {c['a']} / {c['b']}")
+            lines.append(f"- {label} vs {b['against']}, {describe(x)}{text}")
+    heads = ["method", "against", "equal", "first divergence", "top-2 margin", "verdict", "divergences"]
+    return [title, "", "Per prompt: equal, or the first new token where the outputs part (by the index of the token "
+            "in the answer). " + VERDICTS, "", markdown_table(heads, rows, digits=4), *lines, ""]

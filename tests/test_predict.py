@@ -1,0 +1,242 @@
+"""Issue 50: predicted decoding speed from an acceptance and an engine's cost model. The formula against a reference
+written out here with a fixed model; the cost model's cache (reused, keyed); bad input as one-line errors; the
+`cost` and `eval --engine` commands and bench's predicted-beside-measured rows on tiny random targets; the peers'
+probes where llama.cpp and vLLM are installed."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import dflashkit.decode.costmodel as cm
+from dflashkit.cli import main
+from dflashkit.decode.costmodel import CostModel, cost_model, load_model
+from dflashkit.decode.predict import offline_acceptance, predict_offline, predict_rounds
+from dflashkit.drafter.checkpoint import new_drafter, save_drafter
+from dflashkit.engines.install import find
+from dflashkit.errors import DFlashError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FIXED = CostModel("hf", [1, 2, 4, 8, 16, 32, 64], [10.0, 11.0, 12.0, 14.0, 18.0, 26.0, 42.0], 3.0,
+                  {"ar": 1.0, "chain": 1.5, "tree": 2.5})
+ACCEPTANCE = {"block_size": 4, "chain": [0.8, 0.5, 0.2], "ddtree": {1: 0.8, 2: 1.1, 4: 1.5, 8: 1.9, 16: 2.0}}
+
+
+def test_the_formula_equals_a_reference_written_out():
+    rows = predict_offline(ACCEPTANCE, FIXED)
+    plain = 1000 / (10 + 1)
+    chain = 1000 * (1 + 0.8 + 0.5 + 0.2) / (3 + 12 + 1.5)  # tokens per round / (draft + forward(4) + chain's work)
+    forward9 = 14 + (18 - 14) * (9 - 8) / (16 - 8)  # between the measured 8 and 16
+    ddtree8 = 1000 * (1 + 1.9) / (3 + forward9 + 2.5)
+    forward17 = 18 + (26 - 18) * (17 - 16) / (32 - 16)
+    ddtree16 = 1000 * 3.0 / (3 + forward17 + 2.5)
+    assert rows["ar"]["tokens_per_s"] == pytest.approx(plain) and rows["ar"]["speedup"] == pytest.approx(1.0)
+    assert rows["chain"]["tokens_per_s"] == pytest.approx(chain)
+    assert rows["chain"]["speedup"] == pytest.approx(chain / plain)
+    assert rows["ddtree-8"]["tokens_per_s"] == pytest.approx(ddtree8)
+    assert rows["ddtree-16"]["tokens_per_s"] == pytest.approx(ddtree16)
+    best = max((rows[f"ddtree-{b}"]["tokens_per_s"], b) for b in (1, 2, 4, 8, 16))
+    assert rows["ddtree-auto"]["tokens_per_s"] == pytest.approx(best[0]) and rows["ddtree-auto"]["budget"] == best[1]
+
+
+def test_compiled_widths_round_up_and_a_tree_past_the_widest_is_not_predicted():
+    static = CostModel("static", [1, 4, 8, 16, 24], [10.0, 12.0, 13.0, 16.0, 19.0], 3.0, {"ar": 1.0}, rounding="up")
+    assert [static.forward(n) for n in (1, 2, 5, 9, 24)] == [10.0, 12.0, 13.0, 16.0, 19.0]
+    assert static.forward(25) == math.inf and static.overhead("tree") == 1.0  # a loop not measured: ar's
+    rows = predict_offline({**ACCEPTANCE, "ddtree": {8: 1.9, 32: 2.5}}, static)
+    assert rows["ddtree-32"]["tokens_per_s"] is None and rows["ddtree-auto"]["budget"] == 8
+
+
+def test_a_decodes_own_rounds_priced_by_the_model():
+    row = predict_rounds([2, 3, 1], [9, 9, 1], [True, True, False], FIXED, "tree")
+    forward9 = 14.5
+    want = 1000 * (6 / 3) / (3 * 2 / 3 + (2 * forward9 + 10) / 3 + 2.5)
+    assert row["tokens_per_s"] == pytest.approx(want)
+
+
+def test_an_eval_overall_gives_the_acceptance_and_a_missing_field_is_named():
+    overall = {"acc_cumulative": [0.6, 0.3], "budget_curve": {"1": 0.6, "2": 0.8}, "budget:8": 1.2}
+    acc = offline_acceptance(overall, 3)
+    assert acc["chain"] == [0.6, 0.3] and acc["ddtree"] == {1: 0.6, 2: 0.8, 8: 1.2}
+    with pytest.raises(DFlashError, match="overall.acc_cumulative"):
+        offline_acceptance({"budget_curve": {}}, 3, "run r/results.json")
+    no_drafter = CostModel("hf", [1], [10.0], None, {"ar": 1.0})
+    with pytest.raises(DFlashError, match="--drafter DIR --force"):
+        predict_offline(ACCEPTANCE, no_drafter)
+
+
+def test_a_cost_file_missing_a_field_is_one_line_naming_the_file_field_and_fix(tmp_path):
+    path = tmp_path / "hf-x.json"
+    d = FIXED.to_dict()
+    del d["forward"]["ms"]
+    path.write_text(json.dumps(d))
+    with pytest.raises(DFlashError) as e:
+        load_model(path)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and "'forward.ms'" in msg and "--force" in msg
+    path.write_text(json.dumps({**FIXED.to_dict(), "overhead_ms": {"chain": 1.0}}))
+    with pytest.raises(DFlashError, match="'overhead_ms.ar' is missing"):
+        load_model(path)
+    assert load_model(_written(tmp_path, FIXED)).forward(9) == pytest.approx(14.5)
+
+
+def _written(tmp_path, model):
+    path = tmp_path / "ok.json"
+    path.write_text(json.dumps(model.to_dict()))
+    return path
+
+
+def test_an_engine_without_a_cost_model_is_one_line(tiny_targets, capsys):
+    with pytest.raises(DFlashError, match=r"--engine 'tensorrt': no cost model for it; use one of auto, hf, static"):
+        cost_model("tensorrt", tiny_targets["llama"])
+    assert main(["cost", "--engine", "hf,tensorrt"]) == 2  # before any target loads
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tensorrt" in err[0]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_the_cache_is_reused_and_keyed(tiny_dirs, tiny_targets, home, monkeypatch):
+    """A second call reads the file; another dtype or thread count measures again."""
+    from dflashkit.targets.model import load_target
+
+    calls = []
+    monkeypatch.setitem(cm.PROBES, "hf", lambda target, proposer, state, log=None: calls.append(target.dtype) or FIXED)
+    t = tiny_targets["llama"]
+    first = cost_model("hf", t)
+    assert len(calls) == 1 and first.path.parent == home / "cost-model" and first.path.is_file()
+    again = cost_model("hf", t)
+    assert len(calls) == 1 and again.forward_ms == FIXED.forward_ms and again.record["dtype"] == "float32"
+    cost_model("hf", load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16"))
+    assert calls[-1] == torch.bfloat16 and len(calls) == 2
+    n = torch.get_num_threads()
+    torch.set_num_threads(n + 1)
+    try:
+        cost_model("hf", t)
+    finally:
+        torch.set_num_threads(n)
+    assert len(calls) == 3 and len(list((home / "cost-model").glob("hf-*.json"))) == 3
+    cost_model("hf", t, force=True)
+    assert len(calls) == 4
+    with pytest.raises(DFlashError, match="no hf cost model cached"):
+        cost_model("hf", t, new_proposer(t), measure=False)  # another drafter shape: not cached
+
+
+def new_proposer(t, block_size=4):
+    from dflashkit.decode.speculative import DFlashProposer
+
+    torch.manual_seed(0)
+    return DFlashProposer(t, new_drafter(t, num_layers=1, target_layer_ids=[1, 3], block_size=block_size).eval())
+
+
+def test_the_hf_probe_measures_every_part(tiny_targets, home):
+    t = tiny_targets["llama"]
+    model = cost_model("hf", t, new_proposer(t))
+    assert model.ns == list(cm.PROBE_NS) and all(ms > 0 for ms in model.forward_ms)
+    assert model.draft_ms > 0 and set(model.overhead_ms) == {"ar", "chain", "tree"}
+    assert model.record["drafter"]["block_size"] == 4 and model.record["probe_s"] >= 0
+    assert predict_offline(ACCEPTANCE, model)["chain"]["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_static_probe_times_its_compiled_widths(tiny_targets, home, monkeypatch):
+    from helpers import eager_decoders
+
+    eager_decoders(monkeypatch, length=600)
+    t = tiny_targets["llama"]
+    model = cost_model("static", t, new_proposer(t))
+    assert model.rounding == "up" and model.ns == [1, 4, 8, 16, 24] and model.forward(25) == math.inf
+    assert model.draft_ms > 0 and set(model.overhead_ms) == {"ar", "chain", "tree"}
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory, tiny_targets):
+    from dflashkit.cache import extract
+    from dflashkit.prompts import load_prompts
+
+    t = tiny_targets["llama"]
+    root = tmp_path_factory.mktemp("predict")
+    cache = extract(t, load_prompts("coding-10").subset(2), root / "cache", layer_ids=[1, 3], max_new_tokens=24,
+                    progress=False)
+    torch.manual_seed(0)
+    save_drafter(new_drafter(t, num_layers=1, target_layer_ids=[1, 3], block_size=4), root / "d",
+                 target_identity=t.identity())
+    return root, cache
+
+
+def test_eval_with_an_engine_prints_the_prediction(evaluated, home, capsys):
+    root, cache = evaluated
+    assert main(["eval", "--drafter", str(root / "d"), "--cache", str(cache), "--out", str(root / "run"),
+                 "--engine", "hf", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "## Predicted decoding speed on hf" in out and "offline eval (stride anchors" in out
+    for method in ("| ar ", "| chain ", "| ddtree-8 ", "| ddtree-auto "):
+        assert method in out, method
+    assert len(list((home / "cost-model").glob("hf-*.json"))) == 1
+    assert main(["eval", "--drafter", str(root / "d"), "--cache", str(cache), "--out", str(root / "run2"),
+                 "--engine", "nope"]) == 2
+    assert "no cost model for it" in capsys.readouterr().err
+    assert not (root / "run2").exists()  # refused before the evaluation
+
+
+def test_the_cost_command_writes_a_table_and_a_plot(evaluated, home, tiny_dirs, capsys, tmp_path):
+    root, _ = evaluated
+    out = tmp_path / "cost"
+    assert main(["cost", "--target", str(tiny_dirs["llama"]), "--drafter", str(root / "d"), "--engine", "hf",
+                 "--dtype", "float32", "--out", str(out), "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "## Cost model: hf" in text and "| 64 " in text and "Drafter call:" in text
+    assert (out / "cost.png").stat().st_size > 0 and "hf" in json.loads((out / "cost.json").read_text())
+
+
+def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(evaluated, tiny_targets, home):
+    from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench
+    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.fileio import read_json
+
+    root, cache = evaluated
+    t = tiny_targets["llama"]
+    if not (root / "run").exists():
+        assert main(["eval", "--drafter", str(root / "d"), "--cache", str(cache), "--out", str(root / "run")]) == 0
+    offline = read_json(root / "run" / "results.json")
+    prompts = [(x, t.chat_ids([{"role": "user", "content": x}])) for x in ("def add(a, b):", "Write a haiku.")]
+    res = run_bench(t, load_drafter(root / "d", target=t), prompts, parse_methods("ar,chain,ddtree-8,ngram"),
+                    max_new_tokens=12, progress=False, warmup=False, offline=offline)
+    s = res["methods"]
+    for m in ("ar", "chain", "ddtree-8", "ngram"):
+        p = s[m]["predicted"]
+        assert p["engine"] == "hf" and p["online"]["tokens_per_s"] > 0 and p["online"]["error"] is not None, m
+    assert s["ddtree-8"]["predicted"]["online"]["width"] > 1 and "offline" in s["chain"]["predicted"]
+    assert "offline" not in s["ngram"]["predicted"]  # the offline walk has no n-gram replay yet
+    assert "hf" in res["cost_models"] and "## Predicted beside measured" in bench_markdown(res)
+
+
+needs_llama = pytest.mark.skipif(find("llama.cpp") is None, reason="llama.cpp not installed: "
+                                 "`dflashkit engines install llama.cpp`")
+needs_vllm = pytest.mark.skipif(find("vllm") is None, reason="vLLM not installed: `dflashkit engines install vllm`")
+
+
+@pytest.mark.engines
+@pytest.mark.slow
+@needs_llama
+def test_the_llama_cpp_probe_measures_its_curve_and_rounds(smollm2):
+    model = cost_model("llama.cpp", smollm2, new_proposer(smollm2))
+    assert model.ns == list(cm.PROBE_NS) and all(ms > 0 for ms in model.forward_ms)
+    assert model.draft_ms is not None and model.overhead("ar") >= 0
+    assert "llama.cpp build" in model.record["engine_version"]
+
+
+@pytest.mark.engines
+@pytest.mark.slow
+@needs_vllm
+def test_the_vllm_probe_measures_its_rounds(smollm2):
+    model = cost_model("vllm", smollm2, new_proposer(smollm2))
+    assert model.ns == [1, 4] and all(ms > 0 for ms in model.forward_ms) and model.draft_ms == 0.0
