@@ -27,6 +27,8 @@ multi-token call after the prefill runs one token at a time, exactly what plain 
 
 from __future__ import annotations
 
+import functools
+
 from contextlib import nullcontext
 
 import torch
@@ -138,30 +140,25 @@ def _is_linear_attention(m: nn.Module) -> bool:
     return hasattr(m, "A_log") and hasattr(m, "conv1d") and hasattr(m, "layer_idx")
 
 
-_STEPWISE: dict[type, type] = {}
-
-
-def _stepwise(cls: type) -> type:
-    """A subclass of a linear-attention layer class whose cached multi-token calls run one token at a time."""
-    if cls not in _STEPWISE:
-        def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-            n = hidden_states.shape[1]
-            if n == 1 or cache_params is None or cache_params.get_conv_state(self.layer_idx, state_idx=0) is None:
-                return cls.forward(self, hidden_states, cache_params, attention_mask, **kwargs)
-            mask = (lambda i: None) if attention_mask is None else (lambda i: attention_mask[:, i : i + 1])
-            return torch.cat([cls.forward(self, hidden_states[:, i : i + 1], cache_params, mask(i), **kwargs)
-                              for i in range(n)], dim=1)
-        _STEPWISE[cls] = type(f"Stepwise{cls.__name__}", (cls,), {"forward": forward})
-    return _STEPWISE[cls]
+def stepwise_forward(layer: nn.Module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """A linear-attention layer's forward whose cached multi-token calls run one token at a time (what a one-token
+    step computes, bit for bit); an uncached call, or one with no state yet, keeps the chunked path."""
+    one = type(layer).forward
+    n = hidden_states.shape[1]
+    if n == 1 or cache_params is None or cache_params.get_conv_state(layer.layer_idx, state_idx=0) is None:
+        return one(layer, hidden_states, cache_params, attention_mask, **kwargs)
+    mask = (lambda i: None) if attention_mask is None else (lambda i: attention_mask[:, i : i + 1])
+    return torch.cat([one(layer, hidden_states[:, i : i + 1], cache_params, mask(i), **kwargs) for i in range(n)],
+                     dim=1)
 
 
 def step_linear_attention(model: nn.Module) -> int:
     """At load, before anything runs: a low-precision CPU model's linear-attention layers take their cached
-    multi-token calls one token at a time (a prefill, with no state yet, and an uncached extraction keep the
-    chunked path). Returns how many layers step."""
+    multi-token calls one token at a time (their `forward` is stepwise_forward; a prefill, with no state yet, and an
+    uncached extraction keep the chunked path). Returns how many layers step."""
     if not needs_invariant(model):
         return 0
     layers = [m for m in model.modules() if _is_linear_attention(m)]
     for m in layers:
-        m.__class__ = _stepwise(type(m))
+        m.forward = functools.partial(stepwise_forward, m)
     return len(layers)
