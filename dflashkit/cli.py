@@ -52,6 +52,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from dflashkit.threads import isa_environment  # torch's own kernels on the code path ours are built for
+
+    for key, value in isa_environment().items():
+        os.environ.setdefault(key, value)
     args = build_parser().parse_args(argv)
     before = None
     try:

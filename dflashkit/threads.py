@@ -8,6 +8,11 @@ static decoder made 27.8 tok/s on two threads and 57.1 on one, against 86.7 quie
 CLI looks at /proc/stat once and says so in one line, naming `--threads`, where other work keeps cores busy.
 Every result records the threads it ran on.
 
+The instruction set is a machine setting too: $DFLASHKIT_NATIVE_ISA (native, the default, or avx2) says what our
+C++ kernels (decode/native.py) and the llama.cpp peer (engines/install.py: a build of its own) are compiled for, so
+an AVX2-only CPU's code path can be measured, both sides alike, on any x86 machine. It is read per process (two
+builds of the same ops cannot both be loaded in one).
+
 Wiring: `add_threads_option(parser)` on a subcommand's parser; `dflashkit.cli.main` calls `apply_threads(args)`
 before the command runs (call it yourself when parsing arguments elsewhere).
 """
@@ -18,6 +23,27 @@ import os
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
+
+
+ISA_VAR = "DFLASHKIT_NATIVE_ISA"
+ISAS = ("native", "avx2")
+
+
+def isa() -> str:
+    """native (default) or avx2, from $DFLASHKIT_NATIVE_ISA; anything else is refused by name."""
+    value = os.environ.get(ISA_VAR) or "native"
+    if value not in ISAS:
+        raise DFlashError(f"{ISA_VAR}={value!r}: use one of {', '.join(ISAS)}")
+    return value
+
+
+def isa_environment() -> dict[str, str]:
+    """What torch itself must be told before it loads, for its own kernels to take the same code path: ATen's
+    dispatch and inductor's vector ISA (ATEN_CPU_CAPABILITY) and inductor's -march. The CLI sets these; a Python
+    caller sets them before importing torch (decode/native.load refuses a mismatch)."""
+    if os.environ.get(ISA_VAR) != "avx2":
+        return {}
+    return {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "haswell"}
 
 
 def _usable_cpus() -> list[int]:

@@ -144,3 +144,35 @@ def test_the_compiled_static_program_decodes_as_hf(tiny_dirs, dtype):
         g = generate(t, ids, method, oracle, max_new_tokens=40, engine="static", state=state)
         assert g.tokens == plain and g.engine == "static", method
     assert set(state["static"].compile_s) == {1, 32, 4, 8, 16, 24}
+
+
+def test_the_avx2_code_path_is_one_setting_for_our_kernels_and_the_llama_cpp_peer(monkeypatch, tmp_path):
+    """Issue 53: DFLASHKIT_NATIVE_ISA=avx2 builds our kernels without AVX-512, tells torch to take its AVX2 kernels,
+    gives llama.cpp a build of its own (GGML_NATIVE off, AVX-512 off, same source), keys the probes apart and is
+    what bench reports; a value it does not know is refused by name."""
+    from dflashkit.decode import native
+    from dflashkit.engines.install import CMAKE_FLAGS, LlamaCpp, find
+    from dflashkit.threads import isa, isa_environment
+
+    monkeypatch.delenv("DFLASHKIT_NATIVE_ISA", raising=False)
+    assert isa() == "native" and isa_environment() == {} and "-march=native" in native.cflags()
+    native_key = engines.machine_key(load_target(make_tiny_target("llama", tmp_path / "t"), device="cpu"))[0]
+    plain = LlamaCpp(tmp_path)
+    assert plain.cmake == CMAKE_FLAGS and plain.build.name == "llama.cpp-11434-build"
+
+    monkeypatch.setenv("DFLASHKIT_NATIVE_ISA", "avx2")
+    assert isa() == "avx2" and isa_environment()["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert "-mno-avx512f" in native.cflags() and "-march=native" not in native.cflags()
+    assert native.instruction_set().startswith("avx2+fma, no native bf16")
+    avx2 = LlamaCpp(tmp_path, isa())
+    assert "-DGGML_AVX512=OFF" in avx2.cmake and "-DGGML_NATIVE=ON" not in avx2.cmake and "-DGGML_NATIVE=OFF" in avx2.cmake
+    assert avx2.build != plain.build and avx2.stamp != plain.stamp and avx2.src == plain.src
+    monkeypatch.setenv("DFLASHKIT_ENGINES", str(tmp_path))
+    (tmp_path / plain.stamp.name).write_text("{}")  # the native build alone is not the AVX2 one
+    assert find("llama.cpp") is None
+    avx2_key = engines.machine_key(load_target(make_tiny_target("llama", tmp_path / "t"), device="cpu"))[0]
+    assert avx2_key != native_key
+
+    monkeypatch.setenv("DFLASHKIT_NATIVE_ISA", "avx512")
+    with pytest.raises(DFlashError, match="DFLASHKIT_NATIVE_ISA='avx512': use one of native, avx2"):
+        isa()

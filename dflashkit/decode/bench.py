@@ -265,11 +265,11 @@ def _kernels_built_for(decoder) -> str | None:
     """The static step's kernels and the instruction set they were compiled for, where a static row ran."""
     if decoder is None:
         return None
-    from dflashkit.decode.native import CFLAGS, instruction_set
+    from dflashkit.decode.native import cflags, instruction_set
 
     if decoder.kernels != "native":
         return f"{decoder.kernels} (inductor)"
-    return f"native, {' '.join(f for f in CFLAGS if f.startswith('-m'))} on this CPU: {instruction_set()}"
+    return f"native, {' '.join(f for f in cflags() if f.startswith('-m'))} on this CPU: {instruction_set()}"
 
 
 def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -> None:

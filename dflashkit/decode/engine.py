@@ -17,6 +17,7 @@ import torch
 
 from dflashkit.decode.methods import ENGINES, STATIC_KINDS, parse_method
 from dflashkit.errors import DFlashError
+from dflashkit.threads import isa
 
 
 def static_refusal(target) -> str | None:
@@ -78,6 +79,8 @@ def machine_key(target) -> tuple[str, dict]:
     except OSError:
         pass
     vector = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    if isa() == "avx2":  # the AVX2 code path (threads.isa) is another machine to time
+        vector = [f for f in vector if f in ("avx2", "fma")] + ["isa=avx2"]
     ident = target.identity()
     record = {"cpu": cpu, "flags": vector, "target": ident.get("weights_hash") or ident.get("name"),
               "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),

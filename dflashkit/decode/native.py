@@ -24,11 +24,19 @@ import torch
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import home
+from dflashkit.threads import ISA_VAR, isa
 
 SOURCE = Path(__file__).with_name("native.cpp")
 # fp-contract: a * b + c is one fused multiply-add wherever it is written, so the one-row and four-row dots agree
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp", "-std=c++20",
-          "-fPIC", "-shared"]
+COMMON = ["-O3", "-ffp-contract=fast", "-fopenmp", "-std=c++20", "-fPIC", "-shared"]
+# The instruction set the kernels are built for (threads.isa): this CPU's own, or AVX2 + FMA without AVX-512 (what
+# a float32-only laptop or cloud CPU has; any x86 machine runs it, so the two compare side by side on one)
+ISA_FLAGS = {"native": ["-march=native", "-mprefer-vector-width=512"],
+             "avx2": ["-march=haswell", "-mno-avx512f", "-mprefer-vector-width=256"]}
+
+
+def cflags() -> list[str]:
+    return ISA_FLAGS[isa()] + COMMON
 
 
 def _cpu_flags() -> str:
@@ -42,13 +50,15 @@ def _cpu_flags() -> str:
 
 
 def instruction_set() -> str:
-    """What -march=native builds the kernels for here, in the words a reader compares machines by: the widest
-    vector ISA and whether bf16 dot products are native (what bench and the demo report beside dtype and threads)."""
+    """What the kernels are built for here, in the words a reader compares machines by: the widest vector ISA and
+    whether bf16 dot products are native (what bench and the demo report beside dtype and threads)."""
+    if isa() == "avx2":
+        return f"avx2+fma, no native bf16 ({ISA_VAR}=avx2)"
     flags = set(_cpu_flags().split())
-    isa = "avx512" if "avx512f" in flags else "avx2+fma" if {"avx2", "fma"} <= flags else "baseline x86-64" \
+    widest = "avx512" if "avx512f" in flags else "avx2+fma" if {"avx2", "fma"} <= flags else "baseline x86-64" \
         if "sse2" in flags else platform.machine()
     bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    return isa + (f" ({', '.join(bf16)})" if bf16 else ", no native bf16")
+    return widest + (f" ({', '.join(bf16)})" if bf16 else ", no native bf16")
 
 
 def _command(out: Path) -> list[str]:
@@ -57,12 +67,12 @@ def _command(out: Path) -> list[str]:
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu", "-ltorch"]
-    return ["c++", *CFLAGS, abi, *includes, str(SOURCE), "-o", str(out), *libs]
+    return ["c++", *cflags(), abi, *includes, str(SOURCE), "-o", str(out), *libs]
 
 
 def library_path() -> Path:
     """Where this source, these flags, this CPU and this torch build their library."""
-    key = "\n".join([SOURCE.read_text(), *CFLAGS, _cpu_flags(), torch.__version__, torch.__file__])
+    key = "\n".join([SOURCE.read_text(), *cflags(), _cpu_flags(), torch.__version__, torch.__file__])
     return home() / "native" / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -70,6 +80,10 @@ def library_path() -> Path:
 def load() -> None:
     """Build (once per source, flags, CPU and torch) and load the kernels; a second process only loads them.
     Concurrent builds each write their own temporary file and the last rename wins (the files are alike)."""
+    if isa() == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "DEFAULT"):
+        raise DFlashError(f"{ISA_VAR}=avx2, but torch loaded with its {torch.backends.cpu.get_cpu_capability()} "
+                          "kernels: set ATEN_CPU_CAPABILITY=avx2 and TORCHINDUCTOR_CPP_MARCH=haswell before torch is "
+                          "imported (the dflashkit command does), so every kernel takes the AVX2 path")
     lib = library_path()
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)

