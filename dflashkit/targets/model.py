@@ -34,7 +34,12 @@ def pick_device(device: str = "auto") -> torch.device:
 def cpu_has_bf16_matmul() -> bool:
     """Native bf16 dot products (Zen 4, Sapphire Rapids and later). With them a bf16 forward is faster than float32
     and nearly flat in the tokens it verifies (SmolLM2, 2 cores: 9 tokens cost 1.2x one token, 1.6x in float32);
-    without them bf16 is emulated and a 16-token forward costs 7x."""
+    without them bf16 is emulated and a 16-token forward costs 7x. The AVX2 code path (DFLASHKIT_NATIVE_ISA=avx2,
+    dflashkit/threads.py) has none, whatever this CPU has."""
+    from dflashkit.threads import isa
+
+    if isa() == "avx2":
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -62,6 +67,8 @@ def dtype_reason(dtype: torch.dtype, device: torch.device, asked: str | None = "
         return f"{name}, as asked (--dtype {asked})"
     if device.type == "cuda":
         return f"{name}: the default on CUDA"
+    if dtype == torch.float32 and os.environ.get("DFLASHKIT_NATIVE_ISA") == "avx2":
+        return f"{name}: the AVX2 code path (DFLASHKIT_NATIVE_ISA=avx2) has no native bf16 dot products"
     if dtype == torch.float32:
         return f"{name}: this CPU has no native bf16 dot products (avx512_bf16/AMX), where bf16 is emulated and slower"
     return f"{name}: this CPU has native bf16 dot products"
