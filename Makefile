@@ -52,10 +52,10 @@ engines: $(STAMP)
 
 test-engines: engines test-engines-only
 
-# The engine tests alone: each skips where its engine is not installed.
+# The engine tests alone (every test marked engines): each skips where its engine is not installed.
 test-engines-only: $(STAMP)
 	$(BIN)/dflashkit target prepare smollm2-135m >/dev/null
-	$(BIN)/python -m pytest -q -m engines $(PYTEST_ARGS) tests/test_engines.py
+	$(BIN)/python -m pytest -q -m engines $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) runs
