@@ -170,7 +170,8 @@ def test_2_layer_offset(llama, tmp_path):
     assert all(torch.equal(hs[t][0], hs[l + 1][0]) for t, l in zip(vllm_taps, [1, 3]))
     cfg["eagle_aux_hidden_state_layer_ids"] = [1, 3]  # a converter that forgot the + 1
     (tmp_path / "zlab" / "config.json").write_text(json.dumps(cfg))
-    refused(lambda: load_drafter(tmp_path / "zlab"), "eagle_aux_hidden_state_layer_ids [1, 3] disagrees", "remove one")
+    refused(lambda: load_drafter(tmp_path / "zlab"), str(tmp_path / "zlab"), "eagle_aux_hidden_state_layer_ids [1, 3] disagrees",
+            "remove one")
 
     right = write_gguf(tmp_path / "right.gguf", dr.config)
     assert "dflash.target_layers [2, 4] (id + 1)" in check_gguf(right, dr.config, None, {})[0]
@@ -232,7 +233,7 @@ def test_3_partial_rotary_factor(llama, tmp_path, factor):
         assert torch.equal(back.forward_blocks(feats, embeds, torch.tensor([[9]])), out)
     cfg["rope_parameters"]["partial_rotary_factor"] = 1.0
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
-    refused(lambda: load_drafter(tmp_path / "d"), "partial_rotary_factor", "disagrees", "set both")
+    refused(lambda: load_drafter(tmp_path / "d"), str(tmp_path / "d"), "partial_rotary_factor", "disagrees", "set both")
 
     good = write_gguf(tmp_path / "r.gguf", dr.config)
     check_gguf(good, dr.config, None, {})
