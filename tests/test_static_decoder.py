@@ -85,6 +85,42 @@ def test_the_native_linear_is_a_matmul_and_row_invariant(dtype):
         assert torch.equal(linear_native(x[None, 2:7], w)[0], y[2:7])  # leading dims kept
 
 
+NATIVE_OUTPUTS = """
+import torch
+from dflashkit.decode import native
+native.load()
+g = torch.Generator().manual_seed(0)
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    for k in (40, 128, 200, 576):
+        x, w = torch.randn(9, k, generator=g), torch.randn(37, k, generator=g).to(dtype)
+        out[f"linear-{dtype}-{k}"] = torch.ops.dflashkit.linear(x, w)
+q, kc, vc = (torch.randn(1, h, n, 64, generator=g) for h, n in ((6, 3), (2, 40), (2, 40)))
+path = torch.tensor([[20, -1, -1], [20, 21, -1], [20, 21, 22]])
+out["attend"] = torch.ops.dflashkit.attend(q, kc, vc, torch.tensor([20]), path)
+"""
+
+
+@pytest.mark.slow
+def test_the_avx2_build_computes_the_same_bits_as_this_cpus_build(tmp_path):
+    """Issue 53: the AVX2 build (8-lane registers, DFLASHKIT_NATIVE_ISA=avx2) sums every dot and every attention row
+    in the AVX-512 build's order, so the two give the same bits: linears over float32 and bf16 weights (lengths on
+    and off the 64 lanes) and attention over a chain's paths."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DFLASHKIT_NATIVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "haswell"}
+    code = NATIVE_OUTPUTS + f"torch.save(out, {str(tmp_path / 'avx2.pt')!r})"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    theirs = torch.load(tmp_path / "avx2.pt")
+    ns: dict = {}
+    exec(NATIVE_OUTPUTS, ns)
+    assert set(ns["out"]) == set(theirs) and len(theirs) == 9
+    for name, mine in ns["out"].items():
+        assert torch.equal(mine, theirs[name]), name
+
+
 def test_the_native_linear_refuses_what_it_does_not_compute():
     native.load()
     for x, w, says in [(torch.randn(2, 8).double(), torch.randn(4, 8), "x must be float32"),

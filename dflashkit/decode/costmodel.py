@@ -96,11 +96,13 @@ def load_model(path) -> CostModel:
 
 
 def engine_version(engine: str) -> str:
-    """What a re-measure is due on: our own code and torch for the backends, the build for a peer."""
+    """What a re-measure is due on: our own code and torch for the backends (the static one's C++ kernels by their
+    library, which names their source, flags and CPU), the build for a peer."""
     if engine == "llama.cpp":
         from dflashkit.engines.install import LLAMA_CPP_BUILD
+        from dflashkit.threads import isa
 
-        return f"llama.cpp build {LLAMA_CPP_BUILD}"
+        return f"llama.cpp build {LLAMA_CPP_BUILD}" + (f" ({isa()})" if isa() != "native" else "")
     if engine == "vllm":
         from dflashkit.engines.install import VLLM_VERSION
 
@@ -110,7 +112,12 @@ def engine_version(engine: str) -> str:
 
     from dflashkit import __version__
 
-    return f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
+    version = f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
+    if engine == "static":
+        from dflashkit.decode.native import library_path
+
+        version += f", kernels {library_path().stem}"
+    return version
 
 
 def drafter_shape(proposer) -> dict | None:

@@ -27,6 +27,8 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
 constexpr int64_t LANES = 64;  // four vectors of 16: four independent chains of sums per dot
 
 inline f32x16 load16(const float* p) {
@@ -52,6 +54,9 @@ inline float to_float(c10::BFloat16 v) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+#if defined(__AVX512F__)
+// ---- AVX-512: one register holds 16 lanes, so a dot keeps four chains of 16
 
 // The sum of a dot's four chains in a fixed tree: chains (0+2) + (1+3), then the 16 lanes halved four times; a
 // k that is not a multiple of 64 first adds its last products to lanes 0.. of the chains in order
@@ -85,13 +90,70 @@ inline void dot_rows(const float* __restrict x, const W* __restrict w, int64_t k
   for (int r = 0; r < R; ++r) y[r * y_stride] = finish(acc[r], x + r * x_stride + i, w + i, k - i);
 }
 
+constexpr int ROWS = 4;  // rows of x against each weight vector: 16 accumulators of 32 registers
+
+#else
+// ---- AVX2 (and narrower): a register holds 8 lanes. Written with 16-lane vectors, GCC kept the accumulators on
+// the stack (12 GB/s against 28 on AVX-512, SmolLM2 float32's linears, same machine). Here the same 64 lanes are
+// eight chains of 8: chain b lane j is lane 8b + j of the 64, the memory order of the AVX-512 path's four chains
+// of 16, and the tree below is that path's tree, so the two builds sum every dot in the same order.
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline f32x8 load8(const c10::BFloat16* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+  f32x8 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+template <typename W>
+inline float finish(f32x8 (&acc)[8], const float* x, const W* w, int64_t tail) {
+  if (tail) {
+    float lanes[LANES];
+    std::memcpy(lanes, acc, sizeof lanes);
+    for (int64_t j = 0; j < tail; ++j) lanes[j] += x[j] * to_float(w[j]);
+    std::memcpy(acc, lanes, sizeof lanes);
+  }
+  // the AVX-512 path's (chain 0 + chain 2) + (chain 1 + chain 3), its low eight lanes and its high eight
+  f32x8 lo = (acc[0] + acc[4]) + (acc[2] + acc[6]);
+  f32x8 hi = (acc[1] + acc[5]) + (acc[3] + acc[7]);
+  f32x8 h8 = lo + hi;
+  f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// One row of x against one row of w; a call with several rows runs this per row while the weight row stays in L1
+// (sixteen registers hold one row's eight accumulators, not four rows' 32)
+template <int R, typename W>
+inline void dot_rows(const float* __restrict x, const W* __restrict w, int64_t k, float* __restrict y,
+                     int64_t x_stride, int64_t y_stride) {
+  static_assert(R == 1, "the AVX2 dot runs one row at a time");
+  f32x8 acc[8] = {};
+  int64_t i = 0;
+  for (; i + LANES <= k; i += LANES)
+    for (int c = 0; c < 8; ++c) acc[c] += load8(x + i + 8 * c) * load8(w + i + 8 * c);
+  y[0] = finish(acc, x + i, w + i, k - i);
+}
+
+constexpr int ROWS = 1;
+
+#endif
+
 template <typename W>
 void linear_rows(const float* x, const W* w, float* y, int64_t rows, int64_t outs, int64_t k) {
-  // outputs split between threads in blocks of 16 rows of w; the rows of x four at a time
+  // outputs split between threads in blocks of 16 rows of w; the rows of x ROWS at a time
   at::parallel_for(0, outs, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t o = lo; o < hi; ++o) {
       int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) dot_rows<4>(x + r * k, w + o * k, k, y + r * outs + o, k, outs);
+      if constexpr (ROWS > 1)
+        for (; r + ROWS <= rows; r += ROWS) dot_rows<ROWS>(x + r * k, w + o * k, k, y + r * outs + o, k, outs);
       for (; r < rows; ++r) dot_rows<1>(x + r * k, w + o * k, k, y + r * outs + o, k, outs);
     }
   });
@@ -122,30 +184,57 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
 // and value sum are computed over that sequence alone, in a fixed order, so a row of a chain or tree verify equals
 // the one-token step at its position bit for bit, and only the slots in use are read.
 
+// The attention's vectors are one register wide: 16 lanes on AVX-512, 8 on AVX2 (16-lane vectors there went
+// through the stack, as the linear's did). Every lane runs the same operations either way, and the sums across
+// lanes take the same tree, so both builds compute the same bits.
+#if defined(__AVX512F__)
+constexpr int64_t VW = 16;
+typedef f32x16 fvec;
+typedef i32x16 ivec;
+typedef u32x16 uvec;
+#else
+constexpr int64_t VW = 8;
+typedef f32x8 fvec;
+typedef int32_t ivec __attribute__((vector_size(32)));
+typedef u32x8 uvec;
+#endif
+
+inline fvec loadv(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 // e^x, x <= 0 (a score minus the row's maximum): 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 and p the
 // degree-6 Taylor polynomial (relative error ~2e-7); the same operations on every lane
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 zero = {};
-  const i32x16 lo = x < -87.0f;  // all ones where e^x is below float32's normal range
+inline fvec expv(fvec x) {
+  const fvec zero = {};
+  const ivec lo = x < -87.0f;  // all ones where e^x is below float32's normal range
   x = lo ? zero - 87.0f : x;
-  const f32x16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const f32x16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  f32x16 p = zero + 1.0f / 720;
+  const fvec n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const fvec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  fvec p = zero + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
   p = p * r + 1.0f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  u32x16 bits = __builtin_convertvector(__builtin_convertvector(n, i32x16) + 127, u32x16) << 23;
-  f32x16 scale;
+  uvec bits = __builtin_convertvector(__builtin_convertvector(n, ivec) + 127, uvec) << 23;
+  fvec scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return lo ? zero : p * scale;
 }
 
-inline float sum16(f32x16 v) {  // the 16 lanes halved four times, as finish() does
+// 16 lanes (held as 16 / VW vectors) halved four times, as finish() does
+inline float sum16(const fvec (&t)[16 / VW]) {
+#if defined(__AVX512F__)
+  const f32x16 v = t[0];
   f32x8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  f32x8 h8 = t[0] + t[1];
+#endif
   f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
@@ -164,23 +253,23 @@ void attend_row(const float* q, const float* k, const float* v, float* out, int6
     s[j] = d * scale;
     top = std::max(top, s[j]);
   }
-  f32x16 total = {};
-  for (int64_t j = 0; j < padded; j += 16) {
-    f32x16 e = exp16(load16(s.data() + j) - top);
-    for (int64_t t = seen - j; t < 16; ++t) e[t] = 0.0f;  // past the sequence (only in the last block)
+  fvec total[16 / VW] = {};  // lane l sums the exponentials of positions 16i + l
+  for (int64_t j = 0; j < padded; j += VW) {
+    fvec e = expv(loadv(s.data() + j) - top);
+    for (int64_t t = seen - j; t < VW; ++t) e[t] = 0.0f;  // past the sequence (only in the last block)
     std::memcpy(s.data() + j, &e, sizeof e);
-    total += e;
+    total[(j / VW) % (16 / VW)] += e;
   }
-  f32x16 acc[8] = {};  // hd <= 128
-  const int64_t chunks = hd / 16;
+  fvec acc[128 / VW] = {};  // hd <= 128
+  const int64_t chunks = hd / VW;
   for (int64_t j = 0; j < seen; ++j) {
     const float* vj = v + slot(j) * hd;
-    for (int64_t c = 0; c < chunks; ++c) acc[c] += s[j] * load16(vj + 16 * c);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] += s[j] * loadv(vj + VW * c);
   }
   const float norm = sum16(total);
   for (int64_t c = 0; c < chunks; ++c) {
-    f32x16 o = acc[c] / norm;
-    std::memcpy(out + 16 * c, &o, sizeof o);
+    fvec o = acc[c] / norm;
+    std::memcpy(out + VW * c, &o, sizeof o);
   }
 }
 
