@@ -235,7 +235,8 @@ def test_bench_reports_and_flags_mismatches(tiny_targets, drafters, tmp_path, mo
             assert s["ceiling"] == pytest.approx(s["tau"] * t_ar / (r["draft"] + r["verify"]))
             assert abs(sum(s["split"].values()) - 1) < 1e-6
     files = write_bench(res, tmp_path / "bench")
-    assert {p.name for p in files} == {"results.json", "report.md", "requests.jsonl", "speedup.png", "accepted.png", "cost.png"}
+    assert {p.name for p in files} == {"results.json", "report.md", "requests.jsonl", "speedup.png", "accepted.png", "cost.png",
+                                      "predicted.png"}
     assert json.loads((tmp_path / "bench" / "results.json").read_text())["config"]["methods"] == methods
     # a speculative output that differs from plain decoding is a loud failure
     import dflashkit.decode.bench as bench

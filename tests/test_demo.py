@@ -51,6 +51,8 @@ def test_every_stage_writes_its_outputs(demo_run):
     assert holdout["config"]["max_new_tokens"] == cfg.holdout_max_new_tokens
     assert bench["cost"]["ns"][0] == 1 and "## Cost of one target forward" in text
     assert "Numerics: dtype float32" in text and "Decoding kernels: the stock kernels" in text
+    # issue 50: the offline walk priced on the cost model, beside measured, in the report and as a plot
+    assert "## Predicted beside measured" in text and "![predicted vs measured](bench/predicted.png)" in text
 
 
 def test_stage_estimates_come_from_a_probe_of_this_machine_and_the_report_sets_them_against_the_actuals(demo_run):

@@ -240,3 +240,19 @@ def test_the_llama_cpp_probe_measures_its_curve_and_rounds(smollm2):
 def test_the_vllm_probe_measures_its_rounds(smollm2):
     model = cost_model("vllm", smollm2, new_proposer(smollm2))
     assert model.ns == [1, 4] and all(ms > 0 for ms in model.forward_ms) and model.draft_ms == 0.0
+
+
+def test_predicted_against_measured_is_plotted_for_the_rows_that_have_both(tmp_path):
+    from dflashkit.decode.predict import predicted_plot, predicted_points
+
+    result = {"config": {"target": "t", "dtype": "float32"}, "methods": {
+        "ar": {"predicted": {"measured_decode_tokens_per_s": 40.0, "online": {"tokens_per_s": 39.0},
+                             "offline": {"tokens_per_s": 41.0}}},
+        "ngram": {"predicted": {"measured_decode_tokens_per_s": 50.0, "online": {"tokens_per_s": 55.0}}},
+        "prompt-lookup": {"predicted": {"why": "transformers' own loop"}},
+        "llama.cpp": {}}}
+    assert predicted_points(result) == {"ar": (40.0, 41.0), "ngram": (50.0, 55.0)}  # offline where given
+    path = predicted_plot(result, tmp_path / "predicted.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result["methods"] = {"llama.cpp": {}}
+    assert predicted_plot(result, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()

@@ -23,7 +23,7 @@ from dflashkit.decode.engine import resolve
 from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
 from dflashkit.decode.peers import (TAU_TOLERANCE, check_engines, check_tau, engine_tau, is_engine,
                                    plain_of, predicted_tau, EnginePeer)
-from dflashkit.decode.predict import predict_bench, predicted_markdown
+from dflashkit.decode.predict import predict_bench, predicted_markdown, predicted_plot
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, HfBackend, generate, generate_ar, new_lookup
 from dflashkit.errors import DFlashError
@@ -612,7 +612,8 @@ def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
 
 
 def write_bench(result: dict, out) -> list[Path]:
-    """results.json, report.md, speedup.png, accepted.png, cost.png and (with categories) categories.png under
+    """results.json, report.md, speedup.png, accepted.png, cost.png, predicted.png (with predictions) and (with
+    categories) categories.png under
     `out`; where `out` cannot be written at the end of a run, under a new temporary folder instead (said on
     stderr), so that the run is not lost."""
     import sys
@@ -647,6 +648,8 @@ def _write_bench(result: dict, out: Path) -> list[Path]:
                   for name, summary in [*result["categories"].items(), ("overall", result["methods"])]}
         paths.append(bar_plot(out / "categories.png", groups, f"Speedup per category ({result['config']['target']})",
                               "x plain decoding"))
+    if (plot := predicted_plot(result, out / "predicted.png")) is not None:
+        paths.append(plot)
     hists = {m: s["accepted_hist"] for m, s in result["methods"].items() if s["accepted_hist"]}
     if hists:
         paths.append(hist_plot(out / "accepted.png", hists, "Tokens committed per round", "tokens per round", start=1))

@@ -207,3 +207,26 @@ def predicted_markdown(result: dict) -> list[str]:
                "eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%.", "",
             markdown_table(["method", "engine", "measured", "predicted (own acceptance)", "error",
                             "predicted (offline)", "error", "not predicted: why"], rows, digits=1)]
+
+
+def predicted_points(result: dict) -> dict[str, tuple[float, float]]:
+    """label -> (measured, predicted) decode tokens/s of every bench row that has both (offline where given, else
+    the row's own rounds), for the plot beside the table."""
+    points = {}
+    for m, s in result["methods"].items():
+        p = s.get("predicted") or {}
+        row = p.get("offline") or p.get("online") or {}
+        if p.get("measured_decode_tokens_per_s") and row.get("tokens_per_s"):
+            points[m] = (p["measured_decode_tokens_per_s"], row["tokens_per_s"])
+    return points
+
+
+def predicted_plot(result: dict, path):
+    """predicted.png: predicted against measured decode tokens/s with the 10% band; None without predictions."""
+    from dflashkit.report import scatter_against_measured
+
+    points = predicted_points(result)
+    if not points:
+        return None
+    return scatter_against_measured(path, points, f"Predicted vs measured ({result['config']['target']}, "
+                                    f"{result['config']['dtype']})", "decode tokens/s", ERROR_BAR)

@@ -305,6 +305,7 @@ def built_with(settings: dict) -> str:
 def write_report(root: Path, cfg, device, timings: dict, plan: str = "") -> dict:
     """report.md and report.json from what the stages wrote; returns the checks and the console summary."""
     from dflashkit.decode.bench import cost_markdown
+    from dflashkit.decode.predict import predicted_markdown
     from dflashkit.report import markdown_table
 
     res = DemoResults.read(root)
@@ -326,6 +327,10 @@ def write_report(root: Path, cfg, device, timings: dict, plan: str = "") -> dict
               f"Lossless check: {'every output equals plain greedy decoding' if res.bench.lossless else 'FAILED or not run'}.",
               "", *([f"Ran on: {res.bench.ran_on()}.", ""] if res.bench.ran_on() else []),
               "![speedup](bench/speedup.png)", "", *cost_markdown(res.bench.cost, "bench/cost.png")]
+    raw = _load(root / "bench" / "results.json")  # offline acceptance and the cost models, priced beside measured
+    if raw.get("methods") and (table := predicted_markdown(raw)):
+        lines += [*table, *(["", "![predicted vs measured](bench/predicted.png)"]
+                            if (root / "bench" / "predicted.png").exists() else []), ""]
     lines += ["## Held-out suite (never trained on or selected with)", "",
               f"`{cfg.holdout_suite}`: complete a function from its signature and docstring (coding-10 asks for a "
               "function from a description).", "",

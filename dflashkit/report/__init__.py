@@ -82,3 +82,19 @@ def hist_plot(path, series: dict[str, list[float]], title: str, xlabel: str, sta
     if len(series) > 1:
         ax.legend()
     return _save(fig, path)
+
+
+def scatter_against_measured(path, points: dict[str, tuple[float, float]], title: str, unit: str, band: float) -> Path:
+    """points[label] = (measured, predicted): one dot each, the diagonal and the +-band around it."""
+    fig, ax = _figure()
+    top = max(max(p) for p in points.values()) * 1.1
+    ax.plot([0, top], [0, top], color="grey", linewidth=1, label="predicted = measured")
+    ax.fill_between([0, top], [0, top * (1 - band)], [0, top * (1 + band)], color="grey", alpha=0.15,
+                    label=f"within {band:.0%}")
+    for name, (measured, predicted) in points.items():
+        ax.scatter([measured], [predicted], s=25)
+        ax.annotate(name, (measured, predicted), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set(title=title, xlabel=f"measured {unit}", ylabel=f"predicted {unit}", xlim=(0, top), ylim=(0, top))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    return _save(fig, path)
