@@ -55,6 +55,16 @@ inline float to_float(c10::BFloat16 v) {
   return f;
 }
 
+// A k that is not a multiple of 64: its last products go to lanes 0.. of the 64 (in memory order) before the tree
+template <typename V, int N, typename W>
+inline void add_tail(V (&acc)[N], const float* x, const W* w, int64_t tail) {
+  static_assert(sizeof(acc) == LANES * sizeof(float), "a dot holds 64 lanes");
+  float lanes[LANES];
+  std::memcpy(lanes, acc, sizeof lanes);
+  for (int64_t j = 0; j < tail; ++j) lanes[j] += x[j] * to_float(w[j]);
+  std::memcpy(acc, lanes, sizeof lanes);
+}
+
 #if defined(__AVX512F__)
 // ---- AVX-512: one register holds 16 lanes, so a dot keeps four chains of 16
 
@@ -62,12 +72,7 @@ inline float to_float(c10::BFloat16 v) {
 // k that is not a multiple of 64 first adds its last products to lanes 0.. of the chains in order
 template <typename W>
 inline float finish(f32x16 (&acc)[4], const float* x, const W* w, int64_t tail) {
-  if (tail) {
-    float lanes[LANES];
-    std::memcpy(lanes, acc, sizeof lanes);
-    for (int64_t j = 0; j < tail; ++j) lanes[j] += x[j] * to_float(w[j]);
-    std::memcpy(acc, lanes, sizeof lanes);
-  }
+  if (tail) add_tail(acc, x, w, tail);
   f32x16 v = (acc[0] + acc[2]) + (acc[1] + acc[3]);
   f32x8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -115,12 +120,7 @@ inline f32x8 load8(const c10::BFloat16* p) {
 
 template <typename W>
 inline float finish(f32x8 (&acc)[8], const float* x, const W* w, int64_t tail) {
-  if (tail) {
-    float lanes[LANES];
-    std::memcpy(lanes, acc, sizeof lanes);
-    for (int64_t j = 0; j < tail; ++j) lanes[j] += x[j] * to_float(w[j]);
-    std::memcpy(acc, lanes, sizeof lanes);
-  }
+  if (tail) add_tail(acc, x, w, tail);
   // the AVX-512 path's (chain 0 + chain 2) + (chain 1 + chain 3), its low eight lanes and its high eight
   f32x8 lo = (acc[0] + acc[4]) + (acc[2] + acc[6]);
   f32x8 hi = (acc[1] + acc[5]) + (acc[3] + acc[7]);

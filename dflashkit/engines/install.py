@@ -112,10 +112,10 @@ def require(engine: str):
     """The installed engine, or an error that names the command installing it."""
     e = find(engine)
     if e is None:
-        prefix = f"{ISA_VAR}=avx2 " if engine == "llama.cpp" and isa() != "native" else ""
-        raise DFlashError(f"engine {engine}{' (' + isa() + ' build)' if prefix else ''} is not installed under "
-                          f"{engines_home()}; install it once with `{prefix}{INSTALL_COMMAND[engine]}` "
-                          f"({ABOUT[engine]}), or drop it from --methods")
+        variant = engine == "llama.cpp" and isa() != "native"  # the AVX2 code path's build of its own
+        build, prefix = (f" ({isa()} build)", f"{ISA_VAR}={isa()} ") if variant else ("", "")
+        raise DFlashError(f"engine {engine}{build} is not installed under {engines_home()}; install it once with "
+                          f"`{prefix}{INSTALL_COMMAND[engine]}` ({ABOUT[engine]}), or drop it from --methods")
     return e
 
 
