@@ -156,3 +156,16 @@ def standard_set(rel: str):
     tests = Path(__file__).resolve().parent
     shared = tests.parent.parent / "shared" / "data" / rel
     return shared if shared.is_file() else tests / "data" / rel
+
+
+ENGINE_TEXTS = ["def add(a, b):", "Write a haiku about the sea."]  # two short prompts the engine-peer tests share
+
+
+def drafter_and_prompts(t, texts=ENGINE_TEXTS):
+    """(target, a seeded one-layer block-4 drafter on layers [1, 3], [(text, chat ids)]): what the engine-peer and
+    parity tests run."""
+    from dflashkit.drafter.checkpoint import new_drafter
+
+    torch.manual_seed(0)
+    d = new_drafter(t, num_layers=1, target_layer_ids=[1, 3], block_size=4).eval()
+    return t, d, [(x, t.chat_ids([{"role": "user", "content": x}])) for x in texts]

@@ -18,9 +18,9 @@ from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.engines.install import find, require
 from dflashkit.engines.llamacpp import EngineAnswer
 from dflashkit.errors import DFlashError
-from helpers import Oracle
+from helpers import ENGINE_TEXTS, Oracle, drafter_and_prompts
 
-TEXTS = ["def add(a, b):", "Write a haiku about the sea."]
+TEXTS = ENGINE_TEXTS
 
 
 def test_dflash_peers_bring_their_plain_engine_and_our_chain():
@@ -101,10 +101,7 @@ def stand_in(monkeypatch, **kw):
 
 @pytest.fixture(scope="module")
 def setup(tiny_targets):
-    t = tiny_targets["llama"]
-    torch.manual_seed(0)
-    d = new_drafter(t, num_layers=1, target_layer_ids=[1, 3], block_size=4).eval()
-    return t, d, [(x, t.chat_ids([{"role": "user", "content": x}])) for x in TEXTS]
+    return drafter_and_prompts(tiny_targets["llama"])
 
 
 def test_bench_with_engine_peers_states_speedups_against_the_fastest_plain(setup, monkeypatch):

@@ -19,9 +19,10 @@ from dflashkit.engines.install import find
 from dflashkit.errors import DFlashError
 from dflashkit.report.parity import first_divergence, parity
 from dflashkit.report.requests import FIELDS, SCHEMA, read_requests
+from helpers import ENGINE_TEXTS, drafter_and_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TEXTS = ["def add(a, b):", "Write a haiku about the sea."]
+TEXTS = ENGINE_TEXTS
 # a llama-server /completion answer as the server writes it (trimmed to the fields the peer reads)
 LLAMA_RESPONSE = {"tokens": [72, 101, 108, 108], "stop_type": "eos",
                   "timings": {"prompt_n": 12, "prompt_ms": 8.5, "predicted_n": 4, "predicted_ms": 31.0,
@@ -32,10 +33,7 @@ VLLM_REPLY = {"tokens": [72, 101, 108, 108, 2], "seconds": 0.04, "drafts": 2, "a
 
 @pytest.fixture(scope="module")
 def setup(tiny_targets):
-    t = tiny_targets["llama"]
-    torch.manual_seed(0)
-    d = new_drafter(t, num_layers=1, target_layer_ids=[1, 3], block_size=4).eval()
-    return t, d, [(x, t.chat_ids([{"role": "user", "content": x}])) for x in TEXTS]
+    return drafter_and_prompts(tiny_targets["llama"])
 
 
 @pytest.fixture(scope="module")

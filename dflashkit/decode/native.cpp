@@ -37,14 +37,18 @@ inline f32x16 load16(const float* p) {
   return v;
 }
 
-inline f32x16 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float32
-  u16x16 h;
+// bf16 is the top half of a float32: N of them widened to a vector F of N floats (U16, U32: N-lane integers)
+template <typename F, typename U16, typename U32>
+inline F widen_bf16(const c10::BFloat16* p) {
+  U16 h;
   std::memcpy(&h, p, sizeof h);
-  u32x16 u = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
+  U32 u = __builtin_convertvector(h, U32) << 16;
+  F v;
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
+
+inline f32x16 load16(const c10::BFloat16* p) { return widen_bf16<f32x16, u16x16, u32x16>(p); }
 
 inline float to_float(float v) { return v; }
 
@@ -109,14 +113,7 @@ inline f32x8 load8(const float* p) {
   return v;
 }
 
-inline f32x8 load8(const c10::BFloat16* p) {
-  u16x8 h;
-  std::memcpy(&h, p, sizeof h);
-  u32x8 u = __builtin_convertvector(h, u32x8) << 16;
-  f32x8 v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
+inline f32x8 load8(const c10::BFloat16* p) { return widen_bf16<f32x8, u16x8, u32x8>(p); }
 
 template <typename W>
 inline float finish(f32x8 (&acc)[8], const float* x, const W* w, int64_t tail) {

@@ -67,7 +67,9 @@ def dtype_reason(dtype: torch.dtype, device: torch.device, asked: str | None = "
         return f"{name}, as asked (--dtype {asked})"
     if device.type == "cuda":
         return f"{name}: the default on CUDA"
-    if dtype == torch.float32 and os.environ.get("DFLASHKIT_NATIVE_ISA") == "avx2":
+    from dflashkit.threads import isa
+
+    if dtype == torch.float32 and isa() == "avx2":
         return f"{name}: the AVX2 code path (DFLASHKIT_NATIVE_ISA=avx2) has no native bf16 dot products"
     if dtype == torch.float32:
         return f"{name}: this CPU has no native bf16 dot products (avx512_bf16/AMX), where bf16 is emulated and slower"
