@@ -192,12 +192,8 @@ def build_tree_topk(logprobs, token_ids, budget: int, root_token: int = -1) -> T
             if d < L:  # first child
                 heapq.heappush(heap, (neg - lp[d][0], count, d + 1, 0, node, -neg))
                 count += 1
-    return Tree(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        depths=torch.tensor(depths, dtype=torch.long),
-        parents=torch.tensor(parents, dtype=torch.long),
-        log_probs=torch.tensor(scores, dtype=torch.float32),
-    )
+    return Tree(torch.tensor(tokens), torch.tensor(depths), torch.tensor(parents),
+                torch.tensor(scores, dtype=torch.float32))
 
 
 def accepted_path(tree: Tree, continuation: Sequence[int] | Tensor) -> list[int]:
@@ -248,19 +244,10 @@ def topk_paths(logits: Tensor, k: int) -> list[tuple[list[int], float]]:
     return [(toks, s) for s, toks in beams]
 
 
-def _leading_matches(draft: Sequence[int], labels: Sequence[int]) -> int:
-    n = 0
-    for a, b in zip(draft, labels):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
 def paths_streak(logits: Tensor, labels: Tensor, k: int) -> int:
     """`paths:K`: best accepted depth among the K most probable complete drafts (K independent chains)."""
     lab = labels.tolist() if isinstance(labels, Tensor) else list(labels)
-    return max(_leading_matches(toks, lab) for toks, _ in topk_paths(logits, k))
+    return max(common_prefix(toks, lab) for toks, _ in topk_paths(logits, k))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

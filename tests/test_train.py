@@ -615,16 +615,15 @@ def test_smollm2_kl_training_steps_with_a_draft_vocabulary(smollm2, tmp_path):
 
 def test_auto_dtype_uses_bf16_autocast_only_on_cpus_with_native_bf16(monkeypatch):
     from dflashkit.targets import model as target_model
-    from dflashkit.train import loop
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(target_model, "cpu_has_bf16_matmul", lambda: True)
-    assert loop.autocast_dtype("auto", cpu) == torch.bfloat16
-    assert loop.autocast_dtype("float32", cpu) == torch.float32
+    assert target_model.pick_dtype("auto", cpu) == torch.bfloat16
+    assert target_model.pick_dtype("float32", cpu) == torch.float32
     monkeypatch.setattr(target_model, "cpu_has_bf16_matmul", lambda: False)
-    assert loop.autocast_dtype("auto", cpu) == torch.float32
-    assert loop.autocast_dtype("bf16", cpu) == torch.bfloat16
-    assert loop.autocast_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert target_model.pick_dtype("auto", cpu) == torch.float32
+    assert target_model.pick_dtype("bf16", cpu) == torch.bfloat16
+    assert target_model.pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 
 def test_num_target_layers_picks_that_many_layers_by_zlabs_rule(llama):

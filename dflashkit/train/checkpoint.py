@@ -24,8 +24,6 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, write_json
 
 STATE_FILE = "train_state.pt"
-CONTRACT_KEYS = ("target_layer_ids", "block_size", "mask_token_id", "gamma", "loss", "draft_vocab_setting",
-                 "num_layers", "target")
 
 
 def resume_contract(drafter, loss: str, draft_vocab_setting, gamma: float, target_identity: dict) -> dict:
@@ -44,7 +42,7 @@ def resume_contract(drafter, loss: str, draft_vocab_setting, gamma: float, targe
 
 
 def check_resume_contract(saved: dict, now: dict, where) -> None:
-    for key in CONTRACT_KEYS:
+    for key in now:
         if saved.get(key) != now.get(key):
             raise DFlashError(
                 f"{where}: the run was trained with {key}={saved.get(key)!r} but the settings now say {now.get(key)!r}; "

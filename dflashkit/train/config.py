@@ -104,18 +104,13 @@ class TrainConfig:
         """Value checks that types cannot express; returns self."""
         def bad(key, why):
             raise DFlashError(f"train config: {key}={getattr(self, key)!r} {why}")
-        if self.loss not in ("ce", "kl"):
-            bad("loss", "is not one of: ce, kl")
-        if self.distributed not in ("ddp", "fsdp"):
-            bad("distributed", "is not one of: ddp, fsdp")
+        for key, allowed in (("loss", ("ce", "kl")), ("distributed", ("ddp", "fsdp")),
+                             ("attention", ("auto", "flex", "chunked", "dense")), ("arch", ("dflash", "dflash2")),
+                             ("eval_anchors", ("stride", "walk"))):
+            if getattr(self, key) not in allowed:
+                bad(key, f"is not one of: {', '.join(allowed)}")
         if self.dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16"):
             bad("dtype", "is not one of: auto, float32, bfloat16")
-        if self.attention not in ("auto", "flex", "chunked", "dense"):
-            bad("attention", "is not one of: auto, flex, chunked, dense")
-        if self.arch not in ("dflash", "dflash2"):
-            bad("arch", "is not one of: dflash, dflash2")
-        if self.eval_anchors not in ("stride", "walk"):
-            bad("eval_anchors", "is not one of: stride, walk")
         if isinstance(self.draft_vocab, str) and self.draft_vocab.isdigit():
             self.draft_vocab = int(self.draft_vocab)
         if isinstance(self.draft_vocab, str) and self.draft_vocab not in ("auto", "none") and \
@@ -123,9 +118,8 @@ class TrainConfig:
             bad("draft_vocab", "is not auto, none, a positive integer or a .json file of token ids")
         if isinstance(self.draft_vocab, int) and self.draft_vocab < 1:
             bad("draft_vocab", "must be a positive integer")
-        for key in ("block_size",):
-            if getattr(self, key) < 2:
-                bad(key, "must be at least 2")
+        if self.block_size < 2:
+            bad("block_size", "must be at least 2")
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
                     "anchors_per_seq", "batch_size", "grad_accum", "head_chunk", "num_layers", "max_seq_len",
                     "save_every", "keep_last"):

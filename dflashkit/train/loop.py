@@ -192,7 +192,10 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
                           f"(batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} x {d.world} processes); "
                           "lower batch_size or add data")
     total = cfg.steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    eval_cache = open_eval_cache(cfg, target, layer_ids)  # every process: they all join the evaluation's gather
+    eval_cache = None  # opened (and checked) on every process: they all join the evaluation's gather
+    if cfg.eval_cache:
+        eval_cache = open_cache(cfg.eval_cache, num_prompts=cfg.eval_prompts, expect_target=target.identity(),
+                                layer_ids=layer_ids)
 
     ckpt = latest_checkpoint(cfg.out) if cfg.resume else None
     state = load_train_state(ckpt) if ckpt else None
@@ -212,7 +215,7 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
             slot_w=slot_weights(cfg.block_size, gamma).to(d.device), opt=opt, contract=contract,
             extra=dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab,
                        train_config=cfg.to_dict()),
-            compute_dtype=autocast_dtype(cfg.dtype, d.device))
+            compute_dtype=pick_dtype(cfg.dtype, d.device))  # master weights and loss: float32
     if state:
         restore(r, ckpt, state)
     return r
@@ -252,20 +255,6 @@ def feature_layers(cfg: TrainConfig, target, init) -> list[int]:
         return target.check_layer_ids(ids, allow_final=cfg.allow_final_layers)
     except DFlashError as e:  # name the setting: in a config file the override is `allow_final_layers: true`
         raise DFlashError(f"train config target_layer_ids: {e}") from e
-
-
-def open_eval_cache(cfg: TrainConfig, target, layer_ids):
-    """The eval cache, opened (and checked against the target and layer ids) before any training happens;
-    None when no eval cache is set."""
-    if not cfg.eval_cache:
-        return None
-
-    return open_cache(cfg.eval_cache, num_prompts=cfg.eval_prompts, expect_target=target.identity(), layer_ids=layer_ids)
-
-
-def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The training compute dtype (master weights and the loss stay float32)."""
-    return pick_dtype(name, device)
 
 
 def restore(r: Run, ckpt: Path, state: dict) -> None:
@@ -398,15 +387,8 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
             loss, st = block_loss(hidden, batch.labels, r.slot_w, r.head, cfg.loss, norm, last_states, batch.anchors,
                                   cfg.head_chunk, selector, pred, cfg.selector_loss_alpha)
             (loss * d.world).backward()  # DDP/FSDP average gradients; the loss is already globally normalised
-        stats.loss += loss.item()
-        stats.slots += st["slots"]
-        stats.oov += st["oov"]
-        stats.pos1 += st["pos1"]
-        stats.pos1_correct += st["pos1_correct"]
-        stats.correct += st["correct"]
-        stats.selector_slots += st.get("selector_slots", 0)
-        stats.selector_correct += st.get("selector_correct", 0)
-        stats.blocks += int(batch.valid.sum())
+        for key, value in {**st, "loss": loss.item(), "blocks": int(batch.valid.sum())}.items():
+            setattr(stats, key, getattr(stats, key) + value)
         stats.tokens += int(batch.lengths.sum())
     return stats
 
@@ -437,7 +419,7 @@ def grad_sync(r: Run, last: bool):
 
 
 def autocast(r: Run):
-    """bf16 compute where autocast_dtype chose it; master weights and the loss stay float32."""
+    """bf16 compute where pick_dtype chose it; master weights and the loss stay float32."""
     if r.compute_dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(r.d.device.type, dtype=r.compute_dtype)

@@ -147,7 +147,6 @@ def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidd
                                                selector.top_k if selector is not None else 0)
     first = slot == 1
     stats = {
-        "weight": float(w.sum()),
         "slots": int(flat.sum()),
         "oov": int((idx < 0).sum()),
         "pos1": int(first.sum()),
