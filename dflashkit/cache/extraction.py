@@ -325,19 +325,12 @@ def _finish(out: Path, manifest: dict, parts: list[list], num_prompts: int, worl
 
 def _settings(target, suite, layer_ids, max_new_tokens, backend, enable_thinking, completions_from) -> dict:
     """What a rerun into the same folder must match (batch size and world size may change)."""
-    return {
-        "target_config_hash": target.identity()["config_hash"],
-        "target_weights_hash": target.identity()["weights_hash"],
-        "layer_ids": list(layer_ids),
-        "dtype": str(target.dtype).removeprefix("torch."),
-        "device": target.device.type,
-        "attention": getattr(target.model.config, "_attn_implementation", None),
-        "linear_attention": backend,
-        "max_new_tokens": int(max_new_tokens),
-        "enable_thinking": bool(enable_thinking),
-        "suite_content_hash": suite.content_hash,
-        "completions_from": completions_from,
-    }
+    ident = target.identity()
+    return {"target_config_hash": ident["config_hash"], "target_weights_hash": ident["weights_hash"],
+            "layer_ids": list(layer_ids), "dtype": str(target.dtype).removeprefix("torch."), "device": target.device.type,
+            "attention": getattr(target.model.config, "_attn_implementation", None), "linear_attention": backend,
+            "max_new_tokens": int(max_new_tokens), "enable_thinking": bool(enable_thinking),
+            "suite_content_hash": suite.content_hash, "completions_from": completions_from}
 
 
 def _check_settings(out: Path, manifest: dict, settings: dict) -> None:
@@ -355,17 +348,10 @@ def _manifest(target, suite, settings: dict, requested_backend: str, batch_size:
     prompt_ids = suite.ids()
     template = target.tokenizer.chat_template or ""
     return {
-        "format": FORMAT,
-        "status": "in-progress",
-        "tool_version": __version__,
-        "created": _now(),
-        "finished": None,
-        "target": target.identity(),
-        "layer_ids": settings["layer_ids"],
+        "format": FORMAT, "status": "in-progress", "tool_version": __version__, "created": _now(), "finished": None,
+        "target": target.identity(), "layer_ids": settings["layer_ids"],
         "features": dict(store.FEATURES),  # which tensor each layer_{l} is: decoder layer l's output, no final norm
-        "dtype": settings["dtype"],
-        "feature_dtype": settings["dtype"],
-        "device": str(target.device),
+        "dtype": settings["dtype"], "feature_dtype": settings["dtype"], "device": str(target.device),
         "attention": settings["attention"],
         "linear_attention": {"requested": requested_backend, "backend": settings["linear_attention"]},
         "generation": {
@@ -378,10 +364,7 @@ def _manifest(target, suite, settings: dict, requested_backend: str, batch_size:
         "suite": {"name": suite.name, "content_hash": suite.content_hash, "num_prompts": len(prompt_ids),
                   "prompt_ids": prompt_ids},
         "layout": {"sharded": len(prompt_ids) > store.SHARD_THRESHOLD, "shard_size": SHARD_SIZE},
-        "world_size": world,
-        "settings": settings,
-        "prompts": [],
-        "totals": {},
+        "world_size": world, "settings": settings, "prompts": [], "totals": {},
     }
 
 

@@ -23,18 +23,10 @@ FORMATS = ("zlab", "dflashkit")
 
 def contract(drafter: DFlashDrafter, target_identity: dict | None = None, **extra) -> dict:
     c = drafter.config
-    out = {
-        "format": "dflashkit-drafter/1",
-        "target_layer_ids": list(c.target_layer_ids),
-        "block_size": c.block_size,
-        "mask_token_id": c.mask_token_id,
-        "block_slot0": "seed",  # slot 0 = the last accepted token, slots 1..B-1 = mask (docs/design.md section 14)
-        "hidden_size": c.hidden_size,
-        "num_target_layers": c.num_target_layers,
-        "target": target_identity,
-    }
-    out.update(extra)
-    return out
+    return {"format": "dflashkit-drafter/1", "target_layer_ids": list(c.target_layer_ids), "block_size": c.block_size,
+            "mask_token_id": c.mask_token_id,
+            "block_slot0": "seed",  # slot 0 = the last accepted token, slots 1..B-1 = mask (docs/design.md section 14)
+            "hidden_size": c.hidden_size, "num_target_layers": c.num_target_layers, "target": target_identity, **extra}
 
 
 def save_drafter(drafter: DFlashDrafter, path, format: str = "dflashkit", target_identity: dict | None = None,

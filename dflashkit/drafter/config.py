@@ -105,31 +105,17 @@ class DrafterConfig:
         if self.arch == "dflash2":
             dflash.update({key: getattr(self, key) for key in sorted(DFLASH2_KEYS)})
         out = {
-            "architectures": [ARCH_CLASS[self.arch]],
-            "auto_map": {"AutoModel": f"dflash.{ARCH_CLASS[self.arch]}"},
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "layer_types": self.layer_types,
+            "architectures": [ARCH_CLASS[self.arch]], "auto_map": {"AutoModel": f"dflash.{ARCH_CLASS[self.arch]}"},
+            "model_type": "qwen3", "hidden_size": self.hidden_size, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings, "layer_types": self.layer_types,
             "sliding_window": self.sliding_window,
             "use_sliding_window": "sliding_attention" in self.layer_types and self.sliding_window is not None,
-            "tie_word_embeddings": False,
-            "vocab_size": self.vocab_size,
-            "num_target_layers": self.num_target_layers,
-            "block_size": self.block_size,
-            "dflash_config": dflash,
-            "dtype": "bfloat16",
+            "tie_word_embeddings": False, "vocab_size": self.vocab_size, "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size, "dflash_config": dflash, "dtype": "bfloat16",
         }
         if self.is_causal is not None:  # the reference reads it from the top level only
             out["is_causal"] = self.is_causal
@@ -191,20 +177,14 @@ class DrafterConfig:
         rope = getattr(tc, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
         conf = dict(
-            hidden_size=target.hidden_size,
-            num_attention_heads=heads,
+            hidden_size=target.hidden_size, num_attention_heads=heads,
             num_key_value_heads=getattr(tc, "num_key_value_heads", heads),
             head_dim=plain.get("head_dim") or target.hidden_size // heads,
             intermediate_size=plain.get("intermediate_size") or plain.get("shared_expert_intermediate_size")
             or 4 * target.hidden_size,
-            num_hidden_layers=num_layers,
-            target_layer_ids=list(ids),
-            num_target_layers=target.num_layers,
-            mask_token_id=target.mask_token_id,
-            vocab_size=target.vocab_size,
-            block_size=block_size,
-            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            num_hidden_layers=num_layers, target_layer_ids=list(ids), num_target_layers=target.num_layers,
+            mask_token_id=target.mask_token_id, vocab_size=target.vocab_size, block_size=block_size,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
         )
         conf.update(overrides)

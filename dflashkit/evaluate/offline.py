@@ -116,15 +116,9 @@ def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None
             out_trees[spec] = selector_curve[k]
         else:
             out_trees[spec] = int(width_streak(logits, label_index, k))
-    return {
-        "n_labels": n_labels,
-        "streak": int(hit.long().cumprod(0).sum()),
-        "matches": hit[:n_labels].int().tolist(),
-        "trees": out_trees,
-        "expected": out_expected,
-        "curve": {str(b): curve[b] for b in CURVE_BUDGETS},
-        "curve_expected": {str(b): expected[b] for b in CURVE_BUDGETS},
-    }
+    return {"n_labels": n_labels, "streak": int(hit.long().cumprod(0).sum()), "matches": hit[:n_labels].int().tolist(),
+            "trees": out_trees, "expected": out_expected, "curve": {str(b): curve[b] for b in CURVE_BUDGETS},
+            "curve_expected": {str(b): expected[b] for b in CURVE_BUDGETS}}
 
 
 def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int, trees: list[str],
@@ -261,20 +255,13 @@ def aggregate(blocks: list[dict], block_size: int, trees) -> dict:
         cond.append(_mean(b["matches"][k - 1] for b in have if b["streak"] >= k - 1))
     counts = [sum(1 for b in blocks if b["streak"] == s) for s in range(L + 1)]
     streak = _mean(b["streak"] for b in blocks)
-    return {
-        "blocks": n,
-        "streak": streak,
-        "tau": None if streak is None else streak + 1,
-        "pos1_acc": cum[0] if L else None,
-        **{t: _mean(b["trees"][t] for b in blocks) for t in trees},
-        "expected": {t: _mean(b["expected"][t] for b in blocks) for t in trees if t.startswith("budget:")},
-        "acc_cumulative": cum,
-        "acc_conditional": cond,
-        "histogram": [c / n for c in counts] if n else [],
-        "histogram_counts": counts,
-        "budget_curve": {str(b): _mean(x["curve"][str(b)] for x in blocks) for b in CURVE_BUDGETS},
-        "budget_curve_expected": {str(b): _mean(x["curve_expected"][str(b)] for x in blocks) for b in CURVE_BUDGETS},
-    }
+    return {"blocks": n, "streak": streak, "tau": None if streak is None else streak + 1,
+            "pos1_acc": cum[0] if L else None, **{t: _mean(b["trees"][t] for b in blocks) for t in trees},
+            "expected": {t: _mean(b["expected"][t] for b in blocks) for t in trees if t.startswith("budget:")},
+            "acc_cumulative": cum, "acc_conditional": cond, "histogram": [c / n for c in counts] if n else [],
+            "histogram_counts": counts,
+            "budget_curve": {str(b): _mean(x["curve"][str(b)] for x in blocks) for b in CURVE_BUDGETS},
+            "budget_curve_expected": {str(b): _mean(x["curve_expected"][str(b)] for x in blocks) for b in CURVE_BUDGETS}}
 
 
 # ---- a cache ------------------------------------------------------------------------------------------------
@@ -325,16 +312,10 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     per_category = {c: {**aggregate([b for b in blocks if category[b["prompt"]] == c], B, trees),
                         "prompts": sum(v == c for v in category.values())}
                     for c in dict.fromkeys(category.values()) if c is not None}
-    settings = {
-        "anchors": anchors,
-        "block_size": B,
-        "max_blocks": max_blocks,
-        "trees": trees,
-        "curve_budgets": list(CURVE_BUDGETS),
-        "mask_token_id": cfg.mask_token_id,
-        "target_layer_ids": list(cfg.target_layer_ids),
-        "draft_vocab": head.size if head.vocab_ids is not None else None,
-    }
+    settings = {"anchors": anchors, "block_size": B, "max_blocks": max_blocks, "trees": trees,
+                "curve_budgets": list(CURVE_BUDGETS), "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": list(cfg.target_layer_ids),
+                "draft_vocab": head.size if head.vocab_ids is not None else None}
     return {"settings": settings, "cache": cache_info(cache), "shortfall": cache.shortfall, "overall": overall,
             "per_category": per_category, "per_prompt": per_prompt, "blocks": blocks}
 

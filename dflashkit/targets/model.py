@@ -142,17 +142,9 @@ class Target:
         cfg = json.loads((self.path / "config.json").read_text())
         if self._weights_hash is None:
             self._weights_hash = weights_hash(self.path) or state_dict_hash(self.model)
-        return {
-            "name": self.name,
-            "path": str(self.path.resolve()),
-            "weights_hash": self._weights_hash,
-            "config_hash": sha256_json(cfg)[:16],
-            "architecture": self.architecture,
-            "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "vocab_size": self.vocab_size,
-            "mask_token_id": self.mask_token_id,
-        }
+        return {"name": self.name, "path": str(self.path.resolve()), "weights_hash": self._weights_hash,
+                "config_hash": sha256_json(cfg)[:16], "architecture": self.architecture, "num_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "mask_token_id": self.mask_token_id}
 
     def default_layer_ids(self, num_features: int) -> list[int]:
         return default_layer_ids(self.num_layers, num_features)

@@ -29,16 +29,9 @@ STATE_FILE = "train_state.pt"
 def resume_contract(drafter, loss: str, draft_vocab_setting, gamma: float, target_identity: dict) -> dict:
     """What a resumed run must share with the one it continues (a change would silently train another model)."""
     c = drafter.config
-    return {
-        "target_layer_ids": list(c.target_layer_ids),
-        "block_size": c.block_size,
-        "mask_token_id": c.mask_token_id,
-        "gamma": gamma,
-        "loss": loss,
-        "draft_vocab_setting": draft_vocab_setting,
-        "num_layers": c.num_hidden_layers,
-        "target": {k: v for k, v in target_identity.items() if k != "path"},
-    }
+    return {"target_layer_ids": list(c.target_layer_ids), "block_size": c.block_size, "mask_token_id": c.mask_token_id,
+            "gamma": gamma, "loss": loss, "draft_vocab_setting": draft_vocab_setting, "num_layers": c.num_hidden_layers,
+            "target": {k: v for k, v in target_identity.items() if k != "path"}}
 
 
 def check_resume_contract(saved: dict, now: dict, where) -> None:

@@ -146,13 +146,8 @@ def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidd
     loss, correct, top = ChunkedHeadLoss.apply(h, head.weight, idx, w / norm, target, chunk, kind, head.scaling,
                                                selector.top_k if selector is not None else 0)
     first = slot == 1
-    stats = {
-        "slots": int(flat.sum()),
-        "oov": int((idx < 0).sum()),
-        "pos1": int(first.sum()),
-        "pos1_correct": int(correct[first].sum()),
-        "correct": int(correct.sum()),
-    }
+    stats = {"slots": int(flat.sum()), "oov": int((idx < 0).sum()), "pos1": int(first.sum()),
+             "pos1_correct": int(correct[first].sum()), "correct": int(correct.sum())}
     if selector is not None:
         sel, picked = selector_loss(selector, head, h, top, idx, pred.reshape(-1)[flat], w / norm)
         loss = loss + alpha * sel
