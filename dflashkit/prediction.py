@@ -64,14 +64,6 @@ def models_for(names: list[str], target, proposer, force: bool = False, log=None
     return [cost_model(e, target, proposer, state, force=force, log=log) for e in dict.fromkeys(concrete)]
 
 
-def _load(args):
-    """The target in the dtype decoding runs it, and the proposer of the drafter if one is named."""
-    from dflashkit.targets.model import load_target
-
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
-    return target, proposer_of(target, args.drafter)
-
-
 def proposer_of(target, drafter_ref):
     from dflashkit.decode.speculative import DFlashProposer
 
@@ -85,9 +77,11 @@ def proposer_of(target, drafter_ref):
 def cmd_cost(args) -> int:
     from dflashkit.decode.costmodel import cost_markdown, cost_plot
     from dflashkit.fileio import write_json, write_text
+    from dflashkit.targets.model import load_target
 
     names = engines_of(args.engine)  # a wrong name fails before the target loads
-    target, proposer = _load(args)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)  # in the dtype decoding runs it
+    proposer = proposer_of(target, args.drafter)
     log = lambda m: print(m, file=sys.stderr)
     models = models_for(names, target, proposer, force=args.force, log=log)
     out = Path(args.out)

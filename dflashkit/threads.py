@@ -96,14 +96,6 @@ def busy_cores(sample_s: float = 0.2) -> int:
     return round(len(cpus) * (b1 - b0) / (t1 - t0))
 
 
-def local_processes() -> int:
-    """Processes sharing this machine under torchrun (1 otherwise)."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
 def under_torchrun() -> bool:
     return "LOCAL_WORLD_SIZE" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
@@ -112,7 +104,8 @@ def default_threads() -> int:
     """Under torchrun: physical cores // processes on this machine (torchrun itself sets OMP_NUM_THREADS=1, so
     that variable is ignored there). Otherwise OMP_NUM_THREADS when set, else the physical cores."""
     if under_torchrun():
-        return max(1, physical_cores() // local_processes())
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()  # processes sharing this machine
+        return max(1, physical_cores() // max(1, int(local) if local.isdigit() else 1))
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)

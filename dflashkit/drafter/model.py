@@ -35,10 +35,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_init(cfg: DrafterConfig) -> dict:
-    """RoPE as transformers builds it for this config: {"inv_freq", "attention_scaling", "long_inv_freq",
-    "original_max"}. yarn and longrope scale cos/sin by `attention_scaling` (1.0 for the other types);
-    longrope switches to `long_inv_freq` when a forward reaches past `original_max` positions, as transformers'
-    rotary embedding does. "dynamic" RoPE (recomputed from the running length) is refused."""
+    """RoPE as transformers builds it for this config: {"inv_freq", "attention_scaling" (yarn, longrope),
+    "long_inv_freq", "original_max" (longrope, past which it switches)}. "dynamic" RoPE is refused."""
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     out = {"attention_scaling": 1.0, "long_inv_freq": None, "original_max": None}
@@ -90,9 +88,8 @@ SLOT0 = ("seed", "mask")  # what slot 0 of a block holds: "seed" (the last accep
 
 
 def block_ids(anchor_ids, block_size: int, mask_id: int, slot0: str = "seed") -> torch.Tensor:
-    """[..., B] block inputs for anchor tokens [...]: slot 0 the anchor (the last token the target accepted and
-    has not run yet), slots 1..B-1 the mask id. Training, evaluation and decoding all build blocks here.
-    slot0="mask" is the failure engines have shipped (mask in slot 0 too): it runs, at a fraction of the tau."""
+    """[..., B] block inputs for anchor tokens [...]: slot 0 the anchor, slots 1..B-1 the mask id; training,
+    evaluation and decoding all build blocks here. slot0="mask" is the failure engines have shipped."""
     if slot0 not in SLOT0:
         raise DFlashError(f"slot0={slot0!r} is not one of: {', '.join(SLOT0)}")
     anchor_ids = torch.as_tensor(anchor_ids)
@@ -103,13 +100,9 @@ def block_ids(anchor_ids, block_size: int, mask_id: int, slot0: str = "seed") ->
 
 
 class ContextKV:
-    """The drafter's keys/values of the target context it has seen: post-RoPE, per layer.
-
-    It exists so that online decoding (and the offline walk) projects each committed position's target
-    features through fc and k/v once, not again every round: each call passes only the newly committed
-    features and attends to these plus its own block. Block keys never enter it, so nothing needs cropping
-    after a draft. Not the target's KV cache (the
-    decode loops call that the target KV) and not the hidden-state cache folder of `dflashkit extract`."""
+    """The drafter's post-RoPE keys/values of the target context it has seen, per layer, so that online decoding
+    (and the offline walk) projects each committed position once: a call passes only the new features. Block keys
+    never enter it, so nothing needs cropping after a draft. Not the target's KV, not a hidden-state cache folder."""
 
     def __init__(self, num_layers: int):
         self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
@@ -375,8 +368,7 @@ class DFlashDrafter(nn.Module):
         return ContextKV(len(self.layers))
 
     def _rope(self, positions, seq_len: int | None = None):
-        """cos/sin of absolute positions, times the rope type's attention scaling (as transformers applies it);
-        longrope uses its long frequencies when the forward reaches past the original context (seq_len)."""
+        """cos/sin of absolute positions, scaled; longrope's long frequencies past the original context (seq_len)."""
         inv_freq = self.inv_freq
         if self.long_inv_freq is not None:
             n = seq_len if seq_len is not None else int(positions.max()) + 1
@@ -387,9 +379,7 @@ class DFlashDrafter(nn.Module):
         return (emb.cos() * self.rope_scaling_factor).to(dtype), (emb.sin() * self.rope_scaling_factor).to(dtype)
 
     def _layer_masks(self, mask, q_pos, k_pos) -> list:  # k_pos: a callable, only a restricted layer needs keys
-        """Each layer's mask: `mask` (who may see whom) narrowed by the layer's causality and sliding window,
-        both by absolute position (docs/design.md section 2): causal keeps keys at or before the query,
-        a window keeps keys less than `window` positions before it (and after it, when non-causal)."""
+        """Each layer's mask: `mask` narrowed by the layer's causality and window (position_mask)."""
         kinds = [self.config.attention_kind(i) for i in range(len(self.layers))]
         masks = {}
         for kind in set(kinds):
@@ -404,11 +394,9 @@ class DFlashDrafter(nn.Module):
         return [masks[k] for k in kinds]
 
     def run(self, target_hidden, block_embeds, ctx_positions, q_positions, mask=None, context_kv=None, segment=None):
-        """Core forward. target_hidden [b, T, K*H] (new context only when context_kv holds the rest);
-        block_embeds [b, Q, H] embeddings of the block(s): the anchor token then B-1 mask tokens;
+        """target_hidden [b, T, K*H] (new context only when context_kv holds the rest); block_embeds [b, Q, H];
         ctx_positions [b, T]; q_positions [b, Q]; mask [b, 1, Q, T_total + Q] bool (True = may attend) or None
-        for full visibility; segment: rows per block for DFlash2's convolutions (default: all Q rows are one
-        block). Returns final-normed block states [b, Q, H]."""
+        (all visible); segment: rows per block for DFlash2's convolutions (default Q). -> final-normed [b, Q, H]."""
         ctx = self.hidden_norm(self.fc(target_hidden))
         n = int(q_positions.max()) + 1 if self.long_inv_freq is not None else None  # one frequency set per forward
         cos_c, sin_c = self._rope(ctx_positions, n)
@@ -434,27 +422,18 @@ class DFlashDrafter(nn.Module):
     def forward(self, target_hidden, noise_embedding, position_ids, past_key_values=None, use_cache=False):
         """z-lab's call, keywords included (their decoding loop calls our drafter by these names).
 
-        noise_embedding: z-lab's name for block_embeds [b, B, H]. position_ids [b, T + B] cover the new context
-        positions then the block. past_key_values: a ContextKV (from new_context_kv()) holding the context seen
-        so far; target_hidden then carries only the new positions. use_cache is z-lab's flag and changes
-        nothing here: a given past_key_values is always used, and none means no context KV."""
+        noise_embedding: block_embeds [b, B, H]; position_ids [b, T + B]: the new context positions, then the
+        block; past_key_values: a ContextKV holding the context seen so far. use_cache changes nothing here."""
         t = target_hidden.shape[1]
         return self.run(target_hidden, noise_embedding, position_ids[:, :t], position_ids[:, t:], None, past_key_values)
 
     def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None, attention="auto"):
-        """Many blocks of one sequence in one call (training and offline evaluation).
+        """Many blocks of one sequence in one call (training and offline evaluation), under build_block_mask.
 
-        target_hidden [b, T, K*H] features of positions 0..T-1; block_embeds [b, n*B, H] with block j at
-        rows j*B..j*B+B-1 = [anchor_j, MASK...]; anchors [b, n] absolute anchor positions; valid [b, n] bool.
-        Block j sees context positions strictly before its anchor, its own block bidirectionally, nothing
-        else; a padding block (valid False) sees only its own slots, so no row is ever empty (an empty row is
-        NaN in some kernels, forward or backward). Returns [b, n*B, H].
-
-        attention: how the block-sparse pattern is computed (all give the same result, see build_block_mask):
-        dense (the whole [n*B, T+n*B] mask: the reference), chunked (blocks sorted by anchor, CHUNK_BLOCKS at a
-        time, each chunk over the context up to its last anchor: ~1/6 of the dense work at 512 anchors x 3K
-        tokens, memory bounded by the chunk), flex (FlexAttention with a BlockMask: CUDA; no backward on CPU),
-        auto (flex on CUDA, chunked elsewhere)."""
+        target_hidden [b, T, K*H] features of positions 0..T-1; block_embeds [b, n*B, H], block j at rows
+        j*B..j*B+B-1; anchors [b, n] absolute positions; valid [b, n] bool. Returns [b, n*B, H].
+        attention (all compute the same): dense (the whole mask: the reference), chunked (ChunkedBlocks), flex
+        (FlexBlocks: CUDA; no backward on CPU), auto (flex on CUDA, chunked elsewhere)."""
         b, T, _ = target_hidden.shape
         B = self.config.block_size
         n = anchors.shape[1]
@@ -487,8 +466,7 @@ class DFlashDrafter(nn.Module):
 def build_block_mask(anchors, ctx_len: int, block_size: int, valid=None) -> torch.Tensor:
     """[b, 1, n*B, T + n*B] bool (True = may attend): context < anchor (strict: the anchor's own state does not
     exist yet at inference), own block bidirectional, nothing across blocks; a padding block's rows see only
-    their own slot (a row that sees nothing is NaN in some kernels). The one definition of who sees what: the
-    dense path uses it whole, the chunked path per chunk, and the flex path's mask_mod is tested against it."""
+    their own slot (a row that sees nothing is NaN in some kernels). The one definition of who sees what."""
     b, n = anchors.shape
     dev = anchors.device
     B = block_size

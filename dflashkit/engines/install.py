@@ -218,8 +218,7 @@ def install_vllm(cuda: bool | None = None) -> Vllm:
         _run([e.python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
              "removing torchvision/torchaudio/torchcodec")
     _run([e.python, "-c", "import vllm"], "importing vllm in its venv")
-    write_json(e.stamp, {**recipe, "seconds": round(time.perf_counter() - t0),
-                         "bytes": _size(e.venv)})
+    write_json(e.stamp, {**recipe, "seconds": round(time.perf_counter() - t0), "bytes": _size(e.venv)})
     _step(f"{package} installed in {time.perf_counter() - t0:.0f} s")
     return e
 
