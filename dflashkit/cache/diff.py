@@ -39,10 +39,8 @@ def layer_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
 def _merge(acc: dict | None, s: dict) -> dict:
     if acc is None:
         return dict(s)
-    out = {k: acc[k] + s[k] for k in ("cos_sum", "abs_sum", "sq_diff", "sq_a", "tokens", "elements")}
-    out["cos_min"] = min(acc["cos_min"], s["cos_min"])
-    out["abs_max"] = max(acc["abs_max"], s["abs_max"])
-    return out
+    return {**{k: acc[k] + s[k] for k in ("cos_sum", "abs_sum", "sq_diff", "sq_a", "tokens", "elements")},
+            "cos_min": min(acc["cos_min"], s["cos_min"]), "abs_max": max(acc["abs_max"], s["abs_max"])}
 
 
 def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -> dict:
@@ -102,10 +100,8 @@ def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -
 def format_diff(r: dict) -> str:
     """Markdown report of diff_caches' result."""
     lines = [f"# cache diff: {r['a']} vs {r['b']}", ""]
-    if r["settings_differ"]:
-        lines.append("settings that differ: " + "; ".join(f"{k} {va!r} vs {vb!r}" for k, (va, vb) in r["settings_differ"].items()))
-    else:
-        lines.append("settings that differ: none recorded")
+    differ = "; ".join(f"{k} {va!r} vs {vb!r}" for k, (va, vb) in r["settings_differ"].items())
+    lines.append(f"settings that differ: {differ or 'none recorded'}")
     ntok = next(iter(r["layers"].values()))["tokens"]
     lines.append(f"compared {len(r['compared'])} prompts, {ntok} tokens per layer")
     for label, ids in (("skipped", r["skipped"]), ("only in A", r["only_in_a"]), ("only in B", r["only_in_b"])):
@@ -121,7 +117,6 @@ def format_diff(r: dict) -> str:
     lines.append(markdown_table(["layer", "cos mean", "cos min", "mean |a-b|", "max |a-b|", "rel err"], rows))
     lines.append("rel err = ||A - B|| / ||A|| over all compared tokens; cosine per token.")
     if r["min_cosine"] is not None:
-        verdict = (f"FAIL: layers {r['below']} have a token with cosine below {r['min_cosine']}" if r["below"]
-                   else f"PASS: every token's cosine >= {r['min_cosine']} on every layer")
-        lines.append(verdict)
+        lines.append(f"FAIL: layers {r['below']} have a token with cosine below {r['min_cosine']}" if r["below"]
+                     else f"PASS: every token's cosine >= {r['min_cosine']} on every layer")
     return "\n".join(lines) + "\n"

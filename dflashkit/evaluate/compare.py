@@ -33,7 +33,8 @@ def load_run(path) -> dict:
     return r
 
 
-def _names(paths) -> list[str]:
+def run_names(paths) -> list[str]:
+    """Each run's folder name, numbered where two are alike."""
     names = [Path(p).resolve().name for p in paths]
     if len(set(names)) < len(names):
         names = [f"{i + 1}:{n}" for i, n in enumerate(names)]
@@ -81,7 +82,7 @@ def compare_runs(run_dirs, out=None, force: bool = False) -> dict:
     if all(holds_requests(p) for p in run_dirs):  # bench folders or generate outputs: per-request records
         return compare_requests(run_dirs, out)
     runs = [load_run(p) for p in run_dirs]
-    names = _names(run_dirs)
+    names = run_names(run_dirs)
     diffs = differences(runs, names)
     if diffs and not force:
         raise DFlashError("runs are not comparable (" + "; ".join(diffs) + "): offline numbers only compare on the same "
@@ -121,7 +122,11 @@ def _markdown(res: dict, runs: list[dict], run_dirs, names: list[str]) -> str:
     from dflashkit.report import markdown_table
 
     ref, others, label = names[0], names[1:], _labels(res["trees"])
-    overall, ratios, deltas, expected = res["overall"], res["ratios"], res["differences_vs_reference"], res["expected"]
+    overall, ratios, expected = res["overall"], res["ratios"], res["expected"]
+
+    def row(first, v: dict) -> list:  # the runs' values, then each one's difference and ratio to the reference
+        return [first] + [v[n] for n in names] + [x for n in others for x in (_diff(v[n], v[ref]), _ratio(v[n], v[ref]))]
+
     md = ["# Drafter comparison", ""]
     if res["differences"]:
         md += [f"**NOT COMPARABLE (compared with --force)**: the runs differ in {'; '.join(res['differences'])}.", ""]
@@ -134,29 +139,20 @@ def _markdown(res: dict, runs: list[dict], run_dirs, names: list[str]) -> str:
     heads = ["metric"] + names + [h for n in others for h in (f"{n} - {ref}", f"{n} / {ref}")]
     rows = []
     for m in res["metrics"]:
-        rows.append([label[m]] + [overall[m][n] for n in names] + [x for n in others for x in (deltas[m][n], ratios[m][n])])
+        rows.append(row(label[m], overall[m]))
         if m in expected:
-            e = expected[m]
-            rows.append([f"{label[m]} expected"] + [e[n] for n in names]
-                        + [x for n in others for x in (_diff(e[n], e[ref]), _ratio(e[n], e[ref]))])
+            rows.append(row(f"{label[m]} expected", expected[m]))
     md.append(markdown_table(heads, rows))
     md += [f"{label[m]}: {n} / {ref} = {ratios[m][n]:.2f}" for m in res["metrics"] for n in others
            if ratios[m][n] is not None]
     for m, by_cat in res["per_category"].items():
         md += ["", f"## Per category: {label[m]}", ""]
-        rows = [[c] + [v[n] for n in names] + [x for n in others for x in (_diff(v[n], v[ref]), _ratio(v[n], v[ref]))]
-                for c, v in by_cat.items()]
-        md.append(markdown_table(["category"] + heads[1:], rows))
+        md.append(markdown_table(["category"] + heads[1:], [row(c, v) for c, v in by_cat.items()]))
     if res["per_category"]:
         md += ["![tau per category](categories.png)"]
     for m in ["streak"] + res["trees"]:
         md += ["", f"## Per prompt: {label[m]}", ""]
-        rows = []
-        for pid in res["prompts"]:
-            v = res["per_prompt"][m][pid]
-            rows.append([pid] + [v[n] for n in names]
-                        + [x for n in others for x in (_diff(v[n], v[ref]), _ratio(v[n], v[ref]))])
-        md.append(markdown_table(["prompt"] + heads[1:], rows))
+        md.append(markdown_table(["prompt"] + heads[1:], [row(pid, res["per_prompt"][m][pid]) for pid in res["prompts"]]))
     return "\n".join(md) + "\n"
 
 

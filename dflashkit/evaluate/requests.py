@@ -36,10 +36,10 @@ def _overall(recs: list[dict]) -> dict:
 def compare_requests(paths, out=None) -> dict:
     """The runs' records side by side: {"runs", "methods", "overall": {method: {run: totals}}, "lines": [per
     request: {prompt, method, run: {fields}}], "markdown", "files"}."""
+    from dflashkit.evaluate.compare import run_names
     from dflashkit.evaluate.parity import load_records
 
-    names = [Path(p).resolve().name for p in paths]
-    names = names if len(set(names)) == len(names) else [f"{i + 1}:{n}" for i, n in enumerate(names)]
+    names = run_names(paths)
     runs = {n: load_records(p) for n, p in zip(names, paths)}
     methods = list(dict.fromkeys(r["method"] for recs in runs.values() for r in recs))
     overall = {m: {n: _overall([r for r in recs if r["method"] == m]) for n, recs in runs.items()

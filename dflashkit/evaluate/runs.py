@@ -119,23 +119,18 @@ def summary_markdown(result: dict, header: list[str], plots: bool = True) -> str
 def write_plots(out_dir, results: dict[str, dict]) -> list[str]:
     """Per-position acceptance, streak histogram and DDTree budget curve; one series per named result."""
     out = Path(out_dir)
-    acc = {}
+    acc, curve = {}, {}
     for name, r in results.items():
-        o = r["overall"]
+        o, sfx = r["overall"], f" {name}" if len(results) > 1 else ""
         k = list(range(1, len(o["acc_cumulative"]) + 1))
-        sfx = f" {name}" if len(results) > 1 else ""
         acc[f"cumulative{sfx}"] = (k, [v or 0.0 for v in o["acc_cumulative"]])
         acc[f"conditional{sfx}"] = (k, [v or 0.0 for v in o["acc_conditional"]])
+        b = [int(x) for x in o["budget_curve"]]
+        curve[f"measured{sfx}"] = (b, list(o["budget_curve"].values()))
+        curve[f"drafter-expected{sfx}"] = (b, list(o["budget_curve_expected"].values()))
     line_plot(out / "acceptance.png", acc, "Per-position acceptance", "draft position k", "accuracy", ylim=(0, 1.02))
     hist_plot(out / "streak_hist.png", {n: r["overall"]["histogram"] for n, r in results.items()},
               "Streak histogram (leading accepted drafts)", "streak")
-    curve = {}
-    for name, r in results.items():
-        o = r["overall"]
-        b = [int(x) for x in o["budget_curve"]]
-        sfx = f" {name}" if len(results) > 1 else ""
-        curve[f"measured{sfx}"] = (b, list(o["budget_curve"].values()))
-        curve[f"drafter-expected{sfx}"] = (b, list(o["budget_curve_expected"].values()))
     line_plot(out / "budget_curve.png", curve, "DDTree budget curve", "node budget", "mean accepted depth")
     files = ["acceptance.png", "streak_hist.png", "budget_curve.png"]
     if all(r.get("per_category") for r in results.values()):

@@ -8,6 +8,8 @@ divergence. `dflashkit parity` and bench (each method against its plain baseline
 
 from __future__ import annotations
 
+from collections import Counter
+
 EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}  # torch.finfo(dtype).eps
 CONTEXT = 8  # tokens shown on each side of a divergence
 
@@ -21,9 +23,9 @@ def rounding_tolerance(dtype: str | None, logit: float) -> float:
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first new-token index where a and b differ (the shorter one's length when one is a prefix of the
     other); None when equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    from dflashkit.tree import common_prefix
+
+    return None if a == b else common_prefix(a, b)
 
 
 def margin_at(records: tuple[dict, dict], i: int) -> dict | None:
@@ -92,9 +94,7 @@ def parity(a: list[dict], b: list[dict], decode=None) -> dict:
     by_b = {r["prompt"]: r for r in b}
     rows = [compare_pair(r, by_b[r["prompt"]], decode) for r in a if r["prompt"] in by_b]
     parted = [x for x in rows if not x["equal"]]
-    verdicts: dict[str, int] = {}
-    for x in rows:
-        verdicts[x["verdict"]] = verdicts.get(x["verdict"], 0) + 1
+    verdicts = dict(Counter(x["verdict"] for x in rows))
     return {"prompts": len(rows), "equal": len(rows) - len(parted), "diverged": len(parted),
             "first": min(parted, key=lambda x: x["index"]) if parted else None, "verdicts": verdicts,
             "per_prompt": rows}
