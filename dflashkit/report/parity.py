@@ -23,9 +23,9 @@ def rounding_tolerance(dtype: str | None, logit: float) -> float:
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first new-token index where a and b differ (the shorter one's length when one is a prefix of the
     other); None when equal."""
-    from dflashkit.tree import common_prefix
-
-    return None if a == b else common_prefix(a, b)
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def margin_at(records: tuple[dict, dict], i: int) -> dict | None:
