@@ -1,80 +1,97 @@
-"""The demo's plan (demo/plan.py): training time, then data, shrink until the estimates fit the budget."""
+"""The demo's sizing (demo/plan.py): stage estimates scale the measured step costs, a tight budget shrinks training
+minutes faster than prompts, and training gets what the data stages left once they have run."""
 
 import json
 
 import pytest
 
 from dflashkit.demo import DemoConfig
-from dflashkit.demo.plan import (MARGIN, MIN_MINUTES, MIN_PROMPTS, fit, load_plan, make_plan, refit, save_plan,
-                                 settings_key)
+from dflashkit.demo.plan import (BENCH_START_S, BENCH_TOKEN, EVAL_TOKEN, MARGIN, MIN_MINUTES, MIN_PROMPTS,
+                                 TRAIN_OVERHEAD_S, estimates, refit, size, timed)
+
+RATES = {"row_s": 0.004, "token_s": 0.05, "spent_s": 30.0}
+WORK = {"batch": 96, "train_tokens": 192, "eval_prompts": 10, "eval_tokens": 256, "bench_tokens": 20_000}
 
 
-def estimate(prompts: int, minutes: float) -> dict[str, float]:
-    """2 s per prompt of data, the training minutes, and 600 s of fixed stages."""
-    return {"data": 2.0 * prompts, "train": 60 * minutes, "bench": 600.0}
+def total_s(prompts, minutes, rates=RATES):
+    return rates["spent_s"] + sum(estimates(rates, WORK, prompts, minutes).values())
 
 
-def total(prompts, minutes, spent=50.0):
-    return spent + sum(estimate(prompts, minutes).values())
+def test_estimates_scale_each_stages_work_by_the_measured_step():
+    est = estimates(RATES, WORK, 360, 15)
+    assert est["data"] == pytest.approx(360 * 192 * 0.004)  # batches of 96: the rows timed
+    assert est["cache"] == pytest.approx(10 * 256 * 0.004 * (96 / 10) ** 0.5)  # 10 rows cost more per row
+    assert est["train"] == 15 * 60 + TRAIN_OVERHEAD_S
+    assert est["eval"] == pytest.approx(10 * 256 * EVAL_TOKEN * 0.05)
+    assert est["bench"] == pytest.approx(BENCH_START_S + 20_000 * BENCH_TOKEN * 0.05)
+    slow = estimates({**RATES, "row_s": 0.008, "token_s": 0.1}, WORK, 360, 15)
+    assert all(slow[k] > est[k] for k in ("data", "cache", "eval", "bench")) and slow["train"] == est["train"]
 
 
 def test_a_budget_that_fits_keeps_the_sizes_asked_for():
-    assert fit(3600, 50, estimate, 360, 15) == (360, 15)
+    prompts, minutes, note = size(DemoConfig(budget_minutes=60), RATES, WORK, 360)
+    assert (prompts, minutes) == (360, 15) and total_s(360, 15) <= MARGIN * 3600
+    assert "60-minute budget: 360 of 360 training prompts, 15 of 15 training minutes" in note
 
 
-def test_a_tight_budget_shrinks_minutes_faster_than_prompts_to_the_largest_that_fits():
-    prompts, minutes = fit(1800, 50, estimate, 360, 15)
-    assert total(prompts, minutes) <= MARGIN * 1800
-    f = (minutes / 15) ** (2 / 3)  # one factor: minutes x f^1.5, prompts x f^0.5
-    assert prompts / 360 == pytest.approx(f**0.5, abs=0.01) and prompts / 360 > minutes / 15
-    g = f * 1.02
-    assert total(int(360 * g**0.5), 15 * g**1.5) > MARGIN * 1800  # not needlessly small
+def test_a_tight_budget_shrinks_minutes_faster_than_prompts_and_fits():
+    cfg = DemoConfig(budget_minutes=30)
+    assert total_s(360, 15) > MARGIN * 1800  # the sizes asked do not fit
+    prompts, minutes, note = size(cfg, RATES, WORK, 360)
+    assert MIN_PROMPTS <= prompts < 360 and MIN_MINUTES <= minutes < 15
+    assert prompts / 360 > minutes / 15  # data is cut less than training
+    assert total_s(prompts, minutes) == pytest.approx(MARGIN * 1800, abs=6)  # fits, not needlessly small
+    assert f"{prompts} of 360 training prompts, {minutes:g} of 15 training minutes" in note
+    slower = size(cfg, {**RATES, "token_s": 0.08}, WORK, 360)  # a slower machine gets less of both
+    assert slower[0] < prompts and slower[1] < minutes
 
 
-def test_minimums_hold_even_when_nothing_fits():
-    assert fit(300, 50, estimate, 360, 15) == (MIN_PROMPTS, MIN_MINUTES)
-    assert fit(300, 50, estimate, 10, 1) == (10, 1)  # never more than asked
+def test_minimums_hold_when_nothing_fits_and_no_budget_keeps_the_sizes():
+    prompts, minutes, _ = size(DemoConfig(budget_minutes=5), RATES, WORK, 360)
+    assert (prompts, minutes) == (MIN_PROMPTS, MIN_MINUTES)
+    assert size(DemoConfig(budget_minutes=5, minutes=1), RATES, WORK, 10)[:2] == (10, 1)  # never more than asked
+    prompts, minutes, note = size(DemoConfig(budget_minutes=None), RATES, WORK, 360)
+    assert (prompts, minutes) == (360, 15) and "no budget" in note
 
 
-def test_the_plan_says_what_it_cut_and_is_reused_only_for_the_same_settings(tmp_path):
-    cfg = DemoConfig(minutes=15, budget_minutes=30)
-    plan = make_plan(cfg, settings_key(cfg), 50.0, {"verify_s": 0.1}, estimate, 360)
-    assert plan.train_prompts < 360 and plan.minutes < 15
-    assert f"{plan.train_prompts} of 360 training prompts" in plan.note and "30-minute budget" in plan.note
-    assert plan.total_minutes() <= MARGIN * 30
-    over = make_plan(DemoConfig(budget_minutes=5), "k", 50.0, {}, estimate, 360)
-    assert "over the budget even at the smallest sizes" in over.note
-    unbounded = make_plan(DemoConfig(budget_minutes=None), "k", 50.0, {}, estimate, 360)
-    assert (unbounded.train_prompts, unbounded.minutes) == (360, 15) and "no budget set" in unbounded.note
-    save_plan(tmp_path / "plan.json", plan)
-    assert load_plan(tmp_path / "plan.json", settings_key(cfg)) == plan
-    assert load_plan(tmp_path / "plan.json", settings_key(DemoConfig(minutes=15, budget_minutes=31))) is None
-    assert settings_key(DemoConfig(out="a")) == settings_key(DemoConfig(out="b"))
+def test_refit_gives_training_what_the_data_stages_left():
+    cfg = DemoConfig(budget_minutes=30)
+    prompts, minutes, _ = size(cfg, RATES, WORK, 360)
+    est = estimates(RATES, WORK, prompts, minutes)
+    as_estimated = refit(cfg, RATES, est, {"data": est["data"], "cache": est["cache"]})
+    assert as_estimated == pytest.approx(minutes, abs=0.1)
+    fast = refit(cfg, RATES, est, {"data": est["data"] / 2, "cache": est["cache"]})  # data took half its estimate
+    assert fast == pytest.approx(min(15, minutes + est["data"] / 2 / 60), abs=0.1)
+    slow = refit(cfg, RATES, est, {"data": est["data"] * 3, "cache": est["cache"]})
+    assert MIN_MINUTES <= slow < minutes
+    assert refit(DemoConfig(budget_minutes=300), RATES, est, {"data": 1.0, "cache": 1.0}) == 15  # never more
+    assert refit(DemoConfig(budget_minutes=None, minutes=7), RATES, est, {"data": 1e6}) == 7
 
 
-def test_refit_gives_training_what_the_measured_data_stages_left_and_happens_once(tmp_path):
-    cfg = DemoConfig(minutes=15, budget_minutes=30)
-    plan = make_plan(cfg, settings_key(cfg), 50.0, {}, estimate, 360)
-    fast = refit(plan, 15, {"data": plan.estimates_s["data"] / 2})  # the data took half its estimate
-    saved = plan.estimates_s["data"] / 2
-    assert fast.minutes == pytest.approx(min(15, plan.minutes + saved / 60), abs=0.05) and fast.minutes > plan.minutes
-    assert fast.train_prompts == plan.train_prompts and fast.estimates_s["data"] == plan.estimates_s["data"]
-    assert 50 + saved + sum(fast.estimates_s.values()) - plan.estimates_s["data"] <= MARGIN * 30 * 60 + 1
-    assert f"training re-sized from {plan.minutes:g} to {fast.minutes:g} minutes" in fast.note
-    assert refit(fast, 15, {"data": 1.0}) is fast  # once: a resumed demo keeps the minutes it trains for
-    slow = refit(plan, 15, {"data": plan.estimates_s["data"] * 3})  # slower than probed: training shrinks
-    assert MIN_MINUTES <= slow.minutes < plan.minutes
-    roomy = make_plan(DemoConfig(minutes=15, budget_minutes=300), "k", 50.0, {}, estimate, 360)
-    assert refit(roomy, 15, {"data": 1.0}).minutes == 15  # never more than asked
-    unbounded = make_plan(DemoConfig(budget_minutes=None), "k", 50.0, {}, estimate, 360)
-    assert refit(unbounded, 15, {"data": 1.0}) is unbounded
-    save_plan(tmp_path / "plan.json", fast)
-    assert load_plan(tmp_path / "plan.json", settings_key(cfg)) == fast
+def test_the_timing_is_kept_for_the_same_settings_only(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from dflashkit.demo import plan
+
+    calls = []
+
+    def measure(*args):
+        calls.append(args)
+        return {"row_s": 0.01, "token_s": 0.1, "seconds": 5.0}
+
+    monkeypatch.setattr(plan, "measure", measure)
+    path, quiet = tmp_path / "plan.json", Console(quiet=True)
+    first = timed(DemoConfig(out="a"), path, None, [1, 2], 20.0, quiet)
+    assert first["spent_s"] == 25.0 and len(calls) == 1
+    assert timed(DemoConfig(out="b", progress=False), path, None, [1, 2], 99.0, quiet) == first  # not inputs
+    assert len(calls) == 1
+    timed(DemoConfig(minutes=7), path, None, [1, 2], 20.0, quiet)
+    assert len(calls) == 2 and json.loads(path.read_text())["key"] != first["key"]
 
 
 def test_the_refit_counts_the_whole_of_a_data_stage_that_an_interruption_split_in_two(tmp_path):
-    """The first run of the data stage wrote for 400 s and died; the resumed run finished it in moments. The refit
-    sees about 400 s, not the moments, so training does not overspend the budget."""
+    """The first run of the data stage wrote for 400 s and died; the resumed run finished it in moments. Training
+    sees about 400 s spent, not the moments, so it does not overspend the budget."""
     import os
 
     from rich.console import Console
@@ -97,12 +114,10 @@ def test_the_refit_counts_the_whole_of_a_data_stage_that_an_interruption_split_i
     with pytest.raises(KeyboardInterrupt):
         runner.run(Stage("data", {"prompts": 6}, [data], interrupted))
     runner.run(Stage("data", {"prompts": 6}, [data], resumed))
-    whole = runner.timings["data"].seconds
+    whole = runner.timings["data"]["seconds"]
     assert 400 <= whole < 460 and (data / "0.txt").is_file()  # resumed, not rebuilt
     assert json.loads((tmp_path / "stages" / "data.json").read_text())["seconds"] == whole  # a later skip keeps it
-    cfg = DemoConfig(minutes=15, budget_minutes=30)
-    plan = make_plan(cfg, settings_key(cfg), 50.0, {}, estimate, 360)
-    fitted = refit(plan, 15, {"data": whole})
-    assert fitted.refit["measured_s"] == {"data": whole}
-    assert fitted.minutes == pytest.approx(refit(plan, 15, {"data": 400.0}).minutes, abs=0.02)
-    assert fitted.minutes < refit(plan, 15, {"data": 1.0}).minutes  # what the resumed part alone would have left
+    cfg = DemoConfig(budget_minutes=30)
+    est = estimates(RATES, WORK, 200, 5)
+    assert refit(cfg, RATES, est, {"data": whole}) == pytest.approx(refit(cfg, RATES, est, {"data": 400.0}), abs=0.1)
+    assert refit(cfg, RATES, est, {"data": whole}) < refit(cfg, RATES, est, {"data": 1.0})
