@@ -20,10 +20,11 @@ import torch
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
 from dflashkit.decode.engine import resolve
-from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
-from dflashkit.decode.peers import (TAU_TOLERANCE, check_engines, check_tau, engine_tau, is_engine,
+from dflashkit.decode.methods import ENGINE_METHODS, ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
+from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, engine_tau, is_engine,
                                    plain_of, predicted_tau, EnginePeer)
-from dflashkit.decode.predict import predict_bench, predicted_markdown, predicted_plot
+from dflashkit.decode.predict import measured_decode_tps, predict_bench, predicted_markdown, predicted_plot
+from dflashkit.decode.records import kind_of
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, HfBackend, generate, generate_ar, new_lookup
 from dflashkit.errors import DFlashError
@@ -38,11 +39,6 @@ PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end t
 STOCK_AR = "ar-stock"  # plain decoding on the model's own kernels: the speed baseline where `ar` runs invariant ones
 # no drafter: what the speedups are stated against
 PLAIN = ("ar", STOCK_AR, "ar@hf", "ar@static", "hf-generate", "llama.cpp", "vllm")
-
-
-def method_of(label: str) -> str:
-    """A row's method: 'hybrid-auto@static' -> 'hybrid-auto' (a row on a second engine of the run)."""
-    return label.split("@")[0]
 
 
 def parse_engines(spec: str) -> list[str]:
@@ -113,12 +109,6 @@ def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed
         return decode_conversation(target, item, one)
 
 
-def _greedy_only(engines: list[str], temperature: float) -> None:
-    """The engine peers decode greedily: a temperature is refused up front."""
-    if engines and temperature != 0:
-        raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
-
-
 def _engine_parting(target, runs: list[dict], rows: dict, turns: dict, decoder=None):
     """Plain decoding on the static backend against the reference backend's (hf): in float32 any difference fails;
     in low precision their kernels round differently, so a parting at a near-tie (hf's logit gap between the two
@@ -132,11 +122,8 @@ def _engine_parting(target, runs: list[dict], rows: dict, turns: dict, decoder=N
     if hf is None or st is None:
         return [], [], {}
     step = check_static_step(target, decoder, runs, st) if decoder is not None else []
-    ref = {r["prompt"]: r["tokens"] for r in runs if r["method"] == hf}
-    parts = {r["prompt"]: common_prefix(r["tokens"], ref[r["prompt"]]) for r in runs
-             if r["method"] == st and r["tokens"] != ref[r["prompt"]]}
-    summary = {"equal": len(ref) - len(parts), "prompts": len(ref), "parts_at": parts, "against": hf}
-    found = [{"prompt": k, "method": st, "against": hf, "first_difference": v} for k, v in parts.items()]
+    summary = {**ar_parting(runs, st, against=hf), "against": hf}
+    found = [{"prompt": k, "method": st, "against": hf, "first_difference": v} for k, v in summary["parts_at"].items()]
     if target.dtype == torch.float32 or not found:
         return step + found, [], summary
     failed, explained = explain_by_rounding(target, turns, runs, found, reference=hf)
@@ -199,7 +186,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     ours = [m for m in rows if not is_engine(m)]
     methods = ours + [m for m in methods if is_engine(m)]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
-    _greedy_only(engines, sampling.temperature)
+    if engines and sampling.temperature != 0:
+        raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
     with ExitStack() as stack:  # the engines up through the whole rotation, idle but for their own turns
         peers = {m: stack.enter_context(EnginePeer(m, target, drafter, proposer.block_size if proposer else 0,
                                                    max_new_tokens)) for m in engines}
@@ -295,7 +283,10 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
         r["backend"] = rows.get(r["method"], (r["method"], r["method"]))[1]
     ours_exact = [r for r in runs if r["method"] not in stock and not is_engine(r["method"])]
     mismatches = check_lossless(ours_exact, rows) if sampling.temperature == 0 else []
-    engine_mismatches, engine_divergences, parting = _judge_engines(target, runs)
+    engine_mismatches, parting = check_engines(runs)
+    engine_divergences = []
+    if target.dtype != torch.float32:  # an engine verifies a block on other kernels than its one-token step
+        engine_mismatches, engine_divergences = [], engine_mismatches
     static_mismatches, static_divergences, static_parting = (
         _engine_parting(target, runs, rows, turns, decoder) if sampling.temperature == 0 else ([], [], {}))
     divergences = []
@@ -305,28 +296,14 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
             {"engine_divergences": engine_divergences, "parting": parting, "static_parting": static_parting})
 
 
-def _judge_engines(target, runs: list[dict]) -> tuple[list[dict], list[dict], dict]:
-    """(engine mismatches that fail the bench, engine partings only reported, parting from our ar): in low precision
-    an engine verifies a block on other kernels than its one-token step, so there its own parting is reported."""
-    mismatches, parting = check_engines(runs)
-    if target.dtype != torch.float32:
-        return [], mismatches, parting
-    return mismatches, [], parting
-
-
-def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress,
-                curve, peers: dict | None = None, state: dict | None = None,
-                rows: dict | None = None) -> tuple[list[dict], dict]:
+def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve,
+                peers: dict, state: dict, rows: dict) -> tuple[list[dict], dict]:
     """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike).
     The progress bar (tqdm: it also prints where the output is not a terminal) names the prompt and method running
     and the tokens/s of the last one, with an ETA. Also returns plain decoding's turns per prompt: (prompt ids per
     turn, answer lengths), what a divergence is explained from."""
     from tqdm import tqdm
 
-    # per-run state: n-gram lookups per row (acceptance statistics carry across prompts), the static decoder
-    state = {} if state is None else state
-    rows = rows or {}
-    peers = peers or {}
     if warmup:
         for m in methods:
             if m in peers:  # an engine warms on a whole first conversation: its graphs, caches, allocator
@@ -419,8 +396,7 @@ def check_lossless(runs: list[dict], rows: dict | None = None) -> list[dict]:
 def summarize_methods(runs: list[dict], methods: list[str], block_size: int | None) -> dict:
     """{method: summary with its ratios}, over the given runs."""
     out = {m: summarize([r for r in runs if r["method"] == m],
-                        None if method_of(m) in ("ar", STOCK_AR) or parse_method(method_of(m))[0] in PEERS or is_engine(m)
-                        else (block_size or 1))
+                        None if kind_of(m) in ("ar", *PEERS, *ENGINE_METHODS) else (block_size or 1))
            for m in methods}
     for m in methods:
         if is_engine(m):  # counted by the engine itself, not per round by us
@@ -445,8 +421,7 @@ def summarize(runs: list[dict], block_size: int | None = None) -> dict:
         out["ms_per_round"]["total"] = 1000 * decode / rounds
         out["split"] = {k: t[k] / decode for k in ("draft", "verify", "other")} if decode > 0 else None
         out["overhead"] = t["other"] / decode if decode > 0 else None
-        out["decode_tokens_per_s"] = (sum(len(r["tokens"]) - len(r.get("turns") or [1]) for r in runs) / decode
-                                     if decode > 0 else None)  # each turn's first token comes from its prefill
+        out["decode_tokens_per_s"] = measured_decode_tps(runs)
         if block_size:
             size = max(block_size, max(accepted))  # a DDTree round never exceeds B; keep every bin anyway
             out["accepted_hist"] = [sum(a == k for a in accepted) / rounds for k in range(1, size + 1)]

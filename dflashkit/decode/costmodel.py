@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,6 @@ from dflashkit.errors import DFlashError
 
 PROBE_NS = (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)  # chain blocks 4/8/16, DDTree-b verifies b+1
 MODEL_ENGINES = ("hf", "static", "llama.cpp", "vllm")
-LOOPS = ("ar", "chain", "tree")
 FORMAT = "dflashkit-cost-model/1"
 FIX = "delete the file to measure again (`dflashkit cost ... --force`)"
 PROBE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
@@ -48,8 +48,6 @@ class CostModel:
 
     def forward(self, n: int) -> float:
         """ms of one target forward over n tokens; infinite past an engine's widest verify ('up')."""
-        from bisect import bisect_left
-
         from dflashkit.decode.cost import CostCurve
 
         if self.rounding == "up":
@@ -145,22 +143,16 @@ def check_model_engine(engine: str) -> None:
         raise DFlashError(f"--engine {engine!r}: no cost model for it; use one of auto, {', '.join(MODEL_ENGINES)}")
 
 
-def model_path(target, engine: str, proposer=None) -> Path:
-    from dflashkit.fileio import home
-
-    return home() / "cost-model" / f"{engine}-{model_key(target, engine, proposer)[0]}.json"
-
-
 def cost_model(engine: str, target, proposer=None, state: dict | None = None, force: bool = False,
                log=None, measure: bool = True) -> CostModel:
     """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now (and cached)
     where none is, or with `force`; not `measure`: a missing one is an error naming the command that measures it.
     `state`: a run's state (decode/engine.py), whose static decoder it reuses."""
-    from dflashkit.fileio import write_json
+    from dflashkit.fileio import home, write_json
 
     check_model_engine(engine)
     key, record = model_key(target, engine, proposer)
-    path = model_path(target, engine, proposer)
+    path = home() / "cost-model" / f"{engine}-{key}.json"
     if path.is_file() and not force:
         return load_model(path)
     if not measure:

@@ -33,22 +33,18 @@ def static_refusal(target) -> str | None:
     return None
 
 
-def check_engine(engine: str, method: str) -> None:
-    if engine not in ENGINES:
-        raise DFlashError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
-    if engine == "static" and parse_method(method)[0] not in STATIC_KINDS:
-        raise DFlashError(f"method {method!r} is transformers' own loop (or an engine peer): it runs on --engine hf; "
-                          f"the static backend runs {', '.join(STATIC_KINDS)}")
-
-
 def resolve(engine: str, target, method: str, state: dict, log=None) -> str:
     """`engine` for `method` on `target`, with `auto` made concrete (cached in `state` for the run)."""
-    check_engine(engine, method)
+    kind = parse_method(method)[0]
+    if engine not in ENGINES:
+        raise DFlashError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "static" and kind not in STATIC_KINDS:
+        raise DFlashError(f"method {method!r} is transformers' own loop (or an engine peer): it runs on --engine hf; "
+                          f"the static backend runs {', '.join(STATIC_KINDS)}")
     if engine != "auto":
         if engine == "static" and (why := static_refusal(target)):
             raise DFlashError(why)
         return engine
-    kind = parse_method(method)[0]
     if kind not in STATIC_KINDS:
         return "hf"
     if "auto" not in state:

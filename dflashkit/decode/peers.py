@@ -18,18 +18,18 @@ from pathlib import Path
 import torch
 
 from dflashkit.decode.conversation import decode_conversation
+from dflashkit.decode.methods import ENGINE_METHODS
 from dflashkit.decode.sampling import GREEDY
 from dflashkit.decode.speculative import Generation, draft_block
 from dflashkit.drafter.config import engine_block
 from dflashkit.errors import DFlashError
 from dflashkit.tree import common_prefix
 
-ENGINES = ("llama.cpp", "llama.cpp-dflash", "vllm", "vllm-dflash")
 TAU_TOLERANCE = 0.05  # engine mean acceptance length vs our chain's tau on the same drafter
 
 
 def is_engine(method: str) -> bool:
-    return method in ENGINES
+    return method in ENGINE_METHODS
 
 
 def plain_of(method: str) -> str:
@@ -158,10 +158,10 @@ def check_engines(runs: list[dict]) -> tuple[list[dict], dict]:
     return bad, parting
 
 
-def ar_parting(runs: list[dict], method: str) -> dict:
-    """How `method`'s outputs compare with our ar on the prompts both ran: how many are equal, and the first token
-    where each other one parts."""
-    ar = {r["prompt"]: r["tokens"] for r in runs if r["method"] == "ar"}
+def ar_parting(runs: list[dict], method: str, against: str = "ar") -> dict:
+    """How `method`'s outputs compare with `against`'s (our ar) on the prompts both ran: how many are equal, and
+    the first token where each other one parts."""
+    ar = {r["prompt"]: r["tokens"] for r in runs if r["method"] == against}
     p = {"equal": 0, "prompts": 0, "parts_at": {}}
     for r in (r for r in runs if r["method"] == method and r["prompt"] in ar):
         p["prompts"] += 1

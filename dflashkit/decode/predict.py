@@ -39,11 +39,6 @@ def _draft_ms(model) -> float:
     return float(model.draft_ms)
 
 
-def chain_tokens(cumulative: list[float]) -> float:
-    """1 + sum of P(streak >= k): the bonus plus each draft the chain reaches and keeps."""
-    return 1.0 + sum(p for p in cumulative if p is not None)
-
-
 def predict_offline(acceptance: dict, model) -> dict:
     """{method: predicted row} for ar, chain, every ddtree-b of the acceptance and ddtree-auto. `acceptance`:
     {"block_size": B, "chain": [P(streak >= k), k = 1..B-1], "ddtree": {b: mean accepted depth}}."""
@@ -52,8 +47,8 @@ def predict_offline(acceptance: dict, model) -> dict:
             raise DFlashError(f"acceptance: field {field!r} is missing (an eval results.json's 'overall' gives it)")
     draft, base = _draft_ms(model), plain(model)
     B = int(acceptance["block_size"])
-    out = {"ar": base, "chain": _row(chain_tokens(acceptance["chain"]), draft, model.forward(B),
-                                     model.overhead("chain"), width=B)}
+    chain = 1.0 + sum(p for p in acceptance["chain"] if p is not None)  # the bonus + each draft reached and kept
+    out = {"ar": base, "chain": _row(chain, draft, model.forward(B), model.overhead("chain"), width=B)}
     trees = {}
     for b, depth in sorted((int(b), d) for b, d in acceptance["ddtree"].items() if d is not None):
         trees[f"ddtree-{b}"] = _row(1.0 + depth, draft, model.forward(b + 1), model.overhead("tree"), width=b + 1)
@@ -62,13 +57,9 @@ def predict_offline(acceptance: dict, model) -> dict:
     if paying:
         best = max(paying)[1]
         out["ddtree-auto"] = {**trees[best], "budget": int(best.split("-")[1])}
-    return with_speedups(out, base)
-
-
-def with_speedups(rows: dict, base: dict) -> dict:
-    for r in rows.values():
+    for r in out.values():
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if r["tokens_per_s"] and base["tokens_per_s"] else None
-    return rows
+    return out
 
 
 def offline_acceptance(overall: dict, block_size: int, source: str = "offline eval") -> dict:

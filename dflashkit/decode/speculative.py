@@ -349,13 +349,12 @@ def rerun(target, kv, saved, tokens: torch.Tensor, start: int, layer_ids):
     return out.features
 
 
-def _stops(target, stop_ids) -> set[int]:
-    return set(target.stop_token_ids if stop_ids is None else stop_ids)
-
-
-def _begin(target, stop_ids):
-    """Every loop starts here: a timer, the stop set and the device."""
-    return Timer(target.device), _stops(target, stop_ids), target.device
+def _begin(backend, stop_ids):
+    """Every loop starts here: the backend (a target is run on the reference one), a timer it times its own
+    re-runs on, and the stop set."""
+    b = backend if hasattr(backend, "verify") else HfBackend(backend)
+    b.timer = Timer(b.target.device)
+    return b, b.timer, set(b.target.stop_token_ids if stop_ids is None else stop_ids)
 
 
 class HfBackend:
@@ -432,11 +431,6 @@ class HfBackend:
         return out.features[:, idx] if self.layer_ids is not None else None
 
 
-def backend_of(x, cost=None):
-    """A backend as given, or the reference backend over a target."""
-    return x if hasattr(x, "verify") else HfBackend(x, cost)
-
-
 def chain_tree(tokens: torch.Tensor) -> Tree:
     n = len(tokens)
     return Tree(tokens.cpu(), torch.arange(n), torch.arange(-1, n - 1), torch.zeros(n))
@@ -449,8 +443,7 @@ def generate_ar(backend, prompt_ids: list[int], max_new_tokens: int = 256, sampl
                 generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """Plain decoding, one target forward per token: the baseline every speedup is measured against. `backend`: a
     target (the reference backend) or a backend."""
-    b = backend_of(backend)
-    timer, stops, dev = _begin(b.target, stop_ids)
+    b, timer, stops = _begin(backend, stop_ids)
     temperature = sampling.temperature
     with b.session():
         with timer("prefill"):
@@ -469,21 +462,13 @@ def generate_ar(backend, prompt_ids: list[int], max_new_tokens: int = 256, sampl
     return Generation("ar", tokens, accepted, timer.finish(), b.engine, [1] * len(accepted), [False] * len(accepted))
 
 
-def greedy_accepted(block: torch.Tensor, posterior: torch.Tensor) -> int:
-    """Drafts accepted from block [bonus, d1..] given the target's choice after each of its tokens: the run of
-    drafts equal to the target's own choices."""
-    return int((block[1:] == posterior[:-1]).cumprod(0).sum())
-
-
 @torch.no_grad()
 def generate_chain(backend, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                    sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
     per round. At T>0, the sampling's acceptance picks the rule (see draft_block); both keep the target's
     distribution."""
-    b = backend_of(backend)
-    timer, stops, dev = _begin(b.target, stop_ids)
-    b.timer = timer
+    b, timer, stops = _begin(backend, stop_ids)
     temperature = sampling.temperature
     with b.session():
         with timer("prefill"):
@@ -501,7 +486,7 @@ def generate_chain(backend, proposer: Proposer, prompt_ids: list[int], max_new_t
                 logits = b.verify(block)
             if q is None:
                 posterior = choose(logits, temperature, generator)  # [B]: target's token after block[:i+1]
-                a = greedy_accepted(block, posterior)
+                a = int((block[1:] == posterior[:-1]).cumprod(0).sum())  # drafts equal to the target's choices
                 next_token = posterior[a : a + 1]
             else:
                 a, next_token = rejection_accept(block[1:], q, logits, temperature, generator)
@@ -670,9 +655,7 @@ def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_to
     walk picks the accepted path, and only that path stays in the target KV. A node is accepted iff it is the
     target's own choice, whatever the sampling's acceptance rule (that one is the chain's). A tree wider than the
     backend verifies is refused, never cut."""
-    b = backend_of(backend)
-    timer, stops, dev = _begin(b.target, stop_ids)
-    b.timer = timer
+    b, timer, stops = _begin(backend, stop_ids)
     temperature = sampling.temperature
     drafts.by_paths = b.by_paths
     with b.session():
@@ -719,14 +702,12 @@ def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
                 lookup_tokens: int | None = None, stop_ids=None) -> Generation:
     """transformers' own `generate`: greedy/sampled (the second baseline) or its prompt-lookup decoding (the peer a
     user would otherwise pick); end-to-end time only."""
-    timer, stops, _ = _begin(target, stop_ids)
-    stops = sorted(stops)
+    timer = Timer(target.device)
+    stops = sorted(set(target.stop_token_ids if stop_ids is None else stop_ids))
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else (stops[0] if stops else 0)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None) if temperature > 0 else \
-        dict(do_sample=False, temperature=None, top_k=None, top_p=None)
-    if lookup_tokens:
-        sampling["prompt_lookup_num_tokens"] = lookup_tokens
+    sampling = dict(do_sample=temperature > 0, temperature=temperature or None, top_k=None, top_p=None,
+                    prompt_lookup_num_tokens=lookup_tokens)
     ids = torch.tensor([prompt_ids], device=target.device)
     out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 eos_token_id=stops or None, pad_token_id=pad, **sampling)

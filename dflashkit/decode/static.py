@@ -332,7 +332,7 @@ class StaticDecoder:
     the tokens given and return logits. Rejected positions need no crop: a row sees only the slots before its
     position and its own path, and the next write overwrites them."""
 
-    def __init__(self, target, max_len: int, kernels: str = "auto", prefill_kernels: str = "mm", compile: bool = True,
+    def __init__(self, target, max_len: int, kernels: str = "auto", compile: bool = True,
                  layer_ids: list[int] | None = None, verify_width: int | None = None, trees: bool = False):
         geo = geometry_of(target, max_len)
         if verify_width is not None and not 1 < verify_width < PREFILL:
@@ -341,12 +341,11 @@ class StaticDecoder:
             raise DFlashError("static decoder: a verify step returns the drafter's features; give layer_ids with it")
         if kernels == "auto":  # our C++ kernels on a CPU (native.cpp), inductor's reductions elsewhere
             kernels = "native" if target.device.type == "cpu" else "reduce"
-        for name in (kernels, prefill_kernels):
-            if name not in KERNELS:
-                raise DFlashError(f"kernels {name!r}: use auto or one of {', '.join(KERNELS)}")
+        if kernels not in KERNELS:
+            raise DFlashError(f"kernels {kernels!r}: use auto or one of {', '.join(KERNELS)}")
         if trees and kernels != "native":
             raise DFlashError(f"static decoder: tree verify needs kernels 'native' (a CPU target), not {kernels!r}")
-        if "native" in (kernels, prefill_kernels):
+        if kernels == "native":
             if target.device.type != "cpu":
                 raise DFlashError(f"kernels 'native' run on a CPU; target {target.name} is on {target.device}: "
                                   "use kernels='reduce' (or auto)")
@@ -372,7 +371,7 @@ class StaticDecoder:
         # so that each of its rows is bit for bit what plain decoding computes (tests/test_static_decoder.py)
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
         ids = tuple(self.layer_ids) if self.layer_ids is not None else None
-        kinds = {1: (kernels, ids if trees else None), PREFILL: (prefill_kernels, ids)}
+        kinds = {1: (kernels, ids if trees else None), PREFILL: ("mm", ids)}
         for w in ((verify_width,) if verify_width is not None else ()) + (TREE_WIDTHS if trees else ()):
             kinds[w] = (kernels, ids)
         self.verify_width, self.trees = verify_width, trees
@@ -390,9 +389,6 @@ class StaticDecoder:
             raise DFlashError(f"static decoder: position {pos + n} is past its length {self.max_len}; "
                               "build it with a larger max_len (prompt + new tokens + a verify)")
 
-    def _returns_features(self, width: int) -> bool:
-        return self.layer_ids is not None and (width != 1 or self.trees)
-
     @torch.no_grad()
     def forward(self, ids: list[int], pos: int) -> torch.Tensor:
         """Logits [V] of the last of `ids` placed at pos..pos+len-1 (a prompt, or one token)."""
@@ -401,7 +397,7 @@ class StaticDecoder:
             dev = self.embed.device
             p = torch.tensor([pos], device=dev)
             out = self._call(1, torch.tensor(ids, device=dev), p, self.first, path=p[:, None].clone())
-            return (out[0] if self._returns_features(1) else out)[0]
+            return (out[0] if self.layer_ids is not None and self.trees else out)[0]  # features with tree widths
         out = self.prefill(ids, pos)
         return out[0] if self.layer_ids is not None else out
 
@@ -553,8 +549,7 @@ def decoder_for(target, state: dict, length: int, proposer=None, log=None, trees
     if d is None or d.max_len < length or trees and not d.trees or other_drafter:
         trees = trees or (d is not None and d.trees)
         drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids, "verify_width": proposer.block_size}
-        native = target.device.type == "cpu"
-        unit = 2048 if native else 512
+        unit = 2048 if target.device.type == "cpu" else 512  # native kernels on a CPU
         d = state["static"] = StaticDecoder(target, max(unit, -(-length // unit) * unit), trees=trees, **drafting)
         if log is not None:
             log(f"compiling the static decoder for {d.max_len} positions (about 1.5 min the first time on 2 cores "
