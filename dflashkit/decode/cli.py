@@ -69,17 +69,11 @@ def _common(p) -> None:
     add_threads_option(p)
 
 
-def sampling_of(args):
-    """The one Sampling value of a command (its __post_init__ checks every field); nothing below reads args'
-    sampling options, so adding one here is the only place it can be dropped."""
+def _check(args):
+    """Every option checked before anything loads; returns the command's one Sampling value (its __post_init__
+    checks every field): nothing below reads args' sampling options, so this is the only place one can be dropped."""
     from dflashkit.decode.sampling import Sampling
 
-    return Sampling(temperature=args.temperature, acceptance=args.acceptance, draft_temperature=args.draft_temperature,
-                    draft_mix=args.draft_mix, seed=args.seed)
-
-
-def _check(args):
-    """Every option checked before anything loads; returns the command's Sampling."""
     if args.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if args.block_size is not None and args.block_size < 2:
@@ -88,7 +82,8 @@ def _check(args):
         raise DFlashError(f"--budget {args.budget}: a DDTree needs at least 1 node")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise DFlashError(f"--num-prompts {args.num_prompts}: must be at least 1")
-    return sampling_of(args)
+    return Sampling(temperature=args.temperature, acceptance=args.acceptance, draft_temperature=args.draft_temperature,
+                    draft_mix=args.draft_mix, seed=args.seed)
 
 
 def _load(args, need_drafter: bool):

@@ -34,11 +34,8 @@ class CostCurve:
         i = min(max(bisect_left(ns, n), 1), len(ns) - 1)
         return ts[i - 1] + (ts[i] - ts[i - 1]) * (n - ns[i - 1]) / (ns[i] - ns[i - 1])
 
-    def ratios(self) -> dict[int, float]:
-        return {n: t / self.seconds[0] for n, t in zip(self.ns, self.seconds)}
-
     def to_dict(self) -> dict:
-        return {"ns": self.ns, "ms": [1000 * t for t in self.seconds], "ratio": list(self.ratios().values())}
+        return {"ns": self.ns, "ms": [1000 * t for t in self.seconds], "ratio": [t / self.seconds[0] for t in self.seconds]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostCurve":

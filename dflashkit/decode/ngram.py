@@ -30,13 +30,9 @@ class NgramLookup:
             for n in range(1, min(self.max_ngram, end + 1) + 1):
                 self.index.setdefault(tuple(self.tokens[end - n + 1 : end + 1]), []).append(end)
 
-    def propose(self) -> tuple[list[int], int]:
-        """(continuation of up to max_tokens tokens, length of the matched suffix); ([], 0) when nothing matches."""
-        found = self.propose_all(1)
-        return found[0] if found else ([], 0)
-
     def propose_all(self, k: int | None = None) -> list[tuple[list[int], int]]:
-        """Up to k distinct continuations, longest matched suffix first, then the most recent occurrence first."""
+        """Up to k distinct (continuation of up to max_tokens tokens, length of the matched suffix), longest matched
+        suffix first, then the most recent occurrence first."""
         k = k or self.branches
         out, seen = [], set()
         for n in range(min(self.max_ngram, len(self.tokens)), 0, -1):

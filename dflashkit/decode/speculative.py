@@ -113,6 +113,7 @@ class DFlashProposer:
         # measured, benchmarks/results/cpu-2026-12-01-selector-trees.md) the marginals as the reference does
         self.selector_trees = selector_trees and drafter.config.arch == "dflash2"
         self.head = DraftHead.for_drafter(target, drafter)
+        self.to_tokens = self.head.to_tokens
         self.block_size = int(block_size or drafter.config.block_size)
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.slot0, self.mask_id = slot0, drafter.config.mask_token_id  # slot0: see block_ids (always "seed" in use)
@@ -154,9 +155,6 @@ class DFlashProposer:
             return draft_tree(logits, budget, anchor, self.to_tokens)
         t = self.drafter.candidate_selector.tree(self.hidden[0], logits, int(anchor), budget, self.to_tokens)
         return rooted(t, anchor, self.to_tokens, logits.device)
-
-    def to_tokens(self, idx):
-        return self.head.to_tokens(idx)
 
 
 def sample_drafts(logits, temperature: float, generator, to_tokens, vocab_size: int, mix: float = 1.0):

@@ -607,14 +607,13 @@ class StaticBackend:
         self.tree, self.feats = tree, None
         if tree is None and n == 1:
             return d.forward(tokens.tolist(), self.start)[None]
-        if tree is None and n != d.verify_width and not d.trees:
-            raise DFlashError(f"static decoder built for block {d.verify_width}; the drafter needs block {n}")
-        if tree is not None and not d.trees:
-            raise DFlashError("static decoder: built without tree widths; build it with trees=True")
         if tree is None and n == d.verify_width:
             logits, self.feats = d.verify(tokens.to(d.embed.device), self.start)
             return logits
-        if tree is None:
+        if not d.trees:
+            raise DFlashError(f"static decoder built for block {d.verify_width}; the drafter needs block {n}"
+                              if tree is None else "static decoder: built without tree widths; build it with trees=True")
+        if tree is None:  # a chain of another width runs as a tree
             from dflashkit.decode.speculative import chain_tree
 
             tree = self.tree = chain_tree(tokens)
