@@ -373,8 +373,7 @@ class HfBackend:
         self.by_paths = self.invariant or target.is_hybrid  # how a branching tree is verified (the cost model reads it)
         self.timer = None
 
-    def session(self):
-        """What one generation runs under: nothing here (the kernels go around each target forward)."""
+    def session(self):  # what one generation runs under: nothing (the kernels go around each target forward)
         return contextlib.nullcontext()
 
     def kernels(self):

@@ -143,7 +143,8 @@ def geometry_of(target, max_len: int | None = None) -> Geometry:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
     if abs(getattr(a, "scaling", head_dim ** -0.5) - head_dim ** -0.5) > 1e-12:
         _refuse(target, "attention scaling", a.scaling, f"scores are scaled by head_dim ** -0.5 = {head_dim ** -0.5:g}")
-    rope = rope_type(cfg)
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope = params.get("rope_type", params.get("type", "default"))
     inv_freq = target.decoder.rotary_emb.inv_freq
     if 2 * inv_freq.numel() != head_dim:
         _refuse(target, "partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None),
@@ -158,11 +159,6 @@ def geometry_of(target, max_len: int | None = None) -> Geometry:
     return Geometry(len(target.decoder.layers), cfg.hidden_size, nh, cfg.num_key_value_heads, head_dim,
                     cfg.intermediate_size, target.lm_head.weight.shape[0], all(biases),
                     getattr(a, "q_norm", None) is not None, float(cfg.rms_norm_eps), act)
-
-
-def rope_type(cfg) -> str:
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    return params.get("rope_type", params.get("type", "default"))
 
 
 def rope_tables(target, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
