@@ -49,7 +49,8 @@ def parse_engines(spec: str) -> list[str]:
     return engines
 
 
-def engine_rows(target, methods: list[str], engines: list[str], state: dict, log=None) -> dict[str, tuple[str, str]]:
+def engine_rows(target, methods: list[str], engines: list[str], state: dict, log=None,
+                references: bool = True) -> dict[str, tuple[str, str]]:
     """label -> (method, engine) for every row of the run: each of our methods on each engine asked (auto made
     concrete; the first engine's rows keep the plain name, the others' get '@engine'), transformers' loops and the
     engine peers once; and plain decoding on every engine a row runs on, each method's lossless reference (and on
@@ -64,7 +65,8 @@ def engine_rows(target, methods: list[str], engines: list[str], state: dict, log
             if (m, concrete) not in rows.values():
                 rows[m if i == 0 else f"{m}@{e}"] = (m, concrete)
     ar_engine, used = rows["ar"][1], {e for m, e in rows.values() if e in ("hf", "static")}
-    for e in sorted((used | ({"hf"} if "static" in used else set())) - {ar_engine}):  # static held to hf too
+    held = {"hf"} if references and "static" in used else set()  # static held to hf too
+    for e in sorted((used | held) - {ar_engine}):
         rows[f"ar@{e}"] = ("ar", e)
     return rows
 
@@ -162,18 +164,19 @@ def check_static_step(target, decoder, runs: list[dict], label: str) -> list[dic
 def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]], methods: list[str],
               max_new_tokens: int = 128, block_size: int | None = None, sampling: Sampling = GREEDY,
               warmup: bool = True, progress: bool = True, cost: CostCurve | None = None, engine: str = "hf",
-              log=None, offline: dict | None = None, predict: bool = True) -> dict:
+              log=None, offline: dict | None = None, predict: bool = True, references: bool = True) -> dict:
     """prompts: (id, prompt token ids or a PromptItem, whose user turns each follow the method's own answer to the
     one before). Returns {"config", "cost", "methods": {name: summary}, "categories": {category: {name: summary}},
     "runs", "mismatches", "divergences"}. `cost`: a curve measured earlier on this target (else measured here, about
     10 s on a CPU). `sampling` reaches every method whole (prompt i seeded sampling.seed + i) and is recorded.
     `engine`: the backend(s) our methods run on (auto, hf, static, or several joined by commas: one row per method
-    and engine); every row records its engine, and each is held to plain decoding on its own engine."""
+    and engine); every row records its engine, and each is held to plain decoding on its own engine. `references`:
+    also ar@hf beside static and ar-stock where kernels are switched (a run's second suite can leave them out)."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
     switched = needs_invariant(target.model)
-    if switched and "ar" in methods and STOCK_AR not in methods:  # the fair baseline: stock kernels
+    if references and switched and "ar" in methods and STOCK_AR not in methods:  # the fair baseline: stock kernels
         methods = ["ar", STOCK_AR] + [m for m in methods if m != "ar"]
     with kernels_for(target):  # the cost curve times the kernels the speculative methods run
         curve = cost or measure_cost_curve(target, extra=(9,))
@@ -182,7 +185,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     state: dict = {"trees": any(parse_method(m)[0] in TREE_KINDS for m in methods if m != STOCK_AR)}
     # the static step's compile is said where it happens; auto's probe builds the decoder the run then uses
     state.update(log=log, proposer=proposer)
-    rows = engine_rows(target, methods, parse_engines(engine), state, log)
+    rows = engine_rows(target, methods, parse_engines(engine), state, log, references)
     ours = [m for m in rows if not is_engine(m)]
     methods = ours + [m for m in methods if is_engine(m)]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
