@@ -81,6 +81,13 @@ def main(argv=None) -> int:
         where = f" {e.filename}" if e.filename else ""
         print(f"error:{where}: {e.strerror or e}; check the path and free space, then rerun", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if "pack_vnni2" not in str(e):
+            raise
+        # torch's CPU attention computes bf16 with AVX-512 kernels only (measured: its AVX2 path refuses)
+        print("error: --dtype bfloat16 needs AVX-512 on a CPU (torch's attention refuses bf16 on its AVX2 kernels, "
+              "as on a float32-only CPU or with DFLASHKIT_NATIVE_ISA=avx2); use --dtype float32 or auto", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted; completed work is saved and a rerun resumes", file=sys.stderr)
         return 130

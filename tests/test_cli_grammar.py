@@ -173,3 +173,26 @@ def test_import_dflashkit_stays_light():
             "dflashkit.cli; dflashkit.cli.build_parser(); "
             "bad = sorted(m for m in ('torch', 'transformers') if m in sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bf16_refused_by_torchs_avx2_attention_is_one_line(monkeypatch, capsys):
+    """On AVX2 kernels (a float32-only CPU, or DFLASHKIT_NATIVE_ISA=avx2) torch's stock attention raises on bf16
+    (`pack_vnni2 is only supported when avx512 is supported`, measured in bench's ar-stock prefill): the command
+    says what to use instead; any other RuntimeError still surfaces whole."""
+    import argparse
+
+    from dflashkit import cli
+
+    def fails_with(message):
+        def func(args):
+            raise RuntimeError(message)
+        parser = argparse.ArgumentParser()
+        parser.set_defaults(func=func)
+        return lambda: parser
+
+    monkeypatch.setattr(cli, "build_parser", fails_with("pack_vnni2 is only supported when avx512 is supported"))
+    assert cli.main([]) == 2
+    assert "use --dtype float32 or auto" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "build_parser", fails_with("shapes do not match"))
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cli.main([])
