@@ -14,7 +14,8 @@ from families import GDN_INEXACT, STAGES, family_matrix, greedy_reference, matri
 from tiny_targets import ALL_KINDS, FAMILIES, make_tiny_target
 from dflashkit.targets.model import load_target
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group(name="families")]
+# slow: the matrix builds every family's tiny target (23 s of setup on 2 cores); `make test` runs it, test-fast not
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group(name="families"), pytest.mark.slow]
 DOC = Path(__file__).resolve().parents[1] / "docs" / "targets.md"
 
 

@@ -369,6 +369,7 @@ def test_trees_on_the_static_steps_are_ar_static_token_for_token(tiny_dirs, meth
         assert max(g.accepted) >= B  # the oracle's planted mistakes recovered: a whole block in a round
 
 
+@pytest.mark.slow
 def test_a_tree_wider_than_the_static_backend_verifies_is_refused_not_cut(tiny_targets):
     """ddtree-32 needs 33-node verifies, past the widest compiled width (24): refused up front, naming both; the
     old decoder cut such trees silently to its widths."""
