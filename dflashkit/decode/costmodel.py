@@ -29,7 +29,10 @@ FORMAT = "dflashkit-cost-model/1"
 FIX = "delete the file to measure again (`dflashkit cost ... --force`)"
 PROBE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
 PROBE_TOKENS = 48
-DEPTH = 400  # tokens of context before a timed forward, as decode/cost.py
+# tokens of context before a timed forward: about a bench answer's mean (a ~50-token prompt and half of 256 new
+# tokens). At 400 the static step priced SmolLM2's one-token step 12% above its cost at 100 (attention reads the KV
+# in use), and the demo's plain decoding was predicted 17% slow (2-core Xeon, bf16)
+DEPTH = 200
 
 
 @dataclass
@@ -134,7 +137,7 @@ def model_key(target, engine: str, proposer=None) -> tuple[str, dict]:
 
     _, record = machine_key(target)
     record = {**record, "engine": engine, "engine_version": engine_version(engine), "device": str(target.device),
-              "drafter": drafter_shape(proposer)}
+              "drafter": drafter_shape(proposer), "depth": DEPTH}
     return sha256_json(record)[:16], record
 
 
