@@ -102,6 +102,18 @@ def test_auto_runs_hf_where_static_refuses_the_target_and_says_why(tmp_path):
         engines.resolve("fast", t, "ar", {})
 
 
+def test_a_new_build_of_our_kernels_is_timed_again(tiny_targets, monkeypatch):
+    """auto's cached answer names the kernels it timed: after a change to native.cpp (or its flags) the probe runs
+    again instead of reading an answer about the old kernels."""
+    from dflashkit.decode import native
+
+    t = tiny_targets["llama"]
+    path, record = engines.probe_path(t)
+    assert "kernels native-" in record["static"] and engines.probe_path(t)[0] == path
+    monkeypatch.setattr(native, "library_path", lambda: path.with_name("native-0123456789abcdef.so"))
+    assert engines.probe_path(t)[0] != path
+
+
 @pytest.mark.slow
 def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets, tmp_path, monkeypatch):
     """The real probe on the compiled static step: timed once, written with the CPU named, then read back (no

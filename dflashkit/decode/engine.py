@@ -84,16 +84,25 @@ def machine_key(target) -> tuple[str, dict]:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16], record
 
 
+def probe_path(target):
+    """Where auto's answer for `target` here is cached, and what it depends on: the machine and these kernels (a
+    new build of ours, whose library names its source, flags and CPU, is timed again)."""
+    from dflashkit.decode.costmodel import engine_version
+    from dflashkit.fileio import home, sha256_json
+
+    record = {**machine_key(target)[1], "static": engine_version("static")}
+    return home() / "engine-probe" / f"{sha256_json(record)[:16]}.json", record
+
+
 def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     """Time both backends on this machine (cached under $DFLASHKIT_HOME/engine-probe): the one-token step (what
     plain decoding runs) and one-token + 8-node verify (what a speculative round spends on the target)."""
     from dflashkit.decode.cost import measure_cost_curve
     from dflashkit.decode.static import decoder_for
-    from dflashkit.fileio import home, write_json
+    from dflashkit.fileio import write_json
     from dflashkit.targets.invariant import kernels_for
 
-    key, record = machine_key(target)
-    path = home() / "engine-probe" / f"{key}.json"
+    path, record = probe_path(target)
     if path.is_file():
         found = json.loads(path.read_text())
         _say(log, f"engine auto: plain on {found['plain']}, speculative on {found['speculative']} (measured on "
