@@ -7,7 +7,6 @@ refuses a target, auto says why and runs hf."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import sys
@@ -17,6 +16,7 @@ import torch
 
 from dflashkit.decode.methods import ENGINES, STATIC_KINDS, parse_method
 from dflashkit.errors import DFlashError
+from dflashkit.fileio import sha256_json
 from dflashkit.threads import isa
 
 
@@ -81,14 +81,14 @@ def machine_key(target) -> tuple[str, dict]:
     record = {"cpu": cpu, "flags": vector, "target": ident.get("weights_hash") or ident.get("name"),
               "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "torch": torch.__version__}
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16], record
+    return sha256_json(record)[:16], record
 
 
 def probe_path(target):
     """Where auto's answer for `target` here is cached, and what it depends on: the machine and these kernels (a
     new build of ours, whose library names its source, flags and CPU, is timed again)."""
     from dflashkit.decode.costmodel import engine_version
-    from dflashkit.fileio import home, sha256_json
+    from dflashkit.fileio import home
 
     record = {**machine_key(target)[1], "static": engine_version("static")}
     return home() / "engine-probe" / f"{sha256_json(record)[:16]}.json", record
