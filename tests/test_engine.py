@@ -138,9 +138,11 @@ def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_compiled_static_program_decodes_as_hf(tiny_dirs, dtype):
-    """What users run: the steps compiled by inductor with the native kernels (every test above runs them eagerly).
+    """What users run: the steps compiled by inductor with our kernels (every test above runs them eagerly): the
+    dot kernels, or in bf16 on a CPU with AMX the tile kernels.
     Plain decoding equals hf's tokens in float32 (in bf16 the two backends' kernels round differently, so there
     the compiled step is held to its own eager twin bit for bit), and chain and trees equal static plain decoding."""
+    from dflashkit.decode import static
     from dflashkit.decode.static import StaticDecoder
 
     t = load_target(tiny_dirs["llama"], device="cpu", dtype=dtype)
@@ -148,6 +150,7 @@ def test_the_compiled_static_program_decodes_as_hf(tiny_dirs, dtype):
     _, oracle = oracle_for(t, ids, 40)
     state = {"static": StaticDecoder(t, 2048, layer_ids=[1, 2], verify_width=4, trees=True)}
     state["static"].warm(timed=1)
+    assert state["static"].kernels == static.cpu_kernels(t, static.geometry_of(t))
     plain = generate(t, ids, "ar", max_new_tokens=40, engine="static", state=state).tokens
     if dtype == "float32":
         assert plain == generate(t, ids, "ar", max_new_tokens=40).tokens

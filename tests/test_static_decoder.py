@@ -12,13 +12,15 @@ from dflashkit.decode import bench
 from dflashkit.decode.speculative import generate, generate_ar, generate_chain, generate_tree
 from dflashkit.decode import native, static
 from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_reduce, StaticBackend, linear_native,
-                                     linear_reduce)
+                                     linear_reduce, linear_tiles, tile_order)
 from dflashkit.errors import DFlashError
 from tiny_targets import make_tiny_target
 from dflashkit.targets.model import load_target
 from helpers import eager_decoders
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+AMX = {"amx_bf16", "amx_tile"} <= set(native._cpu_flags().split())
+needs_amx = pytest.mark.skipif(not AMX, reason="the tile kernels need a CPU with AMX (amx_bf16)")
 
 
 def prompt(t):
@@ -55,11 +57,13 @@ def verify_against_steps(d, ids):
     return logits, torch.stack([d.forward(ids[i:i + 1], i) for i in range(len(ids) - 4, len(ids))])
 
 
-@pytest.mark.parametrize("kernels", ["native", "reduce"])
+@pytest.mark.parametrize("kernels", ["native", "reduce", pytest.param("tiles", marks=needs_amx)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_verify_row_is_the_one_token_step(tiny_dirs, dtype, kernels):
     """Row invariance, what chain-static's exactness rests on: each row of a 4-token verify equals one-token steps
-    over the same tokens, bit for bit (eager steps; compiled with bf16 weights they agree to about 6e-7)."""
+    over the same tokens, bit for bit (eager steps here; the compiled program is held to it in test_engine.py)."""
+    if kernels == "tiles" and dtype == "float32":
+        pytest.skip("the tile kernels read bf16 weights")
     t = load_target(tiny_dirs["llama"], device="cpu", dtype=dtype)
     d = StaticDecoder(t, 128, kernels=kernels, compile=False, layer_ids=[1, 2], verify_width=4)
     logits, steps = verify_against_steps(d, prompt(t))
@@ -83,6 +87,36 @@ def test_the_native_linear_is_a_matmul_and_row_invariant(dtype):
         for n in range(1, 10):
             assert torch.equal(linear_native(x[:n], w), y[:n]), (k, n)
         assert torch.equal(linear_native(x[None, 2:7], w)[0], y[2:7])  # leading dims kept
+
+
+@needs_amx
+def test_the_tile_linear_is_a_matmul_and_row_invariant():
+    """The AMX linear (bf16 weights in tile order, x split exactly into three bf16 parts) against a float64 product,
+    as close as the float32 dot is; each row of a call with 1..20 rows (a block of 16 and the rest) equals that row
+    alone, bit for bit; and it refuses shapes that do not tile."""
+    native.load()
+    for k in (64, 576):
+        x, w = torch.randn(20, k) * 3, torch.randn(48, k).bfloat16()
+        y = linear_tiles(x, tile_order(w))
+        want = (x.double() @ w.double().T).float()
+        torch.testing.assert_close(y, want, atol=5e-5, rtol=1e-5)
+        assert (y - want).abs().max() < 4 * (linear_native(x, w) - want).abs().max() + 1e-6
+        for n in (1, 2, 5, 15, 16, 17):
+            assert torch.equal(linear_tiles(x[:n], tile_order(w)), y[:n]), (k, n)
+        assert torch.equal(linear_tiles(x[None, 3:9], tile_order(w))[0], y[3:9])
+    with pytest.raises(RuntimeError, match="tiles need outputs in 16s and inputs in 32s"):
+        linear_tiles(torch.randn(2, 40), torch.randn(16, 40).bfloat16())
+    with pytest.raises(RuntimeError, match="bf16"):
+        linear_tiles(torch.randn(2, 64), torch.randn(16, 64))
+
+
+def test_auto_kernels_are_tiles_where_they_run_and_native_elsewhere(tiny_dirs):
+    bf16 = load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16")
+    f32 = load_target(tiny_dirs["llama"], device="cpu", dtype="float32")
+    assert StaticDecoder(bf16, 64, compile=False).kernels == ("tiles" if AMX else "native")
+    assert StaticDecoder(f32, 64, compile=False).kernels == "native"
+    with pytest.raises(DFlashError, match="kernels 'tiles' need bf16 weights.*use kernels='native'"):
+        StaticDecoder(f32, 64, compile=False, kernels="tiles")
 
 
 NATIVE_OUTPUTS = """
@@ -384,7 +418,7 @@ def test_a_tree_wider_than_the_static_backend_verifies_is_refused_not_cut(tiny_t
     d = StaticDecoder(t, 64, compile=False)
     with pytest.raises(DFlashError, match="built without tree widths; build it with trees=True"):
         generate_tree(StaticBackend(d), tree_drafts("ngram", None), prompt(t), 20, method="ngram")
-    with pytest.raises(DFlashError, match="tree verify needs kernels 'native'"):
+    with pytest.raises(DFlashError, match="tree verify needs kernels 'native' or 'tiles'"):
         StaticDecoder(t, 64, compile=False, kernels="reduce", trees=True)
 
 

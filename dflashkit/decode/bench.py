@@ -258,9 +258,9 @@ def _kernels_built_for(decoder) -> str | None:
         return None
     from dflashkit.decode.native import cflags, instruction_set
 
-    if decoder.kernels != "native":
+    if decoder.kernels not in ("native", "tiles"):
         return f"{decoder.kernels} (inductor)"
-    return f"native, {' '.join(f for f in cflags() if f.startswith('-m'))} on this CPU: {instruction_set()}"
+    return f"{decoder.kernels}, {' '.join(f for f in cflags() if f.startswith('-m'))} on this CPU: {instruction_set()}"
 
 
 def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -> None:

@@ -106,6 +106,10 @@ def load() -> None:
     def _(x, w):
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
+    @torch.library.register_fake("dflashkit::linear_tiles")
+    def _(x, w):
+        return x.new_empty(*x.shape[:-1], w.shape[0])
+
     @torch.library.register_fake("dflashkit::attend")
     def _(q, k, v, start, path):
         return torch.empty_like(q, memory_format=torch.contiguous_format)

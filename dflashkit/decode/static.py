@@ -7,7 +7,9 @@ Why it is faster than our `ar` on a CPU: HF's modules, a DynamicCache and ~450 s
 weights take to read; compiled, the step is a few dozen fused kernels. Why its linears and attention are our own
 (native.cpp) on a CPU: they stream bf16 weights at the memory's speed (inductor's fused reduction is bound by one
 accumulator chain: 20.3 vs 15.7 ms a SmolLM2 step on a 2-core Xeon), and each row's sums have one fixed order, so
-every row of a chain or tree verify is the one-token step's, bit for bit. Elsewhere, inductor's reductions (`reduce`:
+every row of a chain or tree verify is the one-token step's, bit for bit. With bf16 weights on a CPU with AMX, tile
+products instead (`tiles`, the weights stored in tile order): as row-invariant, and a verify of 16 rows costs 1.7x
+one row instead of 3.3x (benchmarks/tile_verify.py), so trees pay. Elsewhere, inductor's reductions (`reduce`:
 row-invariant too; at one row faster than mm, 27 vs 18 GB/s on a 2-core EPYC, benchmarks/static_decode_probe.py).
 """
 
@@ -184,6 +186,20 @@ def _layer_weights(layer) -> dict:
         o=a.o_proj.weight, gu=torch.cat([p.gate_proj.weight, p.up_proj.weight]), down=p.down_proj.weight)
 
 
+def tiles_fit(geo: Geometry) -> bool:
+    """Whether every weight divides into tiles: inputs in 32s (16 pairs of k), outputs in 16s."""
+    ins = (geo.hidden, geo.q_size, geo.inter)
+    outs = (geo.q_size + 2 * geo.kv_size, geo.hidden, 2 * geo.inter, geo.vocab)
+    return all(k % 32 == 0 for k in ins) and all(o % 16 == 0 for o in outs)
+
+
+def tile_order(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] with its elements in the order linear_tiles reads them (native.cpp): per block of 16 outputs and
+    32 inputs, a tile of 16 input pairs x 16 outputs x 2."""
+    o, k = w.shape
+    return w.reshape(o // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(o, k)
+
+
 def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
     """An untouched buffer; on a Linux CPU the kernel is first asked to back it with 2 MiB pages (madvise): a step
     streams every weight once, and on 4 KiB pages the TLB misses cost 6-12% of it (2-core Zen 5, side by side).
@@ -201,16 +217,20 @@ def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
     return raw[start: start + nbytes].view(dtype)
 
 
-def pack_weights(target, geo: Geometry) -> torch.Tensor:
+def pack_weights(target, geo: Geometry, tiles: bool = False) -> torch.Tensor:
     """The target's weights in the step's layout, one buffer (its own copy: q, k, v and gate, up are
-    concatenated, so a step reads each layer's weights as four matrices)."""
+    concatenated, so a step reads each layer's weights as four matrices; with `tiles`, each matrix in tile order,
+    the layout the tile kernels read)."""
     layer, stride, tail, size = geo.layout()
     arena = _empty_arena(size, target.dtype, target.device)
+
+    def put(off, shape, w):
+        _view(arena, off, shape).copy_(tile_order(w) if tiles and len(shape) == 2 else w)
     for i, lw in enumerate(_layer_weights(m) for m in target.decoder.layers):
         for name, (off, shape) in layer.items():
-            _view(arena, i * stride + off, shape).copy_(lw[name])
+            put(i * stride + off, shape, lw[name])
     for name, w in (("norm", target.final_norm.weight), ("head", target.lm_head.weight)):
-        _view(arena, tail[name][0], tail[name][1]).copy_(w)
+        put(*tail[name], w)
     return arena
 
 
@@ -252,6 +272,13 @@ def linear_native(x, w):
     return torch.ops.dflashkit.linear(x, w)
 
 
+def linear_tiles(x, w):
+    """dflashkit::linear_tiles (native.cpp): AMX tile products over bf16 weights in tile order, x split exactly into
+    three bf16 parts; each row's sums in a fixed order whatever rows share the call, and a verify of 16 rows costs
+    about what one row does (one row 12 -> 10 ms of a SmolLM2 step's linears, 16 rows 44 -> 17, 2-core Xeon)."""
+    return torch.ops.dflashkit.linear_tiles(x, w)
+
+
 def attend_native(q, k_cache, v_cache, start, path):
     """dflashkit::attend (native.cpp): each row attends to slots 0..start-1 and then its own `path` of slots (its
     ancestors' and its own, in depth order), over that sequence alone in a fixed order: a row of a chain or tree
@@ -259,9 +286,21 @@ def attend_native(q, k_cache, v_cache, start, path):
     return torch.ops.dflashkit.attend(q, k_cache, v_cache, start, path)
 
 
-# a step's kernels: (linear, attention), by name; the one-token and verify steps use `native` on a CPU
+# a step's kernels: (linear, attention), by name; the one-token and verify steps use `tiles` on a CPU with AMX
+# (bf16 weights), else `native` on a CPU. Both attend by path (each row its own slots), the others by mask
 KERNELS = {"mm": (linear_mm, attend_mm), "reduce": (linear_reduce, attend_reduce),
-           "native": (linear_native, attend_native)}
+           "native": (linear_native, attend_native), "tiles": (linear_tiles, attend_native)}
+BY_PATH = ("native", "tiles")
+
+
+def cpu_kernels(target, geo: Geometry) -> str:
+    """`tiles` where they run and pay (bf16 weights whose shapes tile, a CPU with AMX, this CPU's own code path),
+    else `native`."""
+    from dflashkit.decode.native import _cpu_flags
+    from dflashkit.threads import isa
+
+    amx = {"amx_bf16", "amx_tile"} <= set(_cpu_flags().split()) and isa() == "native"
+    return "tiles" if amx and target.dtype == torch.bfloat16 and tiles_fit(geo) else "native"
 
 
 def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geometry, kernels: str, layer_ids):
@@ -292,7 +331,7 @@ def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geom
         q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
         kv[0][i].index_copy_(2, slots, k)
         kv[1][i].index_copy_(2, slots, v.view(1, n, kvh, hd).transpose(1, 2))
-        if kernels == "native":
+        if kernels in BY_PATH:
             o = attend(q, kv[0][i], kv[1][i], pos[:1], path)
         else:
             o = attend(q, kv[0][i][:, :, :S], kv[1][i][:, :, :S], mask, kvh)
@@ -336,21 +375,26 @@ class StaticDecoder:
         if verify_width is not None and layer_ids is None:
             raise DFlashError("static decoder: a verify step returns the drafter's features; give layer_ids with it")
         if kernels == "auto":  # our C++ kernels on a CPU (native.cpp), inductor's reductions elsewhere
-            kernels = "native" if target.device.type == "cpu" else "reduce"
+            kernels = cpu_kernels(target, geo) if target.device.type == "cpu" else "reduce"
         if kernels not in KERNELS:
             raise DFlashError(f"kernels {kernels!r}: use auto or one of {', '.join(KERNELS)}")
-        if trees and kernels != "native":
-            raise DFlashError(f"static decoder: tree verify needs kernels 'native' (a CPU target), not {kernels!r}")
-        if kernels == "native":
+        if trees and kernels not in BY_PATH:
+            raise DFlashError(f"static decoder: tree verify needs kernels 'native' or 'tiles' (a CPU target), not "
+                              f"{kernels!r}")
+        if kernels == "tiles" and cpu_kernels(target, geo) != "tiles":
+            raise DFlashError(f"kernels 'tiles' need bf16 weights whose shapes divide into tiles (inputs in 32s, "
+                              f"outputs in 16s) and a CPU with AMX (amx_bf16 in /proc/cpuinfo); target "
+                              f"{target.name} ({target.dtype}) here: use kernels='native' (or auto)")
+        if kernels in BY_PATH:
             if target.device.type != "cpu":
-                raise DFlashError(f"kernels 'native' run on a CPU; target {target.name} is on {target.device}: "
+                raise DFlashError(f"kernels {kernels!r} run on a CPU; target {target.name} is on {target.device}: "
                                   "use kernels='reduce' (or auto)")
             from dflashkit.decode import native
 
             native.load()
         dev = target.device
         self.target, self.max_len, self.kernels = target, max_len, kernels
-        self.arena, self.embed = pack_weights(target, geo), target.embed_tokens.weight
+        self.arena, self.embed = pack_weights(target, geo, kernels == "tiles"), target.embed_tokens.weight
         self.rope = tuple(t.to(dev) for t in rope_tables(target, max_len))
         # activations and the KV stay in float32 and only the weights are in the target's dtype: a rounding to bf16
         # between two ops is kept or skipped by inductor as it fuses them, which differs from one width to another;
@@ -367,7 +411,7 @@ class StaticDecoder:
         # so that each of its rows is bit for bit what plain decoding computes (tests/test_static_decoder.py)
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
         ids = tuple(self.layer_ids) if self.layer_ids is not None else None
-        kinds = {1: (kernels, ids if trees else None), PREFILL: ("mm", ids)}
+        kinds = {1: (kernels, ids if trees else None), PREFILL: ("tiles" if kernels == "tiles" else "mm", ids)}
         for w in ((verify_width,) if verify_width is not None else ()) + (TREE_WIDTHS if trees else ()):
             kinds[w] = (kernels, ids)
         self.verify_width, self.trees = verify_width, trees
@@ -521,7 +565,8 @@ class StaticDecoder:
         if width == PREFILL:
             span_slots = torch.arange(span, device=ids.device)
             torch._dynamo.mark_dynamic(span_slots, 0, min=2, max=self.max_len)
-            path = pos[:, None]  # unused: a prompt chunk attends by mask
+            # a prompt chunk attends by mask, or on tile kernels (which read the weights mm cannot) as a chain
+            path = chain_path(pos) if self.kernels == "tiles" else pos[:, None]
         args = (self.arena, self.embed, self.rope, self.kv, ids, pos, slots, path, keep, span_slots)
         if width in self.compile_s:
             return self.steps[width](*args)
