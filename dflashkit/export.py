@@ -38,8 +38,7 @@ def register(sub) -> None:
 def cmd_export(args) -> int:
     res = export_drafter(args.drafter, args.out, args.format, dtype=args.dtype, target_ref=args.target,
                          full_vocab=args.full_vocab, cache=args.cache, num_prompts=args.num_prompts)
-    for line in res["lines"]:
-        print(line)
+    print("\n".join(res["lines"]))
     return 0
 
 
@@ -57,10 +56,10 @@ def _target_ref(drafter, given: str | None, src: Path) -> str:
 def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_ref: str | None = None,
                    full_vocab: bool = False, cache: str | None = None, num_prompts: int | None = None) -> dict:
     """Write the export and return {"path", "format", "vocabulary", "tau": {"as_trained", "as_exported"}, "lines"};
-    taus are None without a cache. The written token map is read back and checked against the drafter's."""
+    taus are None without a cache. The written token map is read back and checked (a GGUF's by check_gguf)."""
     import torch
 
-    from dflashkit.drafter.checkpoint import load_drafter, run_latest, save_drafter
+    from dflashkit.drafter.checkpoint import check_against_target, load_drafter, run_latest, save_drafter
     from dflashkit.targets.model import load_target
 
     if fmt not in ("zlab", "gguf"):
@@ -76,30 +75,26 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     keep_map = bool(vocab) and not full_vocab
     target = load_target(_target_ref(drafter, target_ref, src), device="cpu") if (fmt == "gguf" or keep_map or cache) else None
     if target is not None:
-        from dflashkit.drafter.checkpoint import check_against_target
-
         check_against_target(drafter.config, target, str(src))
     if fmt == "zlab":
         lm_head = target.lm_head.weight if keep_map else None
         save_drafter(drafter, out, format="zlab", dtype=getattr(torch, dtype), lm_head=lm_head)
         written = (load_drafter(out).contract or {}).get("draft_vocab")
+        if written != (vocab if keep_map else None):
+            raise DFlashError(f"{out}: the written token map ({len(written or [])} ids) is not the drafter's "
+                              f"({len(vocab or []) if keep_map else 0}); the export is wrong, please report it")
     else:
-        from dflashkit.drafter.gguf import read_token_map
         from dflashkit.engines.install import require
         from dflashkit.engines.llamacpp import drafter_gguf
 
         drafter_gguf(require("llama.cpp"), drafter, target, dtype, out, token_map=keep_map)
-        written = read_token_map(out)
-    if written != (vocab if keep_map else None):
-        raise DFlashError(f"{out}: the written token map ({len(written or [])} ids) is not the drafter's "
-                          f"({len(vocab or []) if keep_map else 0}); the export is wrong, please report it")
     full = target.lm_head.weight.shape[0] if target is not None else drafter.config.vocab_size
     res = {"path": str(out), "format": fmt, "dtype": dtype, "source": str(src),
            "vocabulary": {"as_trained": len(vocab) if vocab else full, "as_exported": len(vocab) if keep_map else full},
            "tau": {"as_trained": None, "as_exported": None}}
     if cache:
         res["tau"] = _offline_tau(drafter, target, cache, num_prompts, exported_full=bool(vocab) and not keep_map)
-    res["lines"] = _lines(res, bool(vocab), keep_map, cache)
+    res["lines"] = _lines(res, bool(vocab), keep_map)
     return res
 
 
@@ -118,7 +113,7 @@ def _offline_tau(drafter, target, cache_path: str, num_prompts: int | None, expo
     return {"as_trained": o["tau"], "as_exported": as_exported, "prompts": o["prompts"], "cache": str(cache.path)}
 
 
-def _lines(res: dict, has_vocab: bool, keep_map: bool, cache: str | None) -> list[str]:
+def _lines(res: dict, has_vocab: bool, keep_map: bool) -> list[str]:
     v, t = res["vocabulary"], res["tau"]
     lines = [f"{res['path']}: {res['format']} ({res['dtype']}) from {res['source']}"]
     if not has_vocab:

@@ -87,7 +87,6 @@ def _size(n: int) -> str:
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
 
 
 def cmd_ls(args) -> int:
@@ -104,15 +103,12 @@ def cmd_ls(args) -> int:
         except DFlashError as e:
             print(f"{path}  unreadable: {e}")
             continue
-        suite = m["suite"]
         if m.get("status") == "complete":
-            n, tokens = len(m["prompts"]), m["totals"]["tokens"]
-            state = ""
+            n, tokens, state = len(m["prompts"]), m["totals"]["tokens"], ""
         else:
-            n, tokens = sum(1 for _ in path.rglob("*.safetensors")), None
-            state = f"  INCOMPLETE ({n} of {suite['num_prompts']} prompt files)"
-        tok = f"{tokens} tokens" if tokens is not None else "? tokens"
-        print(f"{path}  {n} prompts  {tok}  layers {m['layer_ids']}  target {m['target'].get('name')}  "
+            n, tokens = sum(1 for _ in path.rglob("*.safetensors")), "?"
+            state = f"  INCOMPLETE ({n} of {m['suite']['num_prompts']} prompt files)"
+        print(f"{path}  {n} prompts  {tokens} tokens  layers {m['layer_ids']}  target {m['target'].get('name')}  "
               f"{m.get('dtype')}  {_size(cache_size(path))}{state}")
     if not found:
         print(f"no caches under {', '.join(args.dirs)}", file=sys.stderr)

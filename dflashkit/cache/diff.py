@@ -7,6 +7,7 @@ say nothing about a backend); every skipped prompt is named with the reason.
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 from dflashkit.cache.store import open_cache
 from dflashkit.errors import DFlashError
@@ -25,22 +26,13 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 def layer_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """Per-token cosine (mean, min) and element-wise |a-b| (mean, max), relative error ||a-b|| / ||a||, in float64.
-
-    a, b: [T, H] features of the same tokens.
-    """
+    """Per-token cosine (mean, min) and element-wise |a-b| (mean, max), relative error ||a-b|| / ||a||, in float64,
+    of a, b: [T, H], features of the same tokens."""
     a, b = a.double(), b.double()
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-12)
     d = (a - b).abs()
     return {"cos_sum": float(cos.sum()), "cos_min": float(cos.min()), "abs_sum": float(d.sum()), "abs_max": float(d.max()),
             "sq_diff": float((d * d).sum()), "sq_a": float((a * a).sum()), "tokens": a.shape[0], "elements": a.numel()}
-
-
-def _merge(acc: dict | None, s: dict) -> dict:
-    if acc is None:
-        return dict(s)
-    return {**{k: acc[k] + s[k] for k in ("cos_sum", "abs_sum", "sq_diff", "sq_a", "tokens", "elements")},
-            "cos_min": min(acc["cos_min"], s["cos_min"]), "abs_max": max(acc["abs_max"], s["abs_max"])}
 
 
 def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -> dict:
@@ -50,8 +42,6 @@ def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -
     "compared", "skipped": {id: reason}, "only_in_a", "only_in_b", "layers_only_in_a", "layers_only_in_b",
     "min_cosine", "below": [layers whose worst-token cosine is under min_cosine]}.
     """
-    from tqdm import tqdm
-
     ca, cb = open_cache(a), open_cache(b)
     if ca.hidden_size != cb.hidden_size:
         raise DFlashError(f"caches {a} (hidden size {ca.hidden_size}) and {b} (hidden size {cb.hidden_size}) hold "
@@ -61,40 +51,34 @@ def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -
     layers = [l for l in ca.layer_ids if l in cb.layer_ids]
     if not layers:
         raise DFlashError(f"caches {a} (layers {ca.layer_ids}) and {b} (layers {cb.layer_ids}) share no layer")
-    shared = [p for p in ca.prompt_ids if p in set(cb.prompt_ids)]
-    skipped, compared, acc = {}, [], {l: None for l in layers}
-    for pid in tqdm(shared, desc="diff", unit="prompt", disable=not progress, leave=False):
+    ids_a, ids_b, H = set(ca.prompt_ids), set(cb.prompt_ids), ca.hidden_size
+    skipped, compared, stats = {}, [], {l: [] for l in layers}
+    for pid in tqdm([p for p in ca.prompt_ids if p in ids_b], desc="diff", unit="prompt", disable=not progress,
+                    leave=False):
         ra, rb = ca.record(pid), cb.record(pid)
         if not torch.equal(ra.tokens, rb.tokens):
             skipped[pid] = _first_difference(ra.tokens, rb.tokens)
             continue
         fa, fb = ra.features(layers), rb.features(layers)
-        H = ca.hidden_size
         for k, l in enumerate(layers):
-            acc[l] = _merge(acc[l], layer_stats(fa[:, k * H:(k + 1) * H], fb[:, k * H:(k + 1) * H]))
+            stats[l].append(layer_stats(fa[:, k * H:(k + 1) * H], fb[:, k * H:(k + 1) * H]))
         compared.append(pid)
     if not compared:
         why = "; ".join(f"{p}: {r}" for p, r in list(skipped.items())[:5]) or "no prompt id in common"
-        raise DFlashError(
-            f"caches {a} and {b} share no prompt with identical tokens ({why}); extract the second one with "
-            f"`--completions-from {a}` so that both hold features of the same tokens"
-        )
+        raise DFlashError(f"caches {a} and {b} share no prompt with identical tokens ({why}); extract the second one "
+                          f"with `--completions-from {a}` so that both hold features of the same tokens")
     per_layer = {}
-    for l in layers:
-        s = acc[l]
-        per_layer[l] = {"cos_mean": s["cos_sum"] / s["tokens"], "cos_min": s["cos_min"],
-                        "mean_abs": s["abs_sum"] / s["elements"], "max_abs": s["abs_max"],
+    for l, ss in stats.items():
+        s = {k: sum(x[k] for x in ss) for k in ("cos_sum", "abs_sum", "sq_diff", "sq_a", "tokens", "elements")}
+        per_layer[l] = {"cos_mean": s["cos_sum"] / s["tokens"], "cos_min": min(x["cos_min"] for x in ss),
+                        "mean_abs": s["abs_sum"] / s["elements"], "max_abs": max(x["abs_max"] for x in ss),
                         "rel_err": (s["sq_diff"] / max(s["sq_a"], 1e-300)) ** 0.5, "tokens": s["tokens"]}
     below = [] if min_cosine is None else [l for l in layers if per_layer[l]["cos_min"] < min_cosine]
-    return {
-        "a": str(a), "b": str(b), "settings_differ": settings_differ, "layers": per_layer,
-        "compared": compared, "skipped": skipped,
-        "only_in_a": [p for p in ca.prompt_ids if p not in set(cb.prompt_ids)],
-        "only_in_b": [p for p in cb.prompt_ids if p not in set(ca.prompt_ids)],
-        "layers_only_in_a": [l for l in ca.layer_ids if l not in layers],
-        "layers_only_in_b": [l for l in cb.layer_ids if l not in layers],
-        "min_cosine": min_cosine, "below": below,
-    }
+    return {"a": str(a), "b": str(b), "settings_differ": settings_differ, "layers": per_layer, "compared": compared,
+            "skipped": skipped, "only_in_a": [p for p in ca.prompt_ids if p not in ids_b],
+            "only_in_b": [p for p in cb.prompt_ids if p not in ids_a],
+            "layers_only_in_a": [l for l in ca.layer_ids if l not in layers],
+            "layers_only_in_b": [l for l in cb.layer_ids if l not in layers], "min_cosine": min_cosine, "below": below}
 
 
 def format_diff(r: dict) -> str:

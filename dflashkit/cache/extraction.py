@@ -21,6 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from safetensors.torch import save
+from tqdm import tqdm
 
 from dflashkit import __version__
 from dflashkit.cache import store
@@ -81,7 +83,11 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
     as prompts `ID~sK` (K = 1..samples).
     """
     out = Path(out)
-    layer_ids = _check_args(target, layer_ids, max_new_tokens, batch_size, allow_final_layers)
+    if int(max_new_tokens) < 1 or int(batch_size) < 1:  # refused before any work
+        raise DFlashError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be at least 1")
+    layer_ids = target.check_layer_ids(layer_ids if layer_ids is not None else target.default_layer_ids(5),
+                                       allow_final=allow_final_layers)
+    layer_ids = sorted(set(layer_ids))  # each layer stored once; features([1, 2, 2]) still repeats on reading
     d = init_distributed(target.device.type)
     suite, sampled = with_samples(suite, samples, temperature)
     if any(it.num_turns > 1 for it in suite.items) and completions_from is None:
@@ -154,17 +160,7 @@ def answer_turns(target, suite, out: Path, max_new_tokens: int, batch_size: int,
     for it in suite.items:
         answers = [recs[turn_id(it, k)]["completion"] for k in range(it.num_turns)]
         flat += [PromptItem(turn_id(it, k), tuple(it.turn(k, answers)), it.category) for k in range(it.num_turns)]
-    flat = tuple(flat)
-    return PromptSuite(f"{suite.name} (one prompt per turn)", flat, suite.content_hash), str(turns)
-
-
-def _check_args(target, layer_ids, max_new_tokens, batch_size, allow_final_layers) -> list[int]:
-    """Refuse impossible sizes before any work; the layers to store, each once, ascending."""
-    if int(max_new_tokens) < 1 or int(batch_size) < 1:
-        raise DFlashError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be at least 1")
-    layer_ids = target.check_layer_ids(layer_ids if layer_ids is not None else target.default_layer_ids(5),
-                                       allow_final=allow_final_layers)
-    return sorted(set(layer_ids))  # each layer stored once; features([1, 2, 2]) still repeats on reading
+    return PromptSuite(f"{suite.name} (one prompt per turn)", tuple(flat), suite.content_hash), str(turns)
 
 
 def _start_or_resume(out: Path, settings: dict, fresh: dict, d: Dist) -> str:
@@ -177,12 +173,18 @@ def _start_or_resume(out: Path, settings: dict, fresh: dict, d: Dist) -> str:
         try:
             if (out / MANIFEST).is_file():
                 manifest = store.read_manifest(out)
-                _check_settings(out, manifest, settings)
+                old = manifest.get("settings", {})
+                diffs = [f"{k} {settings[k]!r} now vs {old.get(k)!r} in the cache"
+                         for k in settings if old.get(k) != settings[k]]
+                if diffs:
+                    raise DFlashError(f"{out / MANIFEST}: this cache was extracted with different settings "
+                                      f"({'; '.join(diffs)}); mixing them would make one cache hold two kinds of "
+                                      "features: choose a new --out folder, or rerun with the cache's settings")
                 status = manifest["status"]
+            elif out.exists() and any(out.iterdir()):
+                raise DFlashError(f"{out}: folder exists, is not empty and holds no {MANIFEST}; it is not a cache: "
+                                  "choose a new or empty --out folder")
             else:
-                if out.exists() and any(out.iterdir()):
-                    raise DFlashError(f"{out}: folder exists, is not empty and holds no {MANIFEST}; it is not a cache: "
-                                      "choose a new or empty --out folder")
                 write_json(out / MANIFEST, fresh)
                 status = "in-progress"
         except DFlashError as e:
@@ -197,14 +199,17 @@ def _find_done(run: _Run, layer_ids, hidden: int) -> None:
     """Record my prompts whose feature file is already valid (their tokens give the completion too), so that a
     rerun redoes neither; an unreadable file, or one of other tokens, is deleted and redone."""
     for i in run.mine:
-        f = run.out / record_name(i, run.pids[i], run.sharded)
+        f, p = run.out / record_name(i, run.pids[i], run.sharded), run.prompts[i]
         if not f.is_file():
             continue
-        toks = _valid_existing(f, run.pids[i], run.prompts[i], layer_ids, hidden)
-        if toks is None:
+        try:
+            head = read_header(f, layer_ids, hidden, tokens=True)
+        except DFlashError:  # read_header turns any unreadable file into a DFlashError
+            head = None
+        if head is None or head["id"] != run.pids[i] or head["prompt_len"] != len(p) or head["tokens"][:len(p)] != p:
             f.unlink()
             continue
-        run.completions[i] = toks[len(run.prompts[i]):]
+        run.completions[i] = head["tokens"][len(p):]
         run.done[i] = {"file": f.relative_to(run.out).as_posix(), "bytes": f.stat().st_size, "sha256": sha256_file(f)}
 
 
@@ -233,9 +238,6 @@ def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_s
     if not todo:
         return
 
-    bar = _bar(len(todo), "generate", show)
-    t0, ntok = time.perf_counter(), 0
-
     def answers():
         for temp in (0.0, temperature) if run.sampled else (0.0,):  # greedy answers first, then the sampled ones
             group = [i for i in todo if (i in run.sampled) == (temp > 0)]
@@ -244,45 +246,43 @@ def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_s
                 for j, comp, feats in iter_generate_with_features(target, [run.prompts[i] for i in group],
                                                                   max_new_tokens, layer_ids, batch_size=batch_size,
                                                                   temperature=temp):
-                    yield group[j], comp, feats
+                    run.completions[group[j]] = comp
+                    yield group[j], run.prompts[group[j]] + comp, feats, len(comp)
 
     with open(log, "a") as fh:
-        for i, comp, feats in answers():
-            run.completions[i] = comp
-            rel = record_name(i, run.pids[i], run.sharded)
-            size, digest = _write_record(run.out / rel, run.prompts[i] + comp, len(run.prompts[i]), run.pids[i], feats)
-            run.done[i] = {"file": rel, "bytes": size, "sha256": digest}
-            if callback:
-                callback("features", run.pids[i])
-            _append(fh, {"id": run.pids[i], "prompt_ids": run.prompts[i], "completion_ids": comp})
-            ntok += len(comp)
-            bar.update(1)
-            bar.set_postfix_str(f"{ntok / (time.perf_counter() - t0):.1f} tok/s")
+        for i in _write_records(run, answers(), len(todo), "generate", show, callback, ".1f"):
+            _append(fh, {"id": run.pids[i], "prompt_ids": run.prompts[i], "completion_ids": run.completions[i]})
             if callback:
                 callback("completion", run.pids[i])
-    bar.close()
 
 
 def _capture_missing(run: _Run, target, layer_ids, batch_size: int, capture_tokens: int, show: bool,
                      callback) -> None:
     """Features of prompt + completion for my prompts without a file: sorted by length so that several share a
-    forward with little padding, and one atomically written file each, so a kill loses no finished prompt."""
+    forward with little padding."""
     seqs = {i: run.prompts[i] + run.completions[i] for i in run.mine if i not in run.done}
     lengths = {i: len(s) for i, s in seqs.items()}
     todo = sorted(seqs, key=lengths.__getitem__)
-    bar = _bar(len(todo), "features", show)
-    t0, ntok = time.perf_counter(), 0
-    for group in _batches(todo, lengths, batch_size, capture_tokens):
-        feats = capture_features(target, [seqs[i] for i in group], layer_ids)
-        for i, fe in zip(group, feats):
-            rel = record_name(i, run.pids[i], run.sharded)
-            size, digest = _write_record(run.out / rel, seqs[i], len(run.prompts[i]), run.pids[i], fe)
-            run.done[i] = {"file": rel, "bytes": size, "sha256": digest}
-            ntok += lengths[i]
-            bar.update(1)
-            bar.set_postfix_str(f"{ntok / (time.perf_counter() - t0):.0f} tok/s")
-            if callback:
-                callback("features", run.pids[i])
+    feats = ((i, seqs[i], fe, lengths[i]) for group in _batches(todo, lengths, batch_size, capture_tokens)
+             for i, fe in zip(group, capture_features(target, [seqs[i] for i in group], layer_ids)))
+    for _ in _write_records(run, feats, len(todo), "features", show, callback, ".0f"):
+        pass
+
+
+def _write_records(run: _Run, results, total: int, desc: str, show: bool, callback, rate: str):
+    """Each (index, prompt + completion, features, tokens) of `results` into its prompt's file, one atomically written
+    file each, so a kill loses no finished prompt; yields each index once its file is written."""
+    bar, t0, ntok = _bar(total, desc, show), time.perf_counter(), 0
+    for i, seq, feats, n in results:
+        rel = record_name(i, run.pids[i], run.sharded)
+        size, digest = _write_record(run.out / rel, seq, len(run.prompts[i]), run.pids[i], feats)
+        run.done[i] = {"file": rel, "bytes": size, "sha256": digest}
+        if callback:
+            callback("features", run.pids[i])
+        yield i
+        ntok += n
+        bar.update(1)
+        bar.set_postfix_str(f"{ntok / (time.perf_counter() - t0):{rate}} tok/s")
     bar.close()
 
 
@@ -291,15 +291,13 @@ def _my_entries(run: _Run, target, items) -> list[tuple[int, dict, dict]]:
     entries = []
     for i in run.mine:
         p, c, done = run.prompts[i], run.completions[i], run.done[i]
-        entries.append((i, {
-            "id": run.pids[i], "category": items[i].category, "file": done["file"], "prompt_len": len(p),
-            "completion_len": len(c),
-            "num_tokens": len(p) + len(c), "bytes": done["bytes"], "sha256": done["sha256"],
-        }, {
-            "id": run.pids[i], "messages": list(items[i].messages),
-            "prompt_text": target.tokenizer.decode(p, skip_special_tokens=False),
-            "prompt_ids": p, "completion_ids": c, "completion_text": target.decode(c),
-        }))
+        entry = {"id": run.pids[i], "category": items[i].category, "file": done["file"], "prompt_len": len(p),
+                 "completion_len": len(c), "num_tokens": len(p) + len(c), "bytes": done["bytes"],
+                 "sha256": done["sha256"]}
+        record = {"id": run.pids[i], "messages": list(items[i].messages),
+                  "prompt_text": target.tokenizer.decode(p, skip_special_tokens=False),
+                  "prompt_ids": p, "completion_ids": c, "completion_text": target.decode(c)}
+        entries.append((i, entry, record))
     return entries
 
 
@@ -331,16 +329,6 @@ def _settings(target, suite, layer_ids, max_new_tokens, backend, enable_thinking
             "attention": getattr(target.model.config, "_attn_implementation", None), "linear_attention": backend,
             "max_new_tokens": int(max_new_tokens), "enable_thinking": bool(enable_thinking),
             "suite_content_hash": suite.content_hash, "completions_from": completions_from}
-
-
-def _check_settings(out: Path, manifest: dict, settings: dict) -> None:
-    old = manifest.get("settings", {})
-    diffs = [f"{k} {settings[k]!r} now vs {old.get(k)!r} in the cache" for k in settings if old.get(k) != settings[k]]
-    if diffs:
-        raise DFlashError(
-            f"{out / MANIFEST}: this cache was extracted with different settings ({'; '.join(diffs)}); mixing them "
-            "would make one cache hold two kinds of features: choose a new --out folder, or rerun with the cache's settings"
-        )
 
 
 def _manifest(target, suite, settings: dict, requested_backend: str, batch_size: int, world: int) -> dict:
@@ -399,21 +387,6 @@ def _completions_from(path, target, prompt_ids: list[str]) -> tuple[dict, str]:
     return {p: recs[p] for p in prompt_ids if p in recs}, f"{Path(path).resolve()}#{store.sha256_json(m)[:16]}"
 
 
-def _valid_existing(file: Path, pid: str, prompt: list[int], layer_ids, hidden: int) -> list[int] | None:
-    """Tokens of an existing, readable prompt file that matches this prompt; None if it must be redone."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        head = read_header(file, layer_ids, hidden)
-        with safe_open(str(file), framework="pt") as f:
-            toks = f.get_tensor("tokens").tolist()
-    except (DFlashError, OSError, SafetensorError):  # read_header turns a corrupt header into a DFlashError
-        return None
-    if head["id"] != pid or head["prompt_len"] != len(prompt) or toks[: len(prompt)] != prompt:
-        return None
-    return toks
-
-
 def _append(fh, rec: dict) -> None:
     """One durable line per completion: a kill loses at most the batch being generated."""
     try:
@@ -427,8 +400,6 @@ def _append(fh, rec: dict) -> None:
 
 def _write_record(file: Path, tokens: list[int], prompt_len: int, pid: str, feats: dict[int, torch.Tensor]) -> tuple[int, str]:
     """One prompt's file, atomically; returns (bytes, sha256)."""
-    from safetensors.torch import save
-
     tensors = {"tokens": torch.tensor(tokens, dtype=torch.long)}
     tensors.update({f"layer_{l}": t.contiguous() for l, t in feats.items()})
     data = save(tensors, metadata={"format": FORMAT, "prompt_id": pid, "prompt_len": str(prompt_len)})
@@ -457,8 +428,6 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
 
 
 def _bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
     # smoothing 0: rate and ETA from the whole run so far; a batch finishes its prompts at one instant, and the
     # default moving average then read 32 prompts in 51 s as 51 s per prompt (an ETA of an hour for two minutes)
     return tqdm(total=total, desc=desc, unit="prompt", disable=not enabled, dynamic_ncols=True, smoothing=0)

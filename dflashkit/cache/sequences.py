@@ -27,8 +27,6 @@ def same_target(a: dict | None, b: dict | None) -> bool:
     return a is not None and b is not None and not identity_mismatch(a, b)
 
 
-# ---- the sequences JSONL ------------------------------------------------------------------------------
-
 def _repair_tail(path: Path) -> None:
     """Drop a half-written last line (a run killed mid-append); complete lines stay."""
     data = path.read_bytes()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import read_json, sha256_file, sha256_json
@@ -66,8 +67,8 @@ def check_features(source, features: dict) -> None:
                           "raw decoder-layer outputs; re-extract with `dflashkit extract`")
 
 
-def read_header(file: Path, layer_ids, hidden_size: int) -> dict:
-    """Open one prompt file and check its tensors' names and shapes; returns its metadata and length."""
+def read_header(file: Path, layer_ids, hidden_size: int, tokens: bool = False) -> dict:
+    """Open one prompt file and check its tensors' names and shapes; returns its metadata and length (and tokens)."""
     try:
         with safe_open(str(file), framework="pt") as f:
             meta = f.metadata() or {}
@@ -81,12 +82,14 @@ def read_header(file: Path, layer_ids, hidden_size: int) -> dict:
                 shape = list(f.get_slice(f"layer_{l}").get_shape())
                 if shape != [T, hidden_size]:
                     raise DFlashError(f"{file}: layer_{l} has shape {shape}, expected [{T}, {hidden_size}]")
+            toks = f.get_tensor("tokens").tolist() if tokens else None
     except DFlashError:
         raise
     except Exception as e:  # safetensors raises several types for truncated or corrupt headers
         raise DFlashError(f"{file}: cannot read ({str(e).splitlines()[0]}); the file is truncated or corrupt: "
                           "run `dflashkit cache verify` and rerun the extraction to replace it") from e
-    return {"id": meta.get("prompt_id"), "prompt_len": int(meta.get("prompt_len", -1)), "num_tokens": int(T)}
+    return {"id": meta.get("prompt_id"), "prompt_len": int(meta.get("prompt_len", -1)), "num_tokens": int(T),
+            "tokens": toks}
 
 
 class CacheRecord:
@@ -160,11 +163,9 @@ class Cache:
     def check_layers(self, layer_ids) -> None:
         missing = [l for l in layer_ids if l not in self.layer_ids]
         if missing:
-            raise DFlashError(
-                f"cache {self.path} holds target layers {self.layer_ids} but layers {missing} were asked for "
-                f"(requested {list(layer_ids)}); extract a cache with `--target-layers {','.join(map(str, layer_ids))}` "
-                "or use a drafter trained on the cached layers"
-            )
+            raise DFlashError(f"cache {self.path} holds target layers {self.layer_ids} but layers {missing} were "
+                              f"asked for (requested {list(layer_ids)}); extract a cache with `--target-layers "
+                              f"{','.join(map(str, layer_ids))}` or use a drafter trained on the cached layers")
 
     def record(self, pid: str) -> CacheRecord:
         if pid not in self._entries:
@@ -191,49 +192,41 @@ def _list(ids, n: int = 5) -> str:
     return ", ".join(ids[:n]) + (f", ... ({len(ids) - n} more)" if len(ids) > n else "")
 
 
-def nearby_caches(path, target: dict | None = None) -> list[tuple[Path, dict]]:
-    """Sibling caches in the parent folder, the most prompts first: where the right cache often is."""
-    path = Path(path)
-    parent = path.parent
-    found = []
-    try:
-        siblings = sorted(parent.iterdir())
-    except OSError:
-        return []
-    for d in siblings:
-        if d.name == path.name or not (d / MANIFEST).is_file():
-            continue
-        try:
-            m = read_manifest(d)
-        except DFlashError:
-            continue
-        found.append((parent / d.name, m))
-    return sorted(found, key=lambda dm: -len(dm[1].get("prompts", [])) if dm[1].get("status") == "complete" else 1)
-
-
 def describe_nearby(path, target: dict) -> str:
+    """Sibling caches in the parent folder, the most prompts first: where the right cache often is."""
+    path, found = Path(path), []
+    try:
+        siblings = sorted(path.parent.iterdir())
+    except OSError:
+        siblings = []
+    for d in siblings:
+        if d.name != path.name and (d / MANIFEST).is_file():
+            try:
+                found.append((d, read_manifest(d)))
+            except DFlashError:
+                continue
+    found.sort(key=lambda dm: -len(dm[1].get("prompts", [])) if dm[1].get("status") == "complete" else 1)
     parts = []
-    for d, m in nearby_caches(path)[:5]:
+    for d, m in found[:5]:
         t = m.get("target", {})
         same = "same target" if not identity_mismatch(t, target) else f"target {t.get('name')}"
         if m.get("status") == "complete":
             parts.append(f"{d} ({len(m.get('prompts', []))} prompts, {same})")
         else:
-            n = sum(1 for _ in Path(d).rglob("*.safetensors"))
+            n = sum(1 for _ in d.rglob("*.safetensors"))
             parts.append(f"{d} ({n} of {m['suite']['num_prompts']} prompts so far, {same}, incomplete)")
-    return "; caches nearby: " + ", ".join(parts) if parts else "; no other caches in " + str(Path(path).parent)
+    return "; caches nearby: " + ", ".join(parts) if parts else "; no other caches in " + str(path.parent)
 
 
-def scan_entries(path, manifest: dict) -> list[dict]:
-    """Entries of an unfinished cache, read from the files it holds so far (no hashes): suite order."""
-    path = Path(path)
-    out = []
-    for i, pid in enumerate(manifest["suite"]["prompt_ids"]):
-        rel = record_name(i, pid, manifest["layout"]["sharded"])
-        f = path / rel
-        if f.is_file():
-            head = read_header(f, manifest["layer_ids"], manifest["target"]["hidden_size"])
-            out.append({"id": pid, "file": rel, "prompt_len": head["prompt_len"], "num_tokens": head["num_tokens"]})
+def scan_entries(path, manifest: dict, read: bool = True) -> list[dict]:
+    """Entries of an unfinished cache, from the files it holds so far (no hashes), in suite order; read=False leaves
+    the files unopened (their lengths None) for verify_cache, which reports what it cannot read."""
+    path, m, out = Path(path), manifest, []
+    for i, pid in enumerate(m["suite"]["prompt_ids"]):
+        rel = record_name(i, pid, m["layout"]["sharded"])
+        if (path / rel).is_file():
+            head = read_header(path / rel, m["layer_ids"], m["target"]["hidden_size"]) if read else {}
+            out.append({"id": pid, "file": rel, **{k: head.get(k) for k in ("prompt_len", "num_tokens")}})
     return out
 
 
@@ -242,10 +235,9 @@ def check_target(path, manifest: dict, expect: dict) -> None:
     included), config, architecture, layers or hidden size would all make its features misread."""
     have = manifest["target"]
     if expect.get("hidden_size") is not None and int(expect["hidden_size"]) != int(have["hidden_size"]):
-        raise DFlashError(
-            f"cache {path} holds hidden size {have['hidden_size']} (target {have.get('name')}) but the target in use has "
-            f"hidden size {expect['hidden_size']} ({expect.get('name')}); extract a cache with `--target {expect.get('name')}`"
-        )
+        raise DFlashError(f"cache {path} holds hidden size {have['hidden_size']} (target {have.get('name')}) but the "
+                          f"target in use has hidden size {expect['hidden_size']} ({expect.get('name')}); extract a "
+                          f"cache with `--target {expect.get('name')}`")
     check_same_target(have, expect, f"cache {path}",
                       "its features would be misread: extract a cache with this target "
                       f"(`dflashkit extract --target {expect.get('path') or expect.get('name')}`), or use the cache's "
@@ -280,18 +272,16 @@ def open_cache(path, num_prompts: int | None = None, allow_partial: bool = False
     shortfall = None
     if len(chosen) < requested:
         present = [e["id"] for e in chosen]
-        missing = [p for p in wanted if p not in have]
         # missing: ids known to be absent (a cache of a smaller suite does not know the others' ids)
-        shortfall = {"requested": requested, "present": len(chosen), "missing": missing,
+        shortfall = {"requested": requested, "present": len(chosen), "missing": [p for p in wanted if p not in have],
                      "missing_count": requested - len(chosen), "present_ids": present, "complete": complete}
         if not allow_partial:
             why = "" if complete else (f" (the extraction stopped after {len(entries)} of the suite's {len(suite_ids)} "
                                        "prompts: rerun the same `dflashkit extract` command to resume it)")
-            raise DFlashError(
-                f"cache {path} has {len(chosen)} of the {requested} requested prompts ({_list(present) or 'none'}){why}"
-                f"{describe_nearby(path, m['target'])}; pass {partial_hint} to proceed with "
-                f"{len(chosen)}, or point at a cache that holds all {requested}"
-            )
+            raise DFlashError(f"cache {path} has {len(chosen)} of the {requested} requested prompts "
+                              f"({_list(present) or 'none'}){why}{describe_nearby(path, m['target'])}; pass "
+                              f"{partial_hint} to proceed with {len(chosen)}, or point at a cache that holds all "
+                              f"{requested}")
     cache = Cache(path, m, chosen, shortfall, selected)
     cache.check_layers(selected)
     for e in chosen:
@@ -356,8 +346,6 @@ def find_caches(roots) -> list[Path]:
 def verify_cache(path, progress: bool = False) -> tuple[list[str], dict]:
     """Check every file against the manifest: presence, sha256, tensor names and shapes, tokens against
     completions.json, and no unlisted files. Returns (problems, summary); no problems means sound."""
-    from tqdm import tqdm
-
     path = Path(path)
     m = read_manifest(path)
     problems: list[str] = []
@@ -366,8 +354,18 @@ def verify_cache(path, progress: bool = False) -> tuple[list[str], dict]:
         problems.append(f"{path / MANIFEST}: status is {m.get('status')!r}: the extraction did not finish; rerun the same "
                         "`dflashkit extract` command to resume it")
     suite_ids = list(m["suite"]["prompt_ids"])
-    entries = _listed_entries(path, m, complete, problems)
-    comps = _read_completions(path / COMPLETIONS, problems) if complete else {}
+    entries = m.get("prompts", []) if complete else scan_entries(path, m, read=False)
+    ids = [e["id"] for e in entries]
+    if complete and ids != suite_ids:
+        problems.append(f"{path / MANIFEST}: lists {len(ids)} prompt entries but its suite has {len(suite_ids)} prompts "
+                        f"(missing: {_list([p for p in suite_ids if p not in set(ids)]) or 'none'})")
+    comps, cf = {}, path / COMPLETIONS
+    try:
+        comps = {c["id"]: c for c in json.loads(cf.read_text())} if complete else {}
+    except FileNotFoundError:
+        problems.append(f"{cf}: missing; the manifest says the extraction finished")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        problems.append(f"{cf}: unreadable ({e})")
     listed, tokens = set(), 0
     for e in tqdm(entries, desc="verify", unit="file", disable=not progress, leave=False):
         listed.add((path / e["file"]).resolve())
@@ -379,34 +377,6 @@ def verify_cache(path, progress: bool = False) -> tuple[list[str], dict]:
         problems.append(f"{path / MANIFEST}: totals.tokens is {m['totals']['tokens']} but the files hold {tokens}")
     summary = {"prompts": len(entries), "tokens": tokens, "complete": complete, "suite_prompts": len(suite_ids)}
     return problems, summary
-
-
-def _listed_entries(path: Path, m: dict, complete: bool, problems: list[str]) -> list[dict]:
-    """The manifest's entries of a finished cache; for an unfinished one, whatever files it left (no hashes)."""
-    suite_ids = list(m["suite"]["prompt_ids"])
-    if complete:
-        entries = m.get("prompts", [])
-        ids = [e["id"] for e in entries]
-        if ids != suite_ids:
-            problems.append(f"{path / MANIFEST}: lists {len(ids)} prompt entries but its suite has {len(suite_ids)} prompts "
-                            f"(missing: {_list([p for p in suite_ids if p not in set(ids)]) or 'none'})")
-        return entries
-    entries = []
-    for i, pid in enumerate(suite_ids):
-        rel = record_name(i, pid, m["layout"]["sharded"])
-        if (path / rel).is_file():
-            entries.append({"id": pid, "file": rel, "prompt_len": None, "num_tokens": None, "sha256": None})
-    return entries
-
-
-def _read_completions(cf: Path, problems: list[str]) -> dict:
-    try:
-        return {c["id"]: c for c in json.loads(cf.read_text())}
-    except FileNotFoundError:
-        problems.append(f"{cf}: missing; the manifest says the extraction finished")
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        problems.append(f"{cf}: unreadable ({e})")
-    return {}
 
 
 def _check_record(path: Path, e: dict, m: dict, comps: dict, complete: bool, problems: list[str]) -> int:

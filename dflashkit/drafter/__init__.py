@@ -1,9 +1,5 @@
-"""The DFlash drafter: config, module and checkpoint formats.
-
-    from dflashkit.drafter import DrafterConfig, DFlashDrafter, new_drafter, load_drafter, save_drafter, DraftHead
-
-Names load lazily so that the CLI's parser does not import torch.
-"""
+"""The DFlash drafter: config, module and checkpoint formats. Names load lazily so that the CLI's parser does not
+import torch."""
 
 from __future__ import annotations
 

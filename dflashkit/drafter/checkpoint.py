@@ -54,11 +54,6 @@ def save_drafter(drafter: DFlashDrafter, path, format: str = "dflashkit", target
     return path
 
 
-def read_contract(path) -> dict | None:
-    f = Path(path) / CONTRACT_FILE
-    return json.loads(f.read_text()) if f.is_file() else None
-
-
 RUN_POINTER = "latest.json"  # in a training run folder: {"step", "checkpoint", "finished", "reason"}
 
 
@@ -80,7 +75,7 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     raw, state = _read_folder(path, cfg_file, weights)
     cfg, report = _config_for_weights(raw, state, cfg_file, weights)
-    con = read_contract(path)
+    con = json.loads((path / CONTRACT_FILE).read_text()) if (path / CONTRACT_FILE).is_file() else None
     vocab = token_map(raw, state, weights)
     if con:
         check_contract(con, cfg, path / CONTRACT_FILE)
@@ -161,10 +156,9 @@ def _config_for_weights(raw: dict, state: dict, cfg_file: Path, weights: Path) -
     cfg, notes = DrafterConfig.from_zlab(raw, str(cfg_file), fc_features=k)
     report += notes
     if cfg.num_features != k:
-        raise DFlashError(
-            f"{cfg_file}: dflash_config.target_layer_ids has {cfg.num_features} layers {cfg.target_layer_ids} but "
-            f"fc.weight expects {k} ({fc_in} = {k} x {hidden}); fix target_layer_ids to list {k} layer ids"
-        )
+        raise DFlashError(f"{cfg_file}: dflash_config.target_layer_ids has {cfg.num_features} layers "
+                          f"{cfg.target_layer_ids} but fc.weight expects {k} ({fc_in} = {k} x {hidden}); fix "
+                          f"target_layer_ids to list {k} layer ids")
     if cfg.arch == "dflash2" and not cfg.vocab_size and CODEBOOKS[0] in state:
         cfg.vocab_size = state[CODEBOOKS[0]].shape[0]
     report.append(f"Architecture: {ARCH_CLASS[cfg.arch]} ({describe(cfg)})")
@@ -188,7 +182,7 @@ def describe(cfg: DrafterConfig) -> str:
         out += f", final_logit_softcapping {cfg.final_logit_softcapping}"
     if cfg.arch == "dflash2":
         out += (f", convolutions kernel {cfg.conv_kernel_size} group {cfg.conv_group_size}, selector rank "
-                f"{cfg.selector_rank} top-{cfg.selector_top_k}")
+                f"{cfg.selector_rank}, top-{cfg.selector_top_k}")
     return out
 
 
@@ -242,12 +236,10 @@ def check_feature_layers(cfg: DrafterConfig, available: list[int], source: str) 
     """Indices into `available` for the drafter's layers; refuses a cache/target that lacks some."""
     missing = [i for i in cfg.target_layer_ids if i not in available]
     if missing:
-        raise DFlashError(
-            f"drafter expects {cfg.num_features} target layers {cfg.target_layer_ids} (fc input "
-            f"{cfg.num_features * cfg.hidden_size} = {cfg.num_features} x {cfg.hidden_size}) but {source} offers "
-            f"{len(available)} layers {available}; missing {missing}: re-extract with --target-layers "
-            f"{','.join(map(str, cfg.target_layer_ids))}"
-        )
+        raise DFlashError(f"drafter expects {cfg.num_features} target layers {cfg.target_layer_ids} (fc input "
+                          f"{cfg.num_features * cfg.hidden_size} = {cfg.num_features} x {cfg.hidden_size}) but "
+                          f"{source} offers {len(available)} layers {available}; missing {missing}: re-extract with "
+                          f"--target-layers {','.join(map(str, cfg.target_layer_ids))}")
     return [available.index(i) for i in cfg.target_layer_ids]
 
 
@@ -258,16 +250,11 @@ def new_drafter(target, num_layers: int = 5, target_layer_ids=None, allow_final_
     return DFlashDrafter(cfg)
 
 
-WARM_START = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-              "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
-              "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-
-
 @torch.no_grad()
 def warm_start_from_target(drafter: DFlashDrafter, target) -> list[str]:
     """Copy the target's top decoder layers into the drafter's (layer i <- target layer L - n + i): attention, MLP
     and norms have the same shapes, so the drafter starts from weights that already model the language. Tensors the
-    target lacks (q_norm/k_norm of a Llama) keep their initial values. Returns what was copied, one line per layer."""
+    target lacks (q_norm/k_norm of a Llama, DFlash2's convolutions) keep their initial values."""
     layers = target.layers
     n, L = len(drafter.layers), len(layers)
     if n > L:
@@ -276,13 +263,11 @@ def warm_start_from_target(drafter: DFlashDrafter, target) -> list[str]:
     for i, layer in enumerate(drafter.layers):
         src = dict(layers[L - n + i].named_parameters())
         own = dict(layer.named_parameters())
-        copied = []
-        for name in WARM_START:
-            if name in src and name in own:
-                if src[name].shape != own[name].shape:
-                    raise DFlashError(f"warm_start: {name} is {tuple(src[name].shape)} in target layer {L - n + i} "
-                                      f"but {tuple(own[name].shape)} in drafter layer {i}; train without warm_start")
-                own[name].copy_(src[name].to(own[name].dtype))
-                copied.append(name)
+        copied = [name for name in own if name in src]
+        for name in copied:
+            if src[name].shape != own[name].shape:
+                raise DFlashError(f"warm_start: {name} is {tuple(src[name].shape)} in target layer {L - n + i} "
+                                  f"but {tuple(own[name].shape)} in drafter layer {i}; train without warm_start")
+            own[name].copy_(src[name].to(own[name].dtype))
         report.append(f"drafter layer {i} <- target layer {L - n + i}: {len(copied)} tensors")
     return report

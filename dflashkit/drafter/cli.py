@@ -35,32 +35,20 @@ def register(sub) -> None:
 
 def cmd_info(args) -> int:
     from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.targets.model import load_target
 
-    target = None
-    if args.target:
-        from dflashkit.targets.model import load_target
-
-        target = load_target(args.target, device="cpu")
+    target = load_target(args.target, device="cpu") if args.target else None
     d = load_drafter(args.path, target=target, allow_skipped=args.allow_skipped)
-    for line in d.load_report:
-        print(line)
+    print("\n".join(d.load_report))  # its Architecture line states the block, attention kinds, scaling, DFlash2 parts
     c = d.config
     n = sum(p.numel() for p in d.parameters())
     print(f"parameters       {n / 1e6:.2f}M ({c.num_hidden_layers} layers, hidden {c.hidden_size}, "
           f"{c.num_attention_heads}/{c.num_key_value_heads} heads, head_dim {c.head_dim}, mlp {c.intermediate_size})")
-    print(f"block size       {c.block_size} ({c.block_size - 1} draft tokens per pass)")
     print(f"target layers    {c.target_layer_ids} of {c.num_target_layers}")
     print(f"mask token id    {c.mask_token_id}")
     print(f"rope             theta {c.rope_theta} scaling {c.rope_scaling}")
     if "sliding_attention" in c.layer_types:
         print(f"sliding window   {c.sliding_window} on layers {[i for i, t in enumerate(c.layer_types) if t == 'sliding_attention']}")
-    kinds = [c.attention_kind(i) for i in range(c.num_hidden_layers)]
-    print(f"attention        {', '.join(('causal' if k else 'non-causal') + (f' window {w}' if w else '') for k, w in kinds)}")
-    scales = {k: getattr(c, k) for k in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")}
-    print(f"scaling          {', '.join(f'{k} {v}' for k, v in scales.items())}")
-    if c.arch == "dflash2":
-        print(f"dflash2          convolutions kernel {c.conv_kernel_size} group {c.conv_group_size}; selector rank "
-              f"{c.selector_rank}, top-{c.selector_top_k} candidates")
     con = d.contract
     if con:
         tgt = con.get("target") or {}

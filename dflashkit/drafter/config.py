@@ -15,6 +15,7 @@ ARCH_CLASS = {v: k for k, v in ARCHITECTURES.items()}
 # dflash_config keys the reference reads (any may also sit at the top level)
 DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "output_multiplier",
                "final_logit_softcapping"}
+SCALING_OFF = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}  # plain DFlash
 # speculators' flag for bidirectional sliding layers: dflash 0.1.0 never reads it and runs them causal
 NON_CAUSAL_KEY = "sliding_window_non_causal"
 # what transformers' Qwen3Config (hence the reference) takes when a file has neither rope_theta nor rope_parameters
@@ -47,9 +48,8 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
-    # causality: the reference makes sliding layers causal and full ones not, unless is_causal (all layers)
-    # says otherwise; sliding_window_non_causal (bidirectional sliding layers) exists in memory only: no z-lab
-    # file can carry it, since the reference ignores it (refused on load and on export)
+    # the reference makes sliding layers causal and full ones not, unless is_causal (all layers) says otherwise;
+    # sliding_window_non_causal exists in memory only: the reference ignores it (refused on load and on export)
     is_causal: bool | None = None
     sliding_window_non_causal: bool | None = None
     arch: str = "dflash"  # "dflash" | "dflash2" (grouped dynamic convolutions + candidate selector)
@@ -93,11 +93,7 @@ class DrafterConfig:
         """The config.json that vLLM, SGLang and z-lab's loader read."""
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
                   "block_size": self.block_size}
-        for key in ("input_embedding_scale", "output_multiplier"):
-            if getattr(self, key) != 1.0:
-                dflash[key] = getattr(self, key)
-        if self.final_logit_softcapping is not None:
-            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        dflash.update({k: getattr(self, k) for k, off in SCALING_OFF.items() if getattr(self, k) != off})
         if self.sliding_window_non_causal and self.is_causal is None and "sliding_attention" in self.layer_types:
             raise DFlashError(f"{NON_CAUSAL_KEY} is true: this drafter's sliding layers are bidirectional, but z-lab's "
                               "dflash 0.1.0 (and the engines that read its config.json) never read the field and run "
@@ -175,8 +171,8 @@ class DrafterConfig:
         ids = target_layer_ids if target_layer_ids is not None else target.default_layer_ids(num_layers)
         heads = tc.num_attention_heads
         rope = getattr(tc, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
-        conf = dict(
+        theta = rope.get("rope_theta", getattr(tc, "rope_theta", DEFAULT_ROPE_THETA))
+        return cls(**dict(
             hidden_size=target.hidden_size, num_attention_heads=heads,
             num_key_value_heads=getattr(tc, "num_key_value_heads", heads),
             head_dim=plain.get("head_dim") or target.hidden_size // heads,
@@ -186,9 +182,7 @@ class DrafterConfig:
             mask_token_id=target.mask_token_id, vocab_size=target.vocab_size, block_size=block_size,
             rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
-        )
-        conf.update(overrides)
-        return cls(**conf)
+        ) | overrides)
 
 
 def _refuse_unsupported(cfg: dict, source: str) -> None:
@@ -229,9 +223,8 @@ def _dflash_fields(cfg: dict, arch: str, source: str) -> dict:
         raise DFlashError(f"{source}: dflash_config has unknown key(s) {unknown}{hint}; dflashkit knows "
                           f"{sorted(known)}. A field it cannot honour is refused rather than ignored")
     _check_block_size(cfg, dfc, source)
-    out = {k: dfc.get(k, cfg.get(k)) for k in known}
-    out = {k: v for k, v in out.items() if v is not None}
-    for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+    out = {k: v for k in known if (v := dfc.get(k, cfg.get(k))) is not None}
+    for key in SCALING_OFF:
         if key in out:
             out[key] = float(out[key])
     if out.get("final_logit_softcapping") is not None and out["final_logit_softcapping"] <= 0:

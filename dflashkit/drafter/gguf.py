@@ -40,8 +40,7 @@ def add_token_map(src: Path, dst: Path, vocab: list[int], head: np.ndarray) -> P
     import gguf
 
     reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"]
-    arch_name = bytes(arch.parts[arch.data[0]]).decode()
+    arch_name = _value(reader.fields["general.architecture"])[0]
     if arch_name != "dflash":
         raise DFlashError(f"{src}: general.architecture is {arch_name!r}, not dflash; pass a DFlash drafter's GGUF")
     names = {t.name for t in reader.tensors}
@@ -64,10 +63,9 @@ def add_token_map(src: Path, dst: Path, vocab: list[int], head: np.ndarray) -> P
         rows = np.ascontiguousarray(head[np.asarray(vocab)], dtype=np.float32)
         if weight_type == gguf.GGMLQuantizationType.BF16:
             w.add_tensor("output.weight", gguf.quants.quantize(rows, weight_type), raw_dtype=weight_type)
-        elif weight_type == gguf.GGMLQuantizationType.F16:
-            w.add_tensor("output.weight", rows.astype(np.float16))
         else:
-            w.add_tensor("output.weight", rows)
+            f16 = weight_type == gguf.GGMLQuantizationType.F16
+            w.add_tensor("output.weight", rows.astype(np.float16) if f16 else rows)
         w.add_tensor("d2t", np.asarray(vocab, dtype=np.int64), raw_dtype=gguf.GGMLQuantizationType.I64)
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -106,14 +104,13 @@ def check_gguf(path: Path, cfg, vocab: list[int] | None, target_config: dict) ->
 
     keys = gguf_keys(path)
     a = keys.get("general.architecture")
-    want = {f"{a}.target_layers": [i + 1 for i in cfg.target_layer_ids], f"{a}.block_size": cfg.block_size,
-            "tokenizer.ggml.mask_token_id": cfg.mask_token_id}
-    fix = {f"{a}.target_layers": "llama.cpp taps output_hidden_states[id + 1]: write target_layer_ids + 1",
-           f"{a}.block_size": "it counts the anchor: write the trained block_size",
-           "tokenizer.ggml.mask_token_id": "write dflash_config.mask_token_id"}
-    for key, value in want.items():
+    layers = [i + 1 for i in cfg.target_layer_ids]
+    for key, value, fix in ((f"{a}.target_layers", layers, "llama.cpp taps output_hidden_states[id + 1]: write "
+                             "target_layer_ids + 1"),
+                            (f"{a}.block_size", cfg.block_size, "it counts the anchor: write the trained block_size"),
+                            ("tokenizer.ggml.mask_token_id", cfg.mask_token_id, "write dflash_config.mask_token_id")):
         if keys.get(key) != value:
-            raise DFlashError(f"{path}: {key} is {keys.get(key)!r}, the drafter needs {value!r}; {fix[key]}")
+            raise DFlashError(f"{path}: {key} is {keys.get(key)!r}, the drafter needs {value!r}; {fix}")
     n_rot = keys.get(f"{a}.rope.dimension_count", keys.get(f"{a}.attention.key_length", cfg.head_dim))
     if n_rot != rotary_dim(cfg):
         raise DFlashError(f"{path}: {a}.rope.dimension_count is {n_rot}, but the drafter was trained rotating "
@@ -128,6 +125,6 @@ def check_gguf(path: Path, cfg, vocab: list[int] | None, target_config: dict) ->
     if written != (list(vocab) if vocab else None):
         raise DFlashError(f"{path}: d2t holds {len(written or [])} token ids, the drafter's draft vocabulary "
                           f"{len(vocab or [])}; export with the token map (drop --full-vocab) or re-export")
-    return [f"{path.name}: {a}.target_layers {want[f'{a}.target_layers']} (id + 1), {a}.block_size {cfg.block_size} "
+    return [f"{path.name}: {a}.target_layers {layers} (id + 1), {a}.block_size {cfg.block_size} "
             f"(anchor counted: llama.cpp --spec-draft-n-max {cfg.block_size - 1}), RoPE dims {n_rot}"
             + (f", mRoPE sections {sections}" if sections else "") + f", d2t {len(written) if written else 'none'}"]

@@ -57,9 +57,8 @@ class DraftHead:
         self.scaling = tuple(scaling)
         self.vocab_ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long, device=lm_head_weight.device)
         self.weight = lm_head_weight if self.vocab_ids is None else lm_head_weight[self.vocab_ids]
-        self.full_size = lm_head_weight.shape[0]
         if self.vocab_ids is not None:
-            self._index = torch.full((self.full_size,), -100, dtype=torch.long, device=lm_head_weight.device)
+            self._index = torch.full((lm_head_weight.shape[0],), -100, dtype=torch.long, device=lm_head_weight.device)
             self._index[self.vocab_ids] = torch.arange(len(self.vocab_ids), device=lm_head_weight.device)
 
     @classmethod
@@ -83,8 +82,7 @@ class DraftHead:
         """Target token ids -> indices into the subvocabulary; -100 for tokens outside it (and for -100)."""
         if self.vocab_ids is None:
             return tokens
-        safe = tokens.clamp(min=0)
-        return torch.where(tokens < 0, tokens, self._index[safe])
+        return torch.where(tokens < 0, tokens, self._index[tokens.clamp(min=0)])
 
 
 def scaling_of(cfg) -> tuple[float, float | None]:

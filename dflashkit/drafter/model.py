@@ -9,6 +9,7 @@ embedding and no lm_head: the caller applies the target's.
 
 from __future__ import annotations
 
+import functools
 import heapq
 
 import torch
@@ -28,10 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        y = x.float()
+        return self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_init(cfg: DrafterConfig) -> dict:
@@ -142,11 +141,9 @@ class Attention(nn.Module):
         v_ctx = self._heads(self.v_proj(ctx), self.n_kv).transpose(1, 2)
         if kv is not None:
             k_ctx, v_ctx = kv.append(self.layer, k_ctx, v_ctx)
-        k = torch.cat([k_ctx, k_blk], dim=2)
-        v = torch.cat([v_ctx, v_blk], dim=2)
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         if self.n_kv != self.n_heads:
-            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            k, v = (x.repeat_interleave(self.n_heads // self.n_kv, dim=1) for x in (k, v))
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(*h.shape[:2], -1))
 
@@ -382,15 +379,14 @@ class DFlashDrafter(nn.Module):
         """Each layer's mask: `mask` narrowed by the layer's causality and window (position_mask)."""
         kinds = [self.config.attention_kind(i) for i in range(len(self.layers))]
         masks = {}
-        for kind in set(kinds):
-            causal, window = kind
+        for causal, window in set(kinds):
             if not causal and window is None:
-                masks[kind] = mask
+                masks[causal, window] = mask
             elif isinstance(mask, (ChunkedBlocks, FlexBlocks)):
-                masks[kind] = mask.restricted(causal, window)
+                masks[causal, window] = mask.restricted(causal, window)
             else:
                 near = position_mask(q_pos, k_pos(), causal, window)[:, None]
-                masks[kind] = near if mask is None else mask & near
+                masks[causal, window] = near if mask is None else mask & near
         return [masks[k] for k in kinds]
 
     def run(self, target_hidden, block_embeds, ctx_positions, q_positions, mask=None, context_kv=None, segment=None):
@@ -399,25 +395,15 @@ class DFlashDrafter(nn.Module):
         (all visible); segment: rows per block for DFlash2's convolutions (default Q). -> final-normed [b, Q, H]."""
         ctx = self.hidden_norm(self.fc(target_hidden))
         n = int(q_positions.max()) + 1 if self.long_inv_freq is not None else None  # one frequency set per forward
-        cos_c, sin_c = self._rope(ctx_positions, n)
-        cos_q, sin_q = self._rope(q_positions, n)
-        rope = (cos_c, sin_c, cos_q, sin_q)
+        rope = (*self._rope(ctx_positions, n), *self._rope(q_positions, n))
         past = context_kv.get_seq_length() if context_kv is not None else 0
-        masks = self._layer_masks(mask, q_positions, lambda: torch.cat(
-            [self._with_past_positions(ctx_positions, past), q_positions], dim=1))
+        # context positions are contiguous from 0 in every caller that keeps a context KV: prepend the past ones
+        prev = lambda: ctx_positions[:, :1] - past + torch.arange(past, device=ctx_positions.device)
+        masks = self._layer_masks(mask, q_positions, lambda: torch.cat([prev(), ctx_positions, q_positions], dim=1))
         h = block_embeds
         for layer, layer_mask in zip(self.layers, masks):
             h = layer(h, ctx, rope, layer_mask, context_kv, segment or h.shape[1])
         return self.norm(h)
-
-    @staticmethod
-    def _with_past_positions(ctx_positions, past):
-        # Context positions are contiguous from 0 in every caller that keeps a context KV; prepend the past ones.
-        if past == 0:
-            return ctx_positions
-        start = ctx_positions[:, :1] - past
-        prev = start + torch.arange(past, device=ctx_positions.device)
-        return torch.cat([prev, ctx_positions], dim=1)
 
     def forward(self, target_hidden, noise_embedding, position_ids, past_key_values=None, use_cache=False):
         """z-lab's call, keywords included (their decoding loop calls our drafter by these names).
@@ -441,23 +427,19 @@ class DFlashDrafter(nn.Module):
             raise DFlashError(f"forward_blocks: block_embeds {tuple(block_embeds.shape)} does not hold {n} blocks of "
                               f"{B} rows for a batch of {b} (expected [{b}, {n * B}, H])")
         valid = torch.ones_like(anchors, dtype=torch.bool) if valid is None else valid.bool()
-        kind = pick_attention(attention, target_hidden.device)
         dev = target_hidden.device
-        offs = torch.arange(B, device=dev)
-        ctx_pos = torch.arange(T, device=dev).expand(b, T)
+        kind = pick_attention(attention, dev)
         order = None
         if kind == "chunked":  # sort blocks by anchor so that each chunk needs only a short context
             order = anchors.masked_fill(~valid, 0).argsort(dim=1, stable=True)
             anchors, valid = anchors.gather(1, order), valid.gather(1, order)
             block_embeds = block_embeds.gather(1, _rows(order, B)[..., None].expand(-1, -1, block_embeds.shape[-1]))
-        q_pos = (anchors[:, :, None] + offs).reshape(b, n * B)
+        q_pos = (anchors[:, :, None] + torch.arange(B, device=dev)).reshape(b, n * B)
         if kind == "dense":
             mask = build_block_mask(anchors, T, B, valid)
-        elif kind == "chunked":
-            mask = ChunkedBlocks(anchors, valid, T, B)
         else:
-            mask = FlexBlocks(anchors, valid, T, B)
-        out = self.run(target_hidden, block_embeds, ctx_pos, q_pos, mask, None, segment=B)
+            mask = (ChunkedBlocks if kind == "chunked" else FlexBlocks)(anchors, valid, T, B)
+        out = self.run(target_hidden, block_embeds, torch.arange(T, device=dev).expand(b, T), q_pos, mask, segment=B)
         if order is not None:  # back to the caller's block order
             out = out.gather(1, _rows(order.argsort(dim=1), B)[..., None].expand(-1, -1, out.shape[-1]))
         return out
@@ -467,9 +449,7 @@ def build_block_mask(anchors, ctx_len: int, block_size: int, valid=None) -> torc
     """[b, 1, n*B, T + n*B] bool (True = may attend): context < anchor (strict: the anchor's own state does not
     exist yet at inference), own block bidirectional, nothing across blocks; a padding block's rows see only
     their own slot (a row that sees nothing is NaN in some kernels). The one definition of who sees what."""
-    b, n = anchors.shape
-    dev = anchors.device
-    B = block_size
+    (b, n), dev, B = anchors.shape, anchors.device, block_size
     blk = torch.arange(n, device=dev).repeat_interleave(B)  # block index of each query row
     ctx_ok = torch.arange(ctx_len, device=dev)[None, None, :] < anchors[:, blk][:, :, None]  # [b, nB, T]
     same = (blk[:, None] == blk[None, :]).expand(b, -1, -1)  # [b, nB, nB]
@@ -533,19 +513,10 @@ def position_mask(q_pos, k_pos, causal: bool, window: int | None) -> torch.Tenso
     return ok
 
 
-def _blocks_position_mask(anchors, ctx_len: int, B: int, causal: bool, window: int | None) -> torch.Tensor:
-    """[b, 1, n*B, ctx_len + n*B]: position_mask for blocks at `anchors` over context 0..ctx_len-1 + the blocks."""
-    b, n = anchors.shape
-    q_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).flatten(1)
-    k_pos = torch.cat([torch.arange(ctx_len, device=anchors.device).expand(b, -1), q_pos], dim=1)
-    return position_mask(q_pos, k_pos, causal, window)[:, None]
-
-
 class ChunkedBlocks:
     """forward_blocks' attention without the dense mask: blocks (sorted by anchor) CHUNK_BLOCKS at a time; a chunk
     attends to context [0, L) with L = its last anchor + 1, plus its own blocks' rows, under build_block_mask of
     its blocks. Work ~ sum over chunks of (L + chunk rows) instead of n*B x (T + n*B); one plan serves all layers.
-
     anchors/valid [b, n] (sorted along n for the savings; any order is correct); keys k [b, h, T + n*B, d]."""
 
     def __init__(self, anchors, valid, ctx_len: int, B: int, chunk: int | None = None, causal: bool = False,
@@ -558,8 +529,10 @@ class ChunkedBlocks:
             a, ok = anchors[:, s:s + chunk], valid[:, s:s + chunk]
             L = min(ctx_len, int(live[:, s:s + chunk].max()) + 1)
             m = build_block_mask(a, L, B, ok)
-            if causal or window is not None:
-                m = m & _blocks_position_mask(a, L, B, causal, window)
+            if causal or window is not None:  # position_mask over context 0..L-1 + the chunk's blocks
+                q_pos = (a[:, :, None] + torch.arange(B, device=a.device)).flatten(1)
+                k_pos = torch.cat([torch.arange(L, device=a.device).expand(a.shape[0], -1), q_pos], dim=1)
+                m = m & position_mask(q_pos, k_pos, causal, window)[:, None]
             self.parts.append((s * B, (s + a.shape[1]) * B, L, m))
         self._args = (anchors, valid, ctx_len, B, chunk)
 
@@ -569,31 +542,22 @@ class ChunkedBlocks:
     def __call__(self, q, k, v):
         T, outs = self.T, []
         for r0, r1, L, m in self.parts:
-            kc = torch.cat([k[:, :, :L], k[:, :, T + r0:T + r1]], dim=2)
-            vc = torch.cat([v[:, :, :L], v[:, :, T + r0:T + r1]], dim=2)
+            kc, vc = (torch.cat([x[:, :, :L], x[:, :, T + r0:T + r1]], dim=2) for x in (k, v))
             outs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], kc, vc, attn_mask=m))
         return torch.cat(outs, dim=2)
 
 
-_compiled_flex = None
-
-
-def _flex_attention(q):
+@functools.cache
+def _flex_attention(cuda: bool):
     """torch.compile'd flex_attention on CUDA (the eager one materializes every score); eager elsewhere."""
-    global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if not q.is_cuda:
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
+    return torch.compile(flex_attention) if cuda else flex_attention
 
 
 class FlexBlocks:
     """forward_blocks' attention as FlexAttention with a BlockMask: only the (128 x 128) tiles that hold a visible
     key are computed. mask_mod encodes build_block_mask (context < anchor, own block, a padding row its own slot).
-
     anchors/valid [b, n]; keys k [b, h, T + n*B, d]."""
 
     def __init__(self, anchors, valid, ctx_len: int, B: int, causal: bool = False, window: int | None = None):
@@ -627,4 +591,4 @@ class FlexBlocks:
             raise DFlashError("attention=flex: FlexAttention has no backward on CPU; train with attention=chunked "
                               "(or auto)")
         dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else v.dtype
-        return _flex_attention(q)(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=self.block_mask)
+        return _flex_attention(q.is_cuda)(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=self.block_mask)

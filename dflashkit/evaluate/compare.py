@@ -62,19 +62,14 @@ def differences(runs: list[dict], names: list[str]) -> list[str]:
     return out
 
 
-def _ratio(a, ref):
-    return None if a is None or not ref else a / ref
-
-
-def _diff(a, ref):
-    return None if a is None or ref is None else a - ref
+_ratio = lambda a, ref: None if a is None or not ref else a / ref
+_diff = lambda a, ref: None if a is None or ref is None else a - ref
 
 
 def compare_runs(run_dirs, out=None, force: bool = False) -> dict:
     """Compare eval run folders; the first is the reference (differences are run - ref, ratios run / ref). Bench
     folders and `generate --out` files compare their per-request records instead (evaluate/requests.py).
-    Writes compare.md, compare.json and overlaid plots to `out` when given. Returns the comparison as a dict
-    (markdown in "markdown")."""
+    Writes compare.md, compare.json and overlaid plots to `out` when given."""
     if len(run_dirs) < 2:
         raise DFlashError("compare needs at least two run folders")
     from dflashkit.evaluate.requests import compare_requests, holds_requests
@@ -90,12 +85,11 @@ def compare_runs(run_dirs, out=None, force: bool = False) -> dict:
     res = {"runs": [{"name": n, "path": str(Path(p).resolve())} for n, p in zip(names, run_dirs)],
            "reference": names[0], "forced": bool(diffs), "differences": diffs, **_numbers(runs, names)}
     res["markdown"] = _markdown(res, runs, run_dirs, names)
-    res["files"] = _write(Path(out), res, runs, names) if out is not None else []
+    res["files"] = write_compare(out, res, dict(zip(names, runs))) if out is not None else []
     return res
 
 
 def _numbers(runs: list[dict], names: list[str]) -> dict:
-    """Overall and per-prompt values of every shared metric, with differences and ratios against the first run."""
     ref, others = names[0], names[1:]
     trees = [t for t in runs[0]["settings"]["trees"] if all(t in r["settings"]["trees"] for r in runs[1:])]
     metrics = ["streak", "tau", "pos1_acc"] + trees
@@ -146,30 +140,33 @@ def _markdown(res: dict, runs: list[dict], run_dirs, names: list[str]) -> str:
     md += [f"{label[m]}: {n} / {ref} = {ratios[m][n]:.2f}" for m in res["metrics"] for n in others
            if ratios[m][n] is not None]
     for m, by_cat in res["per_category"].items():
-        md += ["", f"## Per category: {label[m]}", ""]
-        md.append(markdown_table(["category"] + heads[1:], [row(c, v) for c, v in by_cat.items()]))
+        md += ["", f"## Per category: {label[m]}", "",
+               markdown_table(["category"] + heads[1:], [row(c, v) for c, v in by_cat.items()])]
     if res["per_category"]:
         md += ["![tau per category](categories.png)"]
     for m in ["streak"] + res["trees"]:
-        md += ["", f"## Per prompt: {label[m]}", ""]
-        md.append(markdown_table(["prompt"] + heads[1:], [row(pid, res["per_prompt"][m][pid]) for pid in res["prompts"]]))
+        md += ["", f"## Per prompt: {label[m]}", "",
+               markdown_table(["prompt"] + heads[1:], [row(pid, res["per_prompt"][m][pid]) for pid in res["prompts"]])]
     return "\n".join(md) + "\n"
 
 
-def _write(out: Path, res: dict, runs: list[dict], names: list[str]) -> list[str]:
-    """compare.md, compare.json and the plots, atomically; returns the file names."""
+def write_compare(out, res: dict, runs: dict | None = None) -> list[str]:
+    """compare.md, compare.json and, for eval runs ({name: results}), the plots, atomically; returns the file names."""
     from dflashkit.fileio import atomic_dir, write_json, write_text
     from dflashkit.report import bar_plot
 
-    label = _labels(res["trees"])
     with atomic_dir(out) as tmp:
-        files = write_plots(tmp, dict(zip(names, runs)))
-        for m in ["streak"] + res["trees"]:
-            f = f"{label[m]}_by_prompt.png"
-            bar_plot(tmp / f, {pid: {n: v or 0.0 for n, v in res["per_prompt"][m][pid].items()} for pid in res["prompts"]},
-                     f"{label[m]} per prompt" + (" (NOT COMPARABLE)" if res["differences"] else ""), label[m])
-            files.append(f)
-        files = ["compare.md", "compare.json"] + files
+        files = ["compare.md", "compare.json"]
+        if runs is not None:
+            label = _labels(res["trees"])
+            files += write_plots(tmp, runs)
+            for m in ["streak"] + res["trees"]:
+                f = f"{label[m]}_by_prompt.png"
+                bar_plot(tmp / f, {pid: {n: v or 0.0 for n, v in res["per_prompt"][m][pid].items()}
+                                   for pid in res["prompts"]},
+                         f"{label[m]} per prompt" + (" (NOT COMPARABLE)" if res["differences"] else ""), label[m])
+                files.append(f)
+            res = {**res, "files": files}
         write_text(tmp / "compare.md", res["markdown"])
-        write_json(tmp / "compare.json", {k: v for k, v in {**res, "files": files}.items() if k != "markdown"})
+        write_json(tmp / "compare.json", {k: v for k, v in res.items() if k != "markdown"})
     return files

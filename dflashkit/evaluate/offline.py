@@ -33,8 +33,6 @@ CURVE_BUDGETS = (1, 2, 4, 8, 16, 32)  # the DDTree budget curve in every run
 BLOCKS_PER_CALL = 128  # bounds the attention scores of very long sequences; coding completions fit in one call
 
 
-# ---- settings -----------------------------------------------------------------------------------------------
-
 def parse_trees(trees) -> list[str]:
     """'budget:4,budget:8' or ['budget:4', '8'] -> canonical ['budget:4', 'budget:8'] (order kept, no repeats)."""
     if isinstance(trees, str):
@@ -45,10 +43,8 @@ def parse_trees(trees) -> list[str]:
             family, k = parse_tree_spec(spec)
         except ValueError as e:
             raise DFlashError(f"--trees: {e}") from e
-        name = f"{family}:{k}"
-        if name not in out:
-            out.append(name)
-    return out
+        out.append(f"{family}:{k}")
+    return list(dict.fromkeys(out))
 
 
 def check_mode(anchors: str, max_blocks) -> None:
@@ -64,8 +60,6 @@ def stride_anchors(prompt_len: int, num_tokens: int, block_size: int, max_blocks
     return out if max_blocks is None else out[:max_blocks]
 
 
-# ---- one sequence -------------------------------------------------------------------------------------------
-
 def _labels(tokens, anchors: list[int], B: int) -> torch.Tensor:
     """[n, B-1] target ids a+1..a+B-1 per anchor, -100 past the end of the sequence."""
     T = tokens.shape[0]
@@ -73,10 +67,9 @@ def _labels(tokens, anchors: list[int], B: int) -> torch.Tensor:
     return torch.where(pos < T, tokens[pos.clamp(max=T - 1)], torch.full_like(pos, -100))
 
 
-def block_embeddings(embed_tokens, tokens, anchors: list[int], B: int, mask_id: int, dtype,
-                     slot0: str = "seed") -> torch.Tensor:
+def block_embeddings(embed_tokens, tokens, anchors: list[int], B: int, mask_id: int, dtype) -> torch.Tensor:
     """block_embeds [n*B, H]: embeddings of each block, the anchor token then B-1 mask tokens (block_ids)."""
-    ids = block_ids(tokens[torch.tensor(anchors, device=tokens.device)], B, mask_id, slot0)
+    ids = block_ids(tokens[torch.tensor(anchors, device=tokens.device)], B, mask_id)
     return embed_tokens(ids.reshape(-1)).to(dtype)
 
 
@@ -93,11 +86,9 @@ def score_block(logits: torch.Tensor, labels: torch.Tensor, label_index: torch.T
 
 
 def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None) -> dict:
-    """hit [L] argmax == label; lp / idx: the top log-probs and indices per position (lists [L][k]).
-
-    Every budget comes from ONE best-first tree of the largest budget: the heap pops prefixes in score order,
-    so the budget-b tree is its first b nodes, and its accepted depth counts the accepted path's nodes <= b.
-    """
+    """hit [L] argmax == label; lp / idx: the top log-probs and indices per position (lists [L][k]). Every budget
+    comes from ONE best-first tree of the largest budget: the heap pops prefixes in score order, so the budget-b
+    tree is its first b nodes, and its accepted depth counts the accepted path's nodes <= b."""
     n_labels = int((labels != -100).sum())
     budgets = _budgets(trees)
     tree = build_tree_topk(lp, idx, budgets[-1])
@@ -144,8 +135,7 @@ def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int
             anchor_ids = tokens[torch.tensor(anchors[s : s + per_chunk], device=tokens.device)]
             path = selector.select(hidden[s : s + per_chunk], logits, anchor_ids, 0.0, head.to_tokens)[0]
             hits = path == labels[s : s + per_chunk]
-        lp, idx = top_logprobs(logits, k)
-        lp, idx = lp.tolist(), idx.tolist()
+        lp, idx = (x.tolist() for x in top_logprobs(logits, k))
         for i in range(logits.shape[0]):
             j = s + i
             curve = None
@@ -165,9 +155,8 @@ def _exported_streaks(head, hidden: torch.Tensor, tokens, anchors: list[int], B:
     per_chunk = max(1, LOGIT_ELEMENTS // (head.size * (B - 1)))
     for s in range(0, len(anchors), per_chunk):
         hits = (head.logits(hidden[s : s + per_chunk]).argmax(-1) == labels[s : s + per_chunk]).int()
-        streaks = hits.cumprod(-1).sum(-1).tolist()  # a -100 label (past the end) never matches
-        for i, n in enumerate(streaks):
-            out[s + i]["streak_as_exported"] = int(n)
+        for rec, n in zip(out[s : s + per_chunk], hits.cumprod(-1).sum(-1).tolist()):  # a -100 label never matches
+            rec["streak_as_exported"] = n
 
 
 def _check_sequence(drafter, tokens, features, prompt_len: int) -> None:
@@ -178,10 +167,9 @@ def _check_sequence(drafter, tokens, features, prompt_len: int) -> None:
     if features.dim() != 2 or features.shape[0] != tokens.shape[0]:
         raise DFlashError(f"features must be [T={tokens.shape[0]}, {width}] (one row per token), got {list(features.shape)}")
     if features.shape[1] != width:
-        raise DFlashError(
-            f"features have width {features.shape[1]} but the drafter's fc expects {width} = {cfg.num_features} target layers "
-            f"{cfg.target_layer_ids} x hidden {cfg.hidden_size}; read the cache with the drafter's layer ids"
-        )
+        raise DFlashError(f"features have width {features.shape[1]} but the drafter's fc expects {width} = "
+                          f"{cfg.num_features} target layers {cfg.target_layer_ids} x hidden {cfg.hidden_size}; "
+                          "read the cache with the drafter's layer ids")
     if not 0 <= prompt_len <= tokens.shape[0]:
         raise DFlashError(f"prompt_len {prompt_len} is outside the sequence of {tokens.shape[0]} tokens")
 
@@ -190,14 +178,11 @@ def _check_sequence(drafter, tokens, features, prompt_len: int) -> None:
 def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, features: torch.Tensor, prompt_len: int,
                       anchors: str = "stride", trees=DEFAULT_TREES, max_blocks: int | None = None,
                       full_head=None) -> list[dict]:
-    """Score the blocks of one sequence.
-
-    tokens [T] prompt + completion ids; features [T, K*H] target features of every position, in the drafter's
-    layer order; head: a DraftHead (drafter logits, optional draft vocabulary); embed_tokens: the target's.
-    Returns one record per block, in anchor order: anchor, n_labels, streak, matches (per position 0/1),
-    trees / expected (per requested tree), curve / curve_expected (per CURVE_BUDGETS budget). full_head (stride
-    only): a full-vocabulary DraftHead whose greedy streak is recorded too (streak_as_exported).
-    """
+    """Score the blocks of one sequence: tokens [T] prompt + completion ids; features [T, K*H] target features of
+    every position, in the drafter's layer order; head: a DraftHead (drafter logits, optional draft vocabulary);
+    embed_tokens: the target's. One record per block, in anchor order: anchor, n_labels, streak, matches (per
+    position 0/1), trees / expected (per requested tree), curve / curve_expected (per CURVE_BUDGETS budget).
+    full_head (stride only): a full-vocabulary DraftHead whose greedy streak is recorded too (streak_as_exported)."""
     check_mode(anchors, max_blocks)
     trees = parse_trees(trees)
     _check_sequence(drafter, tokens, features, prompt_len)
@@ -214,11 +199,12 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
         for s in range(0, len(starts), BLOCKS_PER_CALL):
             a = starts[s : s + BLOCKS_PER_CALL]
             block_embeds = block_embeddings(embed, tokens, a, B, cfg.mask_token_id, p.dtype)
-            anchor_t = torch.tensor(a, device=p.device)[None]
-            h = drafter.forward_blocks(feats[None, : a[-1]], block_embeds[None], anchor_t)  # context < last anchor suffices
-            recs = _score_blocks(head, h[0].view(len(a), B, -1)[:, 1:], tokens, a, B, trees, selector)
+            # context < the last anchor suffices
+            h = drafter.forward_blocks(feats[None, : a[-1]], block_embeds[None], torch.tensor(a, device=p.device)[None])
+            h = h[0].view(len(a), B, -1)[:, 1:]
+            recs = _score_blocks(head, h, tokens, a, B, trees, selector)
             if full_head is not None and selector is None:
-                _exported_streaks(full_head, h[0].view(len(a), B, -1)[:, 1:], tokens, a, B, recs)
+                _exported_streaks(full_head, h, tokens, a, B, recs)
             out += recs
         return out
     # walk: each anchor follows from the previous streak; the context KV takes only the new positions
@@ -234,8 +220,6 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
         a += rec["streak"] + 1
     return out
 
-
-# ---- aggregates ---------------------------------------------------------------------------------------------
 
 def _mean(xs):
     xs = list(xs)
@@ -264,18 +248,14 @@ def aggregate(blocks: list[dict], block_size: int, trees) -> dict:
             "budget_curve_expected": {str(b): _mean(x["curve_expected"][str(b)] for x in blocks) for b in CURVE_BUDGETS}}
 
 
-# ---- a cache ------------------------------------------------------------------------------------------------
-
 def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride", max_blocks: int | None = None,
              progress: bool = False, on_prompt=None) -> dict:
-    """Evaluate `drafter` on every selected prompt of an opened cache (dflashkit.cache.open_cache).
-
-    Returns {"settings", "cache", "shortfall", "overall", "per_category", "per_prompt", "blocks"}; overall (and
-    each category's entry, where the cache records categories) holds streak, tau, pos1_acc, one mean per tree spec
-    (e.g. "budget:8"), "expected", per-position accuracies, histogram, budget curve, blocks and prompts.
-    For walk, each per-prompt entry also lists "accepted": tau per round (accepted drafts + 1), like online decoding.
-    on_prompt(prompt_summary, block_records) is called after each prompt (console lines).
-    """
+    """Evaluate `drafter` on every selected prompt of an opened cache (dflashkit.cache.open_cache). Returns
+    {"settings", "cache", "shortfall", "overall", "per_category", "per_prompt", "blocks"}; overall (and each
+    category's entry, where the cache records categories) holds streak, tau, pos1_acc, one mean per tree spec (e.g.
+    "budget:8"), "expected", per-position accuracies, histogram, budget curve, blocks and prompts. For walk, each
+    per-prompt entry also lists "accepted": tau per round (accepted drafts + 1), like online decoding.
+    on_prompt(prompt_summary, block_records) is called after each prompt (console lines)."""
     from tqdm import tqdm
 
     check_mode(anchors, max_blocks)

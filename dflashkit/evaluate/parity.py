@@ -120,11 +120,9 @@ def parity_markdown(res: dict) -> str:
 
 
 def write_parity(res: dict, out) -> list[Path]:
-    """parity.json and parity.md under `out`, atomically."""
     from dflashkit.fileio import write_json, write_text
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     write_json(out / "parity.json", res)
     write_text(out / "parity.md", parity_markdown(res))
     return [out / "parity.json", out / "parity.md"]

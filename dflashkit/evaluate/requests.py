@@ -25,8 +25,7 @@ def _overall(recs: list[dict]) -> dict:
     pos = [r["accepted_per_position"] for r in recs]
     per_pos = None
     if rounds and all(p is not None for p in pos):
-        n = max((len(p) for p in pos), default=0)
-        per_pos = [sum(p[k] for p in pos if k < len(p)) / rounds for k in range(n)]
+        per_pos = [sum(p[k] for p in pos if k < len(p)) / rounds for k in range(max(map(len, pos), default=0))]
     return {"requests": len(recs), "new_tokens": total("new_tokens"), "rounds": rounds,
             "tau": 1 + accepted / rounds if rounds and accepted is not None else None,
             "accepted_per_position": per_pos, "draft_s": total("draft_s"), "verify_s": total("verify_s"),
@@ -36,7 +35,7 @@ def _overall(recs: list[dict]) -> dict:
 def compare_requests(paths, out=None) -> dict:
     """The runs' records side by side: {"runs", "methods", "overall": {method: {run: totals}}, "lines": [per
     request: {prompt, method, run: {fields}}], "markdown", "files"}."""
-    from dflashkit.evaluate.compare import run_names
+    from dflashkit.evaluate.compare import run_names, write_compare
     from dflashkit.evaluate.parity import load_records
 
     names = run_names(paths)
@@ -60,7 +59,7 @@ def compare_requests(paths, out=None) -> dict:
     res = {"runs": [{"name": n, "path": str(p)} for n, p in zip(names, paths)], "reference": ref, "methods": methods,
            "overall": overall, "lines": lines}
     res["markdown"] = requests_markdown(res, names)
-    res["files"] = _write(Path(out), res) if out is not None else []
+    res["files"] = write_compare(out, res) if out is not None else []
     return res
 
 
@@ -91,11 +90,3 @@ def requests_markdown(res: dict, names: list[str]) -> str:
     md += ["## Per request", "", markdown_table(heads, rows)]
     return "\n".join(md) + "\n"
 
-
-def _write(out: Path, res: dict) -> list[str]:
-    from dflashkit.fileio import atomic_dir, write_json, write_text
-
-    with atomic_dir(out) as tmp:
-        write_text(tmp / "compare.md", res["markdown"])
-        write_json(tmp / "compare.json", {k: v for k, v in res.items() if k != "markdown"})
-    return ["compare.md", "compare.json"]

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+
+import torch
 
 from dflashkit.drafter.checkpoint import load_drafter
 from dflashkit.evaluate.offline import (DEFAULT_TREES, cache_info, check_mode, evaluate, parse_trees,
@@ -27,18 +30,12 @@ def tree_note(trees) -> str:
     parts = []
     if budgets:
         parts.append(f"{'/'.join(tree_label(t) for t in budgets)} = DDTree {'/'.join(budgets)} (paper's node-budget tree)")
-    for t in trees:
-        family, k = parse_tree_spec(t)
-        if family == "paths":
-            parts.append(f"{tree_label(t)} = best of the {k} most probable complete drafts")
-        elif family == "width":
-            parts.append(f"{tree_label(t)} = leading positions whose label is in the top-{k} (an upper bound)")
-        elif family == "selector":
-            parts.append(f"{tree_label(t)} = DDTree of {k} nodes scored by the DFlash2 selector given each parent")
+    notes = {"paths": "best of the {k} most probable complete drafts",
+             "width": "leading positions whose label is in the top-{k} (an upper bound)",
+             "selector": "DDTree of {k} nodes scored by the DFlash2 selector given each parent"}
+    parts += [f"{tree_label(t)} = {notes[f].format(k=k)}" for t in trees for f, k in [parse_tree_spec(t)] if f in notes]
     return "; ".join(parts) or "no trees requested"
 
-
-# ---- console and run folder ---------------------------------------------------------------------------------
 
 def _f(v, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
@@ -65,8 +62,7 @@ def overall_lines(result: dict) -> list[str]:
         exp = o["expected"].get(t)
         parts.append(f"{tree_label(t)}={_f(o[t])}" + (f" (expected {_f(exp)})" if exp is not None else ""))
     lines = [f"overall: {o['prompts']} prompts, {o['blocks']} blocks ({s['anchors']} anchors) | " + " ".join(parts)]
-    if o.get("as_exported"):
-        x = o["as_exported"]
+    if x := o.get("as_exported"):
         lines.append(f"as exported without the token map (full {x['vocabulary']}-token vocabulary): tau={_f(x['tau'])} "
                      f"vs {_f(o['tau'])} as trained over {s['draft_vocab']} tokens (`drafter export` keeps the map)")
     lines.append("per-position acc (cumulative P(streak>=k)): " + " ".join(_f(v) for v in o["acc_cumulative"]))
@@ -81,20 +77,16 @@ def summary_markdown(result: dict, header: list[str], plots: bool = True) -> str
     s, o = result["settings"], result["overall"]
     trees = s["trees"]
     heads = ["prompt", "blocks", "streak", "tau", "pos1"] + [tree_label(t) for t in trees]
-    rows = [[p["id"], p["blocks"], p["streak"], p["tau"], p["pos1_acc"]] + [p.get(t) for t in trees]
-            for p in result["per_prompt"]]
-    rows.append(["**overall**", o["blocks"], o["streak"], o["tau"], o["pos1_acc"]] + [o[t] for t in trees])
+    cols = lambda x: [x["blocks"], x["streak"], x["tau"], x["pos1_acc"]] + [x.get(t) for t in trees]
+    rows = [[p["id"], *cols(p)] for p in result["per_prompt"]] + [["**overall**", *cols(o)]]
     md = ["# Offline evaluation", "", "```", *header, "```", "", markdown_table(heads, rows), ""]
     per_cat = result.get("per_category") or {}
     if per_cat:
-        rows = [[c, v["prompts"], v["blocks"], v["streak"], v["tau"], v["pos1_acc"]] + [v[t] for t in trees]
-                for c, v in per_cat.items()]
-        rows.append(["**overall**", o["prompts"], o["blocks"], o["streak"], o["tau"], o["pos1_acc"]] + [o[t] for t in trees])
+        rows = [[c, v["prompts"], *cols(v)] for c, v in per_cat.items()] + [["**overall**", o["prompts"], *cols(o)]]
         md += ["## Per category", "", markdown_table(["category", "prompts"] + heads[1:], rows),
                "![tau per category](categories.png)" if plots else "", ""]
     md.append("Means are over blocks. streak = leading draft tokens equal to the target's (bonus excluded; tau = streak + 1).")
-    if o.get("as_exported"):
-        x = o["as_exported"]
+    if x := o.get("as_exported"):
         md.append(f"As trained over the {s['draft_vocab']}-token draft vocabulary: tau {_f(o['tau'])}; as exported without "
                   f"the token map (engines drafting over the full {x['vocabulary']} tokens): tau {_f(x['tau'])}. "
                   "`dflashkit drafter export` keeps the map (vLLM and llama.cpp read it).")
@@ -102,8 +94,7 @@ def summary_markdown(result: dict, header: list[str], plots: bool = True) -> str
     exp = [f"{tree_label(t)} {_f(o['expected'][t])}" for t in trees if t in o["expected"]]
     if exp:
         md.append(f"Drafter-expected accepted depth (sum of tree-node probabilities): {', '.join(exp)}.")
-    if result.get("shortfall"):
-        sf = result["shortfall"]
+    if sf := result.get("shortfall"):
         md.append(f"\n**Partial: {sf['present']} of {sf['requested']} requested prompts** (missing: {', '.join(sf['missing'])}).")
     md += ["", "## Per-position accuracy", "",
            markdown_table(["position", "cumulative P(streak>=k)", "conditional P(k given k-1)"],
@@ -147,10 +138,8 @@ def header_lines(drafter_info: dict, load_report: list[str], target_ident: dict,
     """What was evaluated, stated so that nobody mistakes a partial run for a full one."""
     sf = cache_info.get("shortfall")
     n = len(cache_info["prompt_ids"])
-    if sf:
-        prompts = f"PARTIAL: {n} of {sf['requested']} requested prompts (missing: {', '.join(sf['missing'])})"
-    else:
-        prompts = f"{n} prompts (all {cache_info['requested']} requested)"
+    prompts = (f"PARTIAL: {n} of {sf['requested']} requested prompts (missing: {', '.join(sf['missing'])})" if sf
+               else f"{n} prompts (all {cache_info['requested']} requested)")
     per = "all" if settings["max_blocks"] is None else settings["max_blocks"]
     count = f"{blocks} blocks" if blocks is not None else "one block per walk round"
     vocab = f", draft vocabulary {settings['draft_vocab']} tokens" if settings.get("draft_vocab") else ""
@@ -169,10 +158,6 @@ def save_run(run_dir, result: dict, log_lines: list[str], drafter_path, plots: b
     """Write the run folder atomically: results.json, summary.md, eval.log, plots (unless a comparison will draw
     them), and a `drafter` symlink to the checkpoint (a reference, not a copy; results.json holds its path and
     sha256)."""
-    import os
-
-    import torch
-
     run_dir = Path(run_dir)
     result = {**result, "threads": result.get("threads", torch.get_num_threads())}  # what the timings ran on
     with atomic_dir(run_dir) as tmp:
@@ -202,30 +187,27 @@ def run_eval(drafter_path, target, cache, run_dir, anchors: str = "stride", tree
     info = cache_info(cache)
     B = drafter.config.block_size
     settings = {"anchors": anchors, "block_size": B, "max_blocks": max_blocks, "trees": trees}
-    blocks = None
-    if anchors == "stride":
-        blocks = sum(len(stride_anchors(r.prompt_len, len(r.tokens), B, max_blocks)) for r in cache)
+    blocks = (sum(len(stride_anchors(r.prompt_len, len(r.tokens), B, max_blocks)) for r in cache)
+              if anchors == "stride" else None)
     log: list[str] = []
 
-    def out(line: str = "") -> None:
-        say(line)
-        log.append(line)
+    def out(*lines: str) -> None:
+        for line in lines:
+            say(line)
+            log.append(line)
 
-    for line in header_lines(drafter_info, drafter.load_report, target.identity(), info, settings, blocks):
-        out(line)
+    out(*header_lines(drafter_info, drafter.load_report, target.identity(), info, settings, blocks))
     width = max((len(p) for p in cache.prompt_ids), default=8)
 
     def on_prompt(summary, recs):
         if show_matches:
-            for r in recs:
-                out(match_line(r, B, trees))
+            out(*(match_line(r, B, trees) for r in recs))
         out(prompt_line(summary, trees, width))
 
     t0 = time.perf_counter()
     result = evaluate(drafter, target, cache, trees=trees, anchors=anchors, max_blocks=max_blocks,
                       progress=progress, on_prompt=on_prompt)
-    for line in overall_lines(result):
-        out(line)
+    out(*overall_lines(result))
     out(f"evaluated in {time.perf_counter() - t0:.1f}s; run folder {run_dir}")
     header = header_lines(drafter_info, drafter.load_report, target.identity(), info, result["settings"],
                           result["overall"]["blocks"])

@@ -15,15 +15,8 @@ A conversation with several user turns is multi-turn: each turn is asked after t
 before (MT-Bench, Spec-Bench); a file's own assistant answers are kept for the one use that asks for them by name
 (``data generate --use-file-responses``).
 
-    >>> suite = load_prompts("coding-10")
-    >>> suite.ids()[:2]
-    ['fizzbuzz', 'binary_search']
-
-Built-in suites:
-
-* ``coding-10`` -- ten Python coding tasks used for evaluation.
-* ``train-mix`` -- 600+ mixed prompts (mostly coding) for drafter training; it
-  deliberately contains no task that duplicates a ``coding-10`` topic.
+Built-in suites: ``coding-10``, ten Python coding tasks for evaluation; ``train-mix``, 600+ mixed prompts (mostly
+coding) for drafter training, deliberately without a task that duplicates a ``coding-10`` topic.
 
 Several files joined by commas (``gsm8k.jsonl,math500.jsonl``) make one suite with a category per file, so that a
 per-set table comes out of one run.
@@ -114,8 +107,7 @@ class PromptSuite:
     def subset(self, n: int) -> "PromptSuite":
         """The first ``n`` items (all of them if ``n`` exceeds the suite size)."""
         _check_size(n)
-        items = self.items[:n]
-        return PromptSuite(name=self.name, items=items, content_hash=_content_hash(items))
+        return _suite(self.name, self.items[:n])
 
     def per_category(self, n: int) -> "PromptSuite":
         """The first ``n`` items of each category, in suite order (a short run that still covers every category)."""
@@ -126,11 +118,9 @@ class PromptSuite:
             seen[it.category] += 1
             if seen[it.category] <= n:
                 keep.append(it)
-        items = tuple(keep)
-        return PromptSuite(name=f"{self.name} (first {n} per category)", items=items, content_hash=_content_hash(items))
+        return _suite(f"{self.name} (first {n} per category)", keep)
 
     def categories(self) -> list[str]:
-        """The categories in order of first appearance."""
         return list(dict.fromkeys(it.category for it in self.items if it.category))
 
     def nearest(self, reference: "PromptSuite", n: int) -> "PromptSuite":
@@ -150,9 +140,7 @@ class PromptSuite:
             centroid.update(unit(_words(it)))
         score = [sum(x * centroid.get(w, 0.0) for w, x in unit(d).items()) for d in docs]
         keep = sorted(sorted(range(len(docs)), key=lambda i: (-score[i], i))[:n])
-        items = tuple(self.items[i] for i in keep)
-        return PromptSuite(name=f"{self.name} (nearest {len(items)} to {reference.name})", items=items,
-                           content_hash=_content_hash(items))
+        return _suite(f"{self.name} (nearest {len(keep)} to {reference.name})", [self.items[i] for i in keep])
 
     def __len__(self) -> int:
         return len(self.items)
@@ -167,14 +155,15 @@ def _words(item: PromptItem) -> list[str]:
     return re.findall(r"[a-z]+", " ".join(m["content"] for m in item.messages).lower())
 
 
-def _content_hash(items: tuple[PromptItem, ...]) -> str:
-    """The prompts' identity (ids and messages; a category is a label, not content: relabelling keeps caches)."""
+def _suite(name: str, items) -> PromptSuite:
+    """A suite and its content hash: the prompts' identity (ids and messages; a category is a label, not content:
+    relabelling keeps caches)."""
+    items = tuple(items)
     payload = [{"id": item.id, "messages": list(item.messages)} for item in items]
     blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+    return PromptSuite(name=name, items=items, content_hash=hashlib.sha256(blob.encode("utf-8")).hexdigest())
 
 
-_FIELDS = ("prompt", "messages", "turns", "conversations")
 _EXPECTED = ('"prompt" or "messages" (ours, OpenAI chat), "turns" (z-lab, DeepSpec, Spec-Bench) or '
              '"conversations" (ShareGPT)')
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -228,6 +217,9 @@ def _from_sharegpt(value, where: str) -> tuple[dict, ...]:
     return tuple(out)
 
 
+_PARSERS = {"prompt": _from_prompt, "messages": _parse_messages, "turns": _from_turns, "conversations": _from_sharegpt}
+
+
 def _row_id(obj: dict, where: str, default: str) -> str:
     """The row's `id` (or Spec-Bench's `question_id`), as a string; rows with neither get `default`."""
     for key in ("id", "question_id"):
@@ -244,16 +236,14 @@ def _row_id(obj: dict, where: str, default: str) -> str:
 
 def _parse_row(obj: dict, where: str, default_id: str, stem: str) -> PromptItem:
     """One row in any of the formats (told by its fields, see the module docstring)."""
-    keys = [k for k in _FIELDS if k in obj]
+    keys = [k for k in _PARSERS if k in obj]
     if not keys:
         raise ValueError(f"{where}: no prompt field (it has {', '.join(sorted(obj)) or 'none'}); "
                          f"expected {_EXPECTED}, e.g. {_EXAMPLE}")
     if len(keys) > 1:
         raise ValueError(f"{where}: has both {keys[0]!r} and {keys[1]!r}; keep only one of them")
     pid = _row_id(obj, where, default_id)
-    parse = {"prompt": _from_prompt, "messages": _parse_messages, "turns": _from_turns,
-             "conversations": _from_sharegpt}[keys[0]]
-    messages = parse(obj[keys[0]], f"{where} (id {pid!r})")
+    messages = _PARSERS[keys[0]](obj[keys[0]], f"{where} (id {pid!r})")
     if not any(m["role"] == "user" for m in messages):
         raise ValueError(f"{where}: item {pid!r} has no user message; a conversation needs at least one user turn")
     category = obj.get("category")
@@ -272,10 +262,8 @@ def _parse_lines(text: str, source: str, stem: str) -> tuple[PromptItem, ...]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); "
-                f"each line must be one JSON object such as {_EXAMPLE}"
-            ) from None
+            raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); "
+                             f"each line must be one JSON object such as {_EXAMPLE}") from None
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}; write it as {_EXAMPLE}")
         item = _parse_row(obj, where, f"{stem}-{lineno}", stem)
@@ -290,7 +278,6 @@ def _parse_lines(text: str, source: str, stem: str) -> tuple[PromptItem, ...]:
 
 
 def _load_one(spec: str) -> tuple[PromptItem, ...]:
-    """The items of a built-in suite or one file."""
     if spec in BUILTIN_SUITES:
         text = resources.files(__name__).joinpath(f"{spec}.jsonl").read_text(encoding="utf-8")
         return _parse_lines(text, f"{spec}.jsonl", spec)
@@ -314,10 +301,8 @@ def _load_one(spec: str) -> tuple[PromptItem, ...]:
 
 def load_prompts(spec: str | os.PathLike) -> PromptSuite:
     """Load a built-in suite by name (see BUILTIN_SUITES), a JSONL file by path, or several joined by commas (one
-    suite; a row without a category takes its file's stem as one).
-
-    Raises ValueError naming the file, line and fix for any malformed input.
-    """
+    suite; a row without a category takes its file's stem as one). Raises ValueError naming the file, line and fix
+    for any malformed input."""
     spec_str = os.fspath(spec)
     parts = [spec_str] if spec_str in BUILTIN_SUITES or os.path.isfile(spec_str) or "," not in spec_str else \
         [p.strip() for p in spec_str.split(",") if p.strip()]
@@ -329,8 +314,7 @@ def load_prompts(spec: str | os.PathLike) -> PromptSuite:
                                  "the files of one suite")
             where[it.id] = part
             items.append(it)
-    items = tuple(items)
-    return PromptSuite(name=spec_str, items=items, content_hash=_content_hash(items))
+    return _suite(spec_str, items)
 
 
 def select_prompts(spec: str, num_prompts: int | None = None, per_category: int | None = None) -> PromptSuite:

@@ -23,14 +23,16 @@ def _figure():
     """A bare Figure, not pyplot's: no process-wide backend switch and no global figure registry to close."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.2), dpi=110)
-    return fig, fig.add_subplot()
+    return Figure(figsize=(7, 4.2), dpi=110).add_subplot()
 
 
-def _save(fig, path, fit_labels: bool = False) -> Path:
+def _save(ax, path, legend: bool, grid: str = "both", fit_labels: bool = False) -> Path:
     """Fixed margins where the labels are short; fit_labels measures them (tight_layout draws the figure once
     more: a third of the time of a plot) for the category names under grouped bars."""
-    path = Path(path)
+    ax.grid(alpha=0.3, axis=grid)
+    if legend:
+        ax.legend()
+    fig, path = ax.figure, Path(path)
     if fit_labels:
         fig.tight_layout()
     else:
@@ -41,22 +43,18 @@ def _save(fig, path, fit_labels: bool = False) -> Path:
 
 
 def line_plot(path, series: dict[str, tuple[list, list]], title: str, xlabel: str, ylabel: str, ylim=None) -> Path:
-    """One line per named series of (x, y)."""
-    fig, ax = _figure()
+    ax = _figure()
     for name, (x, y) in series.items():
         ax.plot(x, y, marker="o", markersize=3, label=name)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     if ylim:
         ax.set_ylim(*ylim)
-    ax.grid(alpha=0.3)
-    if len(series) > 1:
-        ax.legend()
-    return _save(fig, path)
+    return _save(ax, path, len(series) > 1)
 
 
 def bar_plot(path, groups: dict[str, dict[str, float]], title: str, ylabel: str) -> Path:
     """Grouped bars: groups[category][series] = value."""
-    fig, ax = _figure()
+    ax = _figure()
     cats = list(groups)
     names = list(dict.fromkeys(n for g in groups.values() for n in g))
     width = 0.8 / max(1, len(names))
@@ -65,28 +63,22 @@ def bar_plot(path, groups: dict[str, dict[str, float]], title: str, ylabel: str)
         ax.bar(xs, [groups[c].get(name, 0.0) for c in cats], width=width, label=name)
     ax.set_xticks([c + width * (len(names) - 1) / 2 for c in range(len(cats))], cats, rotation=20, ha="right")
     ax.set(title=title, ylabel=ylabel)
-    ax.grid(alpha=0.3, axis="y")
-    if len(names) > 1:
-        ax.legend()
-    return _save(fig, path, fit_labels=True)
+    return _save(ax, path, len(names) > 1, "y", fit_labels=True)
 
 
 def hist_plot(path, series: dict[str, list[float]], title: str, xlabel: str, start: int = 0) -> Path:
     """Side-by-side histograms given as per-bin fractions or counts, bins start, start+1, ..."""
-    fig, ax = _figure()
+    ax = _figure()
     width = 0.8 / max(1, len(series))
     for i, (name, vals) in enumerate(series.items()):
         ax.bar([start + j + i * width for j in range(len(vals))], vals, width=width, label=name)
     ax.set(title=title, xlabel=xlabel, ylabel="fraction")
-    ax.grid(alpha=0.3, axis="y")
-    if len(series) > 1:
-        ax.legend()
-    return _save(fig, path)
+    return _save(ax, path, len(series) > 1, "y")
 
 
 def scatter_against_measured(path, points: dict[str, tuple[float, float]], title: str, unit: str, band: float) -> Path:
     """points[label] = (measured, predicted): one dot each, the diagonal and the +-band around it."""
-    fig, ax = _figure()
+    ax = _figure()
     top = max(max(p) for p in points.values()) * 1.1
     ax.plot([0, top], [0, top], color="grey", linewidth=1, label="predicted = measured")
     ax.fill_between([0, top], [0, top * (1 - band)], [0, top * (1 + band)], color="grey", alpha=0.15,
@@ -95,6 +87,5 @@ def scatter_against_measured(path, points: dict[str, tuple[float, float]], title
         ax.scatter([measured], [predicted], s=25)
         ax.annotate(name, (measured, predicted), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set(title=title, xlabel=f"measured {unit}", ylabel=f"predicted {unit}", xlim=(0, top), ylim=(0, top))
-    ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
-    return _save(fig, path)
+    return _save(ax, path, False)

@@ -23,19 +23,13 @@ def rounding_tolerance(dtype: str | None, logit: float) -> float:
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first new-token index where a and b differ (the shorter one's length when one is a prefix of the
     other); None when equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def margin_at(records: tuple[dict, dict], i: int) -> dict | None:
     """The top-2 margin recorded at token i, from the first run that has it (a run's logits there are the same
     prefix's: both runs agree on tokens before i)."""
-    for r in records:
-        m = (r.get("top2") or {}).get(str(i))
-        if m is not None:
-            return m
-    return None
+    return next((m for r in records if (m := (r.get("top2") or {}).get(str(i))) is not None), None)
 
 
 def top2_at(target, record: dict, i: int) -> tuple[float, float]:
@@ -75,7 +69,6 @@ def around(a: list[int], b: list[int], i: int, decode=None) -> dict:
 
 
 def compare_pair(ra: dict, rb: dict, decode=None) -> dict:
-    """One prompt of two runs."""
     a, b = ra["tokens"], rb["tokens"]
     i = first_divergence(a, b)
     m = margin_at((ra, rb), i) if i is not None else None
@@ -101,7 +94,6 @@ def parity(a: list[dict], b: list[dict], decode=None) -> dict:
 
 
 def describe(x: dict) -> str:
-    """One line for a prompt's comparison."""
     if x["equal"]:
         return f"{x['prompt']}: equal ({x['lengths'][0]} tokens)"
     line = f"{x['prompt']}: parts at token {x['index']} ({x['verdict']}"

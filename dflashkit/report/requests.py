@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import atomic_path
+from dflashkit.fileio import write_text
 
 SCHEMA = "dflashkit-request/1"
 FILE = "requests.jsonl"  # beside a bench's results.json; `generate --out` writes the same lines
@@ -72,18 +72,15 @@ def check_record(rec: dict, where: str) -> dict:
         got = rec.get("schema") if isinstance(rec, dict) else type(rec).__name__
         raise DFlashError(f"{where}: field 'schema' is {got!r}, expected {SCHEMA!r}; write it with `dflashkit bench` "
                           "or `dflashkit generate --out`")
-    lost = [k for k in FIELDS if k not in rec]
-    if lost:
+    if lost := [k for k in FIELDS if k not in rec]:
         raise DFlashError(f"{where}: a record lacks field {lost[0]!r} ({SCHEMA}); rewrite it with this dflashkit")
     return rec
 
 
 def write_requests(path, records: list[dict]) -> Path:
     """One JSON line per record, atomically (an interrupted write leaves the old file or none)."""
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+    write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+    return Path(path)
 
 
 def read_requests(path) -> list[dict]:

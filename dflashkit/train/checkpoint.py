@@ -49,11 +49,7 @@ def step_dirs(run: Path) -> list[Path]:
 
 def latest_checkpoint(run) -> Path | None:
     """The checkpoint a rerun continues from: latest.json's, else the highest complete step folder."""
-    run = Path(run)
-    p = run_latest(run)
-    if p is not None and (p / STATE_FILE).is_file():
-        return p
-    done = [p for p in step_dirs(run) if (p / STATE_FILE).is_file()]
+    done = [p for p in [*step_dirs(Path(run)), run_latest(run)] if p is not None and (p / STATE_FILE).is_file()]
     return done[-1] if done else None
 
 

@@ -6,6 +6,7 @@ never silently falls back to a default. `dflashkit train --print-config` prints 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import types
@@ -102,45 +103,35 @@ class TrainConfig:
 
     def check(self) -> "TrainConfig":
         """Value checks that types cannot express; returns self."""
-        def bad(key, why):
-            raise DFlashError(f"train config: {key}={getattr(self, key)!r} {why}")
-        for key, allowed in (("loss", ("ce", "kl")), ("distributed", ("ddp", "fsdp")),
-                             ("attention", ("auto", "flex", "chunked", "dense")), ("arch", ("dflash", "dflash2")),
-                             ("eval_anchors", ("stride", "walk"))):
-            if getattr(self, key) not in allowed:
-                bad(key, f"is not one of: {', '.join(allowed)}")
-        if self.dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16"):
-            bad("dtype", "is not one of: auto, float32, bfloat16")
         if isinstance(self.draft_vocab, str) and self.draft_vocab.isdigit():
             self.draft_vocab = int(self.draft_vocab)
-        if isinstance(self.draft_vocab, str) and self.draft_vocab not in ("auto", "none") and \
-                not self.draft_vocab.endswith(".json"):
-            bad("draft_vocab", "is not auto, none, a positive integer or a .json file of token ids")
-        if isinstance(self.draft_vocab, int) and self.draft_vocab < 1:
-            bad("draft_vocab", "must be a positive integer")
-        if self.block_size < 2:
-            bad("block_size", "must be at least 2")
-        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                    "anchors_per_seq", "batch_size", "grad_accum", "head_chunk", "num_layers", "max_seq_len",
-                    "save_every", "keep_last"):
-            if getattr(self, key) < 1:
-                bad(key, "must be at least 1")
-        if self.num_target_layers is not None and self.num_target_layers < 1:
-            bad("num_target_layers", "must be at least 1 (or null: one per drafter layer)")
-        if self.steps is not None and self.steps < 1:
-            bad("steps", "must be at least 1 (or null to use epochs)")
-        if self.steps is None and not self.epochs > 0:
-            bad("epochs", "must be positive when steps is null")
-        if not 0 <= self.warmup_ratio < 1:
-            bad("warmup_ratio", "must be in [0, 1)")
-        if self.gamma is not None and not self.gamma > 0:
-            bad("gamma", "must be positive")
-        if self.schedule_minutes is not None and not self.schedule_minutes > 0:
-            bad("schedule_minutes", "must be positive (or null)")
-        if self.noise_std < 0:
-            bad("noise_std", "must be >= 0")
-        if len(self.betas) != 2:
-            bad("betas", "must be two numbers, e.g. [0.9, 0.95]")
+        dv = self.draft_vocab
+        enums = dict(loss=("ce", "kl"), distributed=("ddp", "fsdp"), attention=("auto", "flex", "chunked", "dense"),
+                     arch=("dflash", "dflash2"), eval_anchors=("stride", "walk"))
+        rules = [(key, getattr(self, key) in ok, f"is not one of: {', '.join(ok)}") for key, ok in enums.items()]
+        rules += [
+            ("dtype", self.dtype in ("auto", "float32", "fp32", "bfloat16", "bf16"),
+             "is not one of: auto, float32, bfloat16"),
+            ("draft_vocab", not isinstance(dv, str) or dv in ("auto", "none") or dv.endswith(".json"),
+             "is not auto, none, a positive integer or a .json file of token ids"),
+            ("draft_vocab", not isinstance(dv, int) or dv >= 1, "must be a positive integer"),
+            ("block_size", self.block_size >= 2, "must be at least 2"),
+            *((key, getattr(self, key) >= 1, "must be at least 1") for key in (
+                "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "anchors_per_seq",
+                "batch_size", "grad_accum", "head_chunk", "num_layers", "max_seq_len", "save_every", "keep_last")),
+            ("num_target_layers", self.num_target_layers is None or self.num_target_layers >= 1,
+             "must be at least 1 (or null: one per drafter layer)"),
+            ("steps", self.steps is None or self.steps >= 1, "must be at least 1 (or null to use epochs)"),
+            ("epochs", self.steps is not None or self.epochs > 0, "must be positive when steps is null"),
+            ("warmup_ratio", 0 <= self.warmup_ratio < 1, "must be in [0, 1)"),
+            ("gamma", self.gamma is None or self.gamma > 0, "must be positive"),
+            ("schedule_minutes", self.schedule_minutes is None or self.schedule_minutes > 0,
+             "must be positive (or null)"),
+            ("noise_std", not self.noise_std < 0, "must be >= 0"),
+            ("betas", len(self.betas) == 2, "must be two numbers, e.g. [0.9, 0.95]")]
+        for key, ok, why in rules:
+            if not ok:
+                raise DFlashError(f"train config: {key}={getattr(self, key)!r} {why}")
         return self
 
     def to_dict(self) -> dict:
@@ -171,10 +162,8 @@ def _type_ok(value, tp) -> bool:
 def _coerce(key: str, value, tp, source: str):
     args = typing.get_args(tp) or (tp,)
     if float in args and isinstance(value, str):  # PyYAML reads 6e-4 (no dot) as a string
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
     if not _type_ok(value, tp):
         name = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
         raise DFlashError(f"{source}: {key}={value!r} has the wrong type (expected {name}); fix the value of {key}")
@@ -186,11 +175,10 @@ def _coerce(key: str, value, tp, source: str):
 
 
 def apply(cfg: TrainConfig, values: dict, source: str) -> TrainConfig:
-    hints = typing.get_type_hints(TrainConfig)
-    known = {f.name for f in fields(TrainConfig)}
+    hints = typing.get_type_hints(TrainConfig)  # one per field
     for key, value in values.items():
-        if key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=2)
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), sorted(hints), n=2)
             hint = f" (did you mean {' or '.join(close)}?)" if close else ""
             raise DFlashError(f"{source}: unknown setting {key!r}{hint}; `dflashkit train --print-config` lists them all")
         setattr(cfg, key, _coerce(key, value, hints[key], source))
@@ -226,8 +214,7 @@ def load_config(path=None, overrides: list[str] | dict | None = None) -> TrainCo
             raise DFlashError(f"{p}: expected a mapping of settings (key: value), got {type(values).__name__}")
         apply(cfg, values, str(p))
     if overrides:
-        ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
-        apply(cfg, ov, "command line")
+        apply(cfg, overrides if isinstance(overrides, dict) else parse_overrides(overrides), "command line")
     return cfg.check()
 
 

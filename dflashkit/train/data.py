@@ -33,7 +33,6 @@ class Sequence:
 
 
 # ---- sources ------------------------------------------------------------------------------------------
-
 class MemorySource:
     """Sequences with precomputed features in memory (tests and small experiments).
 
@@ -44,8 +43,7 @@ class MemorySource:
     def __init__(self, seqs: list[Sequence], features: list[torch.Tensor], layer_ids: list[int],
                  last: list[torch.Tensor] | None = None, description: str = "in-memory sequences"):
         self.seqs, self._features, self._last = seqs, features, last
-        self.layer_ids = list(layer_ids)
-        self.description = description
+        self.layer_ids, self.description = list(layer_ids), description
 
     def check(self, target, layer_ids: list[int], need_last: bool) -> None:
         if list(layer_ids) != self.layer_ids:
@@ -54,9 +52,8 @@ class MemorySource:
             raise DFlashError(f"{self.description}: loss kl needs the target's last layer states; none given")
 
     def batch(self, idx: list[int], target, layer_ids, need_last: bool):
-        feats = _pad([self._features[i][: self.seqs[i].length] for i in idx])
-        last = _pad([self._last[i][: self.seqs[i].length] for i in idx]) if need_last else None
-        return feats, last
+        return (_pad([self._features[i][: self.seqs[i].length] for i in idx]),
+                _pad([self._last[i][: self.seqs[i].length] for i in idx]) if need_last else None)
 
 
 class CacheSource:
@@ -66,11 +63,8 @@ class CacheSource:
 
     def __init__(self, path, target, num_sequences: int | None, max_len: int):
         self.cache = open_cache(path, num_prompts=num_sequences, expect_target=target.identity())
-        self.description = f"cache {path}"
-        self.layer_ids = list(self.cache.layer_ids)
-        self.seqs = []
-        for rec in self.cache:
-            self.seqs.append(Sequence(rec.id, rec.tokens[:max_len].long(), int(rec.prompt_len)))
+        self.description, self.layer_ids = f"cache {path}", list(self.cache.layer_ids)
+        self.seqs = [Sequence(rec.id, rec.tokens[:max_len].long(), int(rec.prompt_len)) for rec in self.cache]
 
     def check(self, target, layer_ids: list[int], need_last: bool) -> None:
         missing = [i for i in layer_ids if i not in self.layer_ids]
@@ -111,8 +105,7 @@ class OnlineSource:
                 raise DFlashError(f"{path}: holds {len(records)} sequences, num_sequences asks for {num_sequences}; "
                                   "generate more or lower num_sequences")
             records = records[:num_sequences]
-        self.description = f"sequences {path}"
-        self.layer_ids = None
+        self.description, self.layer_ids = f"sequences {path}", None
         self.seqs = [Sequence(r["id"], torch.tensor(r["prompt_ids"] + r["completion_ids"], dtype=torch.long)[:max_len],
                               len(r["prompt_ids"])) for r in records]
 
@@ -146,10 +139,7 @@ def data_kind(data: str) -> str:
 
 
 def open_source(data: str, target, num_sequences: int | None, max_len: int):
-    """A cache folder (manifest.json) or a sequences JSONL."""
-    kind = data_kind(data)
-    cls = CacheSource if kind == "cache" else OnlineSource
-    return cls(data, target, num_sequences, max_len)
+    return (CacheSource if data_kind(data) == "cache" else OnlineSource)(data, target, num_sequences, max_len)
 
 
 def usable(seqs: list[Sequence]) -> list[int]:
@@ -158,7 +148,6 @@ def usable(seqs: list[Sequence]) -> list[int]:
 
 
 # ---- draft vocabulary ---------------------------------------------------------------------------------
-
 def draft_vocabulary(setting, seqs: list[Sequence], target) -> list[int] | None:
     """auto: every token of the training responses + the tokenizer's specials; N: the N most frequent response
     tokens + specials; FILE.json: its list of token ids + specials; none: the full vocabulary (None)."""
@@ -173,18 +162,12 @@ def draft_vocabulary(setting, seqs: list[Sequence], target) -> list[int] | None:
         if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < target.vocab_size for i in ids):
             raise DFlashError(f"draft_vocab={setting}: must be a JSON list of token ids in 0..{target.vocab_size - 1}")
         return sorted(set(ids) | specials)
-    counts = Counter()
-    for s in seqs:
-        counts.update(s.tokens[s.prompt_len:].tolist())
-    if setting == "auto":
-        keep = set(counts)
-    else:
-        keep = {t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: int(setting)]}
-    return sorted(keep | specials)
+    counts = Counter(t for s in seqs for t in s.tokens[s.prompt_len:].tolist())
+    keep = counts if setting == "auto" else sorted(counts, key=lambda t: (-counts[t], t))[: int(setting)]
+    return sorted(set(keep) | specials)
 
 
 # ---- anchors and blocks -------------------------------------------------------------------------------
-
 def mix_seed(*parts: int) -> int:
     """A 63-bit seed from integers (FNV-style): one generator per (seed, epoch, sequence, purpose)."""
     h = 1469598103934665603
@@ -225,10 +208,8 @@ class Batch:
         return Batch(*(t.to(device) for t in (self.anchors, self.valid, self.block_ids, self.labels, self.lengths)))
 
 
-def build_batch(seqs: list[Sequence], anchors: list[torch.Tensor], block_size: int, mask_id: int,
-                slot0: str = "seed") -> Batch:
-    """Blocks at positions a..a+B-1; slot 0 = the anchor token (no loss), slots 1..B-1 = MASK with label a+k
-    (slot0="mask": the engines' failure of docs/design.md section 14, for the test that shows what it costs)."""
+def build_batch(seqs: list[Sequence], anchors: list[torch.Tensor], block_size: int, mask_id: int) -> Batch:
+    """Blocks at positions a..a+B-1; slot 0 = the anchor token (no loss), slots 1..B-1 = MASK with label a+k."""
     B, b = block_size, len(seqs)
     n = max(1, max(len(a) for a in anchors))
     T = max(s.length for s in seqs)
@@ -244,7 +225,7 @@ def build_batch(seqs: list[Sequence], anchors: list[torch.Tensor], block_size: i
     labels = at.clone()
     labels[:, :, 0] = -100
     labels[~valid] = -100
-    block_ids = make_block_ids(torch.where(valid, at[:, :, 0], mask_id), B, mask_id, slot0)
+    block_ids = make_block_ids(torch.where(valid, at[:, :, 0], mask_id), B, mask_id)
     return Batch(A, valid, block_ids, labels, torch.tensor([s.length for s in seqs]))
 
 

@@ -41,26 +41,11 @@ from dflashkit.fileio import write_json, write_text
 from dflashkit.report import line_plot, markdown_table
 from dflashkit.rng import seeded
 from dflashkit.targets.model import load_target, pick_dtype
-from dflashkit.train.checkpoint import (
-    check_resume_contract,
-    latest_checkpoint,
-    load_train_state,
-    resume_contract,
-    save_best,
-    save_checkpoint,
-)
+from dflashkit.train.checkpoint import (check_resume_contract, latest_checkpoint, load_train_state, resume_contract,
+                                       save_best, save_checkpoint)
 from dflashkit.train.config import TrainConfig, default_gamma
-from dflashkit.train.data import (
-    add_noise,
-    build_batch,
-    data_kind,
-    draft_vocabulary,
-    epoch_order,
-    mix_seed,
-    open_source,
-    sample_anchors,
-    usable,
-)
+from dflashkit.train.data import (add_noise, build_batch, data_kind, draft_vocabulary, epoch_order, mix_seed,
+                                 open_source, sample_anchors, usable)
 from dflashkit.train.loss import block_loss, predecessors, slot_weights, step_weight
 
 METRIC_COLUMNS = ["step", "epoch", "loss", "loss_name", "pos1_acc", "slot_acc", "lr", "grad_norm", "blocks",
@@ -93,8 +78,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
             bar.update(step, row)
             if on_step is not None:
                 on_step(step, row)
-            reason = stop_reason(r, stop, clock)
-            if reason:
+            if reason := stop_reason(r, stop, clock):
                 break
             if step % cfg.save_every == 0 and step < r.total:
                 save(r, step, clock, finished=False, reason="periodic")
@@ -192,10 +176,9 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
                           f"(batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} x {d.world} processes); "
                           "lower batch_size or add data")
     total = cfg.steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    eval_cache = None  # opened (and checked) on every process: they all join the evaluation's gather
-    if cfg.eval_cache:
-        eval_cache = open_cache(cfg.eval_cache, num_prompts=cfg.eval_prompts, expect_target=target.identity(),
-                                layer_ids=layer_ids)
+    # opened (and checked) on every process: they all join the evaluation's gather
+    eval_cache = open_cache(cfg.eval_cache, num_prompts=cfg.eval_prompts, expect_target=target.identity(),
+                            layer_ids=layer_ids) if cfg.eval_cache else None
 
     ckpt = latest_checkpoint(cfg.out) if cfg.resume else None
     state = load_train_state(ckpt) if ckpt else None
@@ -223,10 +206,9 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
 
 def drafter_shape(cfg: TrainConfig) -> dict:
     """The architecture settings of a new drafter (DFlash2's convolutions and selector only when arch is dflash2)."""
-    if cfg.arch == "dflash":
-        return {}
-    return dict(arch=cfg.arch, conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
-                selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+    return {} if cfg.arch == "dflash" else dict(arch=cfg.arch, conv_kernel_size=cfg.conv_kernel_size,
+                                                conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
+                                                selector_top_k=cfg.selector_top_k)
 
 
 def load_init(cfg: TrainConfig, target):
@@ -352,8 +334,6 @@ class StepStats:
     selector_correct: float = 0.0  # of which it picked the true token (teacher-forced predecessor)
 
     def summed(self, d: Dist) -> "StepStats":
-        if d.world == 1:
-            return self
         return StepStats(*all_sum(torch.tensor(astuple(self), dtype=torch.float64), d).tolist())
 
     def row(self, step: int, epoch: int, loss_name: str, lr: float, grad_norm: float, clock: "Clock", device) -> dict:
@@ -387,9 +367,9 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
             loss, st = block_loss(hidden, batch.labels, r.slot_w, r.head, cfg.loss, norm, last_states, batch.anchors,
                                   cfg.head_chunk, selector, pred, cfg.selector_loss_alpha)
             (loss * d.world).backward()  # DDP/FSDP average gradients; the loss is already globally normalised
-        for key, value in {**st, "loss": loss.item(), "blocks": int(batch.valid.sum())}.items():
+        for key, value in {**st, "loss": loss.item(), "blocks": int(batch.valid.sum()),
+                           "tokens": int(batch.lengths.sum())}.items():
             setattr(stats, key, getattr(stats, key) + value)
-        stats.tokens += int(batch.lengths.sum())
     return stats
 
 
@@ -420,9 +400,8 @@ def grad_sync(r: Run, last: bool):
 
 def autocast(r: Run):
     """bf16 compute where pick_dtype chose it; master weights and the loss stay float32."""
-    if r.compute_dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(r.d.device.type, dtype=r.compute_dtype)
+    on = r.compute_dtype != torch.float32
+    return torch.autocast(r.d.device.type, dtype=r.compute_dtype) if on else contextlib.nullcontext()
 
 
 def optimizer_step(r: Run, step: int, clock: "Clock") -> tuple[float, float]:
@@ -439,8 +418,9 @@ def optimizer_step(r: Run, step: int, clock: "Clock") -> tuple[float, float]:
 
 
 def learning_rate(r: Run, step: int, clock: "Clock") -> float:
-    """The rate of the step covering progress [step, step + 1] / total; with schedule_minutes, progress is whichever
-    of steps and training time runs out first (rank 0's clock, shared so that every process uses the same rate)."""
+    """The rate of the step covering schedule progress [step, step + 1] / total: linear warmup over the first
+    warmup_ratio, then cosine down to min_lr_ratio. With schedule_minutes, progress is whichever of steps and training
+    time runs out first (rank 0's clock, shared so that every process uses the same rate)."""
     cfg = r.cfg
     span = torch.tensor([step / r.total, (step + 1) / r.total], dtype=torch.float64)
     if cfg.schedule_minutes:
@@ -448,24 +428,18 @@ def learning_rate(r: Run, step: int, clock: "Clock") -> float:
         by_time = torch.tensor([now, now + clock.last_step], dtype=torch.float64) / (60 * cfg.schedule_minutes)
         span = torch.maximum(span, by_time)
         span = all_sum(span if r.d.master else torch.zeros(2, dtype=torch.float64), r.d)
-    return cfg.lr * lr_at(float(span[0]), float(span[1]), cfg.warmup_ratio, cfg.min_lr_ratio)
-
-
-def lr_at(start: float, end: float, warmup_ratio: float, min_ratio: float) -> float:
-    """Learning-rate factor of a step covering schedule progress [start, end] (fractions in 0..1): linear warmup
-    over the first warmup_ratio, then cosine down to min_ratio."""
-    if warmup_ratio > 0 and end <= warmup_ratio:
-        return end / warmup_ratio
-    t = min(1.0, max(0.0, (start - warmup_ratio) / max(1e-9, 1 - warmup_ratio)))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+    (start, end), warmup, floor = span.tolist(), cfg.warmup_ratio, cfg.min_lr_ratio
+    if warmup > 0 and end <= warmup:
+        return cfg.lr * (end / warmup)
+    t = min(1.0, max(0.0, (start - warmup) / max(1e-9, 1 - warmup)))
+    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 class Clock:
     """Training time, counted across resumes: what max_minutes, schedule_minutes and the logs read."""
 
     def __init__(self, before: float):
-        self.before, self.t0 = before, time.time()
-        self.last_step = 0.0  # seconds the previous step took
+        self.before, self.t0, self.last_step = before, time.time(), 0.0  # last_step: seconds the previous step took
 
     def elapsed(self) -> float:
         return self.before + time.time() - self.t0
@@ -476,8 +450,7 @@ class StopFlag:
     """Ctrl-C / SIGTERM ask for a clean stop after the current step (a second Ctrl-C aborts at once)."""
 
     def __init__(self):
-        self.reason = None
-        self._old = {}
+        self.reason, self._old = None, {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -526,8 +499,7 @@ def evaluate_now(r: Run, step: int, metrics: "MetricsLog | None") -> dict | None
     msd, _ = full_state(r.model)
     res = None
     if r.d.master:
-        copy = plain_drafter(r.drafter.config, msd, r.vocab)
-        cfg = r.cfg
+        copy, cfg = plain_drafter(r.drafter.config, msd, r.vocab), r.cfg
         full = evaluate(copy.to(r.target.device), r.target, r.eval_cache, trees=tuple(cfg.eval_trees),
                         anchors=cfg.eval_anchors, max_blocks=cfg.eval_max_blocks, progress=False)
         res = {k: v for k, v in full["overall"].items() if isinstance(v, (int, float))}
@@ -590,21 +562,17 @@ class MetricsLog:
         self.path, self.eval_path = run / "metrics.csv", run / "eval.csv"
         run.mkdir(parents=True, exist_ok=True)
         for p in (self.path, self.eval_path):
-            rows = []
-            if p.is_file() and resume_step > 0:
-                with open(p, newline="") as f:
-                    rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
             if p.is_file():
+                with open(p, newline="") as f:
+                    rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step] if resume_step > 0 else []
                 p.unlink()
-            if rows:
-                self._append(p, rows)
+                if rows:
+                    self._append(p, rows)
         self.tb = None
-        try:  # TensorBoard only when its package is installed (it is not a dependency)
+        with contextlib.suppress(Exception):  # TensorBoard only when its package is installed (not a dependency)
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run / "tensorboard"))
-        except Exception:
-            pass
 
     @staticmethod
     def _append(path: Path, rows: list[dict]):
@@ -628,11 +596,9 @@ class MetricsLog:
                 self.tb.add_scalar(f"eval/{k}", v, step)
 
 
-
 def write_summary(run: Path, summary: dict, cfg: TrainConfig) -> None:
     hist = summary["history"]
-    slim = {k: v for k, v in summary.items() if k != "history"}
-    write_json(run / "summary.json", {**slim, "config": cfg.to_dict()})
+    write_json(run / "summary.json", {k: v for k, v in summary.items() if k != "history"} | {"config": cfg.to_dict()})
     tail = hist[-10:]
     mean = lambda k: sum(r[k] for r in tail) / len(tail) if tail else None  # noqa: E731
     rows = [["status", "finished" if summary["finished"] else f"STOPPED EARLY ({summary['stop_reason']})"],
@@ -641,9 +607,7 @@ def write_summary(run: Path, summary: dict, cfg: TrainConfig) -> None:
             ["position-1 accuracy (train, last steps)", mean("pos1_acc")],
             ["target tokens/s (last steps)", mean("tokens_per_s")],
             ["blocks/s (last steps)", mean("blocks_per_s")],
-            ["checkpoint", summary["checkpoint"]]]
-    for k, v in (summary.get("eval") or {}).items():
-        rows.append([f"eval {k}", v])
+            ["checkpoint", summary["checkpoint"]]] + [[f"eval {k}", v] for k, v in (summary.get("eval") or {}).items()]
     write_text(run / "summary.md", f"# Drafter training: {cfg.out}\n\n" + markdown_table(["", "value"], rows))
     if len(hist) > 1:
         steps = [r["step"] for r in hist]

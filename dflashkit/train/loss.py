@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from dflashkit.drafter.head import LOGIT_ELEMENTS, scaled
 
 
-
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     """[B] float32: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
     k = torch.arange(block_size, dtype=torch.float32)
@@ -53,8 +52,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, row_w, target, chunk: int, kind: str, scale=(1.0, None), top_k: int = 0):
-        need_grad = ctx.needs_input_grad[0]
-        n = hidden.shape[0]
+        need_grad, n = ctx.needs_input_grad[0], hidden.shape[0]
         chunk = max(1, min(chunk, LOGIT_ELEMENTS // weight.shape[0]))  # bounded whatever the vocabulary
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
@@ -66,13 +64,10 @@ class ChunkedHeadLoss(torch.autograd.Function):
                 logits, dlogits = scaled(F.linear(hidden[s:e].to(weight.dtype), weight).float(), *scale)  # [c, V]
                 if top_k:
                     top[s:e] = logits.topk(top_k, dim=-1).indices
-                logq = logits.log_softmax(-1)
-                lab = labels[s:e]
-                w = row_w[s:e]
+                logq, lab, w = logits.log_softmax(-1), labels[s:e], row_w[s:e]
                 correct[s:e] = logits.argmax(-1) == lab
                 if kind == "ce":
-                    ok = lab >= 0
-                    safe = lab.clamp(min=0)
+                    ok, safe = lab >= 0, lab.clamp(min=0)
                     nll = -logq.gather(1, safe[:, None])[:, 0]
                     total += (w * torch.where(ok, nll, 0.0)).sum()
                     if need_grad:
@@ -95,9 +90,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total, g_correct, g_top):
         (grad,) = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return (None,) * 9
-        return (grad * g_total).to(ctx.hidden_dtype), None, None, None, None, None, None, None, None
+        return ((grad * g_total).to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None,) + (None,) * 8
 
 
 def block_targets(labels: torch.Tensor, head, slot_w: torch.Tensor, kind: str):
@@ -141,8 +134,7 @@ def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidd
         pos = anchors[:, :, None] + torch.arange(B, device=labels.device) - 1  # [b, n, B]
         bi = torch.arange(b, device=labels.device)[:, None, None].expand(b, n, B)
         target = target_hidden[bi.reshape(-1)[flat], pos.reshape(-1)[flat].clamp(min=0)]
-    w = weight.reshape(-1)[flat]
-    idx = index.reshape(-1)[flat]
+    w, idx = weight.reshape(-1)[flat], index.reshape(-1)[flat]
     loss, correct, top = ChunkedHeadLoss.apply(h, head.weight, idx, w / norm, target, chunk, kind, head.scaling,
                                                selector.top_k if selector is not None else 0)
     first = slot == 1
@@ -156,12 +148,9 @@ def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidd
 
 
 def selector_loss(selector, head, h, top, idx, pred, row_w):
-    """DFlash2's candidate loss: sum_i row_w[i] * CE(scores_i, true candidate), scores as the selector computes
-    them over the top-k (the true token injected at rank k when missing). Rows without a label in the draft
-    vocabulary carry none. Returns (loss, picked [N] bool: the selector's choice is the true token)."""
-    k = top.shape[1]
-    ok = idx >= 0
-    hit = top == idx[:, None]
+    """DFlash2's candidate loss (module docstring): sum_i row_w[i] * CE(scores_i, true candidate); rows without a
+    label in the draft vocabulary carry none. Returns (loss, picked [N] bool: the selector picked the true token)."""
+    k, ok, hit = top.shape[1], idx >= 0, top == idx[:, None]
     present = hit.any(-1)
     cands = top.clone()
     cands[:, -1] = torch.where(present | ~ok, top[:, -1], idx.clamp(min=0))
