@@ -8,8 +8,8 @@ weights take to read; compiled, the step is a few dozen fused kernels. Why its l
 (native.cpp) on a CPU: they stream bf16 weights at the memory's speed (inductor's fused reduction is bound by one
 accumulator chain: 20.3 vs 15.7 ms a SmolLM2 step on a 2-core Xeon), and each row's sums have one fixed order, so
 every row of a chain or tree verify is the one-token step's, bit for bit. With bf16 weights on a CPU with AMX, tile
-products instead (`tiles`, the weights stored in tile order): as row-invariant, and a verify of 16 rows costs 1.7x
-one row instead of 3.3x (benchmarks/tile_verify.py), so trees pay. Elsewhere, inductor's reductions (`reduce`:
+products instead (`tiles`, the weights stored in tile order): as row-invariant, and a verify of 16 rows costs 1.5x
+one row instead of 3.1x (benchmarks/tile_verify.py), so trees pay. Elsewhere, inductor's reductions (`reduce`:
 row-invariant too; at one row faster than mm, 27 vs 18 GB/s on a 2-core EPYC, benchmarks/static_decode_probe.py).
 """
 
@@ -275,7 +275,7 @@ def linear_native(x, w):
 def linear_tiles(x, w):
     """dflashkit::linear_tiles (native.cpp): AMX tile products over bf16 weights in tile order, x split exactly into
     three bf16 parts; each row's sums in a fixed order whatever rows share the call, and a verify of 16 rows costs
-    about what one row does (one row 12 -> 10 ms of a SmolLM2 step's linears, 16 rows 44 -> 17, 2-core Xeon)."""
+    little more than one row does (benchmarks/tile_verify.py)."""
     return torch.ops.dflashkit.linear_tiles(x, w)
 
 
@@ -547,10 +547,11 @@ class StaticDecoder:
         for w in (w for w in self.steps if w != PREFILL and timed):
             args = self._probe_args(w, depth)
             times = []
-            for _ in range(timed):
-                t0 = time.perf_counter()
-                self._call(w, *args)
-                times.append(time.perf_counter() - t0)
+            with collector_paused():  # as the loops run it
+                for _ in range(timed):
+                    t0 = time.perf_counter()
+                    self._call(w, *args)
+                    times.append(time.perf_counter() - t0)
             out[w] = sorted(times)[len(times) // 2]
         return out
 
