@@ -12,20 +12,16 @@ import sys
 
 from dflashkit.errors import DFlashError
 
-# The stages a user walks through, in order; each module defines register(subparsers).
-STAGES = [
-    "dflashkit.targets.cli",
-    "dflashkit.drafter.cli",
-    "dflashkit.export",  # `drafter export`: it needs engines and evaluate, above the drafter stage
-    "dflashkit.cache.cli",
-    "dflashkit.evaluate.cli",
-    "dflashkit.prediction",  # `cost`, and `eval --engine`: it joins evaluate and decode, above both
-    "dflashkit.decode.cli",
-    "dflashkit.engines.cli",
-    "dflashkit.train.cli",
-    "dflashkit.configs.cli",
-    "dflashkit.demo",
-]
+# The stages a user walks through, in order; each module defines register(subparsers). export (`drafter export`)
+# needs engines and evaluate, above the drafter stage; prediction (`cost`, `eval --engine`) joins evaluate and decode.
+STAGES = ["dflashkit.targets.cli", "dflashkit.drafter.cli", "dflashkit.export", "dflashkit.cache.cli",
+          "dflashkit.evaluate.cli", "dflashkit.prediction", "dflashkit.decode.cli", "dflashkit.engines.cli",
+          "dflashkit.train.cli", "dflashkit.configs.cli", "dflashkit.demo"]
+
+# The only process state dflashkit sets (docs/design.md section 12): targets load from local folders,
+# transformers' advisory warnings and its loading bars would bury our own progress lines.
+ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
+               "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,15 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    # The only place dflashkit sets process state (docs/design.md section 12): targets load from local folders,
-    # transformers' advisory warnings and its loading bars would bury our own progress lines.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from dflashkit.threads import isa_environment  # torch's own kernels on the code path ours are built for
 
-    for key, value in isa_environment().items():
+    for key, value in {**ENVIRONMENT, **isa_environment()}.items():
         os.environ.setdefault(key, value)
     args = build_parser().parse_args(argv)
     before = None
@@ -93,8 +83,6 @@ def main(argv=None) -> int:
         return 130
     finally:
         if before is not None:  # an in-process caller (tests, notebooks) gets its own setting back
-            import torch
-
             torch.set_num_threads(before)
 
 

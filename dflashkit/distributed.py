@@ -6,8 +6,10 @@ from __future__ import annotations
 import atexit
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist  # `import torch` has loaded it already
 
 from dflashkit.targets.model import pick_device
 
@@ -29,8 +31,6 @@ def init_distributed(device: str = "auto") -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Dist(0, 1, pick_device(device))
-    import torch.distributed as dist
-
     cuda = device != "cpu" and torch.cuda.is_available()
     here = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
@@ -46,10 +46,6 @@ def init_distributed(device: str = "auto") -> Dist:
 def _end_group() -> None:
     """Every rank reaches exit before any ends the group: a rank that destroyed it while another still
     used it aborted that one (SIGABRT, 2 of ~10 CPU runs). A rank that never arrives is waited for a minute."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return
     try:
@@ -66,8 +62,6 @@ def all_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
     """Sum a small CPU tensor over processes (through the device: nccl reduces CUDA tensors only)."""
     if d.world == 1:
         return x
-    import torch.distributed as dist
-
     y = x.to(d.device)
     dist.all_reduce(y)
     return y.cpu()
@@ -75,19 +69,14 @@ def all_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
 
 def barrier(d: Dist) -> None:
     if d.world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
 
 
 def from_master(obj, d: Dist):
     """Rank 0's `obj` on every process (a decision all of them must share)."""
-    if d.world == 1:
-        return obj
-    import torch.distributed as dist
-
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    if d.world > 1:
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -95,8 +84,6 @@ def gather_all(obj, d: Dist) -> list:
     """Every process's `obj`, in rank order, on every process."""
     if d.world == 1:
         return [obj]
-    import torch.distributed as dist
-
     out = [None] * d.world
     dist.all_gather_object(out, obj)
     return out

@@ -10,6 +10,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from dflashkit.errors import DFlashError
+
 
 def home() -> Path:
     """Where prepared targets live: $DFLASHKIT_HOME, default ~/.cache/dflashkit."""
@@ -53,8 +55,6 @@ def _umask() -> int:
 def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
     """Refuse, before any work, an output path that cannot be created: its nearest existing ancestor must be a
     writable folder (the path itself may exist)."""
-    from dflashkit.errors import DFlashError
-
     p = Path(path).absolute()
     here = p if p.exists() else next(a for a in p.parents if a.exists())
     if here != p and not here.is_dir():
@@ -71,8 +71,6 @@ def rescue_dir(kind: str) -> Path:
 
 def read_json(path, fix: str = ""):
     """Parse a JSON file; a corrupt one is a DFlashError naming the file and, if given, the fix."""
-    from dflashkit.errors import DFlashError
-
     try:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
@@ -80,8 +78,7 @@ def read_json(path, fix: str = ""):
 
 
 def write_json(path, obj) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def write_text(path, text: str) -> None:

@@ -41,6 +41,10 @@ def register(sub) -> None:
     e.set_defaults(func=cmd_eval)
 
 
+def _log(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
 def engines_of(spec: str) -> list[str]:
     from dflashkit.decode.costmodel import check_model_engine
 
@@ -53,22 +57,21 @@ def engines_of(spec: str) -> list[str]:
     return names
 
 
-def models_for(names: list[str], target, proposer, force: bool = False, log=None) -> list:
+def models_for(names: list[str], target, proposer, force: bool = False) -> list:
     """The cost model of each engine named (auto made concrete for the drafter's methods, or plain decoding)."""
     from dflashkit.decode.costmodel import cost_model
     from dflashkit.decode.engine import resolve
 
     state: dict = {"proposer": proposer, "trees": True}
-    concrete = [resolve("auto", target, "chain" if proposer else "ar", state, log) if n == "auto" else n
-                for n in names]
-    return [cost_model(e, target, proposer, state, force=force, log=log) for e in dict.fromkeys(concrete)]
+    method = "chain" if proposer else "ar"
+    concrete = [resolve("auto", target, method, state, _log) if n == "auto" else n for n in names]
+    return [cost_model(e, target, proposer, state, force=force, log=_log) for e in dict.fromkeys(concrete)]
 
 
 def proposer_of(target, drafter_ref):
-    from dflashkit.decode.speculative import DFlashProposer
-
     if not drafter_ref:
         return None
+    from dflashkit.decode.speculative import DFlashProposer
     from dflashkit.drafter.checkpoint import load_drafter
 
     return DFlashProposer(target, load_drafter(drafter_ref, target=target, device=target.device, dtype=target.dtype))
@@ -81,22 +84,17 @@ def cmd_cost(args) -> int:
 
     names = engines_of(args.engine)  # a wrong name fails before the target loads
     target = load_target(args.target, device=args.device, dtype=args.dtype)  # in the dtype decoding runs it
-    proposer = proposer_of(target, args.drafter)
-    log = lambda m: print(m, file=sys.stderr)
-    models = models_for(names, target, proposer, force=args.force, log=log)
+    models = models_for(names, target, proposer_of(target, args.drafter), force=args.force)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# Cost models: {target.name}", ""] + [line for m in models for line in cost_markdown(m)]
     lines += ["![cost against n](cost.png)", ""]
-    write_json(out / "cost.json", {m.engine: m.to_dict() for m in models})
+    table = {m.engine: m.to_dict() for m in models}
+    write_json(out / "cost.json", table)
     write_text(out / "cost.md", "\n".join(lines))
     cost_plot(out / "cost.png", models, f"One target forward over n tokens ({target.name}, "
                                         f"{str(target.dtype).removeprefix('torch.')})")
-    if args.json:
-        json.dump({m.engine: m.to_dict() for m in models}, sys.stdout, indent=1)
-        print()
-    else:
-        print("\n".join(lines))
+    print(json.dumps(table, indent=1) if args.json else "\n".join(lines))
     print(f"wrote {out / 'cost.json'}, {out / 'cost.md'}, {out / 'cost.png'}", file=sys.stderr)
     return 0
 
@@ -107,9 +105,8 @@ def cmd_eval(args) -> int:
 
     names = engines_of(args.engine) if args.engine else []  # a wrong name fails before the evaluation runs
     result, target = run_eval_command(args)
-    if names:
-        for line in predict_eval(result, target, args, names):
-            print(line)
+    for line in predict_eval(result, target, args, names) if names else []:
+        print(line)
     return 0
 
 
@@ -121,7 +118,5 @@ def predict_eval(result: dict, target, args, names: list[str]) -> list[str]:
     source = (f"offline eval ({settings['anchors']} anchors, {result['overall']['blocks']} blocks, "
               f"{result['overall']['prompts']} prompts)")
     acceptance = offline_acceptance(result["overall"], settings["block_size"], source)
-    lines = []
-    for model in models_for(names, target, proposer, log=lambda m: print(m, file=sys.stderr)):
-        lines += prediction_markdown(predict_offline(acceptance, model), model, source)
-    return lines
+    return [line for model in models_for(names, target, proposer)
+            for line in prediction_markdown(predict_offline(acceptance, model), model, source)]

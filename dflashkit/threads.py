@@ -1,17 +1,14 @@
 """`--threads`: torch's intra-op threads for every command that runs models.
 
-torch starts one thread per logical CPU. The default is a number a user can predict: OMP_NUM_THREADS when set,
-else the physical cores this process may use, divided under torchrun by the processes it starts on this machine
-(LOCAL_WORLD_SIZE). It does not move with the machine's load: two processes that each take every core
-oversubscribe them, and spinning threads then make each 10-140x slower (beside one busy process on 2 cores the
-static decoder made 27.8 tok/s on two threads and 57.1 on one, against 86.7 quiet: SmolLM2 bf16, Zen 5), so the
-CLI looks at /proc/stat once and says so in one line, naming `--threads`, where other work keeps cores busy.
-Every result records the threads it ran on.
+torch starts one thread per logical CPU. Our default is one a user can predict: OMP_NUM_THREADS when set, else the
+physical cores this process may use, divided under torchrun by its processes on this machine (LOCAL_WORLD_SIZE).
+It ignores the machine's load: two processes that each take every core make each 10-140x slower (beside one busy
+process on 2 cores the static decoder made 27.8 tok/s on two threads and 57.1 on one, against 86.7 quiet: SmolLM2
+bf16, Zen 5), so the CLI samples /proc/stat once and names `--threads` in one line where other work keeps cores busy.
 
-The instruction set is a machine setting too: $DFLASHKIT_NATIVE_ISA (native, the default, or avx2) says what our
-C++ kernels (decode/native.py) and the llama.cpp peer (engines/install.py: a build of its own) are compiled for, so
-an AVX2-only CPU's code path can be measured, both sides alike, on any x86 machine. It is read per process (two
-builds of the same ops cannot both be loaded in one).
+$DFLASHKIT_NATIVE_ISA (native, the default, or avx2) says what our C++ kernels (decode/native.py) and the llama.cpp
+peer (engines/install.py) are compiled for, so an AVX2-only CPU's code path can be measured, both sides alike, on
+any x86 machine. It is read per process (two builds of the same ops cannot both be loaded in one).
 
 Wiring: `add_threads_option(parser)` on a subcommand's parser; `dflashkit.cli.main` calls `apply_threads(args)`
 before the command runs (call it yourself when parsing arguments elsewhere).
@@ -20,10 +17,10 @@ before the command runs (call it yourself when parsing arguments elsewhere).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
-
 
 ISA_VAR = "DFLASHKIT_NATIVE_ISA"
 ISAS = ("native", "avx2")
@@ -38,9 +35,9 @@ def isa() -> str:
 
 
 def isa_environment() -> dict[str, str]:
-    """What torch itself must be told before it loads, for its own kernels to take the same code path: ATen's
-    dispatch and inductor's vector ISA (ATEN_CPU_CAPABILITY) and inductor's -march. The CLI sets these; a Python
-    caller sets them before importing torch (decode/native.load refuses a mismatch)."""
+    """What torch must be told before it loads for its own kernels to take the same code path: ATen's dispatch and
+    inductor's vector ISA (ATEN_CPU_CAPABILITY) and inductor's -march. The CLI sets these; a Python caller sets them
+    before importing torch (decode/native.load refuses a mismatch)."""
     if os.environ.get(ISA_VAR) != "avx2":
         return {}
     return {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "haswell"}
@@ -56,13 +53,11 @@ def _usable_cpus() -> list[int]:
 def physical_cores() -> int:
     """Physical cores among the CPUs this process may run on (hyper-threads counted once)."""
     cpus = _usable_cpus()
-    cores = set()
-    for c in cpus:
-        f = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
-        try:
-            cores.add(f.read_text().strip())
-        except OSError:
-            return len(cpus)  # no topology information: count logical CPUs
+    topology = "/sys/devices/system/cpu/cpu{}/topology/thread_siblings_list"
+    try:
+        cores = {Path(topology.format(c)).read_text().strip() for c in cpus}
+    except OSError:
+        return len(cpus)  # no topology information: count logical CPUs
     return max(1, len(cores))
 
 
@@ -74,8 +69,7 @@ def _cpu_times(cpus: list[int]) -> tuple[int, int]:
         return 0, 0
     busy = total = 0
     wanted = {f"cpu{c}" for c in cpus}
-    for line in lines:
-        name, *vals = line.split()
+    for name, *vals in map(str.split, lines):
         if name in wanted:
             v = [int(x) for x in vals[:8]]
             total += sum(v)
@@ -85,15 +79,11 @@ def _cpu_times(cpus: list[int]) -> tuple[int, int]:
 
 def busy_cores(sample_s: float = 0.2) -> int:
     """Cores that other work kept busy over the last `sample_s` (this process sleeps meanwhile), rounded."""
-    import time
-
     cpus = _usable_cpus()
     b0, t0 = _cpu_times(cpus)
     time.sleep(sample_s)
     b1, t1 = _cpu_times(cpus)
-    if t1 <= t0:
-        return 0
-    return round(len(cpus) * (b1 - b0) / (t1 - t0))
+    return round(len(cpus) * (b1 - b0) / (t1 - t0)) if t1 > t0 else 0
 
 
 def under_torchrun() -> bool:
@@ -107,9 +97,7 @@ def default_threads() -> int:
         local = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()  # processes sharing this machine
         return max(1, physical_cores() // max(1, int(local) if local.isdigit() else 1))
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return physical_cores()
+    return int(env) if env.isdigit() and int(env) > 0 else physical_cores()
 
 
 def load_warning(threads: int, sample_s: float = 0.2) -> str | None:
@@ -123,19 +111,15 @@ def load_warning(threads: int, sample_s: float = 0.2) -> str | None:
 
 def add_threads_option(parser) -> None:
     """Add `--threads N` to an argparse (sub)parser."""
-    parser.add_argument(
-        "--threads", type=int, default=None, metavar="N",
-        help=f"torch CPU threads for this process (default: OMP_NUM_THREADS if set, else the physical cores, "
-             f"{physical_cores()} here; under torchrun divided by the processes it starts on this machine)",
-    )
+    parser.add_argument("--threads", type=int, default=None, metavar="N", help=(
+        "torch CPU threads for this process (default: OMP_NUM_THREADS if set, else the physical cores, "
+        f"{physical_cores()} here; under torchrun divided by the processes it starts on this machine)"))
 
 
 def apply_threads(args_or_n=None) -> int:
-    """Set torch's intra-op threads from parsed args (their `.threads`), an int, or None (the default).
-
+    """Set torch's intra-op threads from parsed args (their `.threads`), an int, or None (the default); returns them.
     An explicit number is set as given. The default is set as is under torchrun; otherwise it only ever lowers
-    the count, so an in-process caller that chose fewer threads (a test, a notebook) keeps its choice.
-    Returns the number of threads in use."""
+    the count, so an in-process caller that chose fewer threads (a test, a notebook) keeps its choice."""
     n = getattr(args_or_n, "threads", args_or_n)
     import torch
 

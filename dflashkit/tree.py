@@ -1,17 +1,16 @@
 """Draft trees, shared by offline evaluation and online decoding: DDTree (Ringel & Romano, arXiv:2604.12989),
 extra branches (n-gram continuations), the verify mask, the accepted-path walk and cost-aware pruning.
 
-A drafter pass gives logits[L, V] for the L draft positions of a block. DDTree treats them as a
-product distribution over drafts and keeps the `budget` most probable prefixes as a draft tree;
-the target then accepts the longest root path that matches its own continuation. One target forward
-verifies any prefix-closed tree, whoever proposed its branches, so other proposers merge into the same tree.
-
-Also here: the simpler acceptance measures used for comparison (greedy streak, `paths:K`, `width:K`)
-and the spec parser/dispatcher used by evaluation scripts. Pure tensor code, no model.
+A drafter pass gives logits[L, V] for the L draft positions of a block. DDTree treats them as a product distribution
+over drafts and keeps the `budget` most probable prefixes as a draft tree; the target accepts the longest root path
+that matches its own continuation. One target forward verifies any prefix-closed tree, whoever proposed its branches,
+so other proposers merge into the same tree. Also the simpler measures compared with it (greedy streak, `paths:K`,
+`width:K`) and the tree spec parser. Pure tensor code, no model.
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -28,6 +27,11 @@ class Tree:
     parents: Tensor  # [n] long, root -1; a parent always precedes its children
     log_probs: Tensor  # [n] float32 prefix log-prob under the drafter, root 0
     _children: list[dict[int, int]] | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def of(cls, tokens, depths, parents, log_probs) -> Tree:
+        return cls(torch.tensor(tokens), torch.tensor(depths), torch.tensor(parents),
+                   torch.tensor(log_probs, dtype=torch.float32))
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -81,8 +85,7 @@ def add_branch(tree: Tree, branch: Sequence[int], log_prob: float = 0.0) -> tupl
     """The tree plus a root path `branch` (e.g. an n-gram continuation), its shared prefix merged with existing
     nodes. Returns the new tree and the node index of every branch token (existing or appended). New nodes get
     `log_prob` (they do not come from the drafter's distribution)."""
-    tokens, depths, parents, lps = (tree.tokens.tolist(), tree.depths.tolist(), tree.parents.tolist(),
-                                    tree.log_probs.tolist())
+    tokens, depths, parents, lps = (t.tolist() for t in (tree.tokens, tree.depths, tree.parents, tree.log_probs))
     kids = [dict(k) for k in tree.children()]
     node, nodes = 0, []
     for tok in branch:
@@ -94,8 +97,7 @@ def add_branch(tree: Tree, branch: Sequence[int], log_prob: float = 0.0) -> tupl
             kids.append({})
         nodes.append(child)
         node = child
-    return Tree(torch.tensor(tokens), torch.tensor(depths), torch.tensor(parents),
-                torch.tensor(lps, dtype=torch.float32)), nodes
+    return Tree.of(tokens, depths, parents, lps), nodes
 
 
 def subtree(tree: Tree, keep: Sequence[int]) -> Tree:
@@ -146,11 +148,6 @@ def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return vals - logits.logsumexp(dim=-1, keepdim=True), idx
 
 
-def _topk_logprobs(logits: Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-    lp, idx = top_logprobs(logits, k)
-    return lp.tolist(), idx.tolist()
-
-
 def build_tree(logits: Tensor, budget: int, root_token: int = -1) -> Tree:
     """The `budget` most probable prefixes of the product distribution given by logits[L, V].
 
@@ -163,8 +160,7 @@ def build_tree(logits: Tensor, budget: int, root_token: int = -1) -> Tree:
         raise ValueError(f"build_tree expects logits [L, V], got shape {tuple(logits.shape)}")
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    lp, idx = _topk_logprobs(logits, min(budget, logits.shape[1]))
-    return build_tree_topk(lp, idx, budget, root_token)
+    return build_tree_topk(*top_logprobs(logits, min(budget, logits.shape[1])), budget, root_token)
 
 
 def build_tree_topk(logprobs, token_ids, budget: int, root_token: int = -1) -> Tree:
@@ -173,38 +169,27 @@ def build_tree_topk(logprobs, token_ids, budget: int, root_token: int = -1) -> T
     lp = logprobs.tolist() if isinstance(logprobs, Tensor) else logprobs
     idx = token_ids.tolist() if isinstance(token_ids, Tensor) else token_ids
     L = len(lp)
-    tokens, depths, parents, scores = [root_token], [0], [-1], [0.0]
+    rows = [(root_token, 0, -1, 0.0)]  # (token, depth, parent, score) per node
     if budget > 0 and L > 0:
-        k = min(budget, len(lp[0]))
+        k, tie = min(budget, len(lp[0])), itertools.count(1)
         # heap entry: (-score, tiebreak, depth, rank, parent index, parent score)
         heap = [(-lp[0][0], 0, 1, 0, 0, 0.0)]
-        count = 1
-        while heap and len(tokens) <= budget:
+        while heap and len(rows) <= budget:
             neg, _, d, r, par, par_score = heapq.heappop(heap)
-            node = len(tokens)
-            tokens.append(idx[d - 1][r])
-            depths.append(d)
-            parents.append(par)
-            scores.append(-neg)
+            node = len(rows)
+            rows.append((idx[d - 1][r], d, par, -neg))
             if r + 1 < k:  # next sibling
-                heapq.heappush(heap, (-(par_score + lp[d - 1][r + 1]), count, d, r + 1, par, par_score))
-                count += 1
+                heapq.heappush(heap, (-(par_score + lp[d - 1][r + 1]), next(tie), d, r + 1, par, par_score))
             if d < L:  # first child
-                heapq.heappush(heap, (neg - lp[d][0], count, d + 1, 0, node, -neg))
-                count += 1
-    return Tree(torch.tensor(tokens), torch.tensor(depths), torch.tensor(parents),
-                torch.tensor(scores, dtype=torch.float32))
+                heapq.heappush(heap, (neg - lp[d][0], next(tie), d + 1, 0, node, -neg))
+    return Tree.of(*zip(*rows))
 
 
 def accepted_path(tree: Tree, continuation: Sequence[int] | Tensor) -> list[int]:
     """Node indices (root excluded) the target accepts; continuation[i] is its token at depth i+1."""
-    if isinstance(continuation, Tensor):
-        continuation = continuation.tolist()
-    kids = tree.children()
-    path, node = [], 0
-    for tok in continuation:
-        node = kids[node].get(tok)
-        if node is None:
+    kids, path, node = tree.children(), [], 0
+    for tok in continuation.tolist() if isinstance(continuation, Tensor) else continuation:
+        if (node := kids[node].get(tok)) is None:
             break
         path.append(node)
     return path
@@ -235,7 +220,7 @@ def topk_paths(logits: Tensor, k: int) -> list[tuple[list[int], float]]:
     has a top-k prefix, and extending with tokens outside a position's top-k can't help."""
     L, V = logits.shape
     kk = min(k, V)
-    lp, idx = _topk_logprobs(logits, kk)
+    lp, idx = (t.tolist() for t in top_logprobs(logits, kk))
     beams: list[tuple[float, list[int]]] = [(0.0, [])]
     for pos in range(L):
         cand = [(s + lp[pos][r], toks + [idx[pos][r]]) for s, toks in beams for r in range(kk)]
@@ -263,5 +248,4 @@ def parse_tree_spec(spec: str) -> tuple[str, int]:
     m = re.fullmatch(r"(?:(budget|paths|width|selector):)?([0-9]+)", str(spec).strip())
     if m is None or int(m.group(2)) < 1:
         raise ValueError(f"bad tree spec {spec!r}: {allowed}")
-    family, num = m.group(1) or "budget", m.group(2)
-    return family, int(num)
+    return m.group(1) or "budget", int(m.group(2))

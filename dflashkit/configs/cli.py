@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from dflashkit.configs import find_config, shipped
+from dflashkit.errors import DFlashError
+from dflashkit.fileio import write_text
+
 
 def register(sub) -> None:
     p = sub.add_parser("config", help="list, print or copy the training recipes shipped with dflashkit")
@@ -18,8 +24,6 @@ def register(sub) -> None:
 
 
 def cmd_list(args) -> int:
-    from dflashkit.configs import shipped
-
     for name, path in shipped().items():
         first = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
         print(f"{name:28s} {first}")
@@ -27,19 +31,11 @@ def cmd_list(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from dflashkit.configs import find_config
-
     print(find_config(args.name).read_text(), end="")
     return 0
 
 
 def cmd_cp(args) -> int:
-    from pathlib import Path
-
-    from dflashkit.configs import find_config
-    from dflashkit.errors import DFlashError
-    from dflashkit.fileio import write_text
-
     out = Path(args.out)
     if out.exists() and not args.force:
         raise DFlashError(f"{out} exists; choose another name or pass --force to replace it")

@@ -3,11 +3,9 @@
 First the target's cost curve (one forward over n = 1..32 new tokens with a realistic target KV) and the
 memory-bound floor; cost-aware methods (`-auto`) size their trees from that curve. Methods run after a warm-up,
 in an order rotated per prompt so that no method always runs first (caches, allocator, CPU frequency). Per
-method: tau, the accepted-length histogram, tokens/s, speedup against plain decoding (ar, our engine, same
-dtype), against transformers' own greedy `generate` and its prompt lookup, where the time goes (draft /
-verify / other), and the ceiling tau * t_ar / (t_draft + t_verify): the decode speedup if nothing but the
-forwards cost time. At temperature 0 every output must equal plain decoding token for token; a mismatch fails
-loudly.
+method: tau, tokens/s, the speedups, where the time goes, and the ceiling tau * t_ar / (t_draft + t_verify): the
+decode speedup if nothing but the forwards cost time. At temperature 0 every output must equal plain decoding token
+for token; a mismatch fails loudly.
 """
 
 from __future__ import annotations
@@ -21,10 +19,10 @@ from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
 from dflashkit.decode.engine import resolve
 from dflashkit.decode.methods import ENGINE_METHODS, ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
-from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, engine_tau, is_engine,
-                                   plain_of, predicted_tau, EnginePeer)
+from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, differences, engine_tau,
+                                   is_engine, plain_of, predicted_tau, EnginePeer)
 from dflashkit.decode.predict import measured_decode_tps, predict_bench, predicted_markdown, predicted_plot
-from dflashkit.decode.records import kind_of
+from dflashkit.decode.records import TRANSFORMERS as PEERS, kind_of, plain_row  # PEERS: transformers' own loops
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, HfBackend, generate, generate_ar, new_lookup
 from dflashkit.errors import DFlashError
@@ -33,9 +31,7 @@ from dflashkit.prompts import PromptItem
 from dflashkit.report import bar_plot, fmt, hist_plot, line_plot, markdown_table
 from dflashkit.rng import seeded
 from dflashkit.targets.invariant import kernels_for, needs_invariant
-from dflashkit.tree import common_prefix
 
-PEERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no per-round split
 STOCK_AR = "ar-stock"  # plain decoding on the model's own kernels: the speed baseline where `ar` runs invariant ones
 # no drafter: what the speedups are stated against
 PLAIN = ("ar", STOCK_AR, "ar@hf", "ar@static", "hf-generate", "llama.cpp", "vllm")
@@ -43,8 +39,7 @@ PLAIN = ("ar", STOCK_AR, "ar@hf", "ar@static", "hf-generate", "llama.cpp", "vllm
 
 def parse_engines(spec: str) -> list[str]:
     engines = [e.strip() for e in spec.split(",") if e.strip()]
-    bad = [e for e in engines if e not in ENGINES] or len(set(engines)) != len(engines) or not engines
-    if bad:
+    if not engines or len(set(engines)) != len(engines) or any(e not in ENGINES for e in engines):
         raise DFlashError(f"--engine {spec!r}: one of {', '.join(ENGINES)}, or several joined by commas, each once")
     return engines
 
@@ -92,35 +87,24 @@ def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed
     on the model's own kernels, ours on the kernels that keep them exact, on the row's engine."""
     method, engine = rows.get(label, (label, "hf"))
     gen = torch.Generator(device=target.device).manual_seed(seed)
-    ngram = (state.setdefault(("ngram", label), new_lookup(method))
-             if method != STOCK_AR and parse_method(method)[0] in ("ngram", "hybrid") else None)
-    if method == STOCK_AR or parse_method(method)[0] in PEERS:
-        def one(ids):  # a fresh context per turn: a conversation calls this once per user turn
-            if method == STOCK_AR:  # the reference backend on the model's own kernels
-                g = generate_ar(HfBackend(target, stock=True), ids, max_new_tokens, sampling, gen)
-            else:  # transformers' loops: the model's own kernels, as transformers runs them
-                g = generate(target, ids, method, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen)
-            g.method = method
-            return g
-    else:
-        def one(ids):
-            return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling,
-                            generator=gen, cost=cost, ngram=ngram, engine=engine, state=state,
-                            log=state.get("log"))
+    ngram = state.setdefault(("ngram", label), new_lookup(method)) if kind_of(method) in ("ngram", "hybrid") else None
+
+    def one(ids):  # a fresh context per turn: a conversation calls this once per user turn
+        if method == STOCK_AR:  # the reference backend on the model's own kernels
+            return generate_ar(HfBackend(target, stock=True), ids, max_new_tokens, sampling, gen)
+        return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen,
+                        cost=cost, ngram=ngram, engine=engine, state=state, log=state.get("log"))
     with seeded(seed, target.device):  # transformers' generate samples from the global generator
         return decode_conversation(target, item, one)
 
 
 def _engine_parting(target, runs: list[dict], rows: dict, turns: dict, decoder=None):
-    """Plain decoding on the static backend against the reference backend's (hf): in float32 any difference fails;
-    in low precision their kernels round differently, so a parting at a near-tie (hf's logit gap between the two
-    tokens within the dtype's rounding) is reported and a wider one fails; and the static step's own logits are
-    held to a float32 forward over the same weights (check_static_step), which sees a wrong step that tokens alone
-    would pass as rounding. Returns (failures, reported partings, {equal, prompts, parts_at}). (A parting in an
-    answer's first tokens is no sign of a bug in bf16: on a 2-core Zen 4, hf's own bf16 logits tied exactly at
-    tokens 6 and 7 of two coding-10 answers.)"""
-    hf = next((label for label, (m, e) in rows.items() if m == "ar" and e == "hf"), None)
-    st = next((label for label, (m, e) in rows.items() if m == "ar" and e == "static"), None)
+    """Plain decoding on the static backend against hf's: in float32 any difference fails; in low precision a
+    parting at a near-tie within the dtype's rounding is reported and a wider one fails, and the static step's own
+    logits are held to a float32 forward (check_static_step), which sees a wrong step that tokens would pass as
+    rounding. Returns (failures, reported partings, {equal, prompts, parts_at}). (An early parting is no sign of a
+    bug in bf16: on a 2-core Zen 4, hf's own bf16 logits tied exactly at tokens 6 and 7 of two coding-10 answers.)"""
+    hf, st = plain_row(rows, "hf"), plain_row(rows, "static")
     if hf is None or st is None:
         return [], [], {}
     step = check_static_step(target, decoder, runs, st) if decoder is not None else []
@@ -139,10 +123,9 @@ CHECKED = (2, 64)  # prompts whose first tokens the static step is checked on, a
 @torch.no_grad()
 def check_static_step(target, decoder, runs: list[dict], label: str) -> list[dict]:
     """The static step's logits, a token at a time over the first prompts and their answers, against transformers'
-    forward in float32 over the same weights (the step computes in float32 over weights in their own dtype, so
-    the two agree to float32's summation order in every dtype): a gap beyond STEP_TOLERANCE of the largest logit
-    fails, naming the first position past it. Tokens alone cannot see a slightly wrong step in bf16, whose near-tie
-    partings rounding also explains."""
+    forward in float32 over the same weights (the step computes in float32, so the two agree to float32's summation
+    order in every dtype): a gap beyond STEP_TOLERANCE of the largest logit fails, naming the first position past
+    it. Tokens alone cannot see a slightly wrong step in bf16, whose near-tie partings rounding also explains."""
     import copy
 
     ref = target.model if target.dtype == torch.float32 else copy.deepcopy(target.model).float()
@@ -181,10 +164,9 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     with kernels_for(target):  # the cost curve times the kernels the speculative methods run
         curve = cost or measure_cost_curve(target, extra=(9,))
         costs = cost_report(target, curve)
-    # per run: the static decoder (one set of steps for every method: tree widths when a tree method runs), auto's choice
-    state: dict = {"trees": any(parse_method(m)[0] in TREE_KINDS for m in methods if m != STOCK_AR)}
-    # the static step's compile is said where it happens; auto's probe builds the decoder the run then uses
-    state.update(log=log, proposer=proposer)
+    # per run: the static decoder (one for every method: tree widths when a tree method runs; auto's probe builds
+    # the one the run then uses) and auto's choice
+    state: dict = {"trees": any(kind_of(m) in TREE_KINDS for m in methods), "log": log, "proposer": proposer}
     rows = engine_rows(target, methods, parse_engines(engine), state, log, references)
     ours = [m for m in rows if not is_engine(m)]
     methods = ours + [m for m in methods if is_engine(m)]
@@ -201,32 +183,22 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     B = proposer.block_size if proposer else None
     categories = {pid: getattr(item, "category", None) for pid, item in prompts}
     summary = summarize_methods(runs, methods, B)
-    _annotate(summary, rows, started, judged, lambda m: predicted_tau(target, proposer, [r for r in runs
-                                                                                    if r["method"] == m]))
+    _annotate(summary, rows, started, judged,
+              lambda m: predicted_tau(target, proposer, [r for r in runs if r["method"] == m]))
     # predicted beside measured (decode/predict.py): each row's own rounds, and `offline` (an eval's results) given
     models = predict_bench(target, proposer, runs, rows, summary, state, offline, log) if predict else {}
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
-    config = _config(target, drafter, B, methods, engine, rows, state, prompts, categories, turns, max_new_tokens,
-                     sampling)
     return _add_parity(target, rows, sampling, {
-        "config": config,
-        "cost": costs,
-        "cost_models": models,
-        "methods": summary,
-        "categories": by_category,
-        "mismatches": mismatches,
-        "divergences": divergences,
-        "engine_divergences": judged["engine_divergences"],
-        "tau_checks": check_tau(summary),
-        "runs": runs,
-    })
+        "config": _config(target, drafter, B, methods, engine, rows, state, prompts, categories, turns,
+                          max_new_tokens, sampling),
+        "cost": costs, "cost_models": models, "methods": summary, "categories": by_category,
+        "mismatches": mismatches, "divergences": divergences, "engine_divergences": judged["engine_divergences"],
+        "tau_checks": check_tau(summary), "runs": runs})
 
 
 def _config(target, drafter, B, methods, engine, rows, state, prompts, categories, turns, max_new_tokens,
             sampling: Sampling) -> dict:
-    """What a bench result says it ran: target, dtype, threads, the backend of every row, what the kernels were
-    built for, prompts and sampling."""
     return {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
             "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
             "engine": engine, "backends": {label: e for label, (m, e) in rows.items()},
@@ -239,8 +211,7 @@ def _config(target, drafter, B, methods, engine, rows, state, prompts, categorie
 
 def _add_parity(target, rows: dict, sampling: Sampling, result: dict) -> dict:
     """The per-request records of every run (requests.jsonl) and, at temperature 0, each row's parity against its
-    plain baseline (first divergence, text, top-2 margin, verdict; dflashkit/report/parity.py), beside the
-    lossless check's failures, which stay as they were."""
+    plain baseline (report/parity.py), beside the lossless check's failures, which stay as they were."""
     from dflashkit.decode.records import bench_parity, bench_records
     from dflashkit.report.parity import brief
 
@@ -274,8 +245,7 @@ def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -
         if label in summary:
             summary[label].update(backend=e, method_name=m)
     if judged["static_parting"]:
-        summary[next(label for label, (m, e) in rows.items() if m == "ar" and e == "static")]["ar_parting"] = \
-            judged["static_parting"]
+        summary[plain_row(rows, "static")]["ar_parting"] = judged["static_parting"]
 
 
 def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling, switched: bool, decoder=None):
@@ -301,38 +271,32 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve,
                 peers: dict, state: dict, rows: dict) -> tuple[list[dict], dict]:
-    """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike).
-    The progress bar (tqdm: it also prints where the output is not a terminal) names the prompt and method running
-    and the tokens/s of the last one, with an ETA. Also returns plain decoding's turns per prompt: (prompt ids per
-    turn, answer lengths), what a divergence is explained from."""
+    """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike),
+    under a progress bar (tqdm: it also prints where the output is not a terminal). Also returns plain decoding's
+    turns per prompt: (prompt ids per turn, answer lengths), what a divergence is explained from."""
     from tqdm import tqdm
 
-    if warmup:
-        for m in methods:
-            if m in peers:  # an engine warms on a whole first conversation: its graphs, caches, allocator
-                peers[m].run(prompts[0][0], prompts[0][1])
-            else:
-                _run(target, proposer, prompts[0][1], m, min(8, max_new_tokens), sampling, sampling.seed, curve,
-                     state, rows)
     runs, turns = [], {}
+
+    def run(m: str, i: int, pid: str, item, n: int) -> dict:
+        if m in peers:  # an engine warms on a whole first conversation: its graphs, caches, allocator
+            return peers[m].run(pid, item)
+        c = _run(target, proposer, item, m, n, sampling, sampling.seed + i, curve, state, rows)
+        if rows.get(m, (m,))[0] == "ar":  # a warm-up's are overwritten by the run of the same prompt
+            turns.setdefault(pid, {})[m] = (c.prompts, c.lengths)
+        g = c.generation
+        return {"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]), "prompt_ids": c.prompts[0],
+                "turn_prompts": c.prompts, "turns": c.lengths, "tokens": g.tokens, "accepted": g.accepted,
+                "times": g.times, "widths": g.widths, "drafted": g.drafted}
+
+    for m in methods if warmup else ():
+        run(m, 0, *prompts[0], min(8, max_new_tokens))
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress,
               mininterval=2.0) as bar:
         for i, (pid, item) in enumerate(prompts):
-            order = methods[i % len(methods):] + methods[: i % len(methods)]
-            for m in order:
+            for m in methods[i % len(methods):] + methods[: i % len(methods)]:
                 bar.set_description(f"bench {pid} {m}")
-                if m in peers:
-                    runs.append(peers[m].run(pid, item))
-                else:
-                    c = _run(target, proposer, item, m, max_new_tokens, sampling, sampling.seed + i, curve, state, rows)
-                    g = c.generation
-                    runs.append({"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]), "prompt_ids": c.prompts[0],
-                                 "turn_prompts": c.prompts,
-                                 "turns": c.lengths, "tokens": g.tokens, "accepted": g.accepted, "times": g.times,
-                                 "widths": g.widths, "drafted": g.drafted})
-                    if rows.get(m, (m,))[0] == "ar":
-                        turns.setdefault(pid, {})[m] = (c.prompts, c.lengths)
-                r = runs[-1]
+                runs.append(r := run(m, i, pid, item, max_new_tokens))
                 bar.set_postfix_str(f"last {m}: {len(r['tokens']) / r['times']['total']:.1f} tok/s", refresh=False)
                 bar.update()
     return runs, turns
@@ -347,8 +311,7 @@ def exact_kernels(target) -> bool:
 def rounding_tolerance(dtype: torch.dtype, a: float, b: float) -> float:
     """The logit gap a rounding difference of `dtype` can explain: a few units in the last place of the larger
     logit (one ulp per rounding step that can differ between a one-token and a block forward)."""
-    eps = torch.finfo(dtype).eps
-    return 8 * eps * max(abs(a), abs(b), 1.0)
+    return 8 * torch.finfo(dtype).eps * max(abs(a), abs(b), 1.0)
 
 
 def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[dict], reference: str = "ar"):
@@ -356,12 +319,10 @@ def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[
     its own token and of the speculative one; a gap within rounding_tolerance is a reported divergence (with its
     margin), a larger one stays a failure. turns: prompt id -> (plain decoding's prompt ids per turn, answer
     lengths), from _timed_runs."""
-    ref = {r["prompt"]: r["tokens"] for r in runs if r["method"] == reference}
-    other = {(r["prompt"], r["method"]): r["tokens"] for r in runs}
+    tokens = {(r["prompt"], r["method"]): r["tokens"] for r in runs}
     failed, explained = [], []
     for x in mismatches:
-        i, want = x["first_difference"], ref[x["prompt"]]
-        got = other[(x["prompt"], x["method"])]
+        i, want, got = x["first_difference"], tokens[(x["prompt"], reference)], tokens[(x["prompt"], x["method"])]
         if i >= len(want) or i >= len(got):  # one output stops where the other goes on: not a rounding flip
             failed.append(x)
             continue
@@ -379,25 +340,11 @@ def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[
 def check_lossless(runs: list[dict], rows: dict | None = None) -> list[dict]:
     """Every output must equal plain decoding's on its own engine (temperature 0): one entry per differing
     (prompt, method). `rows`: label -> (method, engine) (bench's rows; default: every run on one engine)."""
-    rows = rows or {}
-    engine = lambda label: rows.get(label, (label, "hf"))[1]
-    plain = {engine(label): label for label in dict.fromkeys(r["method"] for r in runs)
-             if rows.get(label, (label,))[0] == "ar"}
-    ref = {(r["prompt"], r["method"]): r["tokens"] for r in runs if r["method"] in plain.values()}
-    bad = []
-    for r in runs:
-        against = plain.get(engine(r["method"]), "ar")
-        want = ref[(r["prompt"], against)]
-        if r["method"] != against and r["tokens"] != want:
-            first = common_prefix(r["tokens"], want)
-            bad.append({"prompt": r["prompt"], "method": r["method"], "first_difference": first,
-                        "lengths": [len(r["tokens"]), len(want)]}
-                       | ({"against": against} if against != "ar" else {}))
-    return bad
+    rows = {label: (rows or {}).get(label, (label, "hf")) for label in dict.fromkeys(r["method"] for r in runs)}
+    return differences(runs, lambda label: plain_row(rows, rows[label][1], "ar"))
 
 
 def summarize_methods(runs: list[dict], methods: list[str], block_size: int | None) -> dict:
-    """{method: summary with its ratios}, over the given runs."""
     out = {m: summarize([r for r in runs if r["method"] == m],
                         None if kind_of(m) in ("ar", *PEERS, *ENGINE_METHODS) else (block_size or 1))
            for m in methods}
@@ -411,10 +358,8 @@ def summarize_methods(runs: list[dict], methods: list[str], block_size: int | No
 def summarize(runs: list[dict], block_size: int | None = None) -> dict:
     """Totals of one method's runs; `block_size` (speculative methods only) adds the accepted-length histogram."""
     t = {k: sum(r["times"][k] for r in runs) for k in ("prefill", "draft", "verify", "other", "total")}
-    tokens = sum(len(r["tokens"]) for r in runs)
-    accepted = [a for r in runs for a in r["accepted"]]
-    rounds = len(accepted)
-    decode = t["total"] - t["prefill"]
+    tokens, accepted = sum(len(r["tokens"]) for r in runs), [a for r in runs for a in r["accepted"]]
+    rounds, decode = len(accepted), t["total"] - t["prefill"]
     out = {"prompts": len(runs), "new_tokens": tokens, "rounds": rounds, "seconds": t["total"],
            "tokens_per_s": tokens / t["total"] if t["total"] else None,
            "tau": sum(accepted) / rounds if rounds else None, "accepted_hist": None,
@@ -439,19 +384,16 @@ def add_ratios(summary: dict) -> None:
     hf = summary.get("hf-generate")
     t_ar = ar["ms_per_round"]["total"] if ar["ms_per_round"] else None
     fastest = max(((m, s["tokens_per_s"] or 0.0) for m, s in summary.items() if m in PLAIN), key=lambda x: x[1])
-    for m, s in summary.items():
-        s["fastest_plain"] = fastest[0]
-        tps = s["tokens_per_s"]
-        s["speedup_vs_ar"] = tps / ar["tokens_per_s"] if tps and ar["tokens_per_s"] else None
-        s["speedup_vs_hf_generate"] = tps / hf["tokens_per_s"] if tps and hf and hf["tokens_per_s"] else None
-        s["speedup_vs_prompt_lookup"] = tps / pl["tokens_per_s"] if tps and pl and pl["tokens_per_s"] else None
-        s["speedup_vs_fastest_plain"] = tps / fastest[1] if tps and fastest[1] else None
-        s["decode_speedup_vs_ar"] = (s["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
-                                     if s["decode_tokens_per_s"] and ar["decode_tokens_per_s"] else None)
-        s["ceiling"] = None
-        if s["ms_per_round"] and t_ar and s["tau"]:
-            fwd = s["ms_per_round"]["draft"] + s["ms_per_round"]["verify"]
-            s["ceiling"] = s["tau"] * t_ar / fwd if fwd else None
+    ratio = lambda a, b: a / b if a and b else None
+    for s in summary.values():
+        r = s["ms_per_round"]
+        tps, fwd = s["tokens_per_s"], r["draft"] + r["verify"] if r else 0
+        s.update(fastest_plain=fastest[0], speedup_vs_ar=ratio(tps, ar["tokens_per_s"]),
+                 speedup_vs_hf_generate=ratio(tps, hf and hf["tokens_per_s"]),
+                 speedup_vs_prompt_lookup=ratio(tps, pl and pl["tokens_per_s"]),
+                 speedup_vs_fastest_plain=ratio(tps, fastest[1]),
+                 decode_speedup_vs_ar=ratio(s["decode_tokens_per_s"], ar["decode_tokens_per_s"]),
+                 ceiling=ratio((s["tau"] or 0) * (t_ar or 0), fwd))
 
 
 def bench_markdown(result: dict) -> str:
@@ -466,16 +408,12 @@ def bench_markdown(result: dict) -> str:
     fastest = next(iter(result["methods"].values())).get("fastest_plain", "ar")
     headers = ["method", "tau", "tokens/s", "speedup vs ar", f"vs fastest plain ({fastest})", "vs hf-generate",
                "vs prompt-lookup", "decode speedup", "ceiling", "ms/round draft", "verify", "other", "overhead"]
-    rows = []
-    for m, s in result["methods"].items():
-        r = s["ms_per_round"] or {}
-        rows.append([m, s["tau"], s["tokens_per_s"], s["speedup_vs_ar"], s.get("speedup_vs_fastest_plain"),
-                     s.get("speedup_vs_hf_generate"), s["speedup_vs_prompt_lookup"], s["decode_speedup_vs_ar"],
-                     s["ceiling"], r.get("draft"), r.get("verify"), r.get("other"),
-                     None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"])
-    lines += ["## Methods", "", markdown_table(headers, rows, digits=2)]
-    lines += engines_markdown(result)
-    lines += predicted_markdown(result)
+    cols = ("tau", "tokens_per_s", "speedup_vs_ar", "speedup_vs_fastest_plain", "speedup_vs_hf_generate",
+            "speedup_vs_prompt_lookup", "decode_speedup_vs_ar", "ceiling")
+    rows = [[m, *map(s.get, cols), *map((s["ms_per_round"] or {}).get, ("draft", "verify", "other")),
+             None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"] for m, s in result["methods"].items()]
+    lines += ["## Methods", "", markdown_table(headers, rows, digits=2), *engines_markdown(result),
+              *predicted_markdown(result)]
     lines += ["tau: mean tokens committed per round (accepted drafts + the bonus). ar is plain decoding in our engine "
               "(same dtype and kernels as every method); hf-generate is transformers' greedy `generate` and "
               "prompt-lookup its `generate(prompt_lookup_num_tokens=...)`, both timed end to end. ngram: continuation "
@@ -512,12 +450,10 @@ def bench_markdown(result: dict) -> str:
 
 
 def engines_markdown(result: dict) -> list[str]:
-    """The engine peers: how they started, how their outputs compare with ours, their tau against our prediction."""
     engines = {m: s for m, s in result["methods"].items() if is_engine(m)}
     if not engines:
         return []
-    rows = []
-    parted = result.get("engine_divergences") or []
+    rows, parted = [], result.get("engine_divergences") or []
     own = [x for x in result["mismatches"] if x.get("against")] + parted
     for m, s in engines.items():
         p = s.get("ar_parting") or {}
@@ -551,7 +487,6 @@ def engines_markdown(result: dict) -> list[str]:
 
 
 def category_markdown(result: dict, image: str = "categories.png") -> list[str]:
-    """Per category and overall: every method's speedup with its tau, and its tokens/s, as report lines."""
     cats = result.get("categories") or {}
     if not cats:
         return []
@@ -576,24 +511,21 @@ def category_markdown(result: dict, image: str = "categories.png") -> list[str]:
 
 
 def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
-    """The cost curve table and the memory-bound floor, as report lines."""
     if not cost:
         return []
-    rows = [[n, ms, r] for n, ms, r in zip(cost["ns"], cost["ms"], cost["ratio"])]
     return ["## Cost of one target forward", "",
             "One forward over n new tokens after a 400-token KV cache (median), and its ratio to n = 1: a speculative "
             "round that verifies n tokens must commit more than that ratio to pay.", "",
-            markdown_table(["n tokens", "ms", "ratio to n=1"], rows, digits=3),
+            markdown_table(["n tokens", "ms", "ratio to n=1"], list(zip(cost["ns"], cost["ms"], cost["ratio"])),
+                           digits=3),
             f"Memory-bound floor: {cost['weight_bytes'] / 1e6:.0f} MB of weights / {cost['bandwidth_gb_s']:.1f} GB/s "
             f"measured read bandwidth = {cost['floor_ms']:.1f} ms per forward; a one-token forward takes "
             f"{cost['one_token_vs_floor']:.2f}x that.", "", f"![cost curve]({image})", ""]
 
 
 def write_bench(result: dict, out) -> list[Path]:
-    """results.json, report.md, speedup.png, accepted.png, cost.png, predicted.png (with predictions) and (with
-    categories) categories.png under
-    `out`; where `out` cannot be written at the end of a run, under a new temporary folder instead (said on
-    stderr), so that the run is not lost."""
+    """results.json, requests.jsonl, report.md and the plots under `out`; where `out` cannot be written at the end of
+    a run, under a new temporary folder instead (said on stderr), so that the run is not lost."""
     import sys
 
     from dflashkit.fileio import rescue_dir
@@ -628,11 +560,9 @@ def _write_bench(result: dict, out: Path) -> list[Path]:
                               "x plain decoding"))
     if (plot := predicted_plot(result, out / "predicted.png")) is not None:
         paths.append(plot)
-    hists = {m: s["accepted_hist"] for m, s in result["methods"].items() if s["accepted_hist"]}
-    if hists:
+    if hists := {m: s["accepted_hist"] for m, s in result["methods"].items() if s["accepted_hist"]}:
         paths.append(hist_plot(out / "accepted.png", hists, "Tokens committed per round", "tokens per round", start=1))
-    cost = result.get("cost")
-    if cost:
+    if cost := result.get("cost"):
         paths.append(line_plot(out / "cost.png", {"measured": (cost["ns"], cost["ratio"]),
                                                  "one forward per token": (cost["ns"], cost["ns"])},
                                f"Cost of verifying n tokens ({result['config']['target']}, {result['config']['dtype']})",

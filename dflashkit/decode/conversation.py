@@ -10,8 +10,7 @@ from dflashkit.decode.speculative import Generation
 
 @dataclass
 class Conversation:
-    """One conversation decoded by one method: the joined Generation, each turn's prompt ids, answer length and
-    answer text."""
+    """One conversation decoded by one method: the Generation of its turns joined, and each turn's own."""
 
     generation: Generation
     prompts: list[list[int]] = field(default_factory=list)

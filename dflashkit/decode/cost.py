@@ -12,11 +12,10 @@ import functools
 import statistics
 from bisect import bisect_left
 from dataclasses import dataclass
-from time import perf_counter
 
 import torch
 
-from dflashkit.decode.speculative import crop_kv, new_target_kv
+from dflashkit.decode.speculative import Timer, crop_kv, new_target_kv
 
 DEFAULT_NS = (1, 2, 4, 8, 16, 32)
 
@@ -42,9 +41,11 @@ class CostCurve:
         return cls(list(d["ns"]), [t / 1000 for t in d["ms"]])
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def _seconds(device, run) -> float:
+    timer = Timer(device)  # CUDA synchronized, so that asynchronous kernels count
+    with timer("run"):
+        run()
+    return timer.times["run"]
 
 
 @torch.no_grad()
@@ -58,25 +59,19 @@ def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int =
     times = {n: [] for n in ns}
     for r in range(repeats + 1):  # the first pass warms up every shape
         for n in ns:
-            _sync(target.device)
-            t = perf_counter()
-            target.forward(ids[:, context : context + n], past_key_values=kv,
-                           position_ids=torch.arange(context, context + n, device=target.device)[None])
-            _sync(target.device)
+            s = _seconds(target.device, lambda: target.forward(
+                ids[:, context : context + n], past_key_values=kv,
+                position_ids=torch.arange(context, context + n, device=target.device)[None]))
             if r:
-                times[n].append(perf_counter() - t)
+                times[n].append(s)
             crop_kv(kv, context)
     return CostCurve(ns, [statistics.median(times[n]) for n in ns])
 
 
 def weight_bytes(model) -> int:
     """Bytes one forward must read at least once (tied embeddings counted once: the lm_head reads them)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    first = {p.data_ptr(): p for p in reversed(list(model.parameters()))}  # one per storage: the first named
+    return sum(p.numel() * p.element_size() for p in first.values())
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,13 +79,7 @@ def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes per second of a streaming read (a sum over a buffer far larger than the caches); measured once per
     device and process, as the machine does not change between benches."""
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        _sync(device)
-        t = perf_counter()
-        x.sum()
-        _sync(device)
-        times.append(perf_counter() - t)
+    times = [_seconds(device, x.sum) for _ in range(repeats + 1)]
     return x.numel() * 4 / statistics.median(times[1:])
 
 

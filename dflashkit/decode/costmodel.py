@@ -135,9 +135,8 @@ def model_key(target, engine: str, proposer=None) -> tuple[str, dict]:
     from dflashkit.decode.engine import machine_key
     from dflashkit.fileio import sha256_json
 
-    _, record = machine_key(target)
-    record = {**record, "engine": engine, "engine_version": engine_version(engine), "device": str(target.device),
-              "drafter": drafter_shape(proposer), "depth": DEPTH}
+    record = {**machine_key(target)[1], "engine": engine, "engine_version": engine_version(engine),
+              "device": str(target.device), "drafter": drafter_shape(proposer), "depth": DEPTH}
     return sha256_json(record)[:16], record
 
 
@@ -162,8 +161,7 @@ def cost_model(engine: str, target, proposer=None, state: dict | None = None, fo
         raise DFlashError(f"no {engine} cost model cached for this machine, target, dtype and threads ({path}); measure "
                           f"it once: `dflashkit cost --target {target.name} --engine {engine}"
                           + (" --drafter DIR`" if proposer is not None else "`"))
-    say = log or (lambda m: None)
-    say(f"cost model: measuring {engine} on this machine (once; cached in {path})")
+    (log or (lambda m: None))(f"cost model: measuring {engine} on this machine (once; cached in {path})")
     t0 = time.perf_counter()
     model = PROBES[engine](target, proposer, {} if state is None else state, log)
     model.record = {**record, "probe_s": round(time.perf_counter() - t0, 1),
@@ -174,8 +172,7 @@ def cost_model(engine: str, target, proposer=None, state: dict | None = None, fo
 
 
 def probe_loops(target, proposer, engine: str, state: dict) -> tuple[float | None, dict]:
-    """(ms of one drafter call, {loop: ms per round of its own work}) from a short decode of each loop on `engine`:
-    ar, chain and ddtree-8 with a drafter (the n-gram tree without one), each after a warm-up."""
+    """(ms of one drafter call, {loop: ms per round of its own work}) from a short decode of each loop on `engine`."""
     from dflashkit.decode.speculative import generate
 
     ids = target.chat_ids([{"role": "user", "content": PROBE_PROMPT}])
@@ -279,7 +276,6 @@ PROBES = {"hf": probe_hf, "static": probe_static, "llama.cpp": probe_llama_cpp, 
 
 
 def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> list[str]:
-    """The model as report lines: forward per n (and its ratio to one token), the drafter call, the loops' work."""
     from dflashkit.report import fmt, markdown_table
 
     one = model.forward(1)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from dflashkit.decode.methods import ENGINES, STATIC_KINDS, parse_method
+from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, parse_method
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import sha256_json
 from dflashkit.threads import isa
@@ -48,8 +48,7 @@ def resolve(engine: str, target, method: str, state: dict, log=None) -> str:
     if kind not in STATIC_KINDS:
         return "hf"
     if "auto" not in state:
-        why = static_refusal(target)
-        if why is not None:
+        if (why := static_refusal(target)) is not None:
             _say(log, f"engine auto: hf ({why})")
             state["auto"] = {"plain": "hf", "speculative": "hf"}
         else:
@@ -134,6 +133,5 @@ def open_backend(engine: str, target, method: str, state: dict, length: int, pro
         return HfBackend(target, cost)
     from dflashkit.decode.static import StaticBackend, decoder_for
 
-    kind = parse_method(method)[0]
-    trees = kind in ("ddtree", "ngram", "hybrid") or state.get("trees", False)
+    trees = parse_method(method)[0] in TREE_KINDS or state.get("trees", False)
     return StaticBackend(decoder_for(target, state, length, proposer, log=log, trees=trees))

@@ -61,18 +61,15 @@ def _start(method: str, target, drafter, block_size: int, ctx: int, workdir: Pat
                            log=workdir / f"{method}.log", engine=engine)
     from dflashkit.engines.vllm_client import VllmWorker
 
-    folder = None
-    if speculative:
-        folder = save_drafter(drafter, workdir / "vllm-drafter", format="zlab", dtype=target.dtype,
-                              lm_head=target.lm_head.weight)
+    folder = save_drafter(drafter, workdir / "vllm-drafter", format="zlab", dtype=target.dtype,
+                          lm_head=target.lm_head.weight) if speculative else None
     return VllmWorker(Path(target.path), dtype, threads, ctx, folder, engine_block("vllm", block_size)[1], engine=engine)
 
 
 class EnginePeer:
-    """One engine method, started on entry (its load timed apart) and held open through the bench, so that its
-    conversations run in the bench's rotation beside ours: the host's drift then hits ours and the engine alike
-    (on a noisy 2-core host llama.cpp alone measured 88-117 tok/s from one run to the next). Idle, a server waits
-    on its socket and this process on the engine's answer: never two computing at once."""
+    """One engine method, started on entry (its load timed apart) and held open through the bench, so that the
+    host's drift hits ours and the engine alike (on a noisy 2-core host llama.cpp alone measured 88-117 tok/s from
+    one run to the next)."""
 
     def __init__(self, method: str, target, drafter, block_size: int, max_new_tokens: int):
         self.method, self.target, self.max_new_tokens = method, target, max_new_tokens
@@ -136,40 +133,35 @@ def engine_tau(runs: list[dict]) -> float | None:
     return 1 + sum(r["engine"]["accepted"] for r in runs) / steps if steps else None
 
 
+def differences(runs: list[dict], against) -> list[dict]:
+    """One entry per run whose tokens differ from those of its baseline `against(label)` (None or itself: none) on
+    the same prompt; "against" named unless it is our ar."""
+    by = {(r["prompt"], r["method"]): r["tokens"] for r in runs}
+    bad = []
+    for r in runs:
+        base = against(r["method"])
+        got, want = r["tokens"], by.get((r["prompt"], base))
+        if base != r["method"] and want is not None and got != want:
+            bad.append({"prompt": r["prompt"], "method": r["method"], "first_difference": common_prefix(got, want),
+                        "lengths": [len(got), len(want)]} | ({"against": base} if base != "ar" else {}))
+    return bad
+
+
 def check_engines(runs: list[dict]) -> tuple[list[dict], dict]:
     """(mismatches of each engine's speculative output against its own plain one, {method: how its outputs compare
     with our ar: prompts equal and the first token where each other one parts})."""
-    by = {(r["prompt"], r["method"]): r["tokens"] for r in runs}
-    bad, parting = [], {}
-    for r in runs:
-        m = r["method"]
-        if not is_engine(m):
-            continue
-        if m.endswith("-dflash") and (r["prompt"], plain_of(m)) in by:
-            want = by[(r["prompt"], plain_of(m))]
-            if r["tokens"] != want:
-                bad.append({"prompt": r["prompt"], "method": m, "against": plain_of(m),
-                            "first_difference": common_prefix(r["tokens"], want),
-                            "lengths": [len(r["tokens"]), len(want)]})
-    for m in dict.fromkeys(r["method"] for r in runs if is_engine(r["method"])):
-        p = ar_parting(runs, m)
-        if p["prompts"]:
-            parting[m] = p
-    return bad, parting
+    engines = dict.fromkeys(r["method"] for r in runs if is_engine(r["method"]))
+    parting = {m: p for m in engines if (p := ar_parting(runs, m))["prompts"]}
+    return differences(runs, lambda m: plain_of(m) if m in engines else None), parting
 
 
 def ar_parting(runs: list[dict], method: str, against: str = "ar") -> dict:
     """How `method`'s outputs compare with `against`'s (our ar) on the prompts both ran: how many are equal, and
     the first token where each other one parts."""
-    ar = {r["prompt"]: r["tokens"] for r in runs if r["method"] == against}
-    p = {"equal": 0, "prompts": 0, "parts_at": {}}
-    for r in (r for r in runs if r["method"] == method and r["prompt"] in ar):
-        p["prompts"] += 1
-        if r["tokens"] == ar[r["prompt"]]:
-            p["equal"] += 1
-        else:
-            p["parts_at"][r["prompt"]] = common_prefix(r["tokens"], ar[r["prompt"]])
-    return p
+    theirs = {r["prompt"] for r in runs if r["method"] == against}
+    parts = {x["prompt"]: x["first_difference"] for x in differences(runs, lambda m: against if m == method else None)}
+    n = sum(r["method"] == method and r["prompt"] in theirs for r in runs)
+    return {"equal": n - len(parts), "prompts": n, "parts_at": parts}
 
 
 @torch.no_grad()
@@ -177,8 +169,7 @@ def forced_chain_rounds(target, proposer, prompt_ids: list[int], answer: list[in
     """Accepted drafts + 1 per round of a chain loop with our drafter whose target chose `answer` (an engine's own
     greedy output): the tau our drafter predicts on exactly the tokens the engine verified. Engines and we part
     in bf16 after a few dozen tokens, and tau measured on two different texts differs by several percent."""
-    seq = list(prompt_ids) + list(answer)
-    dev = target.device
+    seq, dev = list(prompt_ids) + list(answer), target.device
     feats = target.forward(torch.tensor([seq], device=dev), layer_ids=proposer.layer_ids).features
     proposer.reset(prompt_ids)
     B, done, start, rounds = proposer.block_size, 0, len(prompt_ids), []

@@ -28,7 +28,6 @@ def _row(tokens: float, draft: float, verify: float, overhead: float, **extra) -
 
 
 def plain(model) -> dict:
-    """Plain decoding on the model's engine: one token a round, one forward, no drafter."""
     return _row(1.0, 0.0, model.forward(1), model.overhead("ar"), width=1)
 
 
@@ -49,9 +48,8 @@ def predict_offline(acceptance: dict, model) -> dict:
     B = int(acceptance["block_size"])
     chain = 1.0 + sum(p for p in acceptance["chain"] if p is not None)  # the bonus + each draft reached and kept
     out = {"ar": base, "chain": _row(chain, draft, model.forward(B), model.overhead("chain"), width=B)}
-    trees = {}
-    for b, depth in sorted((int(b), d) for b, d in acceptance["ddtree"].items() if d is not None):
-        trees[f"ddtree-{b}"] = _row(1.0 + depth, draft, model.forward(b + 1), model.overhead("tree"), width=b + 1)
+    trees = {f"ddtree-{b}": _row(1.0 + depth, draft, model.forward(b + 1), model.overhead("tree"), width=b + 1)
+             for b, depth in sorted((int(b), d) for b, d in acceptance["ddtree"].items() if d is not None)}
     out.update(trees)
     paying = [(r["tokens_per_s"], m) for m, r in trees.items() if r["tokens_per_s"]]
     if paying:
@@ -92,12 +90,10 @@ def predict_rounds(accepted: list[int], widths: list[int], drafted: list[bool], 
 
 
 def error(predicted: float | None, measured: float | None) -> float | None:
-    """(predicted - measured) / measured."""
     return predicted / measured - 1 if predicted and measured else None
 
 
 def prediction_markdown(rows: dict, model, source: str) -> list[str]:
-    """Predicted rows as report lines: per method its tokens and ms per round, tokens/s and speedup."""
     from dflashkit.report import markdown_table
 
     table = [[m, r["tokens_per_round"], r["ms_per_round"]["draft"], r["ms_per_round"]["verify"],
@@ -142,10 +138,9 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
     from dflashkit.decode.costmodel import cost_model
 
     B = proposer.block_size if proposer is not None else None
-    models, acceptance = {}, None
-    if offline is not None:
-        acceptance = offline_acceptance(offline["overall"], offline["settings"]["block_size"],
-                                        offline.get("source", "offline eval"))
+    models = {}
+    acceptance = offline_acceptance(offline["overall"], offline["settings"]["block_size"],
+                                    offline.get("source", "offline eval")) if offline is not None else None
     for label, s in summary.items():
         method, engine = rows.get(label, (label, label))
         if method in NOT_PREDICTED or method.split("-")[0] in ("prompt", "hf"):
@@ -178,8 +173,7 @@ def predicted_markdown(result: dict) -> list[str]:
 
     rows, offline = [], None
     for m, s in result["methods"].items():
-        p = s.get("predicted")
-        if not p:
+        if not (p := s.get("predicted")):
             continue
         if "why" in p:
             rows.append([m, "-", "", "", "", "", "", p["why"][:120]])

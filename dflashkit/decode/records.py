@@ -40,8 +40,7 @@ def _engine_record(run: dict, index: int, common: dict) -> dict:
     """An engine peer's run: its own counters (llama.cpp's server timings, vLLM's spec-decode metrics) and this
     process's end-to-end time; what the engine does not report is null, and `missing` names why."""
     label, counts, t = run["method"], run.get("engine") or {}, run["times"]
-    engine = label.removesuffix("-dflash")
-    speculative = label.endswith("-dflash")
+    engine, speculative = label.removesuffix("-dflash"), label.endswith("-dflash")
     missing = {"tokens_per_round": f"{engine} reports totals per request, not rounds",
                "draft_s": f"{engine} does not time its drafter apart",
                "verify_s": f"{engine} does not time its verify apart"}
@@ -71,11 +70,15 @@ def generation_record(pid: str, index: int, conversation, target) -> dict:
 
 
 def bench_records(result: dict) -> list[dict]:
-    """Every run of a bench result as a per-request record, in run order."""
     c = result["config"]
     index = {p: i for i, p in enumerate(c["prompts"])}
     target = c.get("target_identity") or {"name": c.get("target")}
     return [run_record(r, index.get(r["prompt"], -1), target, c.get("dtype")) for r in result["runs"]]
+
+
+def plain_row(rows: dict, engine: str = "hf", default: str | None = None) -> str | None:
+    """The label of plain decoding (ar) on `engine` among bench's rows: what that engine's rows are held to."""
+    return next((label for label, (m, e) in rows.items() if m == "ar" and e == engine), default)
 
 
 def baseline_of(label: str, rows: dict) -> str | None:
@@ -85,11 +88,10 @@ def baseline_of(label: str, rows: dict) -> str | None:
     if label in ENGINE_METHODS:
         return label.removesuffix("-dflash") if label.endswith("-dflash") else "ar"
     method, engine = rows.get(label, (label, "hf"))
-    ar = {e: lab for lab, (m, e) in rows.items() if m == "ar"}
-    if method == "ar":
-        ref = ar.get("hf", "ar")
-        return None if label == ref else ref
-    return ar.get(engine, "ar")
+    if method != "ar":
+        return plain_row(rows, engine, "ar")
+    ref = plain_row(rows, "hf", "ar")
+    return None if label == ref else ref
 
 
 def bench_parity(target, records: list[dict], rows: dict) -> dict:

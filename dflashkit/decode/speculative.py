@@ -138,10 +138,8 @@ class DFlashProposer:
 
     @torch.no_grad()
     def draft(self, features, anchor, start: int, temperature: float = 0.0, generator=None, mix: float = 1.0):
-        """The block's B-1 drafts as the reference proposes them: DFlash takes the argmax (T=0) or a sample of
-        q = softmax(logits / T); DFlash2 takes its candidate selector's path; mix < 1 keeps the greedy choice
-        at some positions (mix_greedy). Returns (tokens [B-1], q [B-1, V] over the target's vocabulary, None at
-        T=0)."""
+        """The block's B-1 drafts as the reference proposes them (sample_drafts; DFlash2: its candidate selector's
+        path). Returns (tokens [B-1], q [B-1, V] over the target's vocabulary, None at T=0)."""
         logits = self.propose(features, anchor, start)
         if self.drafter.config.arch != "dflash2":
             return sample_drafts(logits, temperature, generator, self.to_tokens, self.target.vocab_size, mix)
@@ -222,7 +220,6 @@ def rejection_accept(drafts, q, logits, temperature: float, generator) -> tuple[
 # ---- small pieces the loops share ---------------------------------------------------------------------------
 
 def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """The target's choice per row of logits [n, V] -> [n]: argmax at T=0, else a sample of softmax(logits/T)."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -320,21 +317,19 @@ def compact_kv(kv, start: int, keep: torch.Tensor) -> None:
     crop_kv(kv, start + len(order))
 
 
+def _cloned(states: dict) -> dict:
+    return {i: None if s is None else s.clone() for i, s in states.items()}
+
+
 def save_linear_states(kv) -> list:
     """Clones of every linear-attention layer's conv and recurrent states (they are updated in place)."""
-    saved = []
-    for layer in _linear_layers(kv):
-        saved.append(({i: None if s is None else s.clone() for i, s in layer.conv_states.items()},
-                      {i: None if s is None else s.clone() for i, s in layer.recurrent_states.items()},
-                      dict(layer.has_previous_state)))
-    return saved
+    return [(_cloned(layer.conv_states), _cloned(layer.recurrent_states), dict(layer.has_previous_state))
+            for layer in _linear_layers(kv)]
 
 
 def load_linear_states(kv, saved) -> None:
     for layer, (conv, rec, prev) in zip(_linear_layers(kv), saved):
-        layer.conv_states = {i: None if s is None else s.clone() for i, s in conv.items()}
-        layer.recurrent_states = {i: None if s is None else s.clone() for i, s in rec.items()}
-        layer.has_previous_state = dict(prev)
+        layer.conv_states, layer.recurrent_states, layer.has_previous_state = _cloned(conv), _cloned(rec), dict(prev)
 
 
 def rerun(target, kv, saved, tokens: torch.Tensor, start: int, layer_ids):
@@ -342,17 +337,23 @@ def rerun(target, kv, saved, tokens: torch.Tensor, start: int, layer_ids):
     crop_kv(kv, start)
     load_linear_states(kv, saved)
     pos = (start + torch.arange(len(tokens), device=tokens.device))[None]
-    out = target.forward(tokens[None], layer_ids=layer_ids, past_key_values=kv, position_ids=pos,
-                         compute_logits=False)
-    return out.features
+    return target.forward(tokens[None], layer_ids=layer_ids, past_key_values=kv, position_ids=pos,
+                          compute_logits=False).features
 
 
-def _begin(backend, stop_ids):
-    """Every loop starts here: the backend (a target is run on the reference one), a timer it times its own
-    re-runs on, and the stop set."""
+@contextmanager
+def _prefilled(backend, prompt_ids: list[int], layer_ids, max_new_tokens: int, sampling: Sampling, generator, stop_ids):
+    """Every loop starts here: the backend (a target runs on the reference one) with a timer it times its own
+    re-runs on, in its session, after the prefill. Yields (backend, features, the first new token [1], the new
+    tokens, whether they are done, put(new) -> done: emit into them)."""
     b = backend if hasattr(backend, "verify") else HfBackend(backend)
-    b.timer = Timer(b.target.device)
-    return b, b.timer, set(b.target.stop_token_ids if stop_ids is None else stop_ids)
+    b.timer, stops, tokens = Timer(b.target.device), set(b.target.stop_token_ids if stop_ids is None else stop_ids), []
+    with b.session():
+        with b.timer("prefill"):
+            logits, feats = b.prefill(prompt_ids, layer_ids)
+        first = choose(logits, sampling.temperature, generator)  # not yet run
+        put = lambda new: emit(tokens, new, stops, max_new_tokens)
+        yield b, feats, first, tokens, put(first.tolist()), put
 
 
 class HfBackend:
@@ -440,23 +441,17 @@ def generate_ar(backend, prompt_ids: list[int], max_new_tokens: int = 256, sampl
                 generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """Plain decoding, one target forward per token: the baseline every speedup is measured against. `backend`: a
     target (the reference backend) or a backend."""
-    b, timer, stops = _begin(backend, stop_ids)
-    temperature = sampling.temperature
-    with b.session():
-        with timer("prefill"):
-            logits, _ = b.prefill(prompt_ids, None)
-        token = choose(logits, temperature, generator)  # [1]
-        tokens: list[int] = []
-        done = emit(tokens, token.tolist(), stops, max_new_tokens)
-        accepted = []
+    temperature, accepted = sampling.temperature, []
+    with _prefilled(backend, prompt_ids, None, max_new_tokens, sampling, generator, stop_ids) as (
+            b, _, token, tokens, done, put):
         while not done:
-            with timer("verify"):
+            with b.timer("verify"):
                 logits = b.verify(token)
             b.commit([0])
             token = choose(logits, temperature, generator)
             accepted.append(1)
-            done = emit(tokens, token.tolist(), stops, max_new_tokens)
-    return Generation("ar", tokens, accepted, timer.finish(), b.engine, [1] * len(accepted), [False] * len(accepted))
+            done = put(token.tolist())
+    return Generation("ar", tokens, accepted, b.timer.finish(), b.engine, [1] * len(accepted), [False] * len(accepted))
 
 
 @torch.no_grad()
@@ -465,39 +460,30 @@ def generate_chain(backend, proposer: Proposer, prompt_ids: list[int], max_new_t
     """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
     per round. At T>0, the sampling's acceptance picks the rule (see draft_block); both keep the target's
     distribution."""
-    b, timer, stops = _begin(backend, stop_ids)
-    temperature = sampling.temperature
-    with b.session():
-        with timer("prefill"):
-            logits, feats = b.prefill(prompt_ids, proposer.layer_ids)
-        bonus = choose(logits, temperature, generator)  # [1] first new token, not yet run
-        tokens: list[int] = []
-        done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
+    temperature, accepted = sampling.temperature, []
+    with _prefilled(backend, prompt_ids, proposer.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (
+            b, feats, bonus, tokens, done, put):
         proposer.reset(prompt_ids)
-        accepted = []
         while not done:
-            with timer("draft"):
+            with b.timer("draft"):
                 drafts, q = draft_block(proposer, feats, bonus, b.start, sampling, generator)
             block = torch.cat([bonus, drafts])  # [B]: the bonus, then B-1 drafts
-            with timer("verify"):
+            with b.timer("verify"):
                 logits = b.verify(block)
             if q is None:
                 posterior = choose(logits, temperature, generator)  # [B]: target's token after block[:i+1]
                 a = int((block[1:] == posterior[:-1]).cumprod(0).sum())  # drafts equal to the target's choices
-                next_token = posterior[a : a + 1]
+                bonus = posterior[a : a + 1]
             else:
-                a, next_token = rejection_accept(block[1:], q, logits, temperature, generator)
+                a, bonus = rejection_accept(block[1:], q, logits, temperature, generator)
             feats = b.commit(list(range(a + 1)))
             accepted.append(a + 1)
-            bonus = next_token
-            done = emit(tokens, block[1 : a + 1].tolist() + bonus.tolist(), stops, max_new_tokens)
-    return Generation("chain", tokens, accepted, timer.finish(), b.engine, [proposer.block_size] * len(accepted),
+            done = put(block[1 : a + 1].tolist() + bonus.tolist())
+    return Generation("chain", tokens, accepted, b.timer.finish(), b.engine, [proposer.block_size] * len(accepted),
                       [True] * len(accepted))
 
 
 def draft_tree(logits: torch.Tensor, budget: int, anchor: torch.Tensor, to_tokens) -> Tree:
-    """build_tree over the drafter's [L, V'] logits, node tokens mapped to target ids, the block's anchor at the
-    root."""
     return rooted(build_tree(logits, budget), anchor, to_tokens, logits.device)
 
 
@@ -565,10 +551,8 @@ class TreeDrafts:
 
     def reset(self, prompt_ids) -> None:
         self.pending = None
-        if self.drafter is not None:
-            self.drafter.reset(prompt_ids)
-        if self.ngram is not None:
-            self.ngram.reset(prompt_ids)
+        for proposer in (p for p in (self.drafter, self.ngram) if p is not None):
+            proposer.reset(prompt_ids)
 
     def propose(self, features, bonus: torch.Tensor, start: int, timer) -> Tree:
         found = []
@@ -652,17 +636,11 @@ def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_to
     walk picks the accepted path, and only that path stays in the target KV. A node is accepted iff it is the
     target's own choice, whatever the sampling's acceptance rule (that one is the chain's). A tree wider than the
     backend verifies is refused, never cut."""
-    b, timer, stops = _begin(backend, stop_ids)
-    temperature = sampling.temperature
-    drafts.by_paths = b.by_paths
-    with b.session():
-        with timer("prefill"):
-            logits, feats = b.prefill(prompt_ids, drafts.layer_ids)
-        bonus = choose(logits, temperature, generator)
-        tokens: list[int] = []
-        done = emit(tokens, bonus.tolist(), stops, max_new_tokens)
+    temperature, accepted, widths, drafted = sampling.temperature, [], [], []
+    with _prefilled(backend, prompt_ids, drafts.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (
+            b, feats, bonus, tokens, done, put):
+        timer, drafts.by_paths = b.timer, b.by_paths
         drafts.reset(prompt_ids)
-        accepted, widths, drafted = [], [], []
         while not done:
             t_round, t_verify, t_draft = perf_counter(), timer.times["verify"], timer.times["draft"]
             tree = drafts.propose(feats, bonus, b.start, timer)
@@ -681,7 +659,7 @@ def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_to
             new = tree.tokens[path].tolist()
             bonus = choice[keep[-1]:keep[-1] + 1]
             drafts.observe(new, int(bonus))
-            done = emit(tokens, new + bonus.tolist(), stops, max_new_tokens)
+            done = put(new + bonus.tolist())
             spent = perf_counter() - t_round - (timer.times["verify"] - t_verify) - (timer.times["draft"] - t_draft)
             drafts.fixed = spent if len(accepted) == 1 else 0.9 * drafts.fixed + 0.1 * spent
     return Generation(method, tokens, accepted, timer.finish(), b.engine, widths, drafted)
@@ -716,9 +694,7 @@ def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
 def new_lookup(method: str):
     """The n-gram lookup a method uses: plain `ngram` proposes one 10-token continuation (what transformers' prompt
     lookup does); cost-aware trees get longer continuations from two occurrences and keep what pays."""
-    if parse_method(method)[1] == "auto":
-        return NgramLookup(max_tokens=16, branches=2)
-    return NgramLookup()
+    return NgramLookup(max_tokens=16, branches=2) if parse_method(method)[1] == "auto" else NgramLookup()
 
 
 def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=None, ngram=None) -> TreeDrafts:

@@ -50,8 +50,7 @@ def timed(cfg, path, target, prompt_ids: list[int], spent_s: float, console) -> 
         return old
     console.print("[dim]timing this machine to size the demo...[/dim]")
     rates = measure(target, prompt_ids, cfg.gen_batch_size)
-    rates = {"key": key, **rates, "spent_s": spent_s + rates["seconds"]}
-    write_json(path, rates)
+    write_json(path, rates := {"key": key, **rates, "spent_s": spent_s + rates["seconds"]})
     return rates
 
 

@@ -21,14 +21,12 @@ def cmd_install(args) -> int:
     if args.engine == "llama.cpp":
         install.install_llama_cpp(jobs=args.jobs)
     else:
-        install.install_vllm(cuda=True if args.cuda else None)
+        install.install_vllm(cuda=args.cuda or None)
     return 0
 
 
 def cmd_status(args) -> int:
     from dflashkit.engines.install import describe, engines_home
 
-    print(f"engines cache: {engines_home()} ($DFLASHKIT_ENGINES)")
-    for line in describe():
-        print(line)
+    print("\n".join([f"engines cache: {engines_home()} ($DFLASHKIT_ENGINES)", *describe()]))
     return 0

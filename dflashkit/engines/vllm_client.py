@@ -49,8 +49,7 @@ class VllmWorker:
                "PYTHONPATH": ""}
         self.proc = subprocess.Popen([str(self.engine.python), str(WORKER), self.cfg_file], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
-        self.replies: deque = deque()
-        self.arrived = threading.Condition()
+        self.replies, self.arrived = deque(), threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
         self._reply(self.start_timeout, "starting")
         return self

@@ -35,13 +35,6 @@ def combine(a: list, b: list, sign: int) -> list:
     return [x + sign * y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
-def per_request(after: dict, before: dict) -> list | None:
-    """This request's per-position counts: the metric after it minus before it (None where vLLM keeps none)."""
-    if after["per_position"] is None:
-        return None
-    return combine(after["per_position"], before["per_position"] or [], -1)
-
-
 def main() -> None:
     sys.path = [p for p in sys.path if p != __file__.rsplit("/", 1)[0]]  # this folder's modules are not vLLM's
     from vllm import LLM, SamplingParams
@@ -59,11 +52,12 @@ def main() -> None:
         out = llm.generate([TokensPrompt(prompt_token_ids=req["ids"])], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - t0
         after = counters(llm)
+        mine = None if after["per_position"] is None else \
+            combine(after["per_position"], before["per_position"] or [], -1)  # this request's own counts
         print(REPLY + json.dumps({"tokens": list(out.outputs[0].token_ids), "seconds": seconds,
                                   "drafts": after["drafts"] - before["drafts"],
                                   "accepted": after["accepted"] - before["accepted"],
-                                  "per_position": per_request(after, before)}),
-              flush=True)
+                                  "per_position": mine}), flush=True)
 
 
 if __name__ == "__main__":  # vLLM starts worker processes that re-import the main module

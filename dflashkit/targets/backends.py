@@ -38,10 +38,6 @@ def _delta_rule_modules(model) -> list:
     return list(mods.values())
 
 
-def fla_available() -> bool:
-    return importlib.util.find_spec("fla") is not None
-
-
 def resolve_backend(target, backend: str = "auto") -> str:
     """The backend a setting means for this target on its device ("none" for non-hybrid targets)."""
     if backend not in BACKENDS:
@@ -50,11 +46,11 @@ def resolve_backend(target, backend: str = "auto") -> str:
         return "none"
     cuda = target.device.type == "cuda"
     if backend == "auto":
-        return "fla" if cuda and fla_available() else "torch"
+        return "fla" if cuda and importlib.util.find_spec("fla") else "torch"
     if backend == "fla":
         if not cuda:
             raise DFlashError("--linear-attention fla needs a CUDA device (its kernels are Triton); use torch on CPU")
-        if not fla_available():
+        if importlib.util.find_spec("fla") is None:
             raise DFlashError("--linear-attention fla: the `flash-linear-attention` package is not installed; "
                               "`pip install flash-linear-attention`, or use --linear-attention torch")
     return backend
@@ -78,27 +74,20 @@ def _functions(backend: str, mod):
         return _keep_known_kwargs(chunk_gated_delta_rule), _keep_known_kwargs(fused_recurrent_gated_delta_rule)
     # transformers wraps the torch reference (functools.wraps), possibly twice: unwrap to reach it.
     chunk, recurrent = (inspect.unwrap(f) for f in _ORIGINAL[mod.__name__])
-    if backend == "torch-recurrent":
-        return recurrent, recurrent
-    return chunk, recurrent
+    return (recurrent if backend == "torch-recurrent" else chunk), recurrent
 
 
 @contextmanager
 def linear_attention(target, backend: str = "auto"):
     """Run the block with the given linear-attention backend; yields the resolved name."""
     resolved = resolve_backend(target, backend)
-    if resolved == "none":
-        yield resolved
-        return
     saved = []
     try:
-        for mod in _delta_rule_modules(target.model):
-            saved.append((mod, getattr(mod, CHUNK), getattr(mod, RECURRENT)))
-            chunk, recurrent = _functions(resolved, mod)
-            setattr(mod, CHUNK, chunk)
-            setattr(mod, RECURRENT, recurrent)
+        for mod in _delta_rule_modules(target.model) if resolved != "none" else ():
+            saved += [(mod, name, getattr(mod, name)) for name in (CHUNK, RECURRENT)]
+            for name, fn in zip((CHUNK, RECURRENT), _functions(resolved, mod)):
+                setattr(mod, name, fn)
         yield resolved
     finally:
-        for mod, chunk, recurrent in saved:
-            setattr(mod, CHUNK, chunk)
-            setattr(mod, RECURRENT, recurrent)
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)

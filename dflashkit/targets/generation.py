@@ -34,9 +34,7 @@ def _batches(target, prompts: list[list[int]], batch_size: int):
 
 def _pad_id(target) -> int:
     pad = target.tokenizer.pad_token_id
-    if pad is None:
-        pad = target.stop_token_ids[0] if target.stop_token_ids else 0
-    return pad
+    return pad if pad is not None else (target.stop_token_ids or [0])[0]
 
 
 def _generate(target, ids, att, max_new_tokens: int, temperature: float = 0.0, **extra):
@@ -48,10 +46,7 @@ def _generate(target, ids, att, max_new_tokens: int, temperature: float = 0.0, *
 
 
 def _cut(tokens: list[int], stops: set[int]) -> list[int]:
-    for j, t in enumerate(tokens):
-        if t in stops:
-            return tokens[: j + 1]
-    return tokens
+    return next((tokens[: j + 1] for j, t in enumerate(tokens) if t in stops), tokens)
 
 
 @torch.no_grad()

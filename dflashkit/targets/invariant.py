@@ -28,7 +28,6 @@ multi-token call after the prefill runs one token at a time, exactly what plain 
 from __future__ import annotations
 
 import functools
-
 from contextlib import nullcontext
 
 import torch
@@ -68,50 +67,35 @@ def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     return (torch.softmax(scores, dim=-1) @ v).to(out_dtype)
 
 
+def _low(fn):
+    """fn on low-precision inputs; NotImplemented (the stock kernel) on any other."""
+    return lambda x, *args, **kwargs: fn(x, *args, **kwargs) if x.dtype in LOW else NotImplemented
+
+
 def _wide_matmul(a, b, *rest, **kw):
-    if a.dtype not in LOW or not isinstance(b, torch.Tensor):
-        return NotImplemented
-    return (a.double() @ b.double()).to(a.dtype)
+    return (a.double() @ b.double()).to(a.dtype) if isinstance(b, torch.Tensor) else NotImplemented
 
 
 def _wide_softmax(x, dim=None, dtype=None):  # torch.softmax and Tensor.softmax
-    if x.dtype not in LOW:
-        return NotImplemented
     return torch.softmax(x.double(), dim=dim).to(dtype or x.dtype)
 
 
-def _wide_functional_softmax(x, dim=None, _stacklevel=3, dtype=None):
-    return _wide_softmax(x, dim, dtype)
-
-
-def _low_linear(x, weight, bias=None):
-    return invariant_linear(x, weight, bias) if x.dtype in LOW else NotImplemented
-
-
-def _low_sdpa(query, key, value, *args, **kwargs):
-    return invariant_sdpa(query, key, value, *args, **kwargs) if query.dtype in LOW else NotImplemented
-
-
-_HANDLERS = {F.linear: _low_linear, F.scaled_dot_product_attention: _low_sdpa,
-             torch.matmul: _wide_matmul, torch.Tensor.matmul: _wide_matmul, torch.Tensor.__matmul__: _wide_matmul,
-             torch.bmm: _wide_matmul, torch.softmax: _wide_softmax, F.softmax: _wide_functional_softmax,
-             torch.Tensor.softmax: _wide_softmax}
+_HANDLERS = {F.linear: _low(invariant_linear), F.scaled_dot_product_attention: _low(invariant_sdpa),
+             torch.softmax: _low(_wide_softmax), torch.Tensor.softmax: _low(_wide_softmax),
+             F.softmax: _low(lambda x, dim=None, _stacklevel=3, dtype=None: _wide_softmax(x, dim, dtype)),
+             **dict.fromkeys((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm),
+                             _low(_wide_matmul))}
 
 
 class RowInvariantKernels(TorchFunctionMode):
-    """The row-invariant kernels for the forwards run inside it (see the module docstring); anything else runs as
-    it would outside."""
+    """The row-invariant kernels (see the module docstring) for the forwards run inside; all else runs as outside."""
 
     name = "row-invariant"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            out = handler(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        return func(*args, **kwargs)
+        out = _HANDLERS[func](*args, **kwargs) if func in _HANDLERS else NotImplemented
+        return func(*args, **kwargs) if out is NotImplemented else out
 
 
 def needs_invariant(model: nn.Module) -> bool:
@@ -121,8 +105,8 @@ def needs_invariant(model: nn.Module) -> bool:
 
 
 def kernels_for(target, stock: bool = False):
-    """The kernels the reference backend decodes `target` on: row-invariant ones on a low-precision CPU target
-    (a fresh RowInvariantKernels to enter), else, or with `stock`, a null context (the model's own)."""
+    """The kernels the reference backend decodes `target` on: fresh row-invariant ones where it needs them, else (or
+    with `stock`) the model's own."""
     return RowInvariantKernels() if not stock and needs_invariant(target.model) else nullcontext()
 
 
@@ -153,9 +137,8 @@ def stepwise_forward(layer: nn.Module, hidden_states, cache_params=None, attenti
 
 
 def step_linear_attention(model: nn.Module) -> int:
-    """At load, before anything runs: a low-precision CPU model's linear-attention layers take their cached
-    multi-token calls one token at a time (their `forward` is stepwise_forward; a prefill, with no state yet, and an
-    uncached extraction keep the chunked path). Returns how many layers step."""
+    """At load, before anything runs: a low-precision CPU model's linear-attention layers step their cached
+    multi-token calls (their `forward` becomes stepwise_forward). Returns how many layers step."""
     if not needs_invariant(model):
         return 0
     layers = [m for m in model.modules() if _is_linear_attention(m)]

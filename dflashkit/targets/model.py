@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import home, read_json, sha256_file, sha256_json, write_json
 from dflashkit.targets.invariant import step_linear_attention
 from dflashkit.targets.registry import resolve
+from dflashkit.threads import isa
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -36,8 +37,6 @@ def cpu_has_bf16_matmul() -> bool:
     and nearly flat in the tokens it verifies (SmolLM2, 2 cores: 9 tokens cost 1.2x one token, 1.6x in float32);
     without them bf16 is emulated and a 16-token forward costs 7x. The AVX2 code path (DFLASHKIT_NATIVE_ISA=avx2,
     dflashkit/threads.py) has none, whatever this CPU has."""
-    from dflashkit.threads import isa
-
     if isa() == "avx2":
         return False
     try:
@@ -67,8 +66,6 @@ def dtype_reason(dtype: torch.dtype, device: torch.device, asked: str | None = "
         return f"{name}, as asked (--dtype {asked})"
     if device.type == "cuda":
         return f"{name}: the default on CUDA"
-    from dflashkit.threads import isa
-
     if dtype == torch.float32 and isa() == "avx2":
         return f"{name}: the AVX2 code path (DFLASHKIT_NATIVE_ISA=avx2) has no native bf16 dot products"
     if dtype == torch.float32:
@@ -96,8 +93,7 @@ class Target:
         self.tokenizer = tokenizer
         self.path = Path(path)
         self.name = name
-        cfg = model.config.get_text_config(decoder=True)  # a VL wrapper's text part; a text model's own config
-        self.config = cfg
+        self.config = cfg = model.config.get_text_config(decoder=True)  # a VL wrapper's text part, or the config
         self.decoder, self.layers, self.final_norm = decoder_parts(model, self.path)
         self.num_layers = len(self.layers)
         self.hidden_size = cfg.hidden_size
@@ -158,11 +154,10 @@ class Target:
         if late and not allow_final:
             early = [i for i in self.default_layer_ids(len(ids)) if i < self.num_layers - 2]
             hint = f"use e.g. {early}" if early else f"a {self.num_layers}-layer target has no earlier layer to use"
-            raise DFlashError(
-                f"target layer ids {late} include the last two decoder layers of {self.name} ({self.num_layers} layers): "
-                f"they encode the next-token choice and give the drafter a shortcut that fails in use; {hint}, "
-                "or pass --allow-final-layers (allow_final_layers=True) to override"
-            )
+            raise DFlashError(f"target layer ids {late} include the last two decoder layers of {self.name} "
+                              f"({self.num_layers} layers): they encode the next-token choice and give the drafter a "
+                              f"shortcut that fails in use; {hint}, or pass --allow-final-layers "
+                              "(allow_final_layers=True) to override")
         return ids
 
     # ---- text -------------------------------------------------------------------------------------
@@ -173,12 +168,9 @@ class Target:
     def chat_ids(self, messages, enable_thinking: bool = False) -> list[int]:
         """Prompt ids with the target's chat template; thinking mode is always explicit."""
         if not self.tokenizer.chat_template:
-            text = "\n".join(m["content"] for m in messages)
-            return self.tokenizer(text)["input_ids"]
-        out = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True, enable_thinking=enable_thinking
-        )
-        return list(out["input_ids"])
+            return self.tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+        return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True, enable_thinking=enable_thinking)["input_ids"])
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -210,20 +202,13 @@ class Target:
         """One target forward; `layer_ids` selects the features to capture (None: none)."""
         self._capture = {int(i): None for i in layer_ids} if layer_ids is not None else None
         try:
-            if compute_logits:
-                out = self.model(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids,
-                                 attention_mask=attention_mask, use_cache=use_cache, logits_to_keep=logits_to_keep)
-                logits, past = out.logits, out.past_key_values
-            else:
-                out = self.decoder(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids,
-                                   attention_mask=attention_mask, use_cache=use_cache)
-                logits, past = None, out.past_key_values
-            feats = None
-            if layer_ids is not None:
-                feats = torch.cat([self._capture[int(i)] for i in layer_ids], dim=-1)
+            kw = dict(input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids,
+                      attention_mask=attention_mask, use_cache=use_cache)
+            out = self.model(**kw, logits_to_keep=logits_to_keep) if compute_logits else self.decoder(**kw)
+            feats = None if layer_ids is None else torch.cat([self._capture[int(i)] for i in layer_ids], dim=-1)
         finally:
             self._capture = None
-        return TargetOutput(logits, feats, past)
+        return TargetOutput(out.logits if compute_logits else None, feats, out.past_key_values)
 
     def features(self, seqs, layer_ids, padding: str = "right") -> torch.Tensor:
         """Features [b, T, K*H] of several token sequences (lists or 1-D tensors) in one forward, on the target's
@@ -260,11 +245,6 @@ def weight_files(path) -> list[Path]:
     return found or sorted(p for pat in ("*.bin", "*.pt", "*.pth") for p in path.glob(pat))
 
 
-def _memo_file(folder: Path) -> Path:
-    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]
-    return home() / "weight-hashes" / f"{key}.json"
-
-
 MEMO_MIN_BYTES = 64 << 20  # smaller files are always hashed: they are cheap, and can be rewritten within one tick
 
 
@@ -279,7 +259,7 @@ def weights_hash(path) -> str | None:
     files = weight_files(path)
     if not files:
         return None
-    memo_path = _memo_file(path)
+    memo_path = home() / "weight-hashes" / f"{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]}.json"
     try:
         memo = read_json(memo_path) if memo_path.is_file() else {}
     except (DFlashError, OSError):
@@ -293,10 +273,8 @@ def weights_hash(path) -> str | None:
         remembered = isinstance(e, dict) and e.get("sha256") and all(e.get(k) == v for k, v in stamp.items())
         entries[f.name] = e if remembered and st.st_size >= MEMO_MIN_BYTES else {**stamp, "sha256": sha256_file(f)}
     if entries != known:
-        try:
+        with suppress(OSError):  # a read-only home only costs the hash again next time
             write_json(memo_path, {"folder": str(path.resolve()), "files": entries})
-        except OSError:  # a read-only home only costs the hash again next time
-            pass
     return sha256_json({name: e["sha256"] for name, e in entries.items()})[:16]
 
 
@@ -339,11 +317,10 @@ def decoder_parts(model, path=None):
     layers = getattr(decoder, "layers", None)
     norm = getattr(decoder, "norm", None)
     if decoder is None or not isinstance(layers, torch.nn.ModuleList) or norm is None:
-        raise DFlashError(
-            f"{where}architecture {type(model).__name__} has no decoder with `layers` and a final `norm` (get_decoder()), "
-            "so its layer hidden states cannot be captured; use a decoder-only causal LM or a vision-language model "
-            "whose language model has them (Llama, Qwen3, Qwen3.5, their MoE and VL variants, DeepSeek-V3, GLM-4 MoE, ...)"
-        )
+        raise DFlashError(f"{where}architecture {type(model).__name__} has no decoder with `layers` and a final `norm` "
+                          "(get_decoder()), so its layer hidden states cannot be captured; use a decoder-only causal "
+                          "LM or a vision-language model whose language model has them (Llama, Qwen3, Qwen3.5, their "
+                          "MoE and VL variants, DeepSeek-V3, GLM-4 MoE, ...)")
     return decoder, layers, norm
 
 
@@ -368,9 +345,7 @@ def _stop_tokens(model, tokenizer) -> list[int]:
     ids = set()
     for src in (getattr(model, "generation_config", None), tokenizer):
         eos = getattr(src, "eos_token_id", None)
-        if eos is None:
-            continue
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     return sorted(int(i) for i in ids)
 
 

