@@ -16,7 +16,10 @@ before the command runs (call it yourself when parsing arguments elsewhere).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -41,6 +44,21 @@ def isa_environment() -> dict[str, str]:
     if os.environ.get(ISA_VAR) != "avx2":
         return {}
     return {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "haswell"}
+
+
+@functools.cache
+def cpu() -> tuple[str, frozenset[str]]:
+    """This CPU's model name and flags from /proc/cpuinfo (the platform's name and none where there is none): what
+    the kernels, the engine probe and `dtype auto` read."""
+    model, flags = platform.processor(), frozenset()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            if key.strip() == "flags":
+                return model, frozenset(value.split())
+    return model, flags
 
 
 def _usable_cpus() -> list[int]:

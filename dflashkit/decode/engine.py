@@ -8,7 +8,6 @@ refuses a target, auto says why and runs hf."""
 from __future__ import annotations
 
 import json
-import platform
 import sys
 import time
 
@@ -17,7 +16,7 @@ import torch
 from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, parse_method
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import sha256_json
-from dflashkit.threads import isa
+from dflashkit.threads import cpu, isa
 
 
 def static_refusal(target) -> str | None:
@@ -63,21 +62,12 @@ def _say(log, message: str) -> None:
 def machine_key(target) -> tuple[str, dict]:
     """What a probe's answer depends on: the CPU (model and its vector flags), the target's weights, dtype, threads
     and torch's version."""
-    cpu, flags = platform.processor(), set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and cpu in ("", platform.processor()):
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    name, flags = cpu()
     vector = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     if isa() == "avx2":  # the AVX2 code path (threads.isa) is another machine to time
         vector = [f for f in vector if f in ("avx2", "fma")] + ["isa=avx2"]
     ident = target.identity()
-    record = {"cpu": cpu, "flags": vector, "target": ident.get("weights_hash") or ident.get("name"),
+    record = {"cpu": name, "flags": vector, "target": ident.get("weights_hash") or ident.get("name"),
               "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "torch": torch.__version__}
     return sha256_json(record)[:16], record

@@ -24,7 +24,7 @@ import torch
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import home
-from dflashkit.threads import ISA_VAR, isa
+from dflashkit.threads import ISA_VAR, cpu, isa
 
 SOURCE = Path(__file__).with_name("native.cpp")
 # fp-contract: a * b + c is one fused multiply-add wherever it is written, so the one-row and four-row dots agree
@@ -39,22 +39,12 @@ def cflags() -> list[str]:
     return ISA_FLAGS[isa()] + COMMON
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def instruction_set() -> str:
     """What the kernels are built for here, in the words a reader compares machines by: the widest vector ISA and
     whether bf16 dot products are native (what bench and the demo report beside dtype and threads)."""
     if isa() == "avx2":
         return f"avx2+fma, no native bf16 ({ISA_VAR}=avx2)"
-    flags = set(_cpu_flags().split())
+    flags = cpu()[1]
     widest = "avx512" if "avx512f" in flags else "avx2+fma" if {"avx2", "fma"} <= flags else "baseline x86-64" \
         if "sse2" in flags else platform.machine()
     bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
@@ -72,7 +62,7 @@ def _command(out: Path) -> list[str]:
 
 def library_path() -> Path:
     """Where this source, these flags, this CPU and this torch build their library."""
-    key = "\n".join([SOURCE.read_text(), *cflags(), _cpu_flags(), torch.__version__, torch.__file__])
+    key = "\n".join([SOURCE.read_text(), *cflags(), *sorted(cpu()[1]), torch.__version__, torch.__file__])
     return home() / "native" / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 

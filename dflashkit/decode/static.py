@@ -296,10 +296,9 @@ BY_PATH = ("native", "tiles")
 def cpu_kernels(target, geo: Geometry) -> str:
     """`tiles` where they run and pay (bf16 weights whose shapes tile, a CPU with AMX, this CPU's own code path),
     else `native`."""
-    from dflashkit.decode.native import _cpu_flags
-    from dflashkit.threads import isa
+    from dflashkit.threads import cpu, isa
 
-    amx = {"amx_bf16", "amx_tile"} <= set(_cpu_flags().split()) and isa() == "native"
+    amx = {"amx_bf16", "amx_tile"} <= cpu()[1] and isa() == "native"
     return "tiles" if amx and target.dtype == torch.bfloat16 and tiles_fit(geo) else "native"
 
 

@@ -21,7 +21,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import home, read_json, sha256_file, sha256_json, write_json
 from dflashkit.targets.invariant import step_linear_attention
 from dflashkit.targets.registry import resolve
-from dflashkit.threads import isa
+from dflashkit.threads import cpu, isa
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -37,13 +37,7 @@ def cpu_has_bf16_matmul() -> bool:
     and nearly flat in the tokens it verifies (SmolLM2, 2 cores: 9 tokens cost 1.2x one token, 1.6x in float32);
     without them bf16 is emulated and a 16-token forward costs 7x. The AVX2 code path (DFLASHKIT_NATIVE_ISA=avx2,
     dflashkit/threads.py) has none, whatever this CPU has."""
-    if isa() == "avx2":
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    return isa() != "avx2" and bool({"avx512_bf16", "amx_bf16"} & cpu()[1])
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
