@@ -109,6 +109,11 @@ def subtree(tree: Tree, keep: Sequence[int]) -> Tree:
     return Tree(tree.tokens[idx], tree.depths[idx], torch.tensor(parents), tree.log_probs[idx])
 
 
+def path_tokens(tree: Tree) -> int:
+    """Tokens a verify one root-to-leaf path per batch row runs: leaves x (depth + 1)."""
+    return (len(tree) - len(set(tree.parents.tolist()) - {-1})) * (int(tree.depths.max()) + 1)
+
+
 def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, by_paths: bool = False) -> Tree:
     """Keep the nodes that maximize expected committed tokens per second: (1 + sum of the kept nodes' acceptance
     probabilities) / (fixed + cost(tokens)), with cost(n) the time of a target forward over n tokens and tokens the

@@ -193,3 +193,21 @@ def test_the_avx2_code_path_is_one_setting_for_our_kernels_and_the_llama_cpp_pee
     monkeypatch.setenv("DFLASHKIT_NATIVE_ISA", "avx512")
     with pytest.raises(DFlashError, match="DFLASHKIT_NATIVE_ISA='avx512': use one of native, avx2"):
         isa()
+
+
+def test_a_tree_verified_path_by_path_records_the_tokens_it_ran(tiny_dirs):
+    """Issue 50: hf in bf16 verifies a branching tree one root-to-leaf path per batch row (row-invariant kernels), so
+    a round runs leaves x (depth + 1) tokens, not the tree's nodes; the round's width says so, as the cost model
+    prices it (recorded as nodes, ddtree-8 on hf was predicted 57% fast). The static backend verifies flat."""
+    from dflashkit.tree import Tree, path_tokens
+
+    tree = Tree(torch.tensor([1, 5, 9, 7, 11, 3]), torch.tensor([0, 1, 1, 2, 3, 3]), torch.tensor([-1, 0, 0, 2, 3, 3]),
+                torch.zeros(6))
+    assert path_tokens(tree) == 3 * 4  # leaves 5, 11 and 3; depth 3
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16")
+    ids = prompt(t)
+    plain, oracle = oracle_for(t, ids, 30)
+    paths = generate(t, ids, "ddtree-8", oracle, max_new_tokens=30)
+    flat = generate(t, ids, "ddtree-8", oracle, max_new_tokens=30, engine="static")
+    assert paths.tokens == plain and paths.engine == "hf" and max(paths.widths) > 9
+    assert flat.engine == "static" and max(flat.widths) <= 9

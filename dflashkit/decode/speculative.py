@@ -33,7 +33,8 @@ from dflashkit.drafter.head import DecodingProducts, DraftHead
 from dflashkit.drafter.model import block_ids, mix_greedy
 from dflashkit.errors import DFlashError
 from dflashkit.targets.invariant import kernels_for, needs_invariant
-from dflashkit.tree import Tree, accepted_path, add_branch, attention_mask, build_tree, common_prefix, prune_by_cost, walk
+from dflashkit.tree import (Tree, accepted_path, add_branch, attention_mask, build_tree, common_prefix, path_tokens,
+                            prune_by_cost, walk)
 
 # ---- results and timing ---------------------------------------------------------------------------------
 
@@ -644,13 +645,13 @@ def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_to
         while not done:
             t_round, t_verify, t_draft = perf_counter(), timer.times["verify"], timer.times["draft"]
             tree = drafts.propose(feats, bonus, b.start, timer)
-            widths.append(len(tree))
             drafted.append(drafts.drafted)
             if b.widest is not None and len(tree) > b.widest:
                 raise DFlashError(f"method {method}: a tree of {len(tree)} nodes, past the {b.engine} backend's widest "
                                   f"verify ({b.widest} nodes); use a smaller budget or --engine hf")
             with timer("verify"):
                 node_logits = b.verify(tree.tokens, tree)
+            widths.append(path_tokens(tree) if getattr(b, "paths", False) else len(tree))  # what the cost model prices
             choice = choose(node_logits, temperature, generator)  # [n]: the target's token after each node
             path = walk(tree, choice.tolist())
             keep = [0] + path  # root (the bonus) + accepted nodes
