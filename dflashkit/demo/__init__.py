@@ -61,8 +61,7 @@ class Paths:
     """Where each stage writes, under the demo's out folder."""
 
     def __init__(self, root: Path, eval_suite: str):
-        self.root = root
-        self.data, self.eval_cache = root / "cache" / "train", root / "cache" / eval_suite
+        self.root, self.data, self.eval_cache = root, root / "cache" / "train", root / "cache" / eval_suite
         self.train, self.drafters = root / "train", root / "drafters"
         self.first, self.untrained = self.drafters / "first-checkpoint", self.drafters / "untrained"
         self.eval, self.bench, self.holdout = root / "eval", root / "bench", root / "bench-holdout"
@@ -121,10 +120,10 @@ def demo_suites(cfg: DemoConfig) -> Suites:
 
 def peer_methods(cfg: DemoConfig) -> list[str]:
     """Plain decoders beside ours, the fastest a user could run here: a speedup is stated against them too."""
-    if cfg.plain_peers not in ("auto", "none"):
-        raise DFlashError(f"demo plain_peers {cfg.plain_peers!r}: use auto or none")
     from dflashkit.engines.install import find
 
+    if cfg.plain_peers not in ("auto", "none"):
+        raise DFlashError(f"demo plain_peers {cfg.plain_peers!r}: use auto or none")
     return ["llama.cpp"] if cfg.plain_peers == "auto" and find("llama.cpp") is not None else []
 
 
@@ -149,6 +148,7 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
     every one carries its identity and numerics: a resumed demo in another dtype or on other kernels rebuilds."""
     from dflashkit.cache import extract
     from dflashkit.cache.store import content_digest
+    from dflashkit.decode.costmodel import engine_version
     from dflashkit.train.loop import feature_layers
 
     def cache_stage(name, suite, out, tokens, batch):
@@ -171,8 +171,8 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
               lambda: evaluate_drafters(cfg, p, target), after=("train", "cache"), settings=settings),
         Stage("bench", {"target": tid, "suite": s.bench.content_hash, "methods": runs[0][1],
                         "holdout": [s.holdout.content_hash, cfg.holdout_methods, cfg.holdout_max_new_tokens],
-                        "max_new_tokens": cfg.bench_max_new_tokens, "device": str(device)}, [p.bench, p.holdout],
-              lambda: bench_methods(cfg, p, target, runs), after=("train",), settings=settings),
+                        "max_new_tokens": cfg.bench_max_new_tokens, "decoders": engine_version("static")},
+              [p.bench, p.holdout], lambda: bench_methods(cfg, p, target, runs), after=("train",), settings=settings),
     ]
 
 
