@@ -230,8 +230,8 @@ def train_drafters(cfg: DemoConfig, p: Paths, target) -> None:
         shutil.copytree(first[0] if first else Path(summary["checkpoint"]), p.first, ignore=no_state)
 
 
-def final_checkpoint(p: Paths) -> Path:
-    return Path(read_json(p.train / "summary.json")["checkpoint"])
+def final_checkpoint(p: Paths) -> Path:  # by the run's own pointer (summary.json's path is relative to the cwd)
+    return p.train / read_json(p.train / "latest.json")["checkpoint"]
 
 
 def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
