@@ -184,3 +184,16 @@ def test_the_console_line_sets_our_best_method_against_the_fastest_plain_decoder
                            "(ar@static), tau 1.60; every output equal")
     assert "OUTPUTS DIFFER" in headline({**bench, "mismatches": [{"method": "ngram"}]}, "coding-10")
     assert headline({}, "complete-12") == "complete-12: not run"
+
+
+def test_the_trained_drafter_is_found_from_any_directory(tmp_path, monkeypatch):
+    """A demo resumed from another directory (`--out` elsewhere) found its trained drafter by the path summary.json
+    records relative to where training ran, and failed at the bench stage; it now follows the run's own pointer."""
+    from dflashkit.demo import Paths, final_checkpoint
+    from dflashkit.fileio import write_json
+
+    p = Paths(tmp_path / "demo", "coding-10")
+    write_json(p.train / "latest.json", {"step": 3, "checkpoint": "checkpoints/step-00000003"})
+    write_json(p.train / "summary.json", {"checkpoint": "runs/demo/train/checkpoints/step-00000003"})
+    monkeypatch.chdir(tmp_path)
+    assert final_checkpoint(p) == tmp_path / "demo" / "train" / "checkpoints" / "step-00000003"
