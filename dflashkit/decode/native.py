@@ -3,11 +3,9 @@ first use for this machine's instruction set and cached (a later process loads t
 
 Why: a one-token step is a matrix-vector product per weight; the C++ dot keeps 64 independent float32 lanes, so it
 streams weights at the memory's speed where inductor's reduction is bound by one accumulator chain, and every row's
-sum has one fixed order (a verify's rows equal the one-token step's bit for bit). Attention reads a row's sequence
-(the committed slots, then its own path through a tree) in that order too, so a flat tree verify is exact.
-
-Built with the C++ compiler inductor itself needs, against torch's headers and libraries (the flags torch's own
-extension builder uses); no ninja, no change to the process's environment.
+sum has one fixed order (a verify's rows equal the one-token step's bit for bit); attention reads a row's sequence
+(committed slots, then its tree path) in that order too. Built with inductor's own C++ compiler against torch's
+headers and libraries (torch's extension builder's flags); no ninja, no change to the process's environment.
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ def cflags() -> list[str]:
 
 
 def instruction_set() -> str:
-    """What the kernels are built for here, in the words a reader compares machines by: the widest vector ISA and
-    whether bf16 dot products are native (what bench and the demo report beside dtype and threads)."""
+    """The widest vector ISA the kernels are built for here and whether bf16 dots are native (bench and the demo
+    report it beside dtype and threads)."""
     if isa() == "avx2":
         return f"avx2+fma, no native bf16 ({ISA_VAR}=avx2)"
     flags = cpu()[1]
@@ -49,15 +47,6 @@ def instruction_set() -> str:
         if "sse2" in flags else platform.machine()
     bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
     return widest + (f" ({', '.join(bf16)})" if bf16 else ", no native bf16")
-
-
-def _command(out: Path) -> list[str]:
-    from torch.utils import cpp_extension
-
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu", "-ltorch"]
-    return ["c++", *cflags(), abi, *includes, str(SOURCE), "-o", str(out), *libs]
 
 
 def library_path() -> Path:
@@ -76,11 +65,16 @@ def load() -> None:
                           "imported (the dflashkit command does), so every kernel takes the AVX2 path")
     lib = library_path()
     if not lib.exists():
+        from torch.utils import cpp_extension
+
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
         os.close(fd)
+        cmd = ["c++", *cflags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", tmp,
+               *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
         try:
-            res = subprocess.run(_command(Path(tmp)), capture_output=True, text=True)
+            res = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as e:
             Path(tmp).unlink(missing_ok=True)
             raise DFlashError(f"native kernels: no C++ compiler to build {SOURCE} ({e}); install g++ (inductor "
@@ -92,13 +86,8 @@ def load() -> None:
         os.replace(tmp, lib)
     torch.ops.load_library(str(lib))
 
-    @torch.library.register_fake("dflashkit::linear")
-    def _(x, w):
-        return x.new_empty(*x.shape[:-1], w.shape[0])
-
-    @torch.library.register_fake("dflashkit::linear_tiles")
-    def _(x, w):
-        return x.new_empty(*x.shape[:-1], w.shape[0])
+    for op in ("dflashkit::linear", "dflashkit::linear_tiles"):
+        torch.library.register_fake(op)(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]))
 
     @torch.library.register_fake("dflashkit::attend")
     def _(q, k, v, start, path):

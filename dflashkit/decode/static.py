@@ -1,16 +1,15 @@
 """Plain and speculative decoding in the shape of gpt-fast (issue 38): a static KV cache sized to the run, the Llama
-step written out over the target's weights, compiled once per width (one token, a chain's block, trees of 4 and 8
-nodes, prompt chunks). Nothing here changes process state: the kernels are the value a decoder is built with
-(`kernels`, by name), and the compiled step is a pure function of its inputs.
+step written out over the target's weights, compiled once per width (one token, a chain's block, tree widths, prompt
+chunks). Nothing here changes process state: the step is a pure function of its inputs, its kernels chosen by name.
 
-Why it is faster than our `ar` on a CPU: HF's modules, a DynamicCache and ~450 small ops a token cost more than the
-weights take to read; compiled, the step is a few dozen fused kernels. Why its linears and attention are our own
-(native.cpp) on a CPU: they stream bf16 weights at the memory's speed (inductor's fused reduction is bound by one
-accumulator chain: 20.3 vs 15.7 ms a SmolLM2 step on a 2-core Xeon), and each row's sums have one fixed order, so
-every row of a chain or tree verify is the one-token step's, bit for bit. With bf16 weights on a CPU with AMX, tile
-products instead (`tiles`, the weights stored in tile order): as row-invariant, and a verify of 16 rows costs 1.5x
-one row instead of 3.1x (benchmarks/tile_verify.py), so trees pay. Elsewhere, inductor's reductions (`reduce`:
-row-invariant too; at one row faster than mm, 27 vs 18 GB/s on a 2-core EPYC, benchmarks/static_decode_probe.py).
+Why it beats our `ar` on a CPU: HF's modules, a DynamicCache and ~450 small ops a token cost more than reading the
+weights; compiled, the step is a few dozen fused kernels. Why its linears and attention are our own (native.cpp) on
+a CPU: they stream bf16 weights at the memory's speed (inductor's fused reduction is bound by one accumulator chain:
+20.3 vs 15.7 ms a SmolLM2 step on a 2-core Xeon), and each row's sums have one fixed order, so every row of a chain or
+tree verify is the one-token step's, bit for bit. With bf16 weights on a CPU with AMX, tile products instead
+(`tiles`, weights in tile order): as row-invariant, and a verify of 16 rows costs 1.5x one row instead of 3.1x
+(benchmarks/tile_verify.py), so trees pay. Elsewhere, inductor's reductions (`reduce`: row-invariant too; at one row
+faster than mm, 27 vs 18 GB/s on a 2-core EPYC, benchmarks/static_decode_probe.py).
 """
 
 from __future__ import annotations
@@ -119,10 +118,9 @@ def _refuse(target, field: str, value, why: str):
 
 def geometry_of(target, max_len: int | None = None) -> Geometry:
     """The target's geometry, or a refusal naming the config field the static step does not compute. Audited
-    (tests/test_static_config.py holds each against transformers' forward or its refusal): model type and
-    sliding windows, hidden_act, the RoPE type and partial_rotary_factor (frequencies and attention scaling are
-    read from the model's own rotary embedding), attention scaling, biases (q/k/v honoured, others refused), Qwen3's
-    q/k norms, rms_norm_eps, head_dim, tied embeddings (the head is read as the model uses it)."""
+    (tests/test_static_config.py holds each against transformers' forward or its refusal): model type, sliding
+    windows, hidden_act, RoPE type and partial_rotary_factor (frequencies and scaling read from the model's rotary
+    embedding), attention scaling, biases (q/k/v only), Qwen3's q/k norms, rms_norm_eps, head_dim, tied embeddings."""
     cfg = target.config
     kind = getattr(cfg, "model_type", "?")
     if kind not in LLAMA_TYPES:
@@ -247,8 +245,7 @@ def attend_reduce(q, k, v, mask, kvh):
     """Softmax attention written out over the whole static cache (grouped heads, float32), its two products
     as reductions like the linears: a query's output then does not depend on how many share the step, and
     compiled it fuses into a few kernels (SDPA's CPU kernel costs 0.6 ms a layer on a 1024-slot cache)."""
-    _, nh, n, hd = q.shape
-    g = nh // kvh
+    (_, nh, n, hd), g = q.shape, q.shape[1] // kvh
     qg = q.reshape(1, kvh, g * n, 1, hd)
     s = (qg * k[:, :, None]).sum(-1) * hd ** -0.5  # [1, kvh, g*n, L]
     s = s.view(1, kvh, g, n, -1).masked_fill(~mask, float("-inf"))
@@ -259,30 +256,26 @@ def attend_reduce(q, k, v, mask, kvh):
 def attend_mm(q, k, v, mask, kvh):
     """The same attention with its products as batched matrix products: for a prompt's 32-token chunk, where the
     reductions cost 0.64 ms a layer (half the chunk's time, SmolLM2 on a 2-core Zen 5)."""
-    _, nh, n, hd = q.shape
-    g = nh // kvh
+    (_, nh, n, hd), g = q.shape, q.shape[1] // kvh
     s = (q.reshape(1, kvh, g * n, hd) @ k.transpose(-1, -2)) * hd ** -0.5
     s = s.view(1, kvh, g, n, -1).masked_fill(~mask, float("-inf"))
     return (s.softmax(-1).view(1, kvh, g * n, -1) @ v).reshape(1, nh, n, hd)
 
 
 def linear_native(x, w):
-    """dflashkit::linear (native.cpp, loaded by the decoder that uses it): a fixed-order float32 dot per row
-    and output, each weight read once a call."""
+    """dflashkit::linear (native.cpp): a fixed-order float32 dot per row and output, each weight read once a call."""
     return torch.ops.dflashkit.linear(x, w)
 
 
 def linear_tiles(x, w):
     """dflashkit::linear_tiles (native.cpp): AMX tile products over bf16 weights in tile order, x split exactly into
-    three bf16 parts; each row's sums in a fixed order whatever rows share the call, and a verify of 16 rows costs
-    little more than one row does (benchmarks/tile_verify.py)."""
+    three bf16 parts; each row's sums in a fixed order whatever rows share the call (benchmarks/tile_verify.py)."""
     return torch.ops.dflashkit.linear_tiles(x, w)
 
 
 def attend_native(q, k_cache, v_cache, start, path):
-    """dflashkit::attend (native.cpp): each row attends to slots 0..start-1 and then its own `path` of slots (its
-    ancestors' and its own, in depth order), over that sequence alone in a fixed order: a row of a chain or tree
-    verify is then the one-token step at its position, and only the slots in use are read."""
+    """dflashkit::attend (native.cpp): each row attends to slots 0..start-1, then its own `path` (ancestors' slots and
+    its own, in depth order), in a fixed order: a verify row is the one-token step there; only used slots are read."""
     return torch.ops.dflashkit.attend(q, k_cache, v_cache, start, path)
 
 
@@ -330,10 +323,8 @@ def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geom
         q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
         kv[0][i].index_copy_(2, slots, k)
         kv[1][i].index_copy_(2, slots, v.view(1, n, kvh, hd).transpose(1, 2))
-        if kernels in BY_PATH:
-            o = attend(q, kv[0][i], kv[1][i], pos[:1], path)
-        else:
-            o = attend(q, kv[0][i][:, :, :S], kv[1][i][:, :, :S], mask, kvh)
+        o = attend(q, kv[0][i], kv[1][i], pos[:1], path) if kernels in BY_PATH else \
+            attend(q, kv[0][i][:, :, :S], kv[1][i][:, :, :S], mask, kvh)
         x = x + linear(o.transpose(1, 2).reshape(1, n, geo.q_size), w["o"])
         g, u = linear(_rms(x, w["n2"], eps), w["gu"]).chunk(2, -1)
         x = x + linear(ACTIVATIONS[geo.act](g) * u, w["down"])
@@ -384,10 +375,10 @@ class StaticDecoder:
             raise DFlashError(f"kernels 'tiles' need bf16 weights whose shapes divide into tiles (inputs in 32s, "
                               f"outputs in 16s) and a CPU with AMX (amx_bf16 in /proc/cpuinfo); target "
                               f"{target.name} ({target.dtype}) here: use kernels='native' (or auto)")
+        if kernels in BY_PATH and target.device.type != "cpu":
+            raise DFlashError(f"kernels {kernels!r} run on a CPU; target {target.name} is on {target.device}: "
+                              "use kernels='reduce' (or auto)")
         if kernels in BY_PATH:
-            if target.device.type != "cpu":
-                raise DFlashError(f"kernels {kernels!r} run on a CPU; target {target.name} is on {target.device}: "
-                                  "use kernels='reduce' (or auto)")
             from dflashkit.decode import native
 
             native.load()
@@ -395,12 +386,11 @@ class StaticDecoder:
         self.target, self.max_len, self.kernels = target, max_len, kernels
         self.arena, self.embed = pack_weights(target, geo, kernels == "tiles"), target.embed_tokens.weight
         self.rope = tuple(t.to(dev) for t in rope_tables(target, max_len))
-        # activations and the KV stay in float32 and only the weights are in the target's dtype: a rounding to bf16
-        # between two ops is kept or skipped by inductor as it fuses them, which differs from one width to another;
-        # with none, a verify's rows are the one-token step's bit for bit. One buffer per layer: an in-place write
-        # into a view of one stacked buffer makes inductor copy it whole, and rows of one flat buffer written by
-        # index cost 15% of a step (SmolLM2, side by side). One slot more than the run uses: a prompt chunk's
-        # symbolic span then never equals the buffer (which would specialise its compile on that case).
+        # activations and KV in float32, only weights in the target's dtype: inductor keeps or skips a bf16 rounding
+        # between ops as it fuses them, differently per width; with none, verify rows equal the one-token step's.
+        # One buffer per layer: writing into a view of one stacked buffer makes inductor copy it whole; one flat
+        # buffer written by index costs 15% of a step (SmolLM2). One slot spare: a prompt chunk's symbolic span
+        # then never equals the buffer (which would specialise its compile on that case).
         self.kv = tuple([torch.zeros(1, geo.kv_heads, max_len + 1, geo.head_dim, device=dev)
                          for _ in range(geo.layers)] for _ in "kv")
         self.full_span = torch.arange(max_len, device=dev)
@@ -411,8 +401,8 @@ class StaticDecoder:
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
         ids = tuple(self.layer_ids) if self.layer_ids is not None else None
         kinds = {1: (kernels, ids if trees else None), PREFILL: ("tiles" if kernels == "tiles" else "mm", ids)}
-        for w in ((verify_width,) if verify_width is not None else ()) + (TREE_WIDTHS if trees else ()):
-            kinds[w] = (kernels, ids)
+        widths = ((verify_width,) if verify_width is not None else ()) + (TREE_WIDTHS if trees else ())
+        kinds |= {w: (kernels, ids) for w in widths}
         self.verify_width, self.trees = verify_width, trees
         self.tree_widths = (1,) + TREE_WIDTHS if trees else ()
         if dev.type == "cuda":
@@ -420,8 +410,7 @@ class StaticDecoder:
                 torch._dynamo.mark_static_address(t)
         self.steps = {w: compiled_step(geo, k, f, dev.type, w) if compile else
                       functools.partial(step, geo=geo, kernels=k, layer_ids=f) for w, (k, f) in kinds.items()}
-        self.compile_s: dict[int, float] = {}
-        self.step_s: dict[int, float] = {}  # median seconds of a step per width, measured by warm()
+        self.compile_s, self.step_s = {}, {}  # seconds per width: the first call's; a step's median, by warm()
 
     def _check_room(self, pos: int, n: int) -> None:
         if pos + n > self.max_len:
@@ -479,11 +468,10 @@ class StaticDecoder:
     @torch.no_grad()
     def verify_tree(self, tree, start: int):
         """Every node of `tree` (its root the last committed token, at `start`) in one step, flat: node i's K and V
-        go to slot start + i, its position is start + its depth, and it attends to the committed slots and then its
-        ancestors' slots in depth order, so its logits are the one-token step's at that position. The step is the
-        smallest compiled width that holds the tree (the rest padded: root-only rows, their outputs dropped).
-        Returns logits [n, V] and, with layer_ids, features [1, n, F]; `commit` then moves the accepted path's
-        K and V to the slots plain decoding would have written."""
+        go to slot start + i, its position is start + its depth, and it attends to the committed slots, then its
+        ancestors' in depth order, so its logits are the one-token step's there. The step is the smallest compiled
+        width that holds the tree (padded with root-only rows, dropped). Returns logits [n, V] and, with layer_ids,
+        features [1, n, F]; `commit` then moves the accepted path's K and V to where plain decoding writes them."""
         n = len(tree)
         w = self.tree_width(n)
         self._check_room(start, w)
@@ -538,9 +526,8 @@ class StaticDecoder:
 
     @torch.no_grad()
     def time_widths(self, depth: int = 0, timed: int = 5) -> dict[int, float]:
-        """Median seconds of a step per verify width with `depth` slots before it (the cost model times them after a
-        realistic context; native attention reads the slots in use). A prompt chunk's step is not a verify: left
-        out. Writes slots from `depth` on, which the next prompt overwrites."""
+        """Median seconds of a verify width's step with `depth` slots before it (native attention reads the slots in
+        use, so the cost model times a realistic context); no prompt chunks. Writes slots from `depth` on."""
         self._check_room(depth, max(self.steps))
         out = {}
         for w in (w for w in self.steps if w != PREFILL and timed):
@@ -568,21 +555,19 @@ class StaticDecoder:
             # a prompt chunk attends by mask, or on tile kernels (which read the weights mm cannot) as a chain
             path = chain_path(pos) if self.kernels == "tiles" else pos[:, None]
         args = (self.arena, self.embed, self.rope, self.kv, ids, pos, slots, path, keep, span_slots)
-        if width in self.compile_s:
-            return self.steps[width](*args)
         t0 = time.perf_counter()
         out = self.steps[width](*args)  # the first call compiles (inductor's cache makes a later process quick)
-        self.compile_s[width] = time.perf_counter() - t0
+        self.compile_s.setdefault(width, time.perf_counter() - t0)
         return out
 
 
 def decoder_for(target, state: dict, length: int, proposer=None, log=None, trees: bool = False) -> StaticDecoder:
-    """`state`'s decoder for `target` (with `proposer`'s layers and block when given, and tree widths once a
-    method needs them, so that plain decoding, chain and the trees of a run share one set of steps), compiled
-    before it is returned (so no answer's time includes it), rebuilt longer when a turn needs more slots than it
-    has: `length` (prompt + new tokens) plus room for the last verify, rounded up to 512, or 2048 on native
-    kernels, whose attention reads only the slots in use (fewer rebuilds: each adds dynamo an entry per width,
-    and it keeps 8 a function). `log(message)` hears of a compile."""
+    """`state`'s decoder for `target` (with `proposer`'s layers and block, and tree widths once a method needs
+    them, so plain, chain and tree decoding share one set of steps), compiled before it is returned (no answer's
+    time includes it), rebuilt when a turn needs more slots: `length` (prompt + new tokens) plus room for the last
+    verify, rounded up to 512, or 2048 on native kernels, which read only the slots in use (fewer rebuilds: each
+    adds dynamo an entry per width, and it keeps 8 a function). `log(message)` hears of a compile."""
+    log = log or (lambda message: None)
     length += max(proposer.block_size if proposer is not None else 0, TREE_WIDTHS[-1] if trees else 0)
     d = state.get("static")
     other_drafter = proposer is not None and (d is not None and (d.layer_ids != proposer.layer_ids
@@ -592,21 +577,18 @@ def decoder_for(target, state: dict, length: int, proposer=None, log=None, trees
         drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids, "verify_width": proposer.block_size}
         unit = 2048 if target.device.type == "cpu" else 512  # native kernels on a CPU
         d = state["static"] = StaticDecoder(target, max(unit, -(-length // unit) * unit), trees=trees, **drafting)
-        if log is not None:
-            log(f"compiling the static decoder for {d.max_len} positions (about 1.5 min the first time on 2 cores "
-                "with native kernels, 3 without; seconds once inductor's cache holds it)")
+        log(f"compiling the static decoder for {d.max_len} positions (about 1.5 min the first time on 2 cores "
+            "with native kernels, 3 without; seconds once inductor's cache holds it)")
         d.warm()
-        if log is not None:
-            log(f"compiled in {sum(d.compile_s.values()):.0f} s")
+        log(f"compiled in {sum(d.compile_s.values()):.0f} s")
     return d
 
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's cyclic garbage collector off for one decode loop, and back as it was after (also on an error).
-    A loaded target and its tokenizer are ~500k tracked objects: the collections that a step's few allocations
-    trigger cost 5-6% of a 12 ms step (SmolLM2, 2-core Zen 5, side by side with gc on, frozen and off), and the
-    loop makes no cyclic garbage worth collecting before it ends."""
+    """Python's cyclic garbage collector off for one decode loop, then back as it was (also on an error). A loaded
+    target and tokenizer are ~500k tracked objects: collections a step's allocations trigger cost 5-6% of a 12 ms
+    step (SmolLM2, 2-core Zen 5, vs gc on, frozen and off), and the loop makes no cyclic garbage worth collecting."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -617,10 +599,9 @@ def collector_paused():
 
 
 class StaticBackend:
-    """Our compiled step as a backend of the loops in decode/speculative.py (the same verbs as HfBackend): a chain
-    of the decoder's verify width, or any tree up to its widest compiled width, in one step whose rows are the
-    one-token step's; `commit` moves the accepted path's KV where plain decoding writes it. Rejected slots need
-    no crop: the next write overwrites them."""
+    """Our compiled step as a backend of decode/speculative.py's loops (HfBackend's verbs): a chain of the verify
+    width, or any tree up to the widest compiled width, in one step whose rows are the one-token step's; `commit`
+    moves the accepted path's KV where plain decoding writes it. Rejected slots are overwritten by the next write."""
 
     engine = "static"
     by_paths = False
