@@ -14,13 +14,12 @@ from dflashkit.decode import native, static
 from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_reduce, StaticBackend, linear_native,
                                      linear_reduce, linear_tiles, tile_order)
 from dflashkit.errors import DFlashError
-from dflashkit.threads import cpu, isa
 from tiny_targets import make_tiny_target
 from dflashkit.targets.model import load_target
 from helpers import eager_decoders
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-AMX = {"amx_bf16", "amx_tile"} <= cpu()[1] and isa() == "native"  # the AVX2 code path runs no tiles
+AMX = native.tiles_run_here()
 needs_amx = pytest.mark.skipif(not AMX, reason="the tile kernels need a CPU with AMX (amx_bf16)")
 
 

@@ -33,6 +33,11 @@ ISA_FLAGS = {"native": ["-march=native", "-mprefer-vector-width=512"],
              "avx2": ["-march=haswell", "-mno-avx512f", "-mprefer-vector-width=256"]}
 
 
+def tiles_run_here() -> bool:
+    """linear_tiles runs on this CPU's own code path with AMX (the AVX2 path stands for a CPU without it)."""
+    return {"amx_bf16", "amx_tile"} <= cpu()[1] and isa() == "native"
+
+
 def cflags() -> list[str]:
     return ISA_FLAGS[isa()] + COMMON
 
