@@ -211,3 +211,27 @@ def test_a_tree_verified_path_by_path_records_the_tokens_it_ran(tiny_dirs):
     flat = generate(t, ids, "ddtree-8", oracle, max_new_tokens=30, engine="static")
     assert paths.tokens == plain and paths.engine == "hf" and max(paths.widths) > 9
     assert flat.engine == "static" and max(flat.widths) <= 9
+
+
+def test_the_compiled_drafter_drafts_as_the_eager_one_and_compiles_only_in_its_warm_up(tiny_targets):
+    """What the static backend runs (decoder_for compiles the proposer's drafter): over a decode's calls (the
+    prompt's, then one or several new positions) its logits equal the eager drafter's up to float rounding, and
+    after compile()'s warm-up no call compiles again (a recompile each round would cost more than it saves)."""
+    from dflashkit.decode.speculative import DFlashProposer
+    from helpers import drafter_and_prompts
+
+    t, d, _ = drafter_and_prompts(tiny_targets["llama"])
+    eager, compiled = DFlashProposer(t, d), DFlashProposer(t, d)
+    compiled.compile()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, 40, d.fc.weight.shape[1], generator=g)
+    for p in (eager, compiled):
+        p.reset(None)
+    start = 0
+    for n in (19, 1, 3, 2, 4, 1, 2):
+        new = feats[:, start:start + n]  # a view (a backend's commit hands a tensor of its own): one layout anyway
+        want, got = (p.propose(new, torch.tensor([5 + n]), start + n) for p in (eager, compiled))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        start += n
+    assert compiled.call is not d and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

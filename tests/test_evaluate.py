@@ -100,7 +100,7 @@ class CopyLabelDrafter(torch.nn.Module):
     def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None):
         return self._states((anchors[:, :, None] + torch.arange(self.config.block_size)).reshape(anchors.shape[0], -1))
 
-    def forward(self, target_hidden, block_embeds, position_ids, past_key_values=None, use_cache=False):
+    def forward(self, target_hidden, block_embeds, position_ids, past_key_values=None, use_cache=False, linear=None):
         return self._states(position_ids[:, target_hidden.shape[1] :])
 
     def new_context_kv(self):
@@ -167,6 +167,8 @@ def test_all_budgets_from_one_tree_equal_separate_trees():
             tree = build_tree(logits, b)
             assert rec["curve"][str(b)] == accepted_depth(tree, labels)
             assert rec["curve_expected"][str(b)] == pytest.approx(tree.log_probs[1:].double().exp().sum().item(), rel=1e-6)
+            leaves = len(tree) - len(set(tree.parents.tolist()) - {-1})  # a verify one root-to-leaf path per row
+            assert rec["curve_paths"][str(b)] == leaves * (int(tree.depths.max()) + 1)
         assert rec["curve"]["1"] == rec["matches"][0]  # budget 1 is position-1 accuracy
 
 
@@ -277,7 +279,7 @@ def test_aggregate_hand_checked():
             s += 1
         return {"n_labels": n or len(matches), "streak": s, "matches": matches, "trees": {"budget:4": min(s + 1, 4)},
                 "expected": {"budget:4": 1.0}, "curve": {str(b): s for b in CURVE_BUDGETS},
-                "curve_expected": {str(b): 0.5 for b in CURVE_BUDGETS}}
+                "curve_expected": {str(b): 0.5 for b in CURVE_BUDGETS}, "curve_paths": {str(b): s + b for b in CURVE_BUDGETS}}
 
     blocks = [blk([1, 1, 0, 1, 0, 0, 0]), blk([0, 1, 1, 0, 0, 0, 0]), blk([1, 1, 1, 1, 1, 1, 1]), blk([1, 0])]
     a = aggregate(blocks, B, ["budget:4"])
@@ -288,6 +290,7 @@ def test_aggregate_hand_checked():
     assert a["acc_conditional"][3] == pytest.approx(1.0)
     assert a["histogram_counts"] == [1, 1, 1, 0, 0, 0, 0, 1] and sum(a["histogram"]) == pytest.approx(1)
     assert a["budget:4"] == pytest.approx((3 + 1 + 4 + 2) / 4) and a["expected"]["budget:4"] == 1.0
+    assert a["budget_curve_paths"]["8"] == pytest.approx(8 + (2 + 0 + 7 + 1) / 4)
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ probes where llama.cpp and vLLM are installed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -49,6 +50,17 @@ def test_compiled_widths_round_up_and_a_tree_past_the_widest_is_not_predicted():
     assert static.forward(25) == math.inf and static.overhead("tree") == 1.0  # a loop not measured: ar's
     rows = predict_offline({**ACCEPTANCE, "ddtree": {8: 1.9, 32: 2.5}}, static)
     assert rows["ddtree-32"]["tokens_per_s"] is None and rows["ddtree-auto"]["budget"] == 8
+
+
+def test_a_backend_that_verifies_one_path_a_row_is_priced_on_the_paths_tokens():
+    by_paths = dataclasses.replace(FIXED, by_paths=True)
+    acceptance = {**ACCEPTANCE, "paths": {8: 15}}  # the budget-8 trees: e.g. 5 leaves x depth 2 + 1
+    rows = predict_offline(acceptance, by_paths)
+    forward15 = 14 + (18 - 14) * (15 - 8) / (16 - 8)
+    assert rows["ddtree-8"]["width"] == 15
+    assert rows["ddtree-8"]["tokens_per_s"] == pytest.approx(1000 * (1 + 1.9) / (3 + forward15 + 2.5))
+    assert rows["ddtree-4"]["width"] == 5  # no paths measured for it: its nodes
+    assert predict_offline(acceptance, FIXED)["ddtree-8"]["width"] == 9  # a flattened verify: nodes + root
 
 
 def test_a_decodes_own_rounds_priced_by_the_model():

@@ -48,6 +48,7 @@ class CostModel:
     rounding: str = "linear"  # linear between measured n (linear beyond); "up": the smallest measured n >= n
     record: dict = field(default_factory=dict)  # what it was measured on, and when
     path: Path | None = None
+    by_paths: bool = False  # the backend verifies a branching tree one root-to-leaf path per batch row (hf, some)
 
     def forward(self, n: int) -> float:
         """ms of one target forward over n tokens; infinite past an engine's widest verify ('up')."""
@@ -150,24 +151,27 @@ def cost_model(engine: str, target, proposer=None, state: dict | None = None, fo
     """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now (and cached)
     where none is, or with `force`; not `measure`: a missing one is an error naming the command that measures it.
     `state`: a run's state (decode/engine.py), whose static decoder it reuses."""
+    from dflashkit.decode.speculative import HfBackend
     from dflashkit.fileio import home, write_json
 
     check_model_engine(engine)
     key, record = model_key(target, engine, proposer)
     path = home() / "cost-model" / f"{engine}-{key}.json"
     if path.is_file() and not force:
-        return load_model(path)
-    if not measure:
+        model = load_model(path)
+    elif not measure:
         raise DFlashError(f"no {engine} cost model cached for this machine, target, dtype and threads ({path}); measure "
                           f"it once: `dflashkit cost --target {target.name} --engine {engine}"
                           + (" --drafter DIR`" if proposer is not None else "`"))
-    (log or (lambda m: None))(f"cost model: measuring {engine} on this machine (once; cached in {path})")
-    t0 = time.perf_counter()
-    model = PROBES[engine](target, proposer, {} if state is None else state, log)
-    model.record = {**record, "probe_s": round(time.perf_counter() - t0, 1),
-                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    write_json(path, model.to_dict())
-    model.path = path
+    else:
+        (log or (lambda m: None))(f"cost model: measuring {engine} on this machine (once; cached in {path})")
+        t0 = time.perf_counter()
+        model = PROBES[engine](target, proposer, {} if state is None else state, log)
+        model.record = {**record, "probe_s": round(time.perf_counter() - t0, 1),
+                        "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        write_json(path, model.to_dict())
+        model.path = path
+    model.by_paths = engine == "hf" and HfBackend(target).by_paths
     return model
 
 

@@ -315,10 +315,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // ---- AMX tiles: bf16 weights on CPUs with amx_bf16 (linear_tiles) ----------------------------------------------
 // A tile product multiplies bf16 by bf16 and sums in float32, 16 rows of x against 16 outputs at once, far more
 // work a cycle than the dot above: a verify of 16 rows then costs about what one row does (the weights' reading).
-// x stays float32 in effect: it is split exactly into three bf16 parts (the top, middle and low 8 bits of its
-// mantissa), each product of a part and a weight is exact in float32, and the three tile products are summed in
-// float32 - an accuracy of the dot above, in another order. Every element of a tile product depends on its own row
-// alone, so a row's result is the same whatever rows share the call.
+// x is split into two bf16 parts (its mantissa's top 8 bits and the next 8: 16 significant bits, an error below
+// 2^-14 of each input where bf16 alone leaves 2^-8), each product of a part and a weight is exact in float32, and
+// both tile products are summed in float32: a third part (float32's last 8 bits) cost 10-20% of a step for digits
+// far below the 1e-3 bench holds the step to against transformers' float32 forward. Every element of a tile product
+// depends on its own row alone, so a row's result is the same whatever rows share the call.
 // The weights are in tile order: [outs / 16][k / 32][16 pairs of k][16 outputs][2] (static.tile_order).
 
 struct TileConfig {
@@ -332,18 +333,17 @@ bool tiles_allowed() {  // the OS hands a process the tile registers' state only
   return ok;
 }
 
-// x's three bf16 parts, each [rows][k]: the top 16 bits of a float32 are a bf16 and leave an exact remainder
+// x's two bf16 parts, each [rows][k]: the top 16 bits of a float32 are a bf16 and leave an exact remainder
 inline float top_half(float v) { return std::bit_cast<float>(std::bit_cast<uint32_t>(v) & 0xFFFF0000u); }
 
 void split_rows(const float* x, int64_t rows, int64_t k, std::vector<uint16_t>& parts) {
   const int64_t n = rows * k;
-  if (parts.size() < static_cast<size_t>(3 * n)) parts.resize(3 * n);
-  uint16_t *top = parts.data(), *mid = top + n, *low = mid + n;
+  if (parts.size() < static_cast<size_t>(2 * n)) parts.resize(2 * n);
+  uint16_t *top = parts.data(), *low = top + n;
   for (int64_t i = 0; i < n; ++i) {  // straight-line, so that it vectorizes
-    const float h = top_half(x[i]), r = x[i] - h, m = top_half(r), l = top_half(r - m);
+    const float h = top_half(x[i]);
     top[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(h) >> 16);
-    mid[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(m) >> 16);
-    low[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(l) >> 16);
+    low[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(x[i] - h) >> 16);
   }
 }
 
@@ -363,17 +363,14 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void tiles_outputs(const uin
       for (int line = 0; line < 16 && kb + AHEAD < steps; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(wb + ob * 16 * k + (kb + AHEAD) * 512) + 64 * line, _MM_HINT_T0);
     const uint16_t* xa = xs + kb * 32;
-    _tile_loadd(2, xa + 2 * part, k * 2);  // the low part first: the small terms are summed before the large
-    _tile_loadd(3, xa + part, k * 2);
-    _tile_loadd(4, xa, k * 2);
-    _tile_loadd(5, wb + kb * 512, 64);
-    if (OB > 1) _tile_loadd(6, wb + 16 * k + kb * 512, 64);
-    _tile_dpbf16ps(0, 2, 5);
-    if (OB > 1) _tile_dpbf16ps(1, 2, 6);
-    _tile_dpbf16ps(0, 3, 5);
-    if (OB > 1) _tile_dpbf16ps(1, 3, 6);
-    _tile_dpbf16ps(0, 4, 5);
-    if (OB > 1) _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(2, xa + part, k * 2);  // the low part first: the small terms are summed before the large
+    _tile_loadd(3, xa, k * 2);
+    _tile_loadd(4, wb + kb * 512, 64);
+    if (OB > 1) _tile_loadd(5, wb + 16 * k + kb * 512, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    if (OB > 1) _tile_dpbf16ps(1, 2, 5);
+    _tile_dpbf16ps(0, 3, 4);
+    if (OB > 1) _tile_dpbf16ps(1, 3, 5);
   }
   _tile_stored(0, c[0], 64);
   if (OB > 1) _tile_stored(1, c[1], 64);
@@ -385,9 +382,9 @@ void tiles_block(const uint16_t* parts, int64_t part, const c10::BFloat16* w, fl
                  int64_t k, int64_t lo, int64_t hi) {
   alignas(64) float c[2][16][16];
   for (int64_t b = 0; b * 16 < rows; ++b) {
-    TileConfig cfg;  // tmm0-1 sums and 2-4 x's parts (the block's rows), 5-6 weights (16 pairs of k)
+    TileConfig cfg;  // tmm0-1 sums and 2-3 x's parts (the block's rows), 4-5 weights (16 pairs of k)
     const auto n = static_cast<uint8_t>(std::min<int64_t>(16, rows - b * 16));
-    for (int t = 0; t < 7; ++t) cfg.rows[t] = t < 5 ? n : 16, cfg.colsb[t] = 64;
+    for (int t = 0; t < 6; ++t) cfg.rows[t] = t < 4 ? n : 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
     for (int64_t ob = lo; ob < hi; ob += 2) {
       const int two = ob + 1 < hi;

@@ -4,7 +4,8 @@ time per round, tokens per second and the speedup over that engine's plain decod
 
     time per round   = draft + forward(width) + overhead(loop)        (ms; plain decoding: forward(1) + overhead(ar))
     tokens per round = 1 + sum_k P(drafts 1..k all accepted)           (chain, width B)
-                     = 1 + mean accepted depth of the budget-b tree     (ddtree-b, width b + 1)
+                     = 1 + mean accepted depth of the budget-b tree     (ddtree-b, width b + 1, or its
+                                                                         leaves x (depth + 1) verified by paths)
     tokens/s         = 1000 * tokens per round / time per round;  speedup = tokens/s / plain tokens/s
 
 ddtree-auto is predicted as the best fixed budget (the online tree is cut per round, so it can do a little better).
@@ -48,8 +49,10 @@ def predict_offline(acceptance: dict, model) -> dict:
     B = int(acceptance["block_size"])
     chain = 1.0 + sum(p for p in acceptance["chain"] if p is not None)  # the bonus + each draft reached and kept
     out = {"ar": base, "chain": _row(chain, draft, model.forward(B), model.overhead("chain"), width=B)}
-    trees = {f"ddtree-{b}": _row(1.0 + depth, draft, model.forward(b + 1), model.overhead("tree"), width=b + 1)
-             for b, depth in sorted((int(b), d) for b, d in acceptance["ddtree"].items() if d is not None)}
+    paths = acceptance.get("paths", {}) if model.by_paths else {}  # a branching tree's tokens, one path a row
+    trees = {f"ddtree-{b}": _row(1.0 + depth, draft, model.forward(w := paths.get(b, b + 1)), model.overhead("tree"),
+                                 width=w) for b, depth in sorted((int(b), d) for b, d in acceptance["ddtree"].items()
+                                                                 if d is not None)}
     out.update(trees)
     paying = [(r["tokens_per_s"], m) for m, r in trees.items() if r["tokens_per_s"]]
     if paying:
@@ -68,7 +71,9 @@ def offline_acceptance(overall: dict, block_size: int, source: str = "offline ev
             raise DFlashError(f"{source}: field 'overall.{field}' is missing; rerun `dflashkit eval` to rewrite it")
     ddtree = {int(b): d for b, d in overall["budget_curve"].items()}
     ddtree |= {int(k.split(":")[1]): v for k, v in overall.items() if k.startswith("budget:") and v is not None}
-    return {"block_size": block_size, "chain": overall["acc_cumulative"], "ddtree": ddtree, "source": source}
+    paths = {int(b): n for b, n in (overall.get("budget_curve_paths") or {}).items() if n is not None}
+    return {"block_size": block_size, "chain": overall["acc_cumulative"], "ddtree": ddtree, "paths": paths,
+            "source": source}
 
 
 def loop_of(method: str) -> str:

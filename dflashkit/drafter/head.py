@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 
 LOGIT_ELEMENTS = 1 << 24  # vocabulary logits held at once anywhere in dflashkit (64 MB of float32)
@@ -20,24 +19,15 @@ FEW_ROWS = 24  # at most this many rows, a decoding product on a CPU runs as wei
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, but a CPU call of a few rows computes weight @ x.T: ATen's x @ weight.T repacks the weight on every
     call, which costs 2-2.5x when the weight is not in cache, as when the drafter runs right after a target forward
-    (benchmarks/results/cpu-2026-12-02-drafter-forward.md)."""
+    (benchmarks/results/cpu-2026-12-02-drafter-forward.md). The proposer passes it as the drafter's `linear` in
+    decoding; training and offline evaluation keep F.linear, so their figures do not depend on how many blocks
+    share a call."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows > FEW_ROWS or rows == 0 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     y = (weight @ x.reshape(rows, -1).T).T
     y = y if bias is None else y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-class DecodingProducts(TorchFunctionMode):
-    """Online decoding's drafter products as a value the proposer enters around its own drafter calls: every
-    F.linear inside (the drafter's layers, the draft head) takes few_rows_linear's form. Training and offline
-    evaluation run outside it on F.linear, so their figures do not depend on how many blocks share a call."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.linear:
-            return few_rows_linear(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
 
 
 def scaled(raw: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None):
@@ -70,9 +60,9 @@ class DraftHead:
     def size(self) -> int:
         return self.weight.shape[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """[..., H] -> [..., V'] in float32 (argmax and log-softmax need the precision)."""
-        return scaled(F.linear(hidden.to(self.weight.dtype), self.weight).float(), *self.scaling)[0]
+        return scaled(linear(hidden.to(self.weight.dtype), self.weight).float(), *self.scaling)[0]
 
     def to_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the (sub)vocabulary -> target token ids."""

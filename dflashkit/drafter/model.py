@@ -107,9 +107,8 @@ class ContextKV:
         self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        old = self.kv[layer]
-        if old is not None:
-            k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
+        old = self.kv[layer]  # contiguous either way, so that a compiled drafter sees one layout (decode.speculative)
+        k, v = (k.contiguous(), v.contiguous()) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
         self.kv[layer] = (k, v)
         return k, v
 
@@ -132,20 +131,22 @@ class Attention(nn.Module):
     def _heads(self, x, n):
         return x.view(*x.shape[:2], n, self.head_dim)
 
-    def forward(self, h, ctx, cos_ctx, sin_ctx, cos_q, sin_q, mask, kv: ContextKV | None):
-        """h [b, Q, H] block states; ctx [b, T, H] fused context (new positions only when `kv` holds the rest)."""
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.n_heads)).transpose(1, 2), cos_q, sin_q)
-        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(h), self.n_kv)).transpose(1, 2), cos_q, sin_q)
-        v_blk = self._heads(self.v_proj(h), self.n_kv).transpose(1, 2)
-        k_ctx = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv)).transpose(1, 2), cos_ctx, sin_ctx)
-        v_ctx = self._heads(self.v_proj(ctx), self.n_kv).transpose(1, 2)
+    def forward(self, h, ctx, cos_ctx, sin_ctx, cos_q, sin_q, mask, kv: ContextKV | None, linear=F.linear):
+        """h [b, Q, H] block states; ctx [b, T, H] fused context (new positions only when `kv` holds the rest);
+        `linear`: the products' form (decoding's few_rows_linear, else F.linear)."""
+        q = apply_rope(self.q_norm(self._heads(linear(h, self.q_proj.weight), self.n_heads)).transpose(1, 2), cos_q, sin_q)
+        k_blk = apply_rope(self.k_norm(self._heads(linear(h, self.k_proj.weight), self.n_kv)).transpose(1, 2), cos_q, sin_q)
+        v_blk = self._heads(linear(h, self.v_proj.weight), self.n_kv).transpose(1, 2)
+        k_ctx = apply_rope(self.k_norm(self._heads(linear(ctx, self.k_proj.weight), self.n_kv)).transpose(1, 2),
+                           cos_ctx, sin_ctx)
+        v_ctx = self._heads(linear(ctx, self.v_proj.weight), self.n_kv).transpose(1, 2)
         if kv is not None:
             k_ctx, v_ctx = kv.append(self.layer, k_ctx, v_ctx)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         if self.n_kv != self.n_heads:
             k, v = (x.repeat_interleave(self.n_heads // self.n_kv, dim=1) for x in (k, v))
         out = attend(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(*h.shape[:2], -1))
+        return linear(out.transpose(1, 2).reshape(*h.shape[:2], -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -155,8 +156,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, linear=F.linear):
+        return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -172,15 +173,15 @@ class DecoderLayer(nn.Module):
             self.attention_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
             self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def forward(self, h, ctx, rope, mask, context_kv, segment: int):
+    def forward(self, h, ctx, rope, mask, context_kv, segment: int, linear=F.linear):
         x = self.input_layernorm(h)
         if hasattr(self, "attention_conv"):
             x, kept = self.attention_conv.prepare(x, segment)
-            h = h + self.attention_conv.finish(self.self_attn(x, ctx, *rope, mask, context_kv), kept, segment)
+            h = h + self.attention_conv.finish(self.self_attn(x, ctx, *rope, mask, context_kv, linear), kept, segment)
             x, kept = self.mlp_conv.prepare(self.post_attention_layernorm(h), segment)
-            return h + self.mlp_conv.finish(self.mlp(x), kept, segment)
-        h = h + self.self_attn(x, ctx, *rope, mask, context_kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            return h + self.mlp_conv.finish(self.mlp(x, linear), kept, segment)
+        h = h + self.self_attn(x, ctx, *rope, mask, context_kv, linear)
+        return h + self.mlp(self.post_attention_layernorm(h), linear)
 
 
 def dynamic_conv(x, delta, base, segment: int, group: int):
@@ -389,11 +390,13 @@ class DFlashDrafter(nn.Module):
                 masks[causal, window] = near if mask is None else mask & near
         return [masks[k] for k in kinds]
 
-    def run(self, target_hidden, block_embeds, ctx_positions, q_positions, mask=None, context_kv=None, segment=None):
+    def run(self, target_hidden, block_embeds, ctx_positions, q_positions, mask=None, context_kv=None, segment=None,
+            linear=F.linear):
         """target_hidden [b, T, K*H] (new context only when context_kv holds the rest); block_embeds [b, Q, H];
         ctx_positions [b, T]; q_positions [b, Q]; mask [b, 1, Q, T_total + Q] bool (True = may attend) or None
-        (all visible); segment: rows per block for DFlash2's convolutions (default Q). -> final-normed [b, Q, H]."""
-        ctx = self.hidden_norm(self.fc(target_hidden))
+        (all visible); segment: rows per block for DFlash2's convolutions (default Q); linear: every product's form
+        (decoding passes head.few_rows_linear). -> final-normed [b, Q, H]."""
+        ctx = self.hidden_norm(linear(target_hidden, self.fc.weight))
         n = int(q_positions.max()) + 1 if self.long_inv_freq is not None else None  # one frequency set per forward
         rope = (*self._rope(ctx_positions, n), *self._rope(q_positions, n))
         past = context_kv.get_seq_length() if context_kv is not None else 0
@@ -402,16 +405,18 @@ class DFlashDrafter(nn.Module):
         masks = self._layer_masks(mask, q_positions, lambda: torch.cat([prev(), ctx_positions, q_positions], dim=1))
         h = block_embeds
         for layer, layer_mask in zip(self.layers, masks):
-            h = layer(h, ctx, rope, layer_mask, context_kv, segment or h.shape[1])
+            h = layer(h, ctx, rope, layer_mask, context_kv, segment or h.shape[1], linear)
         return self.norm(h)
 
-    def forward(self, target_hidden, noise_embedding, position_ids, past_key_values=None, use_cache=False):
+    def forward(self, target_hidden, noise_embedding, position_ids, past_key_values=None, use_cache=False,
+                linear=F.linear):
         """z-lab's call, keywords included (their decoding loop calls our drafter by these names).
 
         noise_embedding: block_embeds [b, B, H]; position_ids [b, T + B]: the new context positions, then the
         block; past_key_values: a ContextKV holding the context seen so far. use_cache changes nothing here."""
         t = target_hidden.shape[1]
-        return self.run(target_hidden, noise_embedding, position_ids[:, :t], position_ids[:, t:], None, past_key_values)
+        return self.run(target_hidden, noise_embedding, position_ids[:, :t], position_ids[:, t:], None, past_key_values,
+                        linear=linear)
 
     def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None, attention="auto"):
         """Many blocks of one sequence in one call (training and offline evaluation), under build_block_mask.

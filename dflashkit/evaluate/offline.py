@@ -25,7 +25,8 @@ from dflashkit.drafter.head import LOGIT_ELEMENTS, DraftHead
 from dflashkit.drafter.model import block_ids
 from dflashkit.errors import DFlashError
 from dflashkit.targets.model import check_same_target
-from dflashkit.tree import accepted_path, build_tree_topk, parse_tree_spec, paths_streak, top_logprobs, width_streak
+from dflashkit.tree import (accepted_path, build_tree_topk, parse_tree_spec, path_tokens, paths_streak, subtree,
+                            top_logprobs, width_streak)
 
 ANCHOR_MODES = ("stride", "walk")
 DEFAULT_TREES = ("budget:4", "budget:8")
@@ -109,7 +110,8 @@ def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None
             out_trees[spec] = int(width_streak(logits, label_index, k))
     return {"n_labels": n_labels, "streak": int(hit.long().cumprod(0).sum()), "matches": hit[:n_labels].int().tolist(),
             "trees": out_trees, "expected": out_expected, "curve": {str(b): curve[b] for b in CURVE_BUDGETS},
-            "curve_expected": {str(b): expected[b] for b in CURVE_BUDGETS}}
+            "curve_expected": {str(b): expected[b] for b in CURVE_BUDGETS},  # and a verify one path per row's tokens:
+            "curve_paths": {str(b): path_tokens(subtree(tree, range(min(b + 1, len(tree))))) for b in CURVE_BUDGETS}}
 
 
 def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int, trees: list[str],
@@ -245,7 +247,8 @@ def aggregate(blocks: list[dict], block_size: int, trees) -> dict:
             "acc_cumulative": cum, "acc_conditional": cond, "histogram": [c / n for c in counts] if n else [],
             "histogram_counts": counts,
             "budget_curve": {str(b): _mean(x["curve"][str(b)] for x in blocks) for b in CURVE_BUDGETS},
-            "budget_curve_expected": {str(b): _mean(x["curve_expected"][str(b)] for x in blocks) for b in CURVE_BUDGETS}}
+            "budget_curve_expected": {str(b): _mean(x["curve_expected"][str(b)] for x in blocks) for b in CURVE_BUDGETS},
+            "budget_curve_paths": {str(b): _mean(x["curve_paths"][str(b)] for x in blocks) for b in CURVE_BUDGETS}}
 
 
 def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride", max_blocks: int | None = None,
