@@ -225,11 +225,11 @@ def test_the_compiled_drafter_drafts_as_the_eager_one_and_compiles_only_in_its_w
     compiled.compile()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(0)
-    feats = torch.randn(1, 40, d.fc.weight.shape[1], generator=g)
+    feats = torch.randn(1, 80, d.fc.weight.shape[1], generator=g)
     for p in (eager, compiled):
         p.reset(None)
     start = 0
-    for n in (19, 1, 3, 2, 4, 1, 2):
+    for n in (19, 1, 3, 2, 4, 1, 33, 2):  # 33: a hybrid's draft after rounds without one
         new = feats[:, start:start + n]  # a view (a backend's commit hands a tensor of its own): one layout anyway
         want, got = (p.propose(new, torch.tensor([5 + n]), start + n) for p in (eager, compiled))
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

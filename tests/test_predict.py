@@ -227,6 +227,10 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
         p = s[m]["predicted"]
         assert p["engine"] == "hf" and p["online"]["tokens_per_s"] > 0 and p["online"]["error"] is not None, m
     assert s["ddtree-8"]["predicted"]["online"]["width"] > 1 and "offline" in s["chain"]["predicted"]
+    ar, chain = s["ar"]["predicted"], s["chain"]["predicted"]  # the speedup over plain decoding, predicted vs measured
+    want = (chain["online"]["tokens_per_s"] / ar["online"]["tokens_per_s"]) / (
+        chain["measured_decode_tokens_per_s"] / ar["measured_decode_tokens_per_s"]) - 1
+    assert chain["online"]["speedup_error"] == pytest.approx(want) and ar["online"]["speedup_error"] == pytest.approx(0)
     assert "offline" not in s["ngram"]["predicted"]  # the offline walk has no n-gram replay yet
     assert "hf" in res["cost_models"] and "## Predicted beside measured" in bench_markdown(res)
 

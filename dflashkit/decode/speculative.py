@@ -29,7 +29,7 @@ import torch
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
 from dflashkit.decode.ngram import NgramLookup
 from dflashkit.decode.sampling import GREEDY, Sampling
-from dflashkit.drafter.head import DraftHead, few_rows_linear
+from dflashkit.drafter.head import FEW_ROWS, DraftHead, few_rows_linear
 from dflashkit.drafter.model import block_ids, mix_greedy
 from dflashkit.errors import DFlashError
 from dflashkit.targets.invariant import kernels_for, needs_invariant
@@ -126,15 +126,16 @@ class DFlashProposer:
     def compile(self) -> None:
         """The drafter's call compiled, as the static backend's step is (decode/static.decoder_for asks): its ~370
         small ops cost more than its products (the demo drafter, 2-core Xeon: 4.4 -> 2.6 ms a call). Compiled now
-        for the calls a round makes (one or several new positions; a prompt's first call stays eager); drafts
-        equal the eager ones up to float rounding, and the target's verify keeps decoding exact either way."""
+        for the calls a round makes (one, several or, after rounds without a draft, many new positions; a prompt's
+        first call stays eager); drafts equal the eager ones up to float rounding, and the verify keeps decoding
+        exact either way."""
         if self.call is not self.drafter:
             return
         self.call = torch.compile(self.drafter, dynamic=True)
         kv, width, dev = self.drafter.new_context_kv(), self.drafter.fc.weight.shape[1], self.drafter.fc.weight.device
         block = torch.zeros(1, self.block_size, self.drafter.config.hidden_size, dtype=self.dtype, device=dev)
         start = 0
-        for n in (7, 1, 2, 3):  # first sizes that no later size or stride equals (dynamo would guard on it)
+        for n in (7, 1, 2, 3, FEW_ROWS + 6):  # first sizes that no later size or stride equals (dynamo guards on it)
             pos = torch.arange(start, start + n + self.block_size, device=dev)[None]  # context, then the block
             (self.call if start else self.drafter)(torch.zeros(1, n, width, dtype=self.dtype, device=dev), block, pos,
                                                    past_key_values=kv, linear=few_rows_linear)
