@@ -526,19 +526,19 @@ class StaticDecoder:
     @torch.no_grad()
     def time_widths(self, depth: int = 0, timed: int = 5) -> dict[int, float]:
         """Median seconds of a verify width's step with `depth` slots before it (native attention reads the slots in
-        use, so the cost model times a realistic context); no prompt chunks. Writes slots from `depth` on."""
+        use, so the cost model times a realistic context); no prompt chunks. Writes slots from `depth` on. The
+        widths take turns, so that a shared host's drift falls on all alike (one after another, a 2-core Xeon
+        once timed 16 rows below one)."""
         self._check_room(depth, max(self.steps))
-        out = {}
-        for w in (w for w in self.steps if w != PREFILL and timed):
-            args = self._probe_args(w, depth)
-            times = []
-            with collector_paused():  # as the loops run it
-                for _ in range(timed):
+        args = {w: self._probe_args(w, depth) for w in self.steps if w != PREFILL and timed}
+        times = {w: [] for w in args}
+        with collector_paused():  # as the loops run it
+            for _ in range(timed):
+                for w in args:
                     t0 = time.perf_counter()
-                    self._call(w, *args)
-                    times.append(time.perf_counter() - t0)
-            out[w] = sorted(times)[len(times) // 2]
-        return out
+                    self._call(w, *args[w])
+                    times[w].append(time.perf_counter() - t0)
+        return {w: sorted(t)[len(t) // 2] for w, t in times.items()}
 
     def _call(self, width: int, ids, pos, keep, span: int | None = None, slots=None, path=None):
         """One step of `width` tokens. A prompt's chunk attends to the slots up to its last position, that length
