@@ -66,8 +66,7 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
         raise DFlashError(f"--format {fmt!r}: use zlab or gguf")
     if dtype not in DTYPES:
         raise DFlashError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    src = run_latest(src) or Path(src)
-    out = Path(out)
+    src, out = run_latest(src) or Path(src), Path(out)
     if fmt == "gguf" and out.suffix != ".gguf":
         raise DFlashError(f"--out {out}: a GGUF export is one file; name it *.gguf")
     drafter = load_drafter(src)

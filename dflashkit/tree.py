@@ -159,8 +159,7 @@ def build_tree(logits: Tensor, budget: int, root_token: int = -1) -> Tree:
     Best-first over per-depth rank tuples: each prefix's score is <= that of its previous sibling
     (or its parent when it is rank 0), so popping a max-heap that pushes "next sibling" and
     "first child" yields prefixes in score order and the result is prefix-closed. Any prefix
-    that uses a rank >= budget has >= budget better siblings, so K = min(budget, V) suffices.
-    """
+    that uses a rank >= budget has >= budget better siblings, so K = min(budget, V) suffices."""
     if logits.dim() != 2:
         raise ValueError(f"build_tree expects logits [L, V], got shape {tuple(logits.shape)}")
     if budget < 0:

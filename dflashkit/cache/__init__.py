@@ -11,10 +11,7 @@ Imports are lazy so that the CLI starts without torch.
 
 from dflashkit.lazy import lazy_exports
 
-_EXPORTS = {
-    **{name: "dflashkit.cache.store" for name in ("open_cache", "Cache", "CacheRecord", "verify_cache")},
-    "extract": "dflashkit.cache.extraction",
-    "diff_caches": "dflashkit.cache.diff",
-}
+_EXPORTS = {**dict.fromkeys(("open_cache", "Cache", "CacheRecord", "verify_cache"), "dflashkit.cache.store"),
+            "extract": "dflashkit.cache.extraction", "diff_caches": "dflashkit.cache.diff"}
 __all__ = list(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -40,8 +40,7 @@ def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -
 
     Returns {"a", "b", "settings_differ", "layers": {l: {cos_mean, cos_min, mean_abs, max_abs, rel_err, tokens}},
     "compared", "skipped": {id: reason}, "only_in_a", "only_in_b", "layers_only_in_a", "layers_only_in_b",
-    "min_cosine", "below": [layers whose worst-token cosine is under min_cosine]}.
-    """
+    "min_cosine", "below": [layers whose worst-token cosine is under min_cosine]}."""
     ca, cb = open_cache(a), open_cache(b)
     if ca.hidden_size != cb.hidden_size:
         raise DFlashError(f"caches {a} (hidden size {ca.hidden_size}) and {b} (hidden size {cb.hidden_size}) hold "
@@ -83,11 +82,10 @@ def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -
 
 def format_diff(r: dict) -> str:
     """Markdown report of diff_caches' result."""
-    lines = [f"# cache diff: {r['a']} vs {r['b']}", ""]
     differ = "; ".join(f"{k} {va!r} vs {vb!r}" for k, (va, vb) in r["settings_differ"].items())
-    lines.append(f"settings that differ: {differ or 'none recorded'}")
     ntok = next(iter(r["layers"].values()))["tokens"]
-    lines.append(f"compared {len(r['compared'])} prompts, {ntok} tokens per layer")
+    lines = [f"# cache diff: {r['a']} vs {r['b']}", "", f"settings that differ: {differ or 'none recorded'}",
+             f"compared {len(r['compared'])} prompts, {ntok} tokens per layer"]
     for label, ids in (("skipped", r["skipped"]), ("only in A", r["only_in_a"]), ("only in B", r["only_in_b"])):
         if ids:
             body = "; ".join(f"{p} ({why})" for p, why in ids.items()) if isinstance(ids, dict) else ", ".join(ids)

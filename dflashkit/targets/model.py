@@ -84,15 +84,11 @@ class TargetOutput:
 class Target:
     def __init__(self, model, tokenizer, path: Path, name: str):
         self.model = model.eval().requires_grad_(False)
-        self.tokenizer = tokenizer
-        self.path = Path(path)
-        self.name = name
+        self.tokenizer, self.path, self.name = tokenizer, Path(path), name
         self.config = cfg = model.config.get_text_config(decoder=True)  # a VL wrapper's text part, or the config
         self.decoder, self.layers, self.final_norm = decoder_parts(model, self.path)
-        self.num_layers = len(self.layers)
-        self.hidden_size = cfg.hidden_size
-        self.embed_tokens = model.get_input_embeddings()
-        self.lm_head = model.get_output_embeddings()
+        self.num_layers, self.hidden_size = len(self.layers), cfg.hidden_size
+        self.embed_tokens, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers)
         self.is_hybrid = any(t == "linear_attention" for t in self.layer_types)
@@ -254,10 +250,9 @@ def weights_hash(path) -> str | None:
     if not files:
         return None
     memo_path = home() / "weight-hashes" / f"{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]}.json"
-    try:
+    memo = {}
+    with suppress(DFlashError, OSError):  # an unreadable memo only costs the hashes again
         memo = read_json(memo_path) if memo_path.is_file() else {}
-    except (DFlashError, OSError):
-        memo = {}
     known = memo.get("files", {}) if isinstance(memo, dict) and memo.get("folder") == str(path.resolve()) else {}
     entries = {}
     for f in files:
@@ -308,8 +303,7 @@ def decoder_parts(model, path=None):
     language model, a causal LM's base model), whatever the attribute names; a model without them is refused."""
     where = f"{path}: " if path else ""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    norm = getattr(decoder, "norm", None)
+    layers, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
     if decoder is None or not isinstance(layers, torch.nn.ModuleList) or norm is None:
         raise DFlashError(f"{where}architecture {type(model).__name__} has no decoder with `layers` and a final `norm` "
                           "(get_decoder()), so its layer hidden states cannot be captured; use a decoder-only causal "
@@ -346,10 +340,9 @@ def _stop_tokens(model, tokenizer) -> list[int]:
 def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
     """A mask id that exists in the embedding; it need not be a trained token (docs/design.md section 2).
 
-    Order: the tokenizer's mask token; the first embedding row past the tokenizer (what Qwen3 drafters use:
-    151669); an added special token named mask/reserved/unused; the last added special token that the chat
-    template does not use.
-    """
+    Order: the tokenizer's mask token; the first embedding row past the tokenizer (what Qwen3 drafters use: 151669);
+    an added special token named mask/reserved/unused; the last added special token that the chat template does not
+    use."""
     mid = getattr(tokenizer, "mask_token_id", None)
     if mid is not None and 0 <= mid < vocab_size:
         return int(mid), f"tokenizer mask token {tokenizer.mask_token!r}"

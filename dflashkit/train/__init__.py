@@ -4,13 +4,9 @@
     summary = train(load_config("smollm2-cpu", ["steps=100"]))
 """
 
-from dflashkit.train.config import TrainConfig, default_gamma, load_config
+from dflashkit.lazy import lazy_exports
 
-
-def train(cfg, target=None, source=None, on_step=None):
-    from dflashkit.train.loop import train as _train
-
-    return _train(cfg, target=target, source=source, on_step=on_step)
-
-
-__all__ = ["TrainConfig", "default_gamma", "load_config", "train"]
+_EXPORTS = {**dict.fromkeys(("TrainConfig", "default_gamma", "load_config"), "dflashkit.train.config"),
+            "train": "dflashkit.train.loop"}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -67,8 +67,7 @@ def cmd_generate(args) -> int:
     out = generate_sequences(target, suite, args.out, args.max_new_tokens, args.batch_size, args.num_prompts,
                              use_file_responses=args.use_file_responses)
     head, recs = read_sequences(out)
-    tokens = sum(len(r["completion_ids"]) for r in recs)
-    stopped = sum(bool(r.get("stopped")) for r in recs)
+    tokens, stopped = sum(len(r["completion_ids"]) for r in recs), sum(bool(r.get("stopped")) for r in recs)
     who = "the file's own answers" if head.get("responses") == "file" else "the target's own answers"
     print(f"{out}: {len(recs)} sequences (one per turn), {tokens} response tokens ({who}), {stopped} ended with a "
           "stop token")

@@ -539,12 +539,11 @@ class Progress:
 
         cfg = r.cfg
         self.timed, self.total, self.loss_name = bool(cfg.max_minutes), r.total, cfg.loss
-        self.bar = tqdm(total=round(60 * cfg.max_minutes) if self.timed else r.total,
-                        initial=round(r.elapsed_before) if self.timed else r.start, desc="train",
-                        unit="s" if self.timed else "step", disable=not (r.d.master and cfg.progress),
-                        dynamic_ncols=True,
-                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]"
-                        if self.timed else None)
+        kw = dict(total=r.total, initial=r.start, unit="step")
+        if self.timed:
+            kw = dict(total=round(60 * cfg.max_minutes), initial=round(r.elapsed_before), unit="s",
+                      bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]")
+        self.bar = tqdm(**kw, desc="train", disable=not (r.d.master and cfg.progress), dynamic_ncols=True)
 
     def update(self, step: int, row: dict) -> None:
         self.bar.set_postfix_str(f"step {step}/{self.total} {self.loss_name} {row['loss']:.3f} acc1 "
