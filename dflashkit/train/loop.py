@@ -90,7 +90,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
         final_eval = evaluate_now(r, step, metrics) if r.eval_cache is not None else None
 
     summary = {"finished": finished, "stop_reason": "done" if finished else reason, "steps": step,
-               "total_steps": r.total, "checkpoint": str(path) if path else None, "loss_name": cfg.loss,
+               "total_steps": r.total, "checkpoint": str(path.resolve()) if path else None, "loss_name": cfg.loss,
                "gamma": r.gamma, "draft_vocab_size": None if r.vocab is None else len(r.vocab), "processes": r.d.world,
                "elapsed_s": clock.elapsed(), "eval": final_eval, "best": r.best,
                "losses": [row["loss"] for row in history], "history": history}
