@@ -9,6 +9,7 @@ import pytest
 
 from dflashkit.demo import DemoConfig, run_demo
 from dflashkit.errors import DFlashError
+from helpers import stock_bf16
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="demo")]  # the whole pipeline, once: not in `make test-fast`
 
@@ -115,6 +116,7 @@ def test_rerun_skips_cached_stages_and_rebuilds_a_corrupted_one(demo_run, capsys
     assert {k for k in rebuilt if rebuilt[k] != after[k]} == {"cache"}
 
 
+@stock_bf16  # the rerun's stages run bf16 on torch's own kernels
 def test_a_rerun_in_another_dtype_rebuilds_every_stage_and_reports_what_they_were_built_with(demo_run, tmp_path,
                                                                                           capsys):
     cfg, out, _ = demo_run

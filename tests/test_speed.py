@@ -16,7 +16,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 from dflashkit.targets.invariant import RowInvariantKernels, invariant_linear, invariant_sdpa, kernels_for
 from dflashkit.tree import Tree, accepted_path, add_branch, build_tree, prune_by_cost
-from helpers import KINDS, Oracle, chi_square, greedy_reference, sampling_setup
+from helpers import KINDS, Oracle, chi_square, greedy_reference, sampling_setup, stock_bf16
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -313,6 +313,7 @@ def test_float32_models_are_left_alone(tiny_targets, bf16_llama):
     assert not isinstance(kernels_for(bf16_llama, stock=True), RowInvariantKernels)
 
 
+@stock_bf16  # extraction runs the stock kernels
 def test_kernel_switch_is_scoped_extract_decode_extract_bit_for_bit(bf16_llama, tmp_path):
     """Decoding runs a bf16 CPU target on row-invariant kernels around its own forwards only, changing nothing on
     the model: features extracted after decoding equal those extracted before, bit for bit, and no module, class
@@ -474,6 +475,7 @@ def test_stepwise_linear_attention_is_what_one_token_steps_compute(bf16_hybrid):
     assert torch.equal(block, steps)
 
 
+@stock_bf16  # ar-stock and prompt lookup run the stock kernels
 def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, monkeypatch):
     """bf16 on a CPU: `ar` (the token reference) and our methods run the row-invariant kernels, while ar-stock,
     prompt lookup and transformers' generate run the model's own; speedups are against the faster of ar and

@@ -22,6 +22,7 @@ from dflashkit.cache.sequences import read_sequences
 from dflashkit.train.data import MemorySource, OnlineSource, Sequence, build_batch, sample_anchors
 from dflashkit.train.loop import micro_inputs, train
 from dflashkit.train.loss import ChunkedHeadLoss, block_loss, slot_weights, step_weight
+from helpers import stock_bf16
 
 LAYERS = [1, 2, 3]
 SNIPPETS = [
@@ -494,6 +495,7 @@ def test_cache_source_periodic_eval_best_and_kl_needs_the_last_layer(llama, tmp_
 
 
 @pytest.mark.slow
+@stock_bf16  # the drafter's attention under bf16 autocast is torch's
 def test_bfloat16_autocast_trains(llama, data, tmp_path):
     out = train(cfg_for(tmp_path, dtype="bfloat16", steps=16), target=llama, source=source(data))
     losses = out["losses"]
