@@ -5,6 +5,7 @@ interface), the checks on synthetic runs, the install errors. Marked `engines` (
 from __future__ import annotations
 
 import json
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,11 +31,17 @@ def test_dflash_peers_bring_their_plain_engine_and_our_chain():
         parse_methods("vllm,vllm")
 
 
-def test_missing_engine_names_its_install_command(tmp_path, monkeypatch):
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_missing_engine_names_its_install_command(tmp_path, monkeypatch, isa):
+    """The command as this code path runs it: on the AVX2 one, llama.cpp's own build is installed with the setting."""
+    from dflashkit.threads import ISA_VAR
+
     monkeypatch.setenv("DFLASHKIT_ENGINES", str(tmp_path))
+    monkeypatch.setenv(ISA_VAR, isa)
     assert find("vllm") is None and find("llama.cpp") is None
     for name in ("vllm", "llama.cpp"):
-        with pytest.raises(DFlashError, match=f"`dflashkit engines install {name}`"):
+        prefix = f"{ISA_VAR}=avx2 " if isa == "avx2" and name == "llama.cpp" else ""
+        with pytest.raises(DFlashError, match=re.escape(f"`{prefix}dflashkit engines install {name}`")):
             require(name)
 
 
