@@ -41,6 +41,7 @@ def test_the_built_wheel_runs_a_reduced_demo_outside_the_repository(tmp_path, ti
     harness = [n for n in shipped if n.endswith(("tiny_targets.py", "families.py", "fixtures.py")) or "tests/" in n]
     assert not harness, harness
     assert any(n.startswith("dflashkit/targets/") for n in shipped), "the target stage is missing from the wheel"
+    assert "dflashkit/decode/native.cpp" in shipped, "the static backend's kernels (built on first use) are missing"
     venv = tmp_path / "venv"
     subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
@@ -56,10 +57,14 @@ def test_the_built_wheel_runs_a_reduced_demo_outside_the_repository(tmp_path, ti
 import dflashkit, json
 from dflashkit.demo import DemoConfig, run_demo
 assert {str(REPO)!r} not in dflashkit.__file__, dflashkit.__file__
+from dflashkit.decode import native
+assert native.library_path().name.startswith("native-")  # the kernels' source is read from the installed package
+# engine hf: auto would time both backends and compile the static step in this fresh process (a minute on 2 cores
+# wherever the kernels changed since the last probe), as tests/test_demo.py says; the static backend is tested there
 cfg = DemoConfig(out="run", target={str(tiny_dirs["llama"])!r}, device="cpu", dtype="float32", minutes=1,
                  train_prompts=4, train_max_new_tokens=16, gen_batch_size=4, eval_prompts=1, eval_max_new_tokens=16,
                  bench_prompts=1, bench_max_new_tokens=12, holdout_max_new_tokens=8, progress=False, plain_peers="none",
-                 train={{"steps": 2, "target_layer_ids": [1, 2, 3], "anchors_per_seq": 4, "batch_size": 2}})
+                 engine="hf", train={{"steps": 2, "target_layer_ids": [1, 2, 3], "anchors_per_seq": 4, "batch_size": 2}})
 run_demo(cfg)
 print(json.dumps({{"file": dflashkit.__file__}}))
 """
