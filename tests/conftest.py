@@ -70,6 +70,15 @@ def smollm2():
     return load_target("smollm2-135m", device="cpu", dtype="float32")
 
 
+@pytest.fixture
+def native_kernels():
+    """Our C++ kernels (decode/native.py) loaded from their build under the real home, once per process: a test that
+    then points DFLASHKIT_HOME at a folder of its own would otherwise build them again there (11 s on 2 cores)."""
+    from dflashkit.decode import native
+
+    native.load()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning threads make

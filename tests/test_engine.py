@@ -114,14 +114,22 @@ def test_a_new_build_of_our_kernels_is_timed_again(tiny_targets, monkeypatch):
     assert engines.probe_path(t)[0] != path
 
 
+# The static step of one geometry, layers and width is compiled once per process (static.compiled_step), so the tests
+# that compile it share one worker: the probe times the decoder the next test compiles in float32 (a drafter on layers
+# [1, 2], block 4, trees), and the path-by-path test's static run is the bf16 one's
+COMPILED = pytest.mark.xdist_group(name="compiled-static")
+
+
 @pytest.mark.slow
-def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets, tmp_path, monkeypatch):
+@COMPILED
+def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets, native_kernels, tmp_path, monkeypatch):
     """The real probe on the compiled static step: timed once, written with the CPU named, then read back (no
     second measurement) by a later run; plain and speculative each get the faster backend of the probe."""
     monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
     t = tiny_targets["llama"]
     said = []
-    found = engines.real_probe(t, {}, said.append, repeats=3)
+    state = {"proposer": Oracle([], 4, t.vocab_size, layer_ids=[1, 2])}  # as bench's: the run's drafter, if any
+    found = engines.real_probe(t, state, said.append, repeats=3)
     files = list((tmp_path / "engine-probe").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text()) == found
     for kind, widths in (("plain", ("1",)), ("speculative", ("1", "8"))):
@@ -136,6 +144,7 @@ def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets
 
 
 @pytest.mark.slow
+@COMPILED
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_compiled_static_program_decodes_as_hf(tiny_dirs, dtype):
     """What users run: the steps compiled by inductor with our kernels (every test above runs them eagerly): the
@@ -195,6 +204,7 @@ def test_the_avx2_code_path_is_one_setting_for_our_kernels_and_the_llama_cpp_pee
         isa()
 
 
+@COMPILED
 def test_a_tree_verified_path_by_path_records_the_tokens_it_ran(tiny_dirs):
     """Issue 50: hf in bf16 verifies a branching tree one root-to-leaf path per batch row (row-invariant kernels), so
     a round runs leaves x (depth + 1) tokens, not the tree's nodes; the round's width says so, as the cost model
@@ -213,6 +223,7 @@ def test_a_tree_verified_path_by_path_records_the_tokens_it_ran(tiny_dirs):
     assert flat.engine == "static" and max(flat.widths) <= 9
 
 
+@pytest.mark.slow  # compiles (5 s with inductor's cache, 40 s without on 2 cores): dealt out early by conftest
 def test_the_compiled_drafter_drafts_as_the_eager_one_and_compiles_only_in_its_warm_up(tiny_targets):
     """What the static backend runs (decoder_for compiles the proposer's drafter): over a decode's calls (the
     prompt's, then one or several new positions) its logits equal the eager drafter's up to float rounding, and

@@ -159,7 +159,7 @@ def test_the_hf_probe_measures_every_part(tiny_targets, home):
 
 
 @pytest.mark.slow
-def test_the_static_probe_times_its_compiled_widths(tiny_targets, home, monkeypatch):
+def test_the_static_probe_times_its_compiled_widths(tiny_targets, native_kernels, home, monkeypatch):
     from helpers import eager_decoders
 
     eager_decoders(monkeypatch, length=600)
