@@ -93,7 +93,10 @@ def one_thread():
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Every test of the real SmolLM2 target runs on one xdist worker (`--dist loadgroup`): loaded once, not twice."""
+    """Every test of the real SmolLM2 target runs on one xdist worker (`--dist loadgroup`): loaded once, not twice.
+    xdist deals out the groups first (most tests first), then single tests in collection order: the tests marked
+    slow (up to 15 s each) go first, so that none starts last and leaves the other worker idle until it ends."""
     for item in items:
         if "smollm2" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group(name="smollm2"))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: collection order otherwise
