@@ -25,6 +25,7 @@ from helpers import Oracle
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 METHODS = ("ar", "chain", "ddtree-4", "ddtree-16", "ngram", "hybrid-4", "hybrid-auto")
+DRAFTERLESS = ("ar", "ngram")  # the proposer goes unused: the same run whichever is given, so run once
 NEW = 40  # the fixtures' window is 8: prompt (21 tokens) + 40 new ones run 7 windows long
 COST = CostCurve([1, 2, 4, 8, 16], [0.010, 0.011, 0.012, 0.014, 0.018])  # hybrid-auto's cost curve, made up
 
@@ -81,7 +82,7 @@ def check_every_method(t):
     for B in (4, 12):
         proposers[f"oracle-{B}"] = Oracle(ids + ref + [0] * B, B, t.vocab_size, wrong, t.default_layer_ids(1))
     for name, proposer in proposers.items():
-        for method in METHODS:
+        for method in METHODS if name == "random" else [m for m in METHODS if m not in DRAFTERLESS]:
             g = generate(t, ids, method, proposer, max_new_tokens=NEW, cost=COST)
             assert g.tokens == ref, (t.name, name, method, g.accepted)
             if name == "oracle-12" and method == "chain":  # rolled back often, accepted past the window
