@@ -8,6 +8,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MATPLOTLIBRC", os.path.join(os.path.dirname(__file__), "matplotlibrc"))  # fewer pixels per plot
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one torch thread each
     import torch
 
