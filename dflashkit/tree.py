@@ -199,10 +199,6 @@ def accepted_path(tree: Tree, continuation: Sequence[int] | Tensor) -> list[int]
     return path
 
 
-def accepted_depth(tree: Tree, continuation: Sequence[int] | Tensor) -> int:
-    return len(accepted_path(tree, continuation))
-
-
 def streak(logits: Tensor, labels: Tensor) -> Tensor:
     """Greedy (single-chain) acceptance: leading positions with argmax == label. logits [..., L, V],
     labels [..., L] -> [...] long; label -100 never matches."""

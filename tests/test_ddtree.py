@@ -6,7 +6,6 @@ import torch
 
 from dflashkit.tree import (
     Tree,
-    accepted_depth,
     accepted_path,
     build_tree,
     parse_tree_spec,
@@ -99,8 +98,8 @@ def test_accepted_depth_monotone_and_bounded(seed):
     prev = 0
     for budget in range(1, 21):
         tree = build_tree(logits, budget)
-        d = accepted_depth(tree, labels)
-        assert d == accepted_depth(tree, labels.tolist())
+        d = len(accepted_path(tree, labels))
+        assert d == len(accepted_path(tree, labels.tolist()))
         assert d <= min(budget, L)
         assert d >= prev
         prev = d
@@ -108,7 +107,7 @@ def test_accepted_depth_monotone_and_bounded(seed):
         assert len(path) == d
         assert [tree.tokens[i].item() for i in path] == labels[:d].tolist()
         assert [tree.depths[i].item() for i in path] == list(range(1, d + 1))
-    d1 = accepted_depth(build_tree(logits, 1), labels)
+    d1 = len(accepted_path(build_tree(logits, 1), labels))
     assert d1 == int(logits[0].argmax().item() == labels[0].item())
     assert d1 == min(streak(logits, labels).item(), 1)
 
@@ -117,9 +116,9 @@ def test_accepted_depth_full_tree_and_ignore_index():
     logits = rand_logits(3, 3, 3)
     tree = build_tree(logits, 3 + 9 + 27)
     labels = torch.tensor([2, 0, 1])
-    assert accepted_depth(tree, labels) == 3
-    assert accepted_depth(tree, torch.tensor([2, -100, -100])) == 1
-    assert accepted_depth(tree, [-100, 0, 1]) == 0
+    assert len(accepted_path(tree, labels)) == 3
+    assert len(accepted_path(tree, torch.tensor([2, -100, -100]))) == 1
+    assert len(accepted_path(tree, [-100, 0, 1])) == 0
 
 
 def test_ancestor_mask_hand_checked():
@@ -215,7 +214,7 @@ def test_streak_paths_width_ordering():
     for k in (1, 4, 16):
         w = width_streak(logits, labels, k)
         for b in range(N):
-            assert accepted_depth(build_tree(logits[b], k), labels[b]) <= w[b].item()
+            assert len(accepted_path(build_tree(logits[b], k), labels[b])) <= w[b].item()
 
 
 def test_streak_hand_checked():
@@ -245,7 +244,7 @@ def test_large_vocab_smoke():
         tree = build_tree(logits, budget)
         assert len(tree) == budget + 1
         assert tree.tokens[1] == logits[0].argmax()
-        assert accepted_depth(tree, logits.argmax(-1)) >= 1
+        assert len(accepted_path(tree, logits.argmax(-1))) >= 1
 
 
 def test_selector_tree_is_the_top_budget_prefixes_under_the_selectors_conditionals():

@@ -15,7 +15,7 @@ from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.drafter.head import DraftHead
 from dflashkit.errors import DFlashError
 from dflashkit.evaluate.compare import compare_runs
-from dflashkit.tree import accepted_depth, build_tree, parse_tree_spec, paths_streak, streak as ddtree_streak, width_streak
+from dflashkit.tree import accepted_path, build_tree, parse_tree_spec, paths_streak, streak as ddtree_streak, width_streak
 from dflashkit.evaluate.offline import (
     CURVE_BUDGETS,
     aggregate,
@@ -47,7 +47,7 @@ def tree_streak(logits, labels, spec: str) -> float:
     """Accepted depth of one block under a tree spec, each family by its own definition."""
     family, k = parse_tree_spec(spec)
     if family == "budget":
-        return float(accepted_depth(build_tree(logits, k), labels))
+        return float(len(accepted_path(build_tree(logits, k), labels)))
     if family == "paths":
         return float(paths_streak(logits, labels, k))
     return float(width_streak(logits, labels, k).item())
@@ -165,7 +165,7 @@ def test_all_budgets_from_one_tree_equal_separate_trees():
         rec = score_block(logits, labels, labels, ["budget:4", "budget:8"])
         for b in CURVE_BUDGETS:
             tree = build_tree(logits, b)
-            assert rec["curve"][str(b)] == accepted_depth(tree, labels)
+            assert rec["curve"][str(b)] == len(accepted_path(tree, labels))
             assert rec["curve_expected"][str(b)] == pytest.approx(tree.log_probs[1:].double().exp().sum().item(), rel=1e-6)
             leaves = len(tree) - len(set(tree.parents.tolist()) - {-1})  # a verify one root-to-leaf path per row
             assert rec["curve_paths"][str(b)] == leaves * (int(tree.depths.max()) + 1)

@@ -52,15 +52,21 @@ def test_compiled_widths_round_up_and_a_tree_past_the_widest_is_not_predicted():
     assert rows["ddtree-32"]["tokens_per_s"] is None and rows["ddtree-auto"]["budget"] == 8
 
 
-def test_a_backend_that_verifies_one_path_a_row_is_priced_on_the_paths_tokens():
-    by_paths = dataclasses.replace(FIXED, by_paths=True)
-    acceptance = {**ACCEPTANCE, "paths": {8: 15}}  # the budget-8 trees: e.g. 5 leaves x depth 2 + 1
+def test_a_backend_that_verifies_one_path_a_row_is_priced_on_its_paths_curve():
+    """A tree one root-to-leaf path per batch row copies the KV to every row: it is priced on the model's own
+    curve of such verifies over its leaves x (depth + 1) tokens, a single path (up to the first point) as flat."""
+    by_paths = dataclasses.replace(FIXED, paths={"ns": [4, 8, 16], "ms": [12.0, 17.0, 25.0]})
+    acceptance = {**ACCEPTANCE, "paths": {8: 14}}  # the budget-8 trees: e.g. 3.5 leaves x depth 3 + 1
     rows = predict_offline(acceptance, by_paths)
-    forward15 = 14 + (18 - 14) * (15 - 8) / (16 - 8)
-    assert rows["ddtree-8"]["width"] == 15
-    assert rows["ddtree-8"]["tokens_per_s"] == pytest.approx(1000 * (1 + 1.9) / (3 + forward15 + 2.5))
-    assert rows["ddtree-4"]["width"] == 5  # no paths measured for it: its nodes
+    paths14 = 17 + (25 - 17) * (14 - 8) / (16 - 8)
+    assert rows["ddtree-8"]["width"] == 14
+    assert rows["ddtree-8"]["tokens_per_s"] == pytest.approx(1000 * (1 + 1.9) / (3 + paths14 + 2.5))
+    assert rows["ddtree-4"]["width"] == 5 and rows["ddtree-4"]["ms_per_round"]["verify"] == 12.5  # no paths: flat
     assert predict_offline(acceptance, FIXED)["ddtree-8"]["width"] == 9  # a flattened verify: nodes + root
+    one_path = predict_rounds([2, 3], [3, 12], [True, True], by_paths, "tree")  # a chain-shaped tree, 3 paths
+    assert one_path["ms_per_round"]["verify"] == pytest.approx((11.5 + 17 + (25 - 17) * 4 / 8) / 2)
+    back = CostModel.from_dict(json.loads(json.dumps(by_paths.to_dict())))
+    assert back.paths == by_paths.paths and back.forward_paths(12) == by_paths.forward_paths(12)
 
 
 def test_a_decodes_own_rounds_priced_by_the_model():

@@ -116,6 +116,19 @@ def test_measure_cost_curve_runs_on_a_tiny_target(tiny_targets):
     assert c.ns == [1, 2, 4] and all(t > 0 for t in c.seconds)
 
 
+def test_a_paths_curve_times_verifies_one_path_a_row(tiny_targets):
+    """The hf probe's curve of branching trees verified one path a row: n // width rows of `width` tokens that
+    share the root (leaves x (depth + 1) = n), the target KV left as it was after each."""
+    from dflashkit.decode.cost import fan
+    from dflashkit.tree import path_tokens
+
+    tree = fan(3, 4, torch.arange(20))
+    assert len(tree) == 1 + 3 * 3 and path_tokens(tree) == 12 and tree.parents.tolist() == [-1, 0, 1, 2, 0, 4, 5, 0, 7, 8]
+    assert tree.depths.tolist() == [0, 1, 2, 3] * 1 + [1, 2, 3] * 2
+    c = measure_cost_curve(tiny_targets["llama"], ns=(4, 8, 12), context=16, repeats=1, paths=4)
+    assert c.ns == [4, 8, 12] and all(t > 0 for t in c.seconds)
+
+
 def test_method_names():
     assert parse_method("hybrid-auto") == ("hybrid", "auto") and parse_method("ngram") == ("ngram", None)
     assert parse_method("hybrid-12") == ("hybrid", 12) and parse_method("hf-generate") == ("hf-generate", None)

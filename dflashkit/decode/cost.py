@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflashkit.decode.speculative import Timer, crop_kv, new_target_kv
+from dflashkit.decode.speculative import Timer, crop_kv, new_target_kv, verify_tree_by_paths
+from dflashkit.tree import Tree
 
 DEFAULT_NS = (1, 2, 4, 8, 16, 32)
 
@@ -48,20 +49,30 @@ def _seconds(device, run) -> float:
     return timer.times["run"]
 
 
+def fan(rows: int, width: int, tokens: torch.Tensor) -> Tree:
+    """`rows` root-to-leaf paths of `width` tokens that share the root: what a verify one path per row runs."""
+    par = [-1] + [0 if j == 0 else r * (width - 1) + j for r in range(rows) for j in range(width - 1)]
+    depths = [0] + [j + 1 for _ in range(rows) for j in range(width - 1)]
+    return Tree.of(tokens[: len(par)].tolist(), depths, par, [0.0] * len(par))
+
+
 @torch.no_grad()
-def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int = 7, extra: tuple[int, ...] = ()) -> CostCurve:
-    """Median time of one forward over n new tokens after `context` tokens in the target KV, n in ns (+ extra points)."""
+def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int = 7, extra: tuple[int, ...] = (),
+                       paths: int = 0) -> CostCurve:
+    """Median time of one forward over n new tokens after `context` tokens in the target KV, n in ns (+ extra points);
+    `paths` > 0: n // paths root-to-leaf paths of `paths` tokens, one per batch row (the KV copied to each row)."""
     ns = sorted(set(ns) | set(extra))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, context + max(ns)), generator=gen).to(target.device)
     kv = new_target_kv(target)
     target.forward(ids[:, :context], past_key_values=kv, logits_to_keep=1)
     times = {n: [] for n in ns}
+    pos = lambda n: torch.arange(context, context + n, device=target.device)[None]
+    forward = lambda n: (verify_tree_by_paths(target, kv, fan(n // paths, paths, ids[0, context:]), context) if paths
+                         else target.forward(ids[:, context : context + n], past_key_values=kv, position_ids=pos(n)))
     for r in range(repeats + 1):  # the first pass warms up every shape
         for n in ns:
-            s = _seconds(target.device, lambda: target.forward(
-                ids[:, context : context + n], past_key_values=kv,
-                position_ids=torch.arange(context, context + n, device=target.device)[None]))
+            s = _seconds(target.device, lambda: forward(n))
             if r:
                 times[n].append(s)
             crop_kv(kv, context)

@@ -48,7 +48,9 @@ class CostModel:
     rounding: str = "linear"  # linear between measured n (linear beyond); "up": the smallest measured n >= n
     record: dict = field(default_factory=dict)  # what it was measured on, and when
     path: Path | None = None
-    by_paths: bool = False  # the backend verifies a branching tree one root-to-leaf path per batch row (hf, some)
+    # {"ns", "ms"}: a backend that verifies a branching tree one root-to-leaf path per batch row (hf in bf16 on a
+    # CPU, hybrid targets), each row a copy of the KV: such a verify over n tokens, priced apart from forward(n)
+    paths: dict | None = None
 
     def forward(self, n: int) -> float:
         """ms of one target forward over n tokens; infinite past an engine's widest verify ('up')."""
@@ -59,14 +61,22 @@ class CostModel:
             return self.forward_ms[i] if i < len(self.ns) else float("inf")
         return CostCurve(self.ns, self.forward_ms)(n)
 
+    def forward_paths(self, n: int) -> float:
+        """ms of a tree verify over n tokens (leaves x (depth + 1)) one path per row; forward(n) where flat or one
+        path (n up to a path's width, the first point measured)."""
+        from dflashkit.decode.cost import CostCurve
+
+        flat = not self.paths or n <= self.paths["ns"][0]
+        return self.forward(n) if flat else CostCurve(self.paths["ns"], self.paths["ms"])(n)
+
     def overhead(self, loop: str) -> float:
         """A loop's own ms per round; a loop the probe could not run (no drafter) is priced as plain decoding's."""
         return float(self.overhead_ms.get(loop, self.overhead_ms["ar"]))
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "engine": self.engine, "forward": {"ns": self.ns, "ms": self.forward_ms,
-                "rounding": self.rounding}, "draft_ms": self.draft_ms, "overhead_ms": self.overhead_ms,
-                "record": self.record}
+                "rounding": self.rounding}, "paths": self.paths, "draft_ms": self.draft_ms,
+                "overhead_ms": self.overhead_ms, "record": self.record}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "cost model") -> "CostModel":
@@ -86,7 +96,7 @@ class CostModel:
         need(overhead, "ar", (int, float), "overhead_ms.ar")
         return cls(need(d, "engine", str, "engine"), [int(n) for n in ns], [float(t) for t in ms],
                    need(d, "draft_ms", (int, float, type(None)), "draft_ms"), overhead,
-                   fwd.get("rounding", "linear"), d.get("record") or {})
+                   fwd.get("rounding", "linear"), d.get("record") or {}, paths=d.get("paths"))
 
 
 def load_model(path) -> CostModel:
@@ -137,7 +147,7 @@ def model_key(target, engine: str, proposer=None) -> tuple[str, dict]:
     from dflashkit.fileio import sha256_json
 
     record = {**machine_key(target)[1], "engine": engine, "engine_version": engine_version(engine),
-              "device": str(target.device), "drafter": drafter_shape(proposer), "depth": DEPTH}
+              "device": str(target.device), "drafter": drafter_shape(proposer), "depth": DEPTH, "probe": 2}
     return sha256_json(record)[:16], record
 
 
@@ -151,7 +161,6 @@ def cost_model(engine: str, target, proposer=None, state: dict | None = None, fo
     """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now (and cached)
     where none is, or with `force`; not `measure`: a missing one is an error naming the command that measures it.
     `state`: a run's state (decode/engine.py), whose static decoder it reuses."""
-    from dflashkit.decode.speculative import HfBackend
     from dflashkit.fileio import home, write_json
 
     check_model_engine(engine)
@@ -171,7 +180,6 @@ def cost_model(engine: str, target, proposer=None, state: dict | None = None, fo
                         "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
         write_json(path, model.to_dict())
         model.path = path
-    model.by_paths = engine == "hf" and HfBackend(target).by_paths
     return model
 
 
@@ -193,13 +201,20 @@ def probe_loops(target, proposer, engine: str, state: dict) -> tuple[float | Non
 
 
 def probe_hf(target, proposer, state: dict, log=None) -> CostModel:
+    """transformers' forward over n tokens and, where branching trees go one path per row, over 1..16 paths of
+    the drafter's block (a row's KV copy and attention cost more than a flat forward's tokens: +15..40% measured)."""
     from dflashkit.decode.cost import measure_cost_curve
+    from dflashkit.decode.speculative import HfBackend
     from dflashkit.targets.invariant import kernels_for
 
+    width, paths = proposer.block_size if proposer is not None else 4, None
     with kernels_for(target):  # the kernels decoding runs (low-precision CPU targets switch)
         curve = measure_cost_curve(target, ns=PROBE_NS, context=DEPTH, repeats=5)
+        if HfBackend(target).by_paths:
+            rows = measure_cost_curve(target, [width * r for r in (1, 2, 3, 4, 6, 8, 12, 16)], DEPTH, 5, paths=width)
+            paths = {"ns": rows.ns, "ms": [1000 * t for t in rows.seconds]}
     draft, overhead = probe_loops(target, proposer, "hf", state)
-    return CostModel("hf", curve.ns, [1000 * t for t in curve.seconds], draft, overhead)
+    return CostModel("hf", curve.ns, [1000 * t for t in curve.seconds], draft, overhead, paths=paths)
 
 
 def probe_static(target, proposer, state: dict, log=None) -> CostModel:
@@ -290,6 +305,8 @@ def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> l
             markdown_table(["n tokens", "ms", "ratio to n=1"], rows, digits=3),
             f"Drafter call: {fmt(model.draft_ms, 2)} ms; the loop's own work per round: "
             + ", ".join(f"{k} {fmt(v, 2)} ms" for k, v in model.overhead_ms.items())
+            + (". A branching tree verified one path a row (n = leaves x (depth + 1)): " + ", ".join(
+                f"{n} {fmt(t, 1)} ms" for n, t in zip(model.paths["ns"], model.paths["ms"])) if model.paths else "")
             + (f". Measured {r['measured']} in {r.get('probe_s')} s" if r.get("measured") else "")
             + (f"; cached in {model.path}" if model.path else "") + ".", ""]
 
@@ -302,4 +319,6 @@ def cost_plot(path, models: list[CostModel], title: str) -> Path:
     for m in models:
         ns = [n for n in range(1, 65) if m.forward(n) != float("inf")]
         series[m.engine] = (ns, [m.forward(n) for n in ns])
+        if m.paths:
+            series[f"{m.engine}, a tree one path a row"] = (m.paths["ns"], m.paths["ms"])
     return line_plot(path, series, title, "tokens in one forward", "ms")

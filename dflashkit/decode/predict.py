@@ -5,7 +5,8 @@ time per round, tokens per second and the speedup over that engine's plain decod
     time per round   = draft + forward(width) + overhead(loop)        (ms; plain decoding: forward(1) + overhead(ar))
     tokens per round = 1 + sum_k P(drafts 1..k all accepted)           (chain, width B)
                      = 1 + mean accepted depth of the budget-b tree     (ddtree-b, width b + 1, or its
-                                                                         leaves x (depth + 1) verified by paths)
+                                                                         leaves x (depth + 1) verified by paths,
+                                                                         priced on the model's paths curve)
     tokens/s         = 1000 * tokens per round / time per round;  speedup = tokens/s / plain tokens/s
 
 ddtree-auto is predicted as the best fixed budget (the online tree is cut per round, so it can do a little better).
@@ -49,10 +50,11 @@ def predict_offline(acceptance: dict, model) -> dict:
     B = int(acceptance["block_size"])
     chain = 1.0 + sum(p for p in acceptance["chain"] if p is not None)  # the bonus + each draft reached and kept
     out = {"ar": base, "chain": _row(chain, draft, model.forward(B), model.overhead("chain"), width=B)}
-    paths = acceptance.get("paths", {}) if model.by_paths else {}  # a branching tree's tokens, one path a row
-    trees = {f"ddtree-{b}": _row(1.0 + depth, draft, model.forward(w := paths.get(b, b + 1)), model.overhead("tree"),
-                                 width=w) for b, depth in sorted((int(b), d) for b, d in acceptance["ddtree"].items()
-                                                                 if d is not None)}
+    paths = acceptance.get("paths", {}) if model.paths else {}  # a branching tree's tokens, one path a row
+    verify = lambda b: model.forward_paths(paths[b]) if b in paths else model.forward(b + 1)
+    depths = sorted((int(b), d) for b, d in acceptance["ddtree"].items() if d is not None)
+    trees = {f"ddtree-{b}": _row(1.0 + d, draft, verify(b), model.overhead("tree"), width=paths.get(b, b + 1))
+             for b, d in depths}
     out.update(trees)
     paying = [(r["tokens_per_s"], m) for m, r in trees.items() if r["tokens_per_s"]]
     if paying:
@@ -90,7 +92,7 @@ def predict_rounds(accepted: list[int], widths: list[int], drafted: list[bool], 
         return _row(0.0, 0.0, float("inf"), 0.0)
     n = len(accepted)
     draft = (_draft_ms(model) * sum(drafted) / n) if any(drafted) else 0.0
-    verify = sum(model.forward(w) for w in widths) / n if widths else model.forward(1)
+    verify = sum(model.forward_paths(w) for w in widths) / n if widths else model.forward(1)
     return _row(sum(accepted) / n, draft, verify, model.overhead(loop), width=sum(widths) / n if widths else 1)
 
 

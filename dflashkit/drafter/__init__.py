@@ -7,13 +7,9 @@ from dflashkit.lazy import lazy_exports
 
 _EXPORTS = {
     "DrafterConfig": "dflashkit.drafter.config",
-    "DFlashDrafter": "dflashkit.drafter.model",
-    "ContextKV": "dflashkit.drafter.model",
-    "build_block_mask": "dflashkit.drafter.model",
+    **{name: "dflashkit.drafter.model" for name in ("DFlashDrafter", "ContextKV", "build_block_mask")},
     "DraftHead": "dflashkit.drafter.head",
-    "new_drafter": "dflashkit.drafter.checkpoint",
-    "load_drafter": "dflashkit.drafter.checkpoint",
-    "save_drafter": "dflashkit.drafter.checkpoint",
+    **{name: "dflashkit.drafter.checkpoint" for name in ("new_drafter", "load_drafter", "save_drafter")},
 }
 __all__ = list(_EXPORTS)
 

@@ -10,15 +10,10 @@ from __future__ import annotations
 from dflashkit.lazy import lazy_exports
 
 _EXPORTS = {
-    "evaluate": "dflashkit.evaluate.offline",
-    "evaluate_sequence": "dflashkit.evaluate.offline",
-    "aggregate": "dflashkit.evaluate.offline",
-    "score_block": "dflashkit.evaluate.offline",
-    "stride_anchors": "dflashkit.evaluate.offline",
-    "parse_trees": "dflashkit.evaluate.offline",
+    **{name: "dflashkit.evaluate.offline" for name in (
+        "evaluate", "evaluate_sequence", "aggregate", "score_block", "stride_anchors", "parse_trees")},
     "run_eval": "dflashkit.evaluate.runs",
-    "compare_runs": "dflashkit.evaluate.compare",
-    "load_run": "dflashkit.evaluate.compare",
+    **{name: "dflashkit.evaluate.compare" for name in ("compare_runs", "load_run")},
 }
 __all__ = list(_EXPORTS)
 
