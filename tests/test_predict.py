@@ -61,7 +61,7 @@ def test_a_backend_that_verifies_one_path_a_row_is_priced_on_its_paths_curve():
     paths14 = 17 + (25 - 17) * (14 - 8) / (16 - 8)
     assert rows["ddtree-8"]["width"] == 14
     assert rows["ddtree-8"]["tokens_per_s"] == pytest.approx(1000 * (1 + 1.9) / (3 + paths14 + 2.5))
-    assert rows["ddtree-4"]["width"] == 5 and rows["ddtree-4"]["ms_per_round"]["verify"] == 12.5  # no paths: flat
+    assert rows["ddtree-4"]["tokens_per_s"] is None and "budget_curve_paths" in rows["ddtree-4"]["why"]  # not flat
     assert predict_offline(acceptance, FIXED)["ddtree-8"]["width"] == 9  # a flattened verify: nodes + root
     one_path = predict_rounds([2, 3], [3, 12], [True, True], by_paths, "tree")  # a chain-shaped tree, 3 paths
     assert one_path["ms_per_round"]["verify"] == pytest.approx((11.5 + 17 + (25 - 17) * 4 / 8) / 2)

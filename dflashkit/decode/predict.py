@@ -51,10 +51,11 @@ def predict_offline(acceptance: dict, model) -> dict:
     chain = 1.0 + sum(p for p in acceptance["chain"] if p is not None)  # the bonus + each draft reached and kept
     out = {"ar": base, "chain": _row(chain, draft, model.forward(B), model.overhead("chain"), width=B)}
     paths = acceptance.get("paths", {}) if model.paths else {}  # a branching tree's tokens, one path a row
-    verify = lambda b: model.forward_paths(paths[b]) if b in paths else model.forward(b + 1)
+    verify = lambda b: model.forward_paths(paths[b]) if b in paths else math.inf if model.paths else model.forward(b + 1)
+    why = {"why": "the eval has no path tokens (overall.budget_curve_paths, one path a row here): rerun dflashkit eval"}
     depths = sorted((int(b), d) for b, d in acceptance["ddtree"].items() if d is not None)
-    trees = {f"ddtree-{b}": _row(1.0 + d, draft, verify(b), model.overhead("tree"), width=paths.get(b, b + 1))
-             for b, d in depths}
+    trees = {f"ddtree-{b}": _row(1.0 + d, draft, verify(b), model.overhead("tree"), width=paths.get(b, b + 1),
+                                 **(why if model.paths and b not in paths else {})) for b, d in depths}
     out.update(trees)
     paying = [(r["tokens_per_s"], m) for m, r in trees.items() if r["tokens_per_s"]]
     if paying:
@@ -206,7 +207,7 @@ def predicted_markdown(result: dict) -> list[str]:
         pct = lambda e: "" if e is None else f"{100 * e:+.1f}%" + ("" if abs(e) <= ERROR_BAR else " (beyond 10%)")
         rows.append([m, p["engine"], p["measured_decode_tokens_per_s"], on["tokens_per_s"], pct(on["error"]),
                      pct(on.get("speedup_error")), off.get("tokens_per_s"), pct(off.get("error")),
-                     pct(off.get("speedup_error")), ""])
+                     pct(off.get("speedup_error")), off.get("why", "")])
     if not rows:
         return []
     return ["## Predicted beside measured", "",
