@@ -114,10 +114,11 @@ def path_tokens(tree: Tree) -> int:
     return (len(tree) - len(set(tree.parents.tolist()) - {-1})) * (int(tree.depths.max()) + 1)
 
 
-def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, by_paths: bool = False) -> Tree:
+def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, path_cost=None) -> Tree:
     """Keep the nodes that maximize expected committed tokens per second: (1 + sum of the kept nodes' acceptance
     probabilities) / (fixed + cost(tokens)), with cost(n) the time of a target forward over n tokens and tokens the
-    nodes + 1 of a flattened tree, or leaves x (depth + 1) when every root-to-leaf path is its own batch row.
+    nodes + 1 of a flattened tree, or path_cost(leaves x (depth + 1)) when every root-to-leaf path is its own batch
+    row (each row a copy of the target KV: dearer than a flat forward over as many tokens).
 
     probs[i] is node i's chance to be accepted (probs[0], the root, is ignored). A node is never likelier than its
     parent, so taking nodes in descending probability (parents first on ties) keeps every candidate prefix-closed;
@@ -139,7 +140,7 @@ def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, 
         leaves += parents[i] in has_child  # a second child opens a new path; a first one extends its parent's
         has_child.add(parents[i])
         depth = max(depth, depths[i])
-        rate = gain / (fixed + cost(leaves * (depth + 1) if by_paths else n + 1))
+        rate = gain / (fixed + (path_cost(leaves * (depth + 1)) if path_cost else cost(n + 1)))
         if rate > best:
             best, best_n = rate, n
     return subtree(tree, order[:best_n])

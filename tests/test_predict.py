@@ -54,8 +54,8 @@ def test_compiled_widths_round_up_and_a_tree_past_the_widest_is_not_predicted():
 
 def test_a_backend_that_verifies_one_path_a_row_is_priced_on_its_paths_curve():
     """A tree one root-to-leaf path per batch row copies the KV to every row: it is priced on the model's own
-    curve of such verifies over its leaves x (depth + 1) tokens, a single path (up to the first point) as flat."""
-    by_paths = dataclasses.replace(FIXED, paths={"ns": [4, 8, 16], "ms": [12.0, 17.0, 25.0]})
+    curve of such verifies over its leaves x (depth + 1) tokens."""
+    by_paths = dataclasses.replace(FIXED, paths={"ns": [1, 4, 8, 16], "ms": [10.0, 12.0, 17.0, 25.0]})
     acceptance = {**ACCEPTANCE, "paths": {8: 14}}  # the budget-8 trees: e.g. 3.5 leaves x depth 3 + 1
     rows = predict_offline(acceptance, by_paths)
     paths14 = 17 + (25 - 17) * (14 - 8) / (16 - 8)
@@ -63,8 +63,8 @@ def test_a_backend_that_verifies_one_path_a_row_is_priced_on_its_paths_curve():
     assert rows["ddtree-8"]["tokens_per_s"] == pytest.approx(1000 * (1 + 1.9) / (3 + paths14 + 2.5))
     assert rows["ddtree-4"]["tokens_per_s"] is None and "budget_curve_paths" in rows["ddtree-4"]["why"]  # not flat
     assert predict_offline(acceptance, FIXED)["ddtree-8"]["width"] == 9  # a flattened verify: nodes + root
-    one_path = predict_rounds([2, 3], [3, 12], [True, True], by_paths, "tree")  # a chain-shaped tree, 3 paths
-    assert one_path["ms_per_round"]["verify"] == pytest.approx((11.5 + 17 + (25 - 17) * 4 / 8) / 2)
+    rounds = predict_rounds([2, 3], [3, 12], [True, True], by_paths, "tree")  # a chain-shaped tree, 3 paths
+    assert rounds["ms_per_round"]["verify"] == pytest.approx((10 + 2 * 2 / 3 + 17 + (25 - 17) * 4 / 8) / 2)
     back = CostModel.from_dict(json.loads(json.dumps(by_paths.to_dict())))
     assert back.paths == by_paths.paths and back.forward_paths(12) == by_paths.forward_paths(12)
 

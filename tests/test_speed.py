@@ -380,8 +380,8 @@ def test_prune_by_paths_counts_rows_times_width():
                 torch.zeros(5))
     probs = [1.0, 0.9, 0.8, 0.5, 0.45]
     cost = lambda n: 1.0 + 0.5 * max(0, n - 5)  # noqa: E731  (flat up to 5 tokens, then steep)
-    flat = prune_by_cost(tree, probs, cost, by_paths=False)
-    rows = prune_by_cost(tree, probs, cost, by_paths=True)
+    flat = prune_by_cost(tree, probs, cost)
+    rows = prune_by_cost(tree, probs, cost, path_cost=cost)
     assert len(flat) == 5 and root_paths(rows) == [(1,), (1, 2)]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
-from dflashkit.decode.cost import CostCurve, cost_report, measure_cost_curve
+from dflashkit.decode.cost import CostCurve, cost_report, tree_cost_curve
 from dflashkit.decode.engine import resolve
 from dflashkit.decode.methods import ENGINE_METHODS, ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
 from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, differences, engine_tau,
@@ -162,7 +162,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     if references and switched and "ar" in methods and STOCK_AR not in methods:  # the fair baseline: stock kernels
         methods = ["ar", STOCK_AR] + [m for m in methods if m != "ar"]
     with kernels_for(target):  # the cost curve times the kernels the speculative methods run
-        curve = cost or measure_cost_curve(target, extra=(9,))
+        curve = cost or tree_cost_curve(target, proposer.block_size if proposer else 4, extra=(9,))
         costs = cost_report(target, curve)
     # per run: the static decoder (one for every method: tree widths when a tree method runs; auto's probe builds
     # the one the run then uses) and auto's choice

@@ -118,7 +118,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from dflashkit.decode.conversation import decode_conversation
-    from dflashkit.decode.cost import measure_cost_curve
+    from dflashkit.decode.cost import tree_cost_curve
     from dflashkit.decode.engine import resolve
     from dflashkit.decode.methods import needs_drafter, parse_method
     from dflashkit.decode.records import generation_record
@@ -140,7 +140,7 @@ def cmd_generate(args) -> int:
     state: dict = {"proposer": proposer}
     engine = resolve(args.engine, target, args.method, state, log)
     with kernels_for(target):  # hf's -auto pruning needs the cost of the kernels decoding runs
-        cost = measure_cost_curve(target, repeats=3) if size == "auto" and engine == "hf" else None
+        cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
     records, requests = [], []
     for i, (pid, item) in enumerate(prompts):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflashkit.decode.speculative import Timer, crop_kv, new_target_kv, verify_tree_by_paths
+from dflashkit.decode.speculative import HfBackend, Timer, crop_kv, new_target_kv, verify_tree_by_paths
 from dflashkit.tree import Tree
 
 DEFAULT_NS = (1, 2, 4, 8, 16, 32)
@@ -25,6 +25,7 @@ DEFAULT_NS = (1, 2, 4, 8, 16, 32)
 class CostCurve:
     ns: list[int]  # tokens per forward, increasing
     seconds: list[float]  # median time of one forward over n new tokens
+    paths: CostCurve | None = None  # where trees are verified one path a row: such a verify over n = rows x width
 
     def __call__(self, n: int) -> float:
         """Seconds for a forward over n tokens: piecewise linear between measured points, linear beyond."""
@@ -67,9 +68,8 @@ def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int =
     kv = new_target_kv(target)
     target.forward(ids[:, :context], past_key_values=kv, logits_to_keep=1)
     times = {n: [] for n in ns}
-    pos = lambda n: torch.arange(context, context + n, device=target.device)[None]
     forward = lambda n: (verify_tree_by_paths(target, kv, fan(n // paths, paths, ids[0, context:]), context) if paths
-                         else target.forward(ids[:, context : context + n], past_key_values=kv, position_ids=pos(n)))
+                         else target.forward(ids[:, context : context + n], past_key_values=kv))  # at context + i
     for r in range(repeats + 1):  # the first pass warms up every shape
         for n in ns:
             s = _seconds(target.device, lambda: forward(n))
@@ -77,6 +77,16 @@ def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int =
                 times[n].append(s)
             crop_kv(kv, context)
     return CostCurve(ns, [statistics.median(times[n]) for n in ns])
+
+
+def tree_cost_curve(target, block: int, **kwargs) -> CostCurve:
+    """The curve -auto trees are cut on: a forward over n tokens and, where the reference backend verifies branching
+    trees one path a row (each row a copy of the KV), such verifies of 1..16 paths of `block` tokens."""
+    curve = measure_cost_curve(target, **kwargs)
+    if HfBackend(target).by_paths:
+        p = measure_cost_curve(target, [block * r for r in (1, 2, 4, 8, 16)], kwargs.get("context", 400), 3, paths=block)
+        curve.paths = CostCurve([1] + p.ns, [curve(1)] + p.seconds)
+    return curve
 
 
 def weight_bytes(model) -> int:

@@ -48,9 +48,7 @@ class CostModel:
     rounding: str = "linear"  # linear between measured n (linear beyond); "up": the smallest measured n >= n
     record: dict = field(default_factory=dict)  # what it was measured on, and when
     path: Path | None = None
-    # {"ns", "ms"}: a backend that verifies a branching tree one root-to-leaf path per batch row (hf in bf16 on a
-    # CPU, hybrid targets), each row a copy of the KV: such a verify over n tokens, priced apart from forward(n)
-    paths: dict | None = None
+    paths: dict | None = None  # {"ns", "ms"}: where a branching tree is verified one path a row (decode/cost.py)
 
     def forward(self, n: int) -> float:
         """ms of one target forward over n tokens; infinite past an engine's widest verify ('up')."""
@@ -62,12 +60,10 @@ class CostModel:
         return CostCurve(self.ns, self.forward_ms)(n)
 
     def forward_paths(self, n: int) -> float:
-        """ms of a tree verify over n tokens (leaves x (depth + 1)) one path per row; forward(n) where flat or one
-        path (n up to a path's width, the first point measured)."""
+        """ms of a tree verify over n = leaves x (depth + 1) tokens one path a row; forward(n) where trees are flat."""
         from dflashkit.decode.cost import CostCurve
 
-        flat = not self.paths or n <= self.paths["ns"][0]
-        return self.forward(n) if flat else CostCurve(self.paths["ns"], self.paths["ms"])(n)
+        return CostCurve(self.paths["ns"], self.paths["ms"])(n) if self.paths else self.forward(n)
 
     def overhead(self, loop: str) -> float:
         """A loop's own ms per round; a loop the probe could not run (no drafter) is priced as plain decoding's."""
@@ -147,7 +143,7 @@ def model_key(target, engine: str, proposer=None) -> tuple[str, dict]:
     from dflashkit.fileio import sha256_json
 
     record = {**machine_key(target)[1], "engine": engine, "engine_version": engine_version(engine),
-              "device": str(target.device), "drafter": drafter_shape(proposer), "depth": DEPTH, "probe": 2}
+              "device": str(target.device), "drafter": drafter_shape(proposer), "depth": DEPTH, "probe": 3}
     return sha256_json(record)[:16], record
 
 
@@ -201,18 +197,14 @@ def probe_loops(target, proposer, engine: str, state: dict) -> tuple[float | Non
 
 
 def probe_hf(target, proposer, state: dict, log=None) -> CostModel:
-    """transformers' forward over n tokens and, where branching trees go one path per row, over 1..16 paths of
-    the drafter's block (a row's KV copy and attention cost more than a flat forward's tokens: +15..40% measured)."""
-    from dflashkit.decode.cost import measure_cost_curve
-    from dflashkit.decode.speculative import HfBackend
+    """transformers' forward over n tokens, and over 1..16 paths of the drafter's block where branching trees go one
+    path a row (such a verify cost 15-40% more than a flat one over as many tokens: SmolLM2, bf16, Xeon)."""
+    from dflashkit.decode.cost import tree_cost_curve
     from dflashkit.targets.invariant import kernels_for
 
-    width, paths = proposer.block_size if proposer is not None else 4, None
     with kernels_for(target):  # the kernels decoding runs (low-precision CPU targets switch)
-        curve = measure_cost_curve(target, ns=PROBE_NS, context=DEPTH, repeats=5)
-        if HfBackend(target).by_paths:
-            rows = measure_cost_curve(target, [width * r for r in (1, 2, 3, 4, 6, 8, 12, 16)], DEPTH, 5, paths=width)
-            paths = {"ns": rows.ns, "ms": [1000 * t for t in rows.seconds]}
+        curve = tree_cost_curve(target, proposer.block_size if proposer else 4, ns=PROBE_NS, context=DEPTH, repeats=5)
+    paths = {"ns": curve.paths.ns, "ms": [1000 * t for t in curve.paths.seconds]} if curve.paths else None
     draft, overhead = probe_loops(target, proposer, "hf", state)
     return CostModel("hf", curve.ns, [1000 * t for t in curve.seconds], draft, overhead, paths=paths)
 
@@ -305,8 +297,6 @@ def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> l
             markdown_table(["n tokens", "ms", "ratio to n=1"], rows, digits=3),
             f"Drafter call: {fmt(model.draft_ms, 2)} ms; the loop's own work per round: "
             + ", ".join(f"{k} {fmt(v, 2)} ms" for k, v in model.overhead_ms.items())
-            + (". A branching tree verified one path a row (n = leaves x (depth + 1)): " + ", ".join(
-                f"{n} {fmt(t, 1)} ms" for n, t in zip(model.paths["ns"], model.paths["ms"])) if model.paths else "")
             + (f". Measured {r['measured']} in {r.get('probe_s')} s" if r.get("measured") else "")
             + (f"; cached in {model.path}" if model.path else "") + ".", ""]
 

@@ -601,7 +601,8 @@ class TreeDrafts:
                 probs[node] = 1 - (1 - probs[node]) * (1 - q)  # independent proposers agreeing on a token
         self.branches = [(cont, match) for cont, match, _ in found]
         if self.cost is not None:
-            tree = prune_by_cost(tree, probs, self.cost, self.fixed + self.drafted * self.t_draft, self.by_paths)
+            paths = (getattr(self.cost, "paths", None) or self.cost) if self.by_paths else None
+            tree = prune_by_cost(tree, probs, self.cost, self.fixed + self.drafted * self.t_draft, paths)
             # what survived of each branch is what the target gets to test
             self.branches = [(cont[: len(accepted_path(tree, cont))], match) for cont, match in self.branches]
         return tree

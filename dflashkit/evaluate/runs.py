@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.drafter.checkpoint import load_drafter
-from dflashkit.evaluate.offline import (DEFAULT_TREES, cache_info, check_mode, evaluate, parse_trees,
-                                        stride_anchors)
+from dflashkit.evaluate.offline import DEFAULT_TREES, cache_info, check_mode, evaluate, parse_trees, stride_anchors
 from dflashkit.fileio import atomic_dir, sha256_file, write_json, write_text
 from dflashkit.report import bar_plot, hist_plot, line_plot, markdown_table
 from dflashkit.tree import parse_tree_spec
