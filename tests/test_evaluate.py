@@ -21,6 +21,7 @@ from dflashkit.evaluate.offline import (
     aggregate,
     evaluate,
     evaluate_sequence,
+    hybrid_walk,
     score_block,
     stride_anchors,
 )
@@ -247,6 +248,27 @@ def test_walk_reproduces_dflashkit_decode_chain(t64, kind):
     assert [r["streak"] + 1 for r in recs][: gen.rounds - 1] == gen.accepted[:-1]
     if kind == "oracle":
         assert max(gen.accepted) >= 4
+
+
+@pytest.mark.parametrize("kind", ["oracle", "random"])
+def test_hybrid_walk_reproduces_dflashkit_decode_hybrid(t64, kind):
+    """Issue 50: hybrid-b replayed offline on the greedy answer (drafter tree + n-gram branch per round) accepts
+    what the online loop accepts, round for round, over trees of the same nodes and path tokens."""
+    from dflashkit.decode.speculative import DFlashProposer, HfBackend, generate
+
+    prompt = t64.chat_ids([{"role": "user", "content": "class LRU:"}])
+    ref = greedy(t64, prompt, 50)
+    d = (CopyLabelDrafter(drafter_for(t64).config, t64.lm_head.weight, ref, {p for p in range(len(ref)) if p % 6 == 2})
+         if kind == "oracle" else drafter_for(t64, seed=4))
+    gen = generate(t64, prompt, "hybrid-4", DFlashProposer(t64, d), max_new_tokens=40, stop_ids=[])
+    tokens = torch.tensor(prompt + gen.tokens)
+    rounds = hybrid_walk(d, DraftHead.for_drafter(t64, d), t64.embed_tokens, tokens, features(t64, tokens),
+                         len(prompt), 4)
+    n = gen.rounds - 1  # the last online round may have accepted tokens past the cut, which the cache lacks
+    assert [r["accepted"] + 1 for r in rounds][:n] == gen.accepted[:n] and len(rounds) >= n
+    verified = "path_tokens" if HfBackend(t64).by_paths else "nodes"  # what the online loop records as widths
+    assert [r[verified] for r in rounds][:n] == gen.widths[:n] and max(r["nodes"] for r in rounds) > 5  # + n-gram
+    assert max(gen.accepted) >= (5 if kind == "oracle" else 2)  # past the drafter's 3 slots: the n-gram's tokens
 
 
 # ---- cheating and random drafters -----------------------------------------------------------------------------

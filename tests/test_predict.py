@@ -69,6 +69,18 @@ def test_a_backend_that_verifies_one_path_a_row_is_priced_on_its_paths_curve():
     assert back.paths == by_paths.paths and back.forward_paths(12) == by_paths.forward_paths(12)
 
 
+def test_a_hybrid_replayed_offline_is_priced_round_by_round_and_its_best_budget_is_auto():
+    replay = {"accepted": [0, 3, 1, 5], "nodes": [9, 12, 9, 19], "path_tokens": [16, 20, 16, 30]}
+    rows = predict_offline({**ACCEPTANCE, "hybrid": {4: {**replay, "accepted": [0, 0, 1, 0]}, 8: replay}}, FIXED)
+    want = predict_rounds([1, 4, 2, 6], [9, 12, 9, 19], [True] * 4, FIXED, "tree")
+    assert rows["hybrid-8"]["tokens_per_s"] == pytest.approx(want["tokens_per_s"])
+    assert rows["hybrid-auto"]["budget"] == 8 and rows["hybrid-auto"]["speedup"] == rows["hybrid-8"]["speedup"]
+    by_paths = dataclasses.replace(FIXED, paths={"ns": [1, 4, 8, 16, 32], "ms": [10.0, 12.0, 17.0, 25.0, 40.0]})
+    assert predict_offline({**ACCEPTANCE, "hybrid": {8: replay}}, by_paths)["hybrid-8"]["width"] == 20.5  # path tokens
+    overall = {"acc_cumulative": [0.6], "budget_curve": {"1": 0.6}, "hybrid": {"8": replay}}
+    assert offline_acceptance(overall, 2)["hybrid"] == {8: replay}
+
+
 def test_a_decodes_own_rounds_priced_by_the_model():
     row = predict_rounds([2, 3, 1], [9, 9, 1], [True, True, False], FIXED, "tree")
     forward9 = 14.5
@@ -222,13 +234,15 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
 
     root, cache = evaluated
     t = tiny_targets["llama"]
-    if not (root / "run").exists():
-        assert main(["eval", "--drafter", str(root / "d"), "--cache", str(cache), "--out", str(root / "run")]) == 0
-    offline = read_json(root / "run" / "results.json")
+    assert main(["eval", "--drafter", str(root / "d"), "--cache", str(cache), "--out", str(root / "walk"),
+                 "--anchors", "walk"]) == 0
+    offline = read_json(root / "walk" / "results.json")
+    assert set(offline["overall"]["hybrid"]) == {"4", "8"}  # the default trees' budgets, replayed with the n-gram
     prompts = [(x, t.chat_ids([{"role": "user", "content": x}])) for x in ("def add(a, b):", "Write a haiku.")]
-    res = run_bench(t, load_drafter(root / "d", target=t), prompts, parse_methods("ar,chain,ddtree-8,ngram"),
+    res = run_bench(t, load_drafter(root / "d", target=t), prompts, parse_methods("ar,chain,ddtree-8,ngram,hybrid-8"),
                     max_new_tokens=12, progress=False, warmup=False, offline=offline)
     s = res["methods"]
+    assert s["hybrid-8"]["predicted"]["offline"]["tokens_per_s"] > 0
     for m in ("ar", "chain", "ddtree-8", "ngram"):
         p = s[m]["predicted"]
         assert p["engine"] == "hf" and p["online"]["tokens_per_s"] > 0 and p["online"]["error"] is not None, m
@@ -237,7 +251,7 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
     want = (chain["online"]["tokens_per_s"] / ar["online"]["tokens_per_s"]) / (
         chain["measured_decode_tokens_per_s"] / ar["measured_decode_tokens_per_s"]) - 1
     assert chain["online"]["speedup_error"] == pytest.approx(want) and ar["online"]["speedup_error"] == pytest.approx(0)
-    assert "offline" not in s["ngram"]["predicted"]  # the offline walk has no n-gram replay yet
+    assert "offline" not in s["ngram"]["predicted"]  # the offline walk replays hybrids, not the n-gram alone
     assert "hf" in res["cost_models"] and "## Predicted beside measured" in bench_markdown(res)
 
 

@@ -7,9 +7,12 @@ time per round, tokens per second and the speedup over that engine's plain decod
                      = 1 + mean accepted depth of the budget-b tree     (ddtree-b, width b + 1, or its
                                                                          leaves x (depth + 1) verified by paths,
                                                                          priced on the model's paths curve)
+                     = mean of the rounds replayed offline              (hybrid-b: the drafter's tree and the
+                                                                         n-gram branch, each round priced)
     tokens/s         = 1000 * tokens per round / time per round;  speedup = tokens/s / plain tokens/s
 
-ddtree-auto is predicted as the best fixed budget (the online tree is cut per round, so it can do a little better).
+ddtree-auto and hybrid-auto are predicted as the best fixed budget (the online tree is cut per round, so it can do
+a little better; hybrid-auto's lookup also proposes two longer continuations).
 The acceptance comes either from an offline eval (`offline_acceptance`: both halves predicted) or from a decode's
 own rounds (`predict_rounds`: its tokens and widths per round, which checks the cost half alone)."""
 
@@ -41,8 +44,10 @@ def _draft_ms(model) -> float:
 
 
 def predict_offline(acceptance: dict, model) -> dict:
-    """{method: predicted row} for ar, chain, every ddtree-b of the acceptance and ddtree-auto. `acceptance`:
-    {"block_size": B, "chain": [P(streak >= k), k = 1..B-1], "ddtree": {b: mean accepted depth}}."""
+    """{method: predicted row} for ar, chain, every ddtree-b and hybrid-b of the acceptance, and the best budget of
+    each as its -auto (the online trees are cut per round, so they can do a little better). `acceptance`: {"block_size":
+    B, "chain": [P(streak >= k), k = 1..B-1], "ddtree": {b: mean accepted depth}, "hybrid": {b: the replayed rounds'
+    "accepted", "nodes", "path_tokens"}} (evaluate/offline.py, walk anchors)."""
     for field in ("block_size", "chain", "ddtree"):
         if field not in acceptance:
             raise DFlashError(f"acceptance: field {field!r} is missing (an eval results.json's 'overall' gives it)")
@@ -56,11 +61,12 @@ def predict_offline(acceptance: dict, model) -> dict:
     depths = sorted((int(b), d) for b, d in acceptance["ddtree"].items() if d is not None)
     trees = {f"ddtree-{b}": _row(1.0 + d, draft, verify(b), model.overhead("tree"), width=paths.get(b, b + 1),
                                  **(why if model.paths and b not in paths else {})) for b, d in depths}
-    out.update(trees)
-    paying = [(r["tokens_per_s"], m) for m, r in trees.items() if r["tokens_per_s"]]
-    if paying:
-        best = max(paying)[1]
-        out["ddtree-auto"] = {**trees[best], "budget": int(best.split("-")[1])}
+    hybrids = {f"hybrid-{b}": predict_rounds([d + 1 for d in h["accepted"]], h["path_tokens" if model.paths else
+               "nodes"], [True] * len(h["accepted"]), model, "tree") for b, h in acceptance.get("hybrid", {}).items()}
+    for kind, rows in (("ddtree", trees), ("hybrid", hybrids)):
+        out.update(rows)
+        if paying := [(r["tokens_per_s"], m) for m, r in rows.items() if r["tokens_per_s"]]:
+            out[f"{kind}-auto"] = {**rows[max(paying)[1]], "budget": int(max(paying)[1].split("-")[1])}
     for r in out.values():
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if r["tokens_per_s"] and base["tokens_per_s"] else None
     return out
@@ -76,7 +82,7 @@ def offline_acceptance(overall: dict, block_size: int, source: str = "offline ev
     ddtree |= {int(k.split(":")[1]): v for k, v in overall.items() if k.startswith("budget:") and v is not None}
     paths = {int(b): n for b, n in (overall.get("budget_curve_paths") or {}).items() if n is not None}
     return {"block_size": block_size, "chain": overall["acc_cumulative"], "ddtree": ddtree, "paths": paths,
-            "source": source}
+            "hybrid": {int(b): h for b, h in (overall.get("hybrid") or {}).items()}, "source": source}
 
 
 def loop_of(method: str) -> str:

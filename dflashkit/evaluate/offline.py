@@ -25,8 +25,8 @@ from dflashkit.drafter.head import LOGIT_ELEMENTS, DraftHead
 from dflashkit.drafter.model import block_ids
 from dflashkit.errors import DFlashError
 from dflashkit.targets.model import check_same_target
-from dflashkit.tree import (accepted_path, build_tree_topk, parse_tree_spec, path_tokens, paths_streak, subtree,
-                            top_logprobs, width_streak)
+from dflashkit.tree import (Tree, accepted_path, add_branch, build_tree, build_tree_topk, parse_tree_spec, path_tokens,
+                            paths_streak, subtree, top_logprobs, width_streak)
 
 ANCHOR_MODES = ("stride", "walk")
 DEFAULT_TREES = ("budget:4", "budget:8")
@@ -209,18 +209,48 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
                 _exported_streaks(full_head, h, tokens, a, B, recs)
             out += recs
         return out
-    # walk: each anchor follows from the previous streak; the context KV takes only the new positions
-    context_kv = drafter.new_context_kv()
-    out, done, a = [], 0, prompt_len
-    while a <= T - 2 and (max_blocks is None or len(out) < max_blocks):
-        block_embeds = block_embeddings(embed, tokens, [a], B, cfg.mask_token_id, p.dtype)
-        pos = torch.arange(done, a + B, device=p.device)[None]  # new context positions, then the block
+    return _walk(drafter, embed, tokens, feats, prompt_len, max_blocks,
+                 lambda h, a: _score_blocks(head, h, tokens, [a], B, trees, selector)[0], "streak")
+
+
+def _walk(drafter, embed, tokens, feats, prompt_len: int, max_blocks, score, accepted: str) -> list[dict]:
+    """Blocks one after another, each anchored after the last one's accepted tokens (its record's `accepted` field)
+    and its bonus; the drafter's context KV takes only the new positions. score(hidden [1, B-1, H], anchor)."""
+    cfg, p = drafter.config, next(drafter.parameters())
+    out, done, a, context_kv = [], 0, prompt_len, drafter.new_context_kv()
+    while a <= tokens.shape[0] - 2 and (max_blocks is None or len(out) < max_blocks):
+        block_embeds = block_embeddings(embed, tokens, [a], cfg.block_size, cfg.mask_token_id, p.dtype)
+        pos = torch.arange(done, a + cfg.block_size, device=p.device)[None]  # new context positions, then the block
         h = drafter(feats[None, done:a], block_embeds[None], pos, past_key_values=context_kv, use_cache=True)
         done = a
-        rec = _score_blocks(head, h[:, 1:], tokens, [a], B, trees, selector)[0]
-        out.append(rec)
-        a += rec["streak"] + 1
+        out.append(score(h[:, 1:], a))
+        a += out[-1][accepted] + 1
     return out
+
+
+@torch.no_grad()
+def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, budget: int, max_blocks=None):
+    """hybrid-`budget` replayed on the cached text as decoding runs it at T=0 on the target's own greedy answer:
+    each round the drafter's budget tree plus the n-gram lookup's continuation (over the text up to the root),
+    the longest path the text follows accepted, the next round after it. Per round: accepted drafts, nodes, and
+    the tokens of a verify one path a row (decode/speculative.py)."""
+    from dflashkit.decode.ngram import NgramLookup
+
+    p, ids = next(drafter.parameters()), tokens.tolist()
+    tokens, lookup = tokens.to(p.device).long(), NgramLookup()
+    lookup.reset(ids[: prompt_len + 1])
+
+    def score(h, a):
+        t = build_tree(head.logits(h)[0], budget)
+        tree = Tree(torch.cat([tokens[a : a + 1].cpu(), head.to_tokens(t.tokens[1:].to(p.device)).cpu()]), t.depths,
+                    t.parents, t.log_probs)
+        for cont, _ in lookup.propose_all():
+            tree = add_branch(tree, cont)[0]
+        depth = len(accepted_path(tree, ids[a + 1 : a + 1 + int(tree.depths.max())]))
+        lookup.extend(ids[a + 1 : a + depth + 2])
+        return {"anchor": a, "accepted": depth, "nodes": len(tree), "path_tokens": path_tokens(tree)}
+    embed = lambda x: drafter.embed_block(embed_tokens, x)  # noqa: E731
+    return _walk(drafter, embed, tokens, features.to(p.device, p.dtype), prompt_len, max_blocks, score, "accepted")
 
 
 def _mean(xs):
@@ -269,7 +299,7 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     full = (DraftHead(target.lm_head.weight, None, head.scaling)
             if head.vocab_ids is not None and anchors == "stride" and cfg.arch == "dflash" else None)
     B = cfg.block_size
-    per_prompt, blocks = [], []
+    per_prompt, blocks, hybrid = [], [], {}
     for rec in tqdm(cache, total=len(cache), desc="eval", unit="prompt", disable=not progress, leave=False):
         t0 = time.perf_counter()
         tokens = rec.tokens
@@ -279,15 +309,20 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
             r["prompt"], r["block"] = rec.id, i
         summary = {"id": rec.id, "category": rec.category, "prompt_len": rec.prompt_len, "tokens": int(tokens.shape[0]),
                    "seconds": time.perf_counter() - t0, **aggregate(recs, B, trees)}
-        if anchors == "walk":
+        if anchors == "walk":  # and each budget's hybrid (drafter tree + n-gram branch) replayed
             summary["accepted"] = [r["streak"] + 1 for r in recs]
+            for b in (k for f, k in map(parse_tree_spec, trees) if f == "budget"):
+                rounds = hybrid_walk(drafter, head, target.embed, tokens, rec.features(cfg.target_layer_ids),
+                                     rec.prompt_len, b, max_blocks)
+                for key in ("accepted", "nodes", "path_tokens"):
+                    hybrid.setdefault(str(b), {}).setdefault(key, []).extend(r[key] for r in rounds)
         per_prompt.append(summary)
         blocks += recs
         if on_prompt is not None:
             on_prompt(summary, recs)
     if not blocks:
         raise DFlashError(f"cache {cache.path}: no block to score: every selected completion has fewer than 2 tokens")
-    overall = {**aggregate(blocks, B, trees), "prompts": len(per_prompt)}
+    overall = {**aggregate(blocks, B, trees), "prompts": len(per_prompt), **({"hybrid": hybrid} if hybrid else {})}
     if full is not None:  # what an engine reading an export without the token map would accept
         streak = _mean(b["streak_as_exported"] for b in blocks)
         overall["as_exported"] = {"vocabulary": full.size, "streak": streak, "tau": streak + 1}
