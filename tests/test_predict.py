@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -238,6 +239,7 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
                  "--anchors", "walk"]) == 0
     offline = read_json(root / "walk" / "results.json")
     assert set(offline["overall"]["hybrid"]) == {"4", "8"}  # the default trees' budgets, replayed with the n-gram
+    assert re.search(r"Hybrid replayed .* hybrid-4 tau=\d", (root / "walk" / "summary.md").read_text())
     prompts = [(x, t.chat_ids([{"role": "user", "content": x}])) for x in ("def add(a, b):", "Write a haiku.")]
     res = run_bench(t, load_drafter(root / "d", target=t), prompts, parse_methods("ar,chain,ddtree-8,ngram,hybrid-8"),
                     max_new_tokens=12, progress=False, warmup=False, offline=offline)

@@ -55,9 +55,8 @@ def match_line(block: dict, block_size: int, trees) -> str:
 
 def overall_lines(result: dict) -> list[str]:
     o, s = result["overall"], result["settings"]
-    trees = s["trees"]
     parts = [f"streak={_f(o['streak'])}", f"tau={_f(o['tau'])}", f"pos1={_f(o['pos1_acc'])}"]
-    for t in trees:
+    for t in s["trees"]:
         exp = o["expected"].get(t)
         parts.append(f"{tree_label(t)}={_f(o[t])}" + (f" (expected {_f(exp)})" if exp is not None else ""))
     lines = [f"overall: {o['prompts']} prompts, {o['blocks']} blocks ({s['anchors']} anchors) | " + " ".join(parts)]
@@ -69,7 +68,12 @@ def overall_lines(result: dict) -> list[str]:
     lines.append("streak histogram: " + " ".join(f"{k}:{v:.0%}" for k, v in enumerate(o["histogram"]) if v))
     lines.append("DDTree budget curve (mean accepted depth / drafter-expected): " + " ".join(
         f"{b}:{_f(o['budget_curve'][b])}/{_f(o['budget_curve_expected'][b])}" for b in o["budget_curve"]))
-    return lines
+    return lines + [hybrid_line(o)] if o.get("hybrid") else lines
+
+
+def hybrid_line(o: dict) -> str:
+    return "Hybrid replayed (drafter tree + n-gram branch, walked as decoding at T=0): " + " ".join(
+        f"hybrid-{b} tau={_f(1 + sum(h['accepted']) / len(h['accepted']))}" for b, h in o["hybrid"].items())
 
 
 def summary_markdown(result: dict, header: list[str], plots: bool = True) -> str:
@@ -89,7 +93,7 @@ def summary_markdown(result: dict, header: list[str], plots: bool = True) -> str
         md.append(f"As trained over the {s['draft_vocab']}-token draft vocabulary: tau {_f(o['tau'])}; as exported without "
                   f"the token map (engines drafting over the full {x['vocabulary']} tokens): tau {_f(x['tau'])}. "
                   "`dflashkit drafter export` keeps the map (vLLM and llama.cpp read it).")
-    md.append(f"Trees: {tree_note(trees)}.")
+    md.append(f"Trees: {tree_note(trees)}." + (f" {hybrid_line(o)} (tau per round)." if o.get("hybrid") else ""))
     exp = [f"{tree_label(t)} {_f(o['expected'][t])}" for t in trees if t in o["expected"]]
     if exp:
         md.append(f"Drafter-expected accepted depth (sum of tree-node probabilities): {', '.join(exp)}.")
