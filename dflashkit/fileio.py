@@ -64,11 +64,6 @@ def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
         raise DFlashError(f"{flag} {path}: {here} is not writable by this user; choose another {flag}")
 
 
-def rescue_dir(kind: str) -> Path:
-    """Where a finished run's results go when its own output folder cannot be written at the end."""
-    return Path(tempfile.mkdtemp(prefix=f"dflashkit-{kind}-"))
-
-
 def read_json(path, fix: str = ""):
     """Parse a JSON file; a corrupt one is a DFlashError naming the file and, if given, the fix."""
     try:

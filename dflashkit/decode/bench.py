@@ -527,13 +527,12 @@ def write_bench(result: dict, out) -> list[Path]:
     """results.json, requests.jsonl, report.md and the plots under `out`; where `out` cannot be written at the end of
     a run, under a new temporary folder instead (said on stderr), so that the run is not lost."""
     import sys
-
-    from dflashkit.fileio import rescue_dir
+    import tempfile
 
     try:
         return _write_bench(result, Path(out))
     except OSError as e:
-        rescue = rescue_dir("bench")
+        rescue = Path(tempfile.mkdtemp(prefix="dflashkit-bench-"))
         print(f"warning: could not write {out} ({e.strerror or e}); the results are in {rescue} instead",
               file=sys.stderr)
         return _write_bench(result, rescue)
