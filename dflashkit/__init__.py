@@ -13,12 +13,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "load_target": "dflashkit.targets.model",
-    "new_drafter": "dflashkit.drafter.checkpoint",
-    "load_drafter": "dflashkit.drafter.checkpoint",
-    "save_drafter": "dflashkit.drafter.checkpoint",
+    **{name: "dflashkit.drafter.checkpoint" for name in ("new_drafter", "load_drafter", "save_drafter")},
     "DraftHead": "dflashkit.drafter.head",
-    "DFlashProposer": "dflashkit.decode.speculative",
-    "generate": "dflashkit.decode.speculative",
+    **{name: "dflashkit.decode.speculative" for name in ("DFlashProposer", "generate")},
 }
 __all__ = ["__version__", *_EXPORTS]
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 from dflashkit.lazy import lazy_exports
 
 _EXPORTS = {
-    "CostCurve": "dflashkit.decode.cost",
-    "measure_cost_curve": "dflashkit.decode.cost",
-    "NgramLookup": "dflashkit.decode.ngram",
-    "parse_method": "dflashkit.decode.methods",
+    **{name: "dflashkit.decode.cost" for name in ("CostCurve", "measure_cost_curve")},
+    "NgramLookup": "dflashkit.decode.ngram", "parse_method": "dflashkit.decode.methods",
     "Sampling": "dflashkit.decode.sampling",
     **{name: "dflashkit.decode.speculative" for name in (
         "DFlashProposer", "Generation", "Proposer", "TreeDrafts", "generate", "generate_ar", "generate_chain",

@@ -15,10 +15,8 @@ from dflashkit.fileio import read_json
 
 # what must agree, and how to read it from results.json
 MUST_MATCH = {
-    "cache (manifest hash)": lambda r: r["cache"]["manifest_hash"],
-    "prompts": lambda r: r["cache"]["prompt_ids"],
-    "anchors": lambda r: r["settings"]["anchors"],
-    "block size": lambda r: r["settings"]["block_size"],
+    "cache (manifest hash)": lambda r: r["cache"]["manifest_hash"], "prompts": lambda r: r["cache"]["prompt_ids"],
+    "anchors": lambda r: r["settings"]["anchors"], "block size": lambda r: r["settings"]["block_size"],
     "max blocks per prompt": lambda r: r["settings"]["max_blocks"],
 }
 
