@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflashkit.drafter.config import ARCH_CLASS, DrafterConfig
+from dflashkit.drafter.config import ARCH_CLASS, SCALING_OFF, DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter, rotary_dim
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, read_json, write_json
@@ -93,8 +93,7 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
         report.append(f"Draft vocabulary: {len(vocab)} tokens (the export's token map d2t)")
         if not (con or {}).get("draft_vocab"):
             con = {**(con or {}), "draft_vocab": vocab}
-    drafter.load_report = report
-    drafter.contract = con
+    drafter.load_report, drafter.contract = report, con
     return drafter.to(device=device, dtype=dtype).eval()
 
 
@@ -147,8 +146,7 @@ def _config_for_weights(raw: dict, state: dict, cfg_file: Path, weights: Path) -
     """The config, checked against what the tensors imply (fc width, codebook rows)."""
     if "fc.weight" not in state:
         raise DFlashError(f"{weights}: no fc.weight tensor; this is not a DFlash drafter")
-    hidden = raw.get("hidden_size")
-    fc_in = state["fc.weight"].shape[1]
+    hidden, fc_in = raw.get("hidden_size"), state["fc.weight"].shape[1]
     if not hidden or fc_in % hidden:
         raise DFlashError(f"{weights}: fc.weight input width {fc_in} is not a multiple of config hidden_size {hidden}")
     k = fc_in // hidden
@@ -174,12 +172,9 @@ def describe(cfg: DrafterConfig) -> str:
            f"{cfg.target_layer_ids} (layer l = hidden_states[l + 1])")
     if cfg.partial_rotary_factor != 1.0:
         out += f", RoPE on {rotary_dim(cfg)} of {cfg.head_dim} head dims (partial_rotary_factor {cfg.partial_rotary_factor:g})"
-    if cfg.input_embedding_scale != 1.0:
-        out += f", input_embedding_scale {cfg.input_embedding_scale}"
-    if cfg.output_multiplier != 1.0:
-        out += f", output_multiplier {cfg.output_multiplier}"
-    if cfg.final_logit_softcapping:
-        out += f", final_logit_softcapping {cfg.final_logit_softcapping}"
+    for key, off in SCALING_OFF.items():  # a softcap of 0 is off too
+        if (getattr(cfg, key) or None) != off:
+            out += f", {key} {getattr(cfg, key)}"
     if cfg.arch == "dflash2":
         out += (f", convolutions kernel {cfg.conv_kernel_size} group {cfg.conv_group_size}, selector rank "
                 f"{cfg.selector_rank}, top-{cfg.selector_top_k}")

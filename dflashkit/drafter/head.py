@@ -70,9 +70,7 @@ class DraftHead:
 
     def to_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Target token ids -> indices into the subvocabulary; -100 for tokens outside it (and for -100)."""
-        if self.vocab_ids is None:
-            return tokens
-        return torch.where(tokens < 0, tokens, self._index[tokens.clamp(min=0)])
+        return tokens if self.vocab_ids is None else torch.where(tokens < 0, tokens, self._index[tokens.clamp(min=0)])
 
 
 def scaling_of(cfg) -> tuple[float, float | None]:

@@ -25,8 +25,7 @@ from dflashkit.tree import Tree
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         y = x.float()
@@ -125,8 +124,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
 
     def _heads(self, x, n):
         return x.view(*x.shape[:2], n, self.head_dim)
@@ -308,15 +306,13 @@ class CandidateSelector(nn.Module):
             if depths[node] < hidden.shape[0]:
                 kids[node] = children(depths[node], ids[node])
                 heapq.heappush(heap, (-(lps[node] + kids[node][0][0]), node, 0))
-        return Tree(torch.tensor(tokens), torch.tensor(depths), torch.tensor(parents),
-                    torch.tensor(lps, dtype=torch.float32))
+        return Tree.of(tokens, depths, parents, lps)
 
 
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.config = cfg
-        h = cfg.hidden_size
+        self.config, h = cfg, cfg.hidden_size
         self.fc = nn.Linear(cfg.num_features * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
@@ -426,8 +422,7 @@ class DFlashDrafter(nn.Module):
         attention (all compute the same): dense (the whole mask: the reference), chunked (ChunkedBlocks), flex
         (FlexBlocks: CUDA; no backward on CPU), auto (flex on CUDA, chunked elsewhere)."""
         b, T, _ = target_hidden.shape
-        B = self.config.block_size
-        n = anchors.shape[1]
+        B, n = self.config.block_size, anchors.shape[1]
         if block_embeds.shape[:2] != (b, n * B):
             raise DFlashError(f"forward_blocks: block_embeds {tuple(block_embeds.shape)} does not hold {n} blocks of "
                               f"{B} rows for a batch of {b} (expected [{b}, {n * B}, H])")
@@ -440,10 +435,8 @@ class DFlashDrafter(nn.Module):
             anchors, valid = anchors.gather(1, order), valid.gather(1, order)
             block_embeds = block_embeds.gather(1, _rows(order, B)[..., None].expand(-1, -1, block_embeds.shape[-1]))
         q_pos = (anchors[:, :, None] + torch.arange(B, device=dev)).reshape(b, n * B)
-        if kind == "dense":
-            mask = build_block_mask(anchors, T, B, valid)
-        else:
-            mask = (ChunkedBlocks if kind == "chunked" else FlexBlocks)(anchors, valid, T, B)
+        mask = (build_block_mask(anchors, T, B, valid) if kind == "dense"
+                else (ChunkedBlocks if kind == "chunked" else FlexBlocks)(anchors, valid, T, B))
         out = self.run(target_hidden, block_embeds, torch.arange(T, device=dev).expand(b, T), q_pos, mask, segment=B)
         if order is not None:  # back to the caller's block order
             out = out.gather(1, _rows(order.argsort(dim=1), B)[..., None].expand(-1, -1, out.shape[-1]))
