@@ -67,12 +67,6 @@ def target_gguf(engine: LlamaCpp, target, dtype: str) -> Path:
     return convert(engine, Path(target.path), dtype, gguf_dir() / f"{target.name}-{key}-{GGUF_TYPES[dtype]}.gguf")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """`llama-server` with one model (and a DFlash drafter), on a free loopback port, for the `with` block."""
 
@@ -83,7 +77,9 @@ class LlamaServer:
             check_engine_block("llama.cpp", draft_max, int(keys[f"{keys['general.architecture']}.block_size"]),
                                str(drafter))
         self.engine = engine or require("llama.cpp")
-        self.port = _free_port()
+        with socket.socket() as s:  # a free loopback port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
         self.log = log or (gguf_dir() / f"server-{self.port}.log")
         self.cmd = [str(self.engine.binary("llama-server")), "-m", str(model), "-t", str(threads), "-tb", str(threads),
                     "-c", str(ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
