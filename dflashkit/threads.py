@@ -142,9 +142,7 @@ def apply_threads(args_or_n=None) -> int:
     import torch
 
     if n is None:
-        n = default_threads()
-        if not under_torchrun():
-            n = min(n, torch.get_num_threads())
+        n = default_threads() if under_torchrun() else min(default_threads(), torch.get_num_threads())
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise DFlashError(f"--threads {n!r}: use a positive number of threads")
     if torch.get_num_threads() != n:

@@ -203,16 +203,14 @@ def accepted_path(tree: Tree, continuation: Sequence[int] | Tensor) -> list[int]
 def streak(logits: Tensor, labels: Tensor) -> Tensor:
     """Greedy (single-chain) acceptance: leading positions with argmax == label. logits [..., L, V],
     labels [..., L] -> [...] long; label -100 never matches."""
-    hit = logits.argmax(dim=-1) == labels
-    return hit.long().cumprod(dim=-1).sum(dim=-1)
+    return (logits.argmax(dim=-1) == labels).long().cumprod(dim=-1).sum(dim=-1)
 
 
 def width_streak(logits: Tensor, labels: Tensor, k: int) -> Tensor:
     """`width:K` upper bound: leading positions whose label is in that position's top-K
     (a tree holding all K^L combinations). logits [..., L, V], labels [..., L] -> [...] long."""
     idx = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
-    hit = (idx == labels.unsqueeze(-1)).any(dim=-1)
-    return hit.long().cumprod(dim=-1).sum(dim=-1)
+    return (idx == labels.unsqueeze(-1)).any(dim=-1).long().cumprod(dim=-1).sum(dim=-1)
 
 
 def topk_paths(logits: Tensor, k: int) -> list[tuple[list[int], float]]:

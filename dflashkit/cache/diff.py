@@ -93,11 +93,10 @@ def format_diff(r: dict) -> str:
     for label, ls in (("layers only in A", r["layers_only_in_a"]), ("layers only in B", r["layers_only_in_b"])):
         if ls:
             lines.append(f"{label}: {ls}")
-    lines.append("")
     rows = [[l, f"{s['cos_mean']:.6f}", f"{s['cos_min']:.6f}", f"{s['mean_abs']:.3e}", f"{s['max_abs']:.3e}",
              f"{s['rel_err']:.3e}"] for l, s in r["layers"].items()]
-    lines.append(markdown_table(["layer", "cos mean", "cos min", "mean |a-b|", "max |a-b|", "rel err"], rows))
-    lines.append("rel err = ||A - B|| / ||A|| over all compared tokens; cosine per token.")
+    lines += ["", markdown_table(["layer", "cos mean", "cos min", "mean |a-b|", "max |a-b|", "rel err"], rows),
+              "rel err = ||A - B|| / ||A|| over all compared tokens; cosine per token."]
     if r["min_cosine"] is not None:
         lines.append(f"FAIL: layers {r['below']} have a token with cosine below {r['min_cosine']}" if r["below"]
                      else f"PASS: every token's cosine >= {r['min_cosine']} on every layer")

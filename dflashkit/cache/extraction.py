@@ -253,8 +253,7 @@ def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_s
                 callback("completion", run.pids[i])
 
 
-def _capture_missing(run: _Run, target, layer_ids, batch_size: int, capture_tokens: int, show: bool,
-                     callback) -> None:
+def _capture_missing(run: _Run, target, layer_ids, batch_size: int, capture_tokens: int, show: bool, callback) -> None:
     """Features of prompt + completion for my prompts without a file: sorted by length so that several share a
     forward with little padding."""
     seqs = {i: run.prompts[i] + run.completions[i] for i in run.mine if i not in run.done}

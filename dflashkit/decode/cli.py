@@ -110,8 +110,7 @@ def _prompts(args) -> list:
 
     if getattr(args, "prompt", None) is not None:
         return [("prompt", PromptItem("prompt", ({"role": "user", "content": args.prompt},)))]
-    suite = select_prompts(args.prompts, args.num_prompts, args.per_category)
-    return [(item.id, item) for item in suite.items]
+    return [(item.id, item) for item in select_prompts(args.prompts, args.num_prompts, args.per_category).items]
 
 
 def cmd_generate(args) -> int:

@@ -102,8 +102,7 @@ def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     with kernels_for(target):
         curve = measure_cost_curve(target, ns=(1, 8), repeats=repeats)
     d = decoder_for(target, state, 512, state.get("proposer"), trees=True, log=log)  # the run's own decoder
-    hf = {"1": curve(1), "8": curve(8)}
-    static = {"1": d.step_s[1], "8": d.step_s[8]}
+    hf, static = {"1": curve(1), "8": curve(8)}, {"1": d.step_s[1], "8": d.step_s[8]}
     pick = lambda k: "static" if sum(static[x] for x in k) < sum(hf[x] for x in k) else "hf"
     found = {**record, "hf_s": hf, "static_s": static, "plain": pick(("1",)), "speculative": pick(("1", "8")),
              "probe_s": round(time.perf_counter() - t0, 1)}

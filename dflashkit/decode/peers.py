@@ -46,8 +46,7 @@ def _start(method: str, target, drafter, block_size: int, ctx: int, workdir: Pat
     from dflashkit.drafter.checkpoint import save_drafter
     from dflashkit.engines.install import require
 
-    dtype = str(target.dtype).removeprefix("torch.")
-    threads = torch.get_num_threads()
+    dtype, threads = str(target.dtype).removeprefix("torch."), torch.get_num_threads()
     speculative = method.endswith("-dflash")
     if speculative and drafter is None:
         raise DFlashError(f"--methods {method} runs our drafter in the engine: pass --drafter")

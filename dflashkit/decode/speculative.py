@@ -243,8 +243,7 @@ def rejection_accept(drafts, q, logits, temperature: float, generator) -> tuple[
 def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1, generator=generator)[:, 0]
 
 
 def emit(out: list[int], new: list[int], stops: set[int], max_new_tokens: int) -> bool:

@@ -486,9 +486,7 @@ class StaticDecoder:
         pos[:n] += tree.depths
         out = self._call(w, ids.to(dev), pos.to(dev), torch.arange(w, device=dev), None,
                          torch.arange(start, start + w, device=dev), path.to(dev))
-        if self.layer_ids is None:
-            return out[:n], None
-        return out[0][:n], out[1][:, :n]
+        return (out[:n], None) if self.layer_ids is None else (out[0][:n], out[1][:, :n])
 
     @torch.no_grad()
     def commit(self, start: int, accepted: list[int]) -> None:
@@ -497,8 +495,7 @@ class StaticDecoder:
         moved = [(start + node, start + depth) for depth, node in enumerate(accepted, start=1) if node != depth]
         if not moved:
             return
-        dev = self.embed.device
-        src, dst = (torch.tensor(x, device=dev) for x in zip(*moved))
+        src, dst = (torch.tensor(x, device=self.embed.device) for x in zip(*moved))
         for cache in self.kv[0] + self.kv[1]:
             cache.index_copy_(2, dst, cache.index_select(2, src))
 
@@ -613,8 +610,7 @@ class StaticBackend:
 
     def __init__(self, decoder: StaticDecoder):
         self.d, self.target = decoder, decoder.target
-        self.widest = max(decoder.tree_widths, default=decoder.verify_width or 1)
-        self.cost = decoder.tree_cost
+        self.widest, self.cost = max(decoder.tree_widths, default=decoder.verify_width or 1), decoder.tree_cost
 
     def session(self):
         return collector_paused()

@@ -88,8 +88,7 @@ def cmd_compare(args) -> int:
     from dflashkit.evaluate.compare import compare_runs, default_out
 
     out = Path(args.out) if args.out else default_out(args.runs)
-    res = compare_runs(args.runs, out=out, force=args.force)
-    print(res["markdown"])
+    print(compare_runs(args.runs, out=out, force=args.force)["markdown"])
     print(f"written to {out}")
     return 0
 

@@ -45,8 +45,7 @@ def compare_requests(paths, out=None) -> dict:
                    if any(r["method"] == m for r in recs)} for m in methods}
     keys = list(dict.fromkeys((r["prompt"], r["method"]) for recs in runs.values() for r in recs))
     by = {n: {(r["prompt"], r["method"]): r for r in recs} for n, recs in runs.items()}
-    ref = names[0]
-    lines = []
+    ref, lines = names[0], []
     for key in keys:
         row = {"prompt": key[0], "method": key[1]}
         for n in names:

@@ -42,9 +42,8 @@ def request_record(prompt: str, index: int, method: str, engine: str, backend: s
     left out or None is unknown. `missing`: field -> why it is null."""
     times = times or {}
     if tokens_per_round is not None:
-        rounds = len(tokens_per_round)
+        rounds, accepted_per_position = len(tokens_per_round), per_position(tokens_per_round)
         accepted = sum(tokens_per_round) - rounds
-        accepted_per_position = per_position(tokens_per_round)
     tau = 1 + accepted / rounds if rounds and accepted is not None else None
     rec = {"schema": SCHEMA, "prompt": prompt, "index": index, "method": method, "engine": engine, "backend": backend,
            "target": target, "target_path": target_path, "dtype": dtype, "prompt_ids": prompt_ids,

@@ -72,8 +72,7 @@ def iter_generate_with_features(target, prompts: list[list[int]], max_new_tokens
         width = ids.shape[1]
         with target.recording(layer_ids) as steps:
             out = _generate(target, ids, att, max_new_tokens, temperature, return_dict_in_generate=True)
-            seq = out.sequences
-            generated = seq.shape[1] - width
+            seq, generated = out.sequences, out.sequences.shape[1] - width
             full = torch.cat([att, torch.ones_like(seq[:, width:])], dim=1)  # the last token is still to be fed
             target.decoder(input_ids=seq[:, -1:], attention_mask=full, past_key_values=out.past_key_values,
                            position_ids=full.sum(1, keepdim=True) - 1, use_cache=True)

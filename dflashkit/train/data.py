@@ -178,8 +178,7 @@ def mix_seed(*parts: int) -> int:
 
 def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
     """The data order of one epoch: a permutation that depends only on (seed, epoch)."""
-    g = torch.Generator().manual_seed(mix_seed(seed, epoch, 1))
-    return torch.randperm(n, generator=g).tolist()
+    return torch.randperm(n, generator=torch.Generator().manual_seed(mix_seed(seed, epoch, 1))).tolist()
 
 
 def sample_anchors(seq: Sequence, n: int, epoch: int, seed: int, index: int) -> torch.Tensor:
@@ -211,11 +210,9 @@ class Batch:
 def build_batch(seqs: list[Sequence], anchors: list[torch.Tensor], block_size: int, mask_id: int) -> Batch:
     """Blocks at positions a..a+B-1; slot 0 = the anchor token (no loss), slots 1..B-1 = MASK with label a+k."""
     B, b = block_size, len(seqs)
-    n = max(1, max(len(a) for a in anchors))
-    T = max(s.length for s in seqs)
+    n, T = max(1, max(len(a) for a in anchors)), max(s.length for s in seqs)
     tokens = torch.full((b, T + B), -100, dtype=torch.long)  # -100 past each sequence's end
-    A = torch.zeros(b, n, dtype=torch.long)
-    valid = torch.zeros(b, n, dtype=torch.bool)
+    A, valid = torch.zeros(b, n, dtype=torch.long), torch.zeros(b, n, dtype=torch.bool)
     for i, (s, a) in enumerate(zip(seqs, anchors)):
         tokens[i, : s.length] = s.tokens
         A[i, : len(a)] = a

@@ -35,8 +35,7 @@ from dflashkit.drafter.head import LOGIT_ELEMENTS, scaled
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     """[B] float32: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
+    w = torch.exp(-(torch.arange(block_size, dtype=torch.float32) - 1) / gamma)
     w[0] = 0.0
     return w
 
