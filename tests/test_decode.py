@@ -396,7 +396,7 @@ def test_hybrid_gate_drafts_while_the_drafter_adds_tokens_and_rechecks_when_idle
     """hybrid-auto's gate: with no n-gram proposal, a drafter that has been adding a token per round is run; one that
     added nothing for twenty drafted rounds sits out, and drafts again on the eighth idle round."""
     from dflashkit.decode.cost import CostCurve
-    from dflashkit.decode.ngram import NgramLookup
+    from dflashkit.ngram import NgramLookup
     from dflashkit.decode.speculative import TreeDrafts
 
     drafts = TreeDrafts(Oracle([1, 2, 3], 4, 10), 8, NgramLookup(), CostCurve([1, 8], [0.050, 0.060]))

@@ -9,7 +9,7 @@ import torch
 
 from dflashkit.decode.cost import CostCurve, measure_cost_curve
 from dflashkit.decode.methods import needs_drafter, parse_method
-from dflashkit.decode.ngram import NgramLookup
+from dflashkit.ngram import NgramLookup
 from dflashkit.decode.sampling import Sampling
 from dflashkit.decode.speculative import TreeDrafts, generate, generate_tree
 from torch.overrides import _get_current_function_mode_stack

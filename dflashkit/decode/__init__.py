@@ -10,7 +10,7 @@ from dflashkit.lazy import lazy_exports
 
 _EXPORTS = {
     **{name: "dflashkit.decode.cost" for name in ("CostCurve", "measure_cost_curve")},
-    "NgramLookup": "dflashkit.decode.ngram", "parse_method": "dflashkit.decode.methods",
+    "NgramLookup": "dflashkit.ngram", "parse_method": "dflashkit.decode.methods",
     "Sampling": "dflashkit.decode.sampling",
     **{name: "dflashkit.decode.speculative" for name in (
         "DFlashProposer", "Generation", "Proposer", "TreeDrafts", "generate", "generate_ar", "generate_chain",

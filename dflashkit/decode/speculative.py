@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
-from dflashkit.decode.ngram import NgramLookup
+from dflashkit.ngram import NgramLookup
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.drafter.head import FEW_ROWS, DraftHead, few_rows_linear
 from dflashkit.drafter.model import block_ids, mix_greedy

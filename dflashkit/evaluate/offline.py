@@ -24,6 +24,7 @@ from dflashkit.drafter.checkpoint import check_against_target, check_feature_lay
 from dflashkit.drafter.head import LOGIT_ELEMENTS, DraftHead
 from dflashkit.drafter.model import block_ids
 from dflashkit.errors import DFlashError
+from dflashkit.ngram import NgramLookup
 from dflashkit.targets.model import check_same_target
 from dflashkit.tree import (Tree, accepted_path, add_branch, build_tree, build_tree_topk, parse_tree_spec, path_tokens,
                             paths_streak, subtree, top_logprobs, width_streak)
@@ -234,8 +235,6 @@ def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, 
     each round the drafter's budget tree plus the n-gram lookup's continuation (over the text up to the root),
     the longest path the text follows accepted, the next round after it. Per round: accepted drafts, nodes, and
     the tokens of a verify one path a row (decode/speculative.py)."""
-    from dflashkit.decode.ngram import NgramLookup
-
     p, ids = next(drafter.parameters()), tokens.tolist()
     tokens, lookup = tokens.to(p.device).long(), NgramLookup()
     lookup.reset(ids[: prompt_len + 1])
