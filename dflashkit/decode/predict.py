@@ -222,7 +222,8 @@ def predicted_markdown(result: dict) -> list[str]:
             + (f"and from {offline} (checks both halves)" if offline else "and, given `--offline RUN`, from an offline "
                "eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%. The speedup error "
             "compares the predicted speedup over the engine's plain decoding with the measured one: the machine's "
-            "speed when the cost model was measured cancels.", "",
+            "speed when the cost model was measured cancels (a plain row's error is that drift: a shared host's level "
+            "moves 10-40% within an hour; `dflashkit cost --force` right before a bench measures it anew).", "",
             markdown_table(["method", "engine", "measured", "predicted (own acceptance)", "error", "speedup error",
                             "predicted (offline)", "error", "speedup error", "not predicted: why"], rows, digits=1)]
 
