@@ -146,6 +146,17 @@ def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, 
     return subtree(tree, order[:best_n])
 
 
+def draft_tree(logits: Tensor, budget: int, anchor: Tensor, to_tokens) -> Tree:
+    """The budget-node DDTree of a drafter's logits [L, V'], rooted at `anchor` [1], in target token ids."""
+    return rooted(build_tree(logits, budget), anchor, to_tokens, logits.device)
+
+
+def rooted(tree: Tree, anchor: Tensor, to_tokens, device) -> Tree:
+    """A drafter's tree (node tokens are draft-vocabulary indices) with target token ids, the anchor at the root."""
+    tokens = torch.cat([anchor.cpu(), to_tokens(tree.tokens[1:].to(device)).cpu()])
+    return Tree(tokens=tokens, depths=tree.depths, parents=tree.parents, log_probs=tree.log_probs)
+
+
 def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-k of the float32 log-softmax over the last axis, sorted descending: logits [..., V] ->
     (log-probs [..., k], token indices [..., k]); only k values per row are materialised."""

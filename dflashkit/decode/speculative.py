@@ -33,8 +33,8 @@ from dflashkit.drafter.head import FEW_ROWS, DraftHead, few_rows_linear
 from dflashkit.drafter.model import block_ids, mix_greedy
 from dflashkit.errors import DFlashError
 from dflashkit.targets.invariant import kernels_for, needs_invariant
-from dflashkit.tree import (Tree, accepted_path, add_branch, attention_mask, build_tree, common_prefix, path_tokens,
-                            prune_by_cost, walk)
+from dflashkit.tree import (Tree, accepted_path, add_branch, attention_mask, common_prefix, draft_tree, path_tokens,
+                            prune_by_cost, rooted, walk)
 
 # ---- results and timing ---------------------------------------------------------------------------------
 
@@ -392,6 +392,8 @@ class HfBackend:
         self.invariant = not stock and needs_invariant(target.model)
         self.window = target.config.sliding_window if sliding_layers(target) else None  # once: 0.3-0.8 ms a call
         self.by_paths = self.invariant or target.is_hybrid  # how a branching tree is verified (the cost model reads it)
+        # what -auto cuts a tree verified one path a row on: the curve's own of such verifies where it has one
+        self.path_cost = (getattr(cost, "paths", None) or cost) if cost is not None and self.by_paths else None
         self.timer = None
 
     def session(self):  # what one generation runs under: nothing (the kernels go around each target forward)
@@ -503,16 +505,6 @@ def generate_chain(backend, proposer: Proposer, prompt_ids: list[int], max_new_t
                       [True] * len(accepted))
 
 
-def draft_tree(logits: torch.Tensor, budget: int, anchor: torch.Tensor, to_tokens) -> Tree:
-    return rooted(build_tree(logits, budget), anchor, to_tokens, logits.device)
-
-
-def rooted(tree: Tree, anchor: torch.Tensor, to_tokens, device) -> Tree:
-    """A drafter's tree (node tokens are draft-vocabulary indices) with target token ids, the anchor at the root."""
-    tokens = torch.cat([anchor.cpu(), to_tokens(tree.tokens[1:].to(device)).cpu()])
-    return Tree(tokens=tokens, depths=tree.depths, parents=tree.parents, log_probs=tree.log_probs)
-
-
 def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
     """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence at a time) and
     for branching trees under row-invariant bf16 kernels (a flattened tree interleaves masked keys with visible
@@ -558,7 +550,7 @@ class TreeDrafts:
         self.layer_ids = drafter.layer_ids if drafter is not None else None
         self.gated = drafter is not None and ngram is not None and cost is not None
         self.fixed = 0.0  # seconds a round costs besides the verify and draft forwards (running mean, set by the loop)
-        self.by_paths = False  # set by the loop: branching trees are verified one root-to-leaf path per batch row
+        self.path_cost = None  # set by the loop: the backend's cost of a tree verified one root-to-leaf path a row
         self.branches: list[tuple[list[int], int]] = []  # this round's verified n-gram proposals, matched lengths
         self.t_draft = 0.0  # running mean of one drafter forward
         self.added: dict[int, list[float]] = {}  # n-gram confidence bucket -> [tokens added, weight, rounds idle]
@@ -600,8 +592,7 @@ class TreeDrafts:
                 probs[node] = 1 - (1 - probs[node]) * (1 - q)  # independent proposers agreeing on a token
         self.branches = [(cont, match) for cont, match, _ in found]
         if self.cost is not None:
-            paths = (getattr(self.cost, "paths", None) or self.cost) if self.by_paths else None
-            tree = prune_by_cost(tree, probs, self.cost, self.fixed + self.drafted * self.t_draft, paths)
+            tree = prune_by_cost(tree, probs, self.cost, self.fixed + self.drafted * self.t_draft, self.path_cost)
             # what survived of each branch is what the target gets to test
             self.branches = [(cont[: len(accepted_path(tree, cont))], match) for cont, match in self.branches]
         return tree
@@ -660,7 +651,7 @@ def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_to
     temperature, accepted, widths, drafted = sampling.temperature, [], [], []
     with _prefilled(backend, prompt_ids, drafts.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (
             b, feats, bonus, tokens, done, put):
-        timer, drafts.by_paths = b.timer, b.by_paths
+        timer, drafts.path_cost = b.timer, b.path_cost
         drafts.reset(prompt_ids)
         while not done:
             t_round, t_verify, t_draft = perf_counter(), timer.times["verify"], timer.times["draft"]

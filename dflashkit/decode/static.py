@@ -605,7 +605,7 @@ class StaticBackend:
     moves the accepted path's KV where plain decoding writes it. Rejected slots are overwritten by the next write."""
 
     engine = "static"
-    by_paths = False
+    path_cost = None  # trees are verified flat
     timer = None
 
     def __init__(self, decoder: StaticDecoder):

@@ -26,7 +26,7 @@ from dflashkit.drafter.model import block_ids
 from dflashkit.errors import DFlashError
 from dflashkit.ngram import NgramLookup
 from dflashkit.targets.model import check_same_target
-from dflashkit.tree import (Tree, accepted_path, add_branch, build_tree, build_tree_topk, parse_tree_spec, path_tokens,
+from dflashkit.tree import (accepted_path, add_branch, build_tree_topk, draft_tree, parse_tree_spec, path_tokens,
                             paths_streak, subtree, top_logprobs, width_streak)
 
 ANCHOR_MODES = ("stride", "walk")
@@ -240,9 +240,7 @@ def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, 
     lookup.reset(ids[: prompt_len + 1])
 
     def score(h, a):
-        t = build_tree(head.logits(h)[0], budget)
-        tree = Tree(torch.cat([tokens[a : a + 1].cpu(), head.to_tokens(t.tokens[1:].to(p.device)).cpu()]), t.depths,
-                    t.parents, t.log_probs)
+        tree = draft_tree(head.logits(h)[0], budget, tokens[a : a + 1], head.to_tokens)  # as decoding drafts it
         for cont, _ in lookup.propose_all():
             tree = add_branch(tree, cont)[0]
         depth = len(accepted_path(tree, ids[a + 1 : a + 1 + int(tree.depths.max())]))
@@ -301,9 +299,9 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     per_prompt, blocks, hybrid = [], [], {}
     for rec in tqdm(cache, total=len(cache), desc="eval", unit="prompt", disable=not progress, leave=False):
         t0 = time.perf_counter()
-        tokens = rec.tokens
-        recs = evaluate_sequence(drafter, head, target.embed, tokens, rec.features(cfg.target_layer_ids),
-                                 rec.prompt_len, anchors=anchors, trees=trees, max_blocks=max_blocks, full_head=full)
+        tokens, feats = rec.tokens, rec.features(cfg.target_layer_ids)  # read once: the hybrid replays reuse them
+        recs = evaluate_sequence(drafter, head, target.embed, tokens, feats, rec.prompt_len, anchors=anchors,
+                                 trees=trees, max_blocks=max_blocks, full_head=full)
         for i, r in enumerate(recs):
             r["prompt"], r["block"] = rec.id, i
         summary = {"id": rec.id, "category": rec.category, "prompt_len": rec.prompt_len, "tokens": int(tokens.shape[0]),
@@ -311,8 +309,7 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
         if anchors == "walk":  # and each budget's hybrid (drafter tree + n-gram branch) replayed
             summary["accepted"] = [r["streak"] + 1 for r in recs]
             for b in (k for f, k in map(parse_tree_spec, trees) if f == "budget"):
-                rounds = hybrid_walk(drafter, head, target.embed, tokens, rec.features(cfg.target_layer_ids),
-                                     rec.prompt_len, b, max_blocks)
+                rounds = hybrid_walk(drafter, head, target.embed, tokens, feats, rec.prompt_len, b, max_blocks)
                 for key in ("accepted", "nodes", "path_tokens"):
                     hybrid.setdefault(str(b), {}).setdefault(key, []).extend(r[key] for r in rounds)
         per_prompt.append(summary)
