@@ -78,7 +78,7 @@ def test_linear_reduce_is_a_matmul():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_linear_is_a_matmul_and_row_invariant(dtype):
     """The C++ linear against a float64 product, over inputs that are and are not a multiple of its 64 lanes; and
-    each row of a call with 1..9 rows (its four-row blocks and the rest) equals that row alone, bit for bit."""
+    each row of a call with 1..9 rows (its blocks of rows and outputs, and the rest) equals that row alone, bit for bit."""
     native.load()
     for k in (40, 128, 200):
         x, w = torch.randn(9, k), torch.randn(37, k).to(dtype)

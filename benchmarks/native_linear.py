@@ -1,0 +1,91 @@
+"""The static backend's C++ linear, this tree's against a git revision's, side by side in one process.
+
+    python benchmarks/native_linear.py [--against REV] [--dtype float32] [--rows 1,4,8,16,32]
+    DFLASHKIT_NATIVE_ISA=avx2 python benchmarks/native_linear.py ...   # the AVX2 build, as a float32-only CPU runs
+
+Both sources are built with the flags dflashkit builds with (each under its own op namespace, so one process loads
+both), then every decoder linear of SmolLM2-135M (30 layers, random weights of the target's shapes and dtype) runs
+in layer order, the two kernels alternating, 7 times per row count. Per row count: median ms of a pass for each, the
+ratio new / old, each one's cost against its own one-row pass (the verify cost curve the tree cut reads), and
+whether the two compute the same bits (the kernel's sum order is part of the decoder's contract).
+Writes benchmarks/results/cpu-DATE-native-linear[-TAG].{md,json}, naming the CPU and the build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from common import cpu_name, write_results
+from dflashkit.decode import native
+from dflashkit.report import markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+# SmolLM2-135M's decoder linears (out, in) in layer order: q, k, v, o, gate, up, down
+SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+
+
+def build(name: str, source: str, tmp: Path):
+    """Compile `source` as op namespace dfk_NAME and return its linear."""
+    cpp, lib = tmp / f"{name}.cpp", tmp / f"{name}.so"
+    cpp.write_text(source.replace("TORCH_LIBRARY(dflashkit", f"TORCH_LIBRARY(dfk_{name}")
+                   .replace("TORCH_LIBRARY_IMPL(dflashkit", f"TORCH_LIBRARY_IMPL(dfk_{name}"))
+    cmd = ["c++", *native.cflags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *(f"-I{p}" for p in cpp_extension.include_paths()), str(cpp), "-o", str(lib),
+           *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+    subprocess.run(cmd, check=True)
+    torch.ops.load_library(str(lib))
+    return getattr(torch.ops, f"dfk_{name}").linear
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--against", default="HEAD", help="git revision whose native.cpp is the baseline")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--rows", default="1,4,8,16,32")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    old = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:dflashkit/decode/native.cpp"],
+                         check=True, capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        ops = {"old": build("old", old, Path(tmp)), "new": build("new", native.SOURCE.read_text(), Path(tmp))}
+    g = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    layers = [[torch.randn(o, i, generator=g).to(dtype) for o, i in SHAPES] for _ in range(30)]
+    rows, ms = [], {}
+    for n in (int(r) for r in args.rows.split(",")):
+        xs = {i: torch.randn(n, i, generator=g) for i in (576, 1536)}
+        same = all(torch.equal(ops["old"](xs[w.shape[1]], w), ops["new"](xs[w.shape[1]], w)) for w in layers[0])
+        times = {k: [] for k in ops}
+        for _ in range(7):
+            for name, op in ops.items():
+                t = time.perf_counter()
+                for layer in layers:
+                    for w in layer:
+                        op(xs[w.shape[1]], w)
+                times[name].append(time.perf_counter() - t)
+        ms[n] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        first = ms[min(ms)]
+        rows.append([n, f"{ms[n]['old']:.2f}", f"{ms[n]['new']:.2f}", f"{ms[n]['new'] / ms[n]['old']:.2f}x",
+                     f"{ms[n]['old'] / first['old']:.2f}", f"{ms[n]['new'] / first['new']:.2f}", "yes" if same else "NO"])
+        print(*rows[-1], flush=True)
+    build_line = native.instruction_set()
+    md = [f"# Native linear, {args.against} vs this tree ({args.dtype})", "",
+          f"CPU: {cpu_name()}; kernels built for {build_line}; SmolLM2-135M's 210 decoder linears, median of 7.", "",
+          markdown_table(["rows", "old ms", "new ms", "new/old", "old vs 1 row", "new vs 1 row", "same bits"], rows)]
+    tag = f"-{args.tag}" if args.tag else ""
+    write_results(ROOT / "benchmarks" / "results" / f"cpu-{date.today()}-native-linear{tag}", md,
+                  {"cpu": cpu_name(), "build": build_line, "dtype": args.dtype, "against": args.against, "ms": ms})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
