@@ -11,8 +11,8 @@ import torch
 from dflashkit.decode import bench
 from dflashkit.decode.speculative import generate, generate_ar, generate_chain, generate_tree
 from dflashkit.decode import native, static
-from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_reduce, StaticBackend, linear_native,
-                                     linear_reduce, linear_tiles, tile_order)
+from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_native, attend_reduce, StaticBackend,
+                                     linear_native, linear_reduce, linear_tiles, tile_order)
 from dflashkit.errors import DFlashError
 from tiny_targets import make_tiny_target
 from dflashkit.targets.model import load_target
@@ -87,6 +87,34 @@ def test_the_native_linear_is_a_matmul_and_row_invariant(dtype):
         for n in range(1, 10):
             assert torch.equal(linear_native(x[:n], w), y[:n]), (k, n)
         assert torch.equal(linear_native(x[None, 2:7], w)[0], y[2:7])  # leading dims kept
+
+
+def test_the_native_attention_is_softmax_attention_and_each_row_its_own():
+    """dflashkit::attend against attention written plainly (float64) over each row's keys: the committed slots, then
+    its tree path. head_dim 64 and 128 take the batched scores, 48 the per-key dots; 9 query heads over 3 KV heads.
+    And each row of the tree equals that row attended alone, bit for bit: a call's queries share blocks of K and V
+    in tasks whose size depends on the rows, not what a row computes."""
+    native.load()
+    parents = [-1, 0, 0, 1, 1, 2, 5]  # a 7-node tree, parents before children
+    chains = []
+    for node, parent in enumerate(parents):
+        chains.append((chains[parent] if parent >= 0 else []) + [node])
+    for hd, start in ((64, 37), (128, 5), (48, 20), (64, 0)):
+        kc, vc = torch.randn(1, 3, 60, hd), torch.randn(1, 3, 60, hd)
+        q = torch.randn(1, 9, 7, hd)
+        path = torch.full((7, 4), -1, dtype=torch.long)
+        for r, chain in enumerate(chains):
+            path[r, : len(chain)] = start + torch.tensor(chain)
+        out = attend_native(q, kc, vc, torch.tensor([start]), path)
+        for h in range(9):
+            for r, chain in enumerate(chains):
+                keys = list(range(start)) + [start + n for n in chain]
+                k, v = kc[0, h // 3, keys].double(), vc[0, h // 3, keys].double()
+                want = torch.softmax(k @ q[0, h, r].double() / hd ** 0.5, 0) @ v
+                torch.testing.assert_close(out[0, h, r].double(), want, atol=1e-5, rtol=1e-5)
+        for r in range(7):
+            alone = attend_native(q[:, :, r : r + 1], kc, vc, torch.tensor([start]), path[r : r + 1])
+            assert torch.equal(alone, out[:, :, r : r + 1]), (hd, r)
 
 
 @needs_amx

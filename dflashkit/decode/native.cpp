@@ -270,35 +270,174 @@ inline float sum16(const fvec (&t)[16 / VW]) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
-// out[h, row] for one query head and row; `seen` is the sequence length, slot(j) the cache slot of its j-th key
-template <typename Slot>
-void attend_row(const float* q, const float* k, const float* v, float* out, int64_t hd, int64_t seen, Slot slot,
-                std::vector<float>& s) {
-  const int64_t padded = (seen + 15) / 16 * 16;
-  s.resize(padded);
+#if defined(__AVX512F__)
+// 16 keys' scores at once, each the same sum dot() computes (its chains (0 + 2) + (1 + 3), then its 16 lanes halved
+// four times): the per-key halvings, a shuffle and an add each, are done here for 16 keys together, the lanes of
+// two keys in one register, then four, eight and sixteen. head_dim a multiple of 64 (no tail).
+inline fvec dots(const float* q, const float* const (&key)[VW], int64_t hd) {
+  __m512 v[16];
+  for (int t = 0; t < 16; ++t) {
+    f32x16 acc[4] = {};
+    for (int64_t i = 0; i < hd; i += LANES)
+      for (int c = 0; c < 4; ++c) acc[c] += load16(q + i + 16 * c) * load16(key[t] + i + 16 * c);
+    v[t] = reinterpret_cast<__m512>((acc[0] + acc[2]) + (acc[1] + acc[3]));
+  }
+  __m512 u[8], w[4], x[2];
+  for (int p = 0; p < 8; ++p)  // lanes i + (i + 8): key 2p's eight in the low half, 2p + 1's in the high
+    u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+  for (int p = 0; p < 4; ++p)  // lanes i + (i + 4): keys 4p .. 4p + 3, four lanes each
+    w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], 0xDD));
+  for (int p = 0; p < 2; ++p)  // lanes 0 + 2 and 1 + 3 of each key
+    x[p] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * p], w[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * p], w[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4m + l holds key 4l + m
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return reinterpret_cast<f32x16>(_mm512_permutexvar_ps(order, sums));
+}
+#else
+// AVX2: 8 keys' scores at once, the same sums as dot() (its chains as finish() pairs them, then the 8 lanes halved
+// three times), the halvings done for 8 keys together
+inline fvec dots(const float* q, const float* const (&key)[VW], int64_t hd) {
+  __m256 v[8], u[4], x[2];
+  for (int t = 0; t < 8; ++t) {
+    f32x8 acc[8] = {};
+    for (int64_t i = 0; i < hd; i += LANES)
+      for (int c = 0; c < 8; ++c) acc[c] += load8(q + i + 8 * c) * load8(key[t] + i + 8 * c);
+    v[t] = reinterpret_cast<__m256>(((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])));
+  }
+  for (int p = 0; p < 4; ++p)  // lanes i + (i + 4): key 2p's four in the low half, 2p + 1's in the high
+    u[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+  for (int p = 0; p < 2; ++p)  // lanes 0 + 2 and 1 + 3 of each key
+    x[p] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4m + l holds key 2l + m
+  return reinterpret_cast<f32x8>(_mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#endif
+
+// o_q += s_q[j] * v[j] for j in [from, to), in that order, for Q queries at once: their CH vectors each held in
+// registers, each V vector loaded once for all Q (a query's sum is CH chains of fused multiply-adds over j; one
+// query's four chains at head_dim 64 waited on the multiply-add's latency)
+template <int Q, int CH>
+inline void value_sums_of(const float* const* s, const float* v, int64_t hd, int64_t from, int64_t to,
+                          float* const* o) {
+  fvec acc[Q][CH];
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < CH; ++c) acc[q][c] = loadv(o[q] + VW * c);
+  for (int64_t j = from; j < to; ++j)
+    for (int c = 0; c < CH; ++c) {
+      const fvec vj = loadv(v + j * hd + VW * c);
+      for (int q = 0; q < Q; ++q) acc[q][c] += s[q][j] * vj;
+    }
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < CH; ++c) std::memcpy(o[q] + VW * c, &acc[q][c], sizeof acc[q][c]);
+}
+
+// The value sums of n queries over keys [from, to): two at a time where two queries' sums fit in the registers
+template <int CH>
+inline void value_sums_by(const float* const* s, const float* v, int64_t hd, int64_t from, int64_t to,
+                          float* const* o, int64_t n) {
+  int64_t i = 0;
+  if constexpr (4 * CH <= (VW == 16 ? 32 : 16))  // two queries' sums in half the registers (32 on AVX-512, 16 on AVX2)
+    for (; i + 2 <= n; i += 2) value_sums_of<2, CH>(s + i, v, hd, from, to, o + i);
+  for (; i < n; ++i) value_sums_of<1, CH>(s + i, v, hd, from, to, o + i);
+}
+
+inline void value_sums(const float* const* s, const float* v, int64_t hd, int64_t from, int64_t to,
+                       float* const* o, int64_t n) {
+  switch (hd / VW) {  // head_dim is a multiple of 16 up to 128
+    case 2: return value_sums_by<2>(s, v, hd, from, to, o, n);
+    case 4: return value_sums_by<4>(s, v, hd, from, to, o, n);
+    case 6: return value_sums_by<6>(s, v, hd, from, to, o, n);
+    case 8: return value_sums_by<8>(s, v, hd, from, to, o, n);
+    case 10: return value_sums_by<10>(s, v, hd, from, to, o, n);
+    case 12: return value_sums_by<12>(s, v, hd, from, to, o, n);
+    case 14: return value_sums_by<14>(s, v, hd, from, to, o, n);
+    case 16: return value_sums_by<16>(s, v, hd, from, to, o, n);
+    case 1: return value_sums_by<1>(s, v, hd, from, to, o, n);
+    case 3: return value_sums_by<3>(s, v, hd, from, to, o, n);
+    case 5: return value_sums_by<5>(s, v, hd, from, to, o, n);
+    case 7: return value_sums_by<7>(s, v, hd, from, to, o, n);
+  }
+}
+
+// One query of attend: its head's row, the cache slots of its own path after the committed ones, and its output
+struct Query {
+  const float* q;
+  const int64_t* own;
+  int64_t depth;
+  float* out;
+};
+
+// A task's queries, all of one KV head (its group's query heads x rows). Each query's scores, softmax and value sum
+// are the one-row computation (the same sums in the same order: keys in sequence order, the committed slots, then
+// its path), but the committed keys run outer in blocks of 16 with every query inside, so each block of K and V
+// (4 KB at head_dim 64) comes from L2 once per task while every query reads it from L1, where a query at a time
+// read the whole cache from L2 (a 16-row verify's attention cost 15x one row's; SmolLM2, 400 slots).
+void attend_queries(const Query* qs, int64_t nq, const float* k, const float* v, int64_t hd, int64_t first,
+                    std::vector<float>& buf) {
+  int64_t most = 0;
+  for (int64_t i = 0; i < nq; ++i) most = std::max(most, qs[i].depth);
+  const int64_t padded = (first + most + 15) / 16 * 16, chunks = hd / VW;
+  buf.resize(nq * (padded + hd + 1));
+  float *scores = buf.data(), *sums = scores + nq * padded, *norms = sums + nq * hd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  float top = -INFINITY;
-  for (int64_t j = 0; j < seen; ++j) {
-    s[j] = dot(q, k + slot(j) * hd, hd) * scale;
-    top = std::max(top, s[j]);
+  int64_t j = 0;
+  if (hd % LANES == 0)
+    for (; j + VW <= first; j += VW) {
+      const float* key[VW];
+      for (int t = 0; t < VW; ++t) key[t] = k + (j + t) * hd;
+      for (int64_t i = 0; i < nq; ++i) {
+        const fvec d = dots(qs[i].q, key, hd) * scale;
+        std::memcpy(scores + i * padded + j, &d, sizeof d);
+      }
+    }
+  for (int64_t i = 0; i < nq; ++i) {  // the rest of each query's scores, then its softmax
+    const Query& Q = qs[i];
+    float* s = scores + i * padded;
+    const int64_t seen = first + Q.depth, end = (seen + 15) / 16 * 16;
+    for (int64_t jj = j; jj < seen; ++jj) s[jj] = dot(Q.q, k + (jj < first ? jj : Q.own[jj - first]) * hd, hd) * scale;
+    fvec tops = fvec{} - INFINITY;  // the largest score (any order finds it): lane-wise, then across the lanes
+    for (int64_t jj = 0; jj + VW <= seen; jj += VW) {
+      const fvec x = loadv(s + jj);
+      tops = x > tops ? x : tops;
+    }
+    float top = -INFINITY;
+    for (int l = 0; l < VW; ++l) top = std::max(top, tops[l]);
+    for (int64_t jj = seen / VW * VW; jj < seen; ++jj) top = std::max(top, s[jj]);
+    fvec total[16 / VW] = {};  // lane l sums the exponentials of positions 16i + l
+    for (int64_t jj = 0; jj < end; jj += VW) {
+      fvec e = expv(loadv(s + jj) - top);
+      for (int64_t t = std::max<int64_t>(0, seen - jj); t < VW; ++t) e[t] = 0.0f;  // past the sequence
+      std::memcpy(s + jj, &e, sizeof e);
+      total[(jj / VW) % (16 / VW)] += e;
+    }
+    norms[i] = sum16(total);
+    std::fill(sums + i * hd, sums + (i + 1) * hd, 0.0f);
   }
-  fvec total[16 / VW] = {};  // lane l sums the exponentials of positions 16i + l
-  for (int64_t j = 0; j < padded; j += VW) {
-    fvec e = expv(loadv(s.data() + j) - top);
-    for (int64_t t = seen - j; t < VW; ++t) e[t] = 0.0f;  // past the sequence (only in the last block)
-    std::memcpy(s.data() + j, &e, sizeof e);
-    total[(j / VW) % (16 / VW)] += e;
+  std::vector<const float*> rows_s(nq);
+  std::vector<float*> rows_o(nq);
+  for (int64_t i = 0; i < nq; ++i) rows_s[i] = scores + i * padded, rows_o[i] = sums + i * hd;
+  for (int64_t jb = 0; jb < first; jb += 16) {  // the committed values, 16 at a time for every query
+    const int64_t je = std::min(first, jb + 16);
+    value_sums(rows_s.data(), v, hd, jb, je, rows_o.data(), nq);
   }
-  fvec acc[128 / VW] = {};  // hd <= 128
-  const int64_t chunks = hd / VW;
-  for (int64_t j = 0; j < seen; ++j) {
-    const float* vj = v + slot(j) * hd;
-    for (int64_t c = 0; c < chunks; ++c) acc[c] += s[j] * loadv(vj + VW * c);
-  }
-  const float norm = sum16(total);
-  for (int64_t c = 0; c < chunks; ++c) {
-    fvec o = acc[c] / norm;
-    std::memcpy(out + VW * c, &o, sizeof o);
+  for (int64_t i = 0; i < nq; ++i) {  // each query's own path, then the division
+    const Query& Q = qs[i];
+    const float* s = scores + i * padded;
+    for (int64_t c = 0; c < chunks; ++c) {
+      fvec acc = loadv(sums + i * hd + VW * c);
+      for (int64_t d = 0; d < Q.depth; ++d) acc += s[first + d] * loadv(v + Q.own[d] * hd + VW * c);
+      acc = acc / norms[i];
+      std::memcpy(Q.out + VW * c, &acc, sizeof acc);
+    }
   }
 }
 
@@ -326,17 +465,24 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   auto out = at::empty_like(qc);
   const float *qd = qc.data_ptr<float>(), *kd = k.data_ptr<float>(), *vd = v.data_ptr<float>();
   float* od = out.data_ptr<float>();
-  const int64_t group = heads / kvh;
-  at::parallel_for(0, heads * n, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores;
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t h = task / n, r = task % n;
+  const int64_t group = heads / kvh, per_head = group * n;
+  std::vector<Query> queries;  // by KV head: its group's query heads, each head's rows
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < n; ++r) {
       const int64_t* own = pp + r * width;
       int64_t depth = 0;
       while (depth < width && own[depth] >= 0) ++depth;
-      auto slot = [&](int64_t j) { return j < first ? j : own[j - first]; };
-      const int64_t off = (h / group) * slots * hd;
-      attend_row(qd + (h * n + r) * hd, kd + off, vd + off, od + (h * n + r) * hd, hd, first + depth, slot, scores);
+      queries.push_back({qd + (h * n + r) * hd, own, depth, od + (h * n + r) * hd});
+    }
+  // tasks of up to 8 queries of one KV head, at least two a thread where there are enough queries
+  const int64_t size = std::clamp<int64_t>(heads * n / (2 * at::get_num_threads()), 1, 8);
+  const int64_t per_kv = (per_head + size - 1) / size;
+  at::parallel_for(0, kvh * per_kv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf;
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t g = task / per_kv, from = (task % per_kv) * size, to = std::min(per_head, from + size);
+      const int64_t off = g * slots * hd;
+      attend_queries(queries.data() + g * per_head + from, to - from, kd + off, vd + off, hd, first, buf);
     }
   });
   return out;

@@ -508,11 +508,13 @@ class StaticDecoder:
     @torch.no_grad()  # as every call after it: grad mode is in dynamo's guards, so a warm-up with it on compiles twice
     def warm(self, timed: int = 5) -> None:
         """Compile (or load from inductor's cache) every width now, then time each `timed` times (the median is
-        `step_s`, what tree_cost reads). Writes slots from 0 on, which the next prompt overwrites."""
+        `step_s`, what tree_cost reads) after up to 200 slots of context: a verify's rows each read the slots before
+        them, so a wide tree at a real context costs more than at none.
+        Writes slots from 0 on, which the next prompt overwrites."""
         for w in self.steps:
             if w not in self.compile_s:
                 self._call(w, *self._probe_args(w, 0))
-        self.step_s.update(self.time_widths(0, timed))
+        self.step_s.update(self.time_widths(max(0, min(200, self.max_len - 2 * max(self.steps))), timed))
 
     def _probe_args(self, w: int, depth: int) -> tuple:
         dev = self.embed.device
