@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 #include <cstring>
+#include <utility>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -141,16 +142,18 @@ inline float dot(const float* __restrict x, const W* __restrict w, int64_t k) {
 // m, in order), so a dot may run its chains one after another: the sums are the same bits, and the registers that
 // held one dot's chains now hold R x O dots' sums of one chain. Each x vector loaded then serves O outputs and each
 // weight vector R rows, where the interleaved dot above loads one x vector per product: SmolLM2's float32 linears
-// at 16 rows went from 2.2x to 1.6x the one-row time (AVX-512) and 3.4x to 2.6x (AVX2), 2-core Xeon, side by side
-// (benchmarks/native_linear.py).
+// at 4-16 rows take 0.61-0.64x the time (AVX-512) and 0.66-0.76x (AVX2), 2-core Xeon, alternating in one process
+// (`python benchmarks/native_linear.py`).
 template <int R, int O, typename W>
 inline void dot_block(const float* __restrict x, const W* __restrict w, int64_t k, float* __restrict y,
-                      int64_t outs) {
+                      int64_t outs, const char* ahead, int64_t lines) {
   lvec lanes[R][O][CHAINS];
-  const int64_t full = k - k % LANES;
+  const int64_t full = k - k % LANES, steps = CHAINS * (full / LANES);
+  const int64_t each = steps ? (lines + steps - 1) / steps : 0;  // lines of the next block fetched a step
   for (int c = 0; c < CHAINS; ++c) {
     lvec acc[R][O] = {};
     for (int64_t i = VL * c; i < full; i += LANES) {
+      for (int64_t l = 0; l < each && lines > 0; ++l, --lines, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
       lvec xv[R];
       for (int r = 0; r < R; ++r) xv[r] = loadl(x + r * k + i);
       for (int o = 0; o < O; ++o) {
@@ -168,12 +171,32 @@ inline void dot_block(const float* __restrict x, const W* __restrict w, int64_t 
     for (int o = 0; o < O; ++o) y[r * outs + o] = finish(lanes[r][o], x + r * k + full, w + o * k + full, k - full);
 }
 
+// Every row against O outputs. The weights stream from memory in the first chain of the first rows and are read
+// from cache for the rest (16 rows: 15 of 16 passes), so the next block's weights (`ahead`, `lines` cache lines) are
+// prefetched a share a step meanwhile: without it the memory sat idle while the block computed.
 template <int O, typename W>
-inline void rows_against(const float* x, const W* w, float* y, int64_t rows, int64_t outs, int64_t k) {
+inline void rows_against(const float* x, const W* w, float* y, int64_t rows, int64_t outs, int64_t k,
+                         const char* ahead, int64_t lines) {
+  const int64_t calls = rows / BR + rows % BR / 2 + rows % BR % 2, share = (lines + calls - 1) / calls;
   int64_t r = 0;
-  for (; r + BR <= rows; r += BR) dot_block<BR, O>(x + r * k, w, k, y + r * outs, outs);
-  for (; r + 2 <= rows; r += 2) dot_block<2, O>(x + r * k, w, k, y + r * outs, outs);
-  for (; r < rows; ++r) dot_block<1, O>(x + r * k, w, k, y + r * outs, outs);
+  auto next = [&] {
+    const int64_t n = std::min(share, lines);
+    const char* p = ahead;
+    ahead += 64 * n, lines -= n;
+    return std::pair{p, n};
+  };
+  for (; r + BR <= rows; r += BR) {
+    auto [p, n] = next();
+    dot_block<BR, O>(x + r * k, w, k, y + r * outs, outs, p, n);
+  }
+  for (; r + 2 <= rows; r += 2) {
+    auto [p, n] = next();
+    dot_block<2, O>(x + r * k, w, k, y + r * outs, outs, p, n);
+  }
+  for (; r < rows; ++r) {
+    auto [p, n] = next();
+    dot_block<1, O>(x + r * k, w, k, y + r * outs, outs, p, n);
+  }
 }
 
 template <typename W>
@@ -185,8 +208,11 @@ void linear_rows(const float* x, const W* w, float* y, int64_t rows, int64_t out
       return;
     }
     int64_t o = lo;
-    for (; o + BO <= hi; o += BO) rows_against<BO>(x, w + o * k, y + o, rows, outs, k);
-    for (; o < hi; ++o) rows_against<1>(x, w + o * k, y + o, rows, outs, k);
+    const int64_t block = BO * k * sizeof(W) / 64;  // cache lines of a block's weights
+    for (; o + BO <= hi; o += BO)
+      rows_against<BO>(x, w + o * k, y + o, rows, outs, k, reinterpret_cast<const char*>(w + (o + BO) * k),
+                       o + 2 * BO <= hi ? block : 0);
+    for (; o < hi; ++o) rows_against<1>(x, w + o * k, y + o, rows, outs, k, nullptr, 0);
   });
 }
 
