@@ -23,7 +23,6 @@ from datetime import date
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 from common import cpu_name, write_results
 from dflashkit.decode import native
@@ -39,10 +38,7 @@ def build(name: str, source: str, tmp: Path):
     cpp, lib = tmp / f"{name}.cpp", tmp / f"{name}.so"
     cpp.write_text(source.replace("TORCH_LIBRARY(dflashkit", f"TORCH_LIBRARY(dfk_{name}")
                    .replace("TORCH_LIBRARY_IMPL(dflashkit", f"TORCH_LIBRARY_IMPL(dfk_{name}"))
-    cmd = ["c++", *native.cflags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *(f"-I{p}" for p in cpp_extension.include_paths()), str(cpp), "-o", str(lib),
-           *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
-    subprocess.run(cmd, check=True)
+    subprocess.run(native.compile_command(cpp, lib), check=True)
     torch.ops.load_library(str(lib))
     return getattr(torch.ops, f"dfk_{name}").linear
 

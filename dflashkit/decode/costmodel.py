@@ -218,7 +218,7 @@ def probe_static(target, proposer, state: dict, log=None) -> CostModel:
     if why := static_refusal(target):
         raise DFlashError(why)
     d = decoder_for(target, state, 512, proposer, log=log, trees=True)
-    times = d.time_widths(depth=min(DEPTH, d.max_len - 2 * max(d.steps)), timed=7)
+    times = d.time_widths(depth=DEPTH, timed=7)
     draft, overhead = probe_loops(target, proposer, "static", state)
     widths = sorted(times)
     return CostModel("static", widths, [1000 * times[w] for w in widths], draft, overhead, rounding="up")

@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <vector>
 #include <cstring>
-#include <utility>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -72,12 +71,15 @@ inline void add_tail(V (&acc)[N], const float* x, const W* w, int64_t tail) {
 #if defined(__AVX512F__)
 // ---- AVX-512: one register holds 16 lanes, so a dot keeps four chains of 16
 
-// The sum of a dot's four chains in a fixed tree: chains (0+2) + (1+3), then the 16 lanes halved four times; a
-// k that is not a multiple of 64 first adds its last products to lanes 0.. of the chains in order
+// A dot's four chains in one register: chains (0+2) + (1+3)
+inline f32x16 combine(const f32x16 (&acc)[4]) { return (acc[0] + acc[2]) + (acc[1] + acc[3]); }
+
+// The sum of a dot's four chains in a fixed tree: combined, then the 16 lanes halved four times; a k that is not a
+// multiple of 64 first adds its last products to lanes 0.. of the chains in order
 template <typename W>
 inline float finish(f32x16 (&acc)[4], const float* x, const W* w, int64_t tail) {
   if (tail) add_tail(acc, x, w, tail);
-  f32x16 v = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+  const f32x16 v = combine(acc);
   f32x8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
@@ -107,13 +109,15 @@ inline f32x8 load8(const c10::BFloat16* p) {
   return reinterpret_cast<f32x8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// The AVX-512 path's (chain 0 + chain 2) + (chain 1 + chain 3): its low eight lanes plus its high eight
+inline f32x8 combine(const f32x8 (&acc)[8]) {
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
 template <typename W>
 inline float finish(f32x8 (&acc)[8], const float* x, const W* w, int64_t tail) {
   if (tail) add_tail(acc, x, w, tail);
-  // the AVX-512 path's (chain 0 + chain 2) + (chain 1 + chain 3), its low eight lanes and its high eight
-  f32x8 lo = (acc[0] + acc[4]) + (acc[2] + acc[6]);
-  f32x8 hi = (acc[1] + acc[5]) + (acc[3] + acc[7]);
-  f32x8 h8 = lo + hi;
+  const f32x8 h8 = combine(acc);
   f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
@@ -126,15 +130,20 @@ constexpr int BR = 2, BO = 4;  // 8 sums, 2 x vectors and a weight vector in 16 
 
 #endif
 
-// One row of x against one row of w, its chains interleaved: one pass over both, so a one-token step streams each
-// weight row once at the memory's speed
+// A dot's chains over its first `full` inputs (a multiple of 64), interleaved: one pass over x and w
+template <typename W>
+inline void chains(const float* __restrict x, const W* __restrict w, int64_t full, lvec (&acc)[CHAINS]) {
+  for (int64_t i = 0; i < full; i += LANES)
+    for (int c = 0; c < CHAINS; ++c) acc[c] += loadl(x + i + VL * c) * loadl(w + i + VL * c);
+}
+
+// One row of x against one row of w: a one-token step streams each weight row once at the memory's speed
 template <typename W>
 inline float dot(const float* __restrict x, const W* __restrict w, int64_t k) {
   lvec acc[CHAINS] = {};
-  int64_t i = 0;
-  for (; i + LANES <= k; i += LANES)
-    for (int c = 0; c < CHAINS; ++c) acc[c] += loadl(x + i + VL * c) * loadl(w + i + VL * c);
-  return finish(acc, x + i, w + i, k - i);
+  const int64_t full = k - k % LANES;
+  chains(x, w, full, acc);
+  return finish(acc, x + full, w + full, k - full);
 }
 
 // ---- several rows: R rows against O outputs, one chain at a time
@@ -144,16 +153,20 @@ inline float dot(const float* __restrict x, const W* __restrict w, int64_t k) {
 // weight vector R rows, where the interleaved dot above loads one x vector per product: SmolLM2's float32 linears
 // at 4-16 rows take 0.61-0.64x the time (AVX-512) and 0.66-0.76x (AVX2), 2-core Xeon, alternating in one process
 // (`python benchmarks/native_linear.py`).
+// `ahead`, `lines`: the next block's weights still to prefetch; this block fetches up to `share` of those lines,
+// spread over its steps, and advances them
 template <int R, int O, typename W>
 inline void dot_block(const float* __restrict x, const W* __restrict w, int64_t k, float* __restrict y,
-                      int64_t outs, const char* ahead, int64_t lines) {
+                      int64_t outs, const char*& ahead, int64_t& lines, int64_t share) {
   lvec lanes[R][O][CHAINS];
   const int64_t full = k - k % LANES, steps = CHAINS * (full / LANES);
-  const int64_t each = steps ? (lines + steps - 1) / steps : 0;  // lines of the next block fetched a step
+  int64_t mine = std::min(share, lines);
+  lines -= mine;
+  const int64_t each = steps ? (mine + steps - 1) / steps : 0;  // lines of the next block fetched a step
   for (int c = 0; c < CHAINS; ++c) {
     lvec acc[R][O] = {};
     for (int64_t i = VL * c; i < full; i += LANES) {
-      for (int64_t l = 0; l < each && lines > 0; ++l, --lines, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+      for (int64_t l = 0; l < each && mine > 0; ++l, --mine, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
       lvec xv[R];
       for (int r = 0; r < R; ++r) xv[r] = loadl(x + r * k + i);
       for (int o = 0; o < O; ++o) {
@@ -179,24 +192,9 @@ inline void rows_against(const float* x, const W* w, float* y, int64_t rows, int
                          const char* ahead, int64_t lines) {
   const int64_t calls = rows / BR + rows % BR / 2 + rows % BR % 2, share = (lines + calls - 1) / calls;
   int64_t r = 0;
-  auto next = [&] {
-    const int64_t n = std::min(share, lines);
-    const char* p = ahead;
-    ahead += 64 * n, lines -= n;
-    return std::pair{p, n};
-  };
-  for (; r + BR <= rows; r += BR) {
-    auto [p, n] = next();
-    dot_block<BR, O>(x + r * k, w, k, y + r * outs, outs, p, n);
-  }
-  for (; r + 2 <= rows; r += 2) {
-    auto [p, n] = next();
-    dot_block<2, O>(x + r * k, w, k, y + r * outs, outs, p, n);
-  }
-  for (; r < rows; ++r) {
-    auto [p, n] = next();
-    dot_block<1, O>(x + r * k, w, k, y + r * outs, outs, p, n);
-  }
+  for (; r + BR <= rows; r += BR) dot_block<BR, O>(x + r * k, w, k, y + r * outs, outs, ahead, lines, share);
+  for (; r + 2 <= rows; r += 2) dot_block<2, O>(x + r * k, w, k, y + r * outs, outs, ahead, lines, share);
+  for (; r < rows; ++r) dot_block<1, O>(x + r * k, w, k, y + r * outs, outs, ahead, lines, share);
 }
 
 template <typename W>
@@ -296,19 +294,12 @@ inline float sum16(const fvec (&t)[16 / VW]) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
+// VW keys' lane sums, one register each (a key's combined chains: dot() before its halvings) -> their VW scores,
+// each halved as finish() halves one sum: the halvings, a shuffle and an add each, done for all the keys together
 #if defined(__AVX512F__)
-// 16 keys' scores at once, each the same sum dot() computes (its chains (0 + 2) + (1 + 3), then its 16 lanes halved
-// four times): the per-key halvings, a shuffle and an add each, are done here for 16 keys together, the lanes of
-// two keys in one register, then four, eight and sixteen. head_dim a multiple of 64 (no tail).
-inline fvec dots(const float* q, const float* const (&key)[VW], int64_t hd) {
-  __m512 v[16];
-  for (int t = 0; t < 16; ++t) {
-    f32x16 acc[4] = {};
-    for (int64_t i = 0; i < hd; i += LANES)
-      for (int c = 0; c < 4; ++c) acc[c] += load16(q + i + 16 * c) * load16(key[t] + i + 16 * c);
-    v[t] = reinterpret_cast<__m512>((acc[0] + acc[2]) + (acc[1] + acc[3]));
-  }
-  __m512 u[8], w[4], x[2];
+inline fvec halve_keys(const fvec (&sum)[VW]) {  // the lanes of two keys in one register, then four, eight, sixteen
+  __m512 v[16], u[8], w[4], x[2];
+  for (int t = 0; t < 16; ++t) v[t] = reinterpret_cast<__m512>(sum[t]);
   for (int p = 0; p < 8; ++p)  // lanes i + (i + 8): key 2p's eight in the low half, 2p + 1's in the high
     u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
                          _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
@@ -325,16 +316,9 @@ inline fvec dots(const float* q, const float* const (&key)[VW], int64_t hd) {
   return reinterpret_cast<f32x16>(_mm512_permutexvar_ps(order, sums));
 }
 #else
-// AVX2: 8 keys' scores at once, the same sums as dot() (its chains as finish() pairs them, then the 8 lanes halved
-// three times), the halvings done for 8 keys together
-inline fvec dots(const float* q, const float* const (&key)[VW], int64_t hd) {
+inline fvec halve_keys(const fvec (&sum)[VW]) {  // the lanes of two keys in one register, then four, eight
   __m256 v[8], u[4], x[2];
-  for (int t = 0; t < 8; ++t) {
-    f32x8 acc[8] = {};
-    for (int64_t i = 0; i < hd; i += LANES)
-      for (int c = 0; c < 8; ++c) acc[c] += load8(q + i + 8 * c) * load8(key[t] + i + 8 * c);
-    v[t] = reinterpret_cast<__m256>(((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])));
-  }
+  for (int t = 0; t < 8; ++t) v[t] = reinterpret_cast<__m256>(sum[t]);
   for (int p = 0; p < 4; ++p)  // lanes i + (i + 4): key 2p's four in the low half, 2p + 1's in the high
     u[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
                          _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
@@ -347,6 +331,17 @@ inline fvec dots(const float* q, const float* const (&key)[VW], int64_t hd) {
   return reinterpret_cast<f32x8>(_mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 #endif
+
+// VW keys' scores at once, each the sum dot() computes, bit for bit. head_dim a multiple of 64 (no tail)
+inline fvec dots(const float* q, const float* const (&key)[VW], int64_t hd) {
+  fvec sum[VW];
+  for (int t = 0; t < VW; ++t) {
+    lvec acc[CHAINS] = {};
+    chains(q, key[t], hd, acc);
+    sum[t] = combine(acc);
+  }
+  return halve_keys(sum);
+}
 
 // o_q += s_q[j] * v[j] for j in [from, to), in that order, for Q queries at once: their CH vectors each held in
 // registers, each V vector loaded once for all Q (a query's sum is CH chains of fused multiply-adds over j; one
@@ -393,6 +388,8 @@ inline void value_sums(const float* const* s, const float* v, int64_t hd, int64_
     case 7: return value_sums_by<7>(s, v, hd, from, to, o, n);
   }
 }
+
+constexpr int64_t TASK = 8;  // the most queries a task of attend holds
 
 // One query of attend: its head's row, the cache slots of its own path after the committed ones, and its output
 struct Query {
@@ -448,12 +445,12 @@ void attend_queries(const Query* qs, int64_t nq, const float* k, const float* v,
     norms[i] = sum16(total);
     std::fill(sums + i * hd, sums + (i + 1) * hd, 0.0f);
   }
-  std::vector<const float*> rows_s(nq);
-  std::vector<float*> rows_o(nq);
+  const float* rows_s[TASK];
+  float* rows_o[TASK];
   for (int64_t i = 0; i < nq; ++i) rows_s[i] = scores + i * padded, rows_o[i] = sums + i * hd;
   for (int64_t jb = 0; jb < first; jb += 16) {  // the committed values, 16 at a time for every query
     const int64_t je = std::min(first, jb + 16);
-    value_sums(rows_s.data(), v, hd, jb, je, rows_o.data(), nq);
+    value_sums(rows_s, v, hd, jb, je, rows_o, nq);
   }
   for (int64_t i = 0; i < nq; ++i) {  // each query's own path, then the division
     const Query& Q = qs[i];
@@ -501,7 +498,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       queries.push_back({qd + (h * n + r) * hd, own, depth, od + (h * n + r) * hd});
     }
   // tasks of up to 8 queries of one KV head, at least two a thread where there are enough queries
-  const int64_t size = std::clamp<int64_t>(heads * n / (2 * at::get_num_threads()), 1, 8);
+  const int64_t size = std::clamp<int64_t>(heads * n / (2 * at::get_num_threads()), 1, TASK);
   const int64_t per_kv = (per_head + size - 1) / size;
   at::parallel_for(0, kvh * per_kv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;

@@ -60,6 +60,14 @@ def library_path() -> Path:
     return home() / "native" / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
+def compile_command(source, out) -> list[str]:
+    """The compiler call that builds `source` into the library `out` for this machine (torch's extension flags)."""
+    from torch.utils import cpp_extension
+    return ["c++", *cflags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", str(out),
+            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+
+
 @functools.cache
 def load() -> None:
     """Build (once per source, flags, CPU and torch) and load the kernels; a second process only loads them.
@@ -70,16 +78,11 @@ def load() -> None:
                           "imported (the dflashkit command does), so every kernel takes the AVX2 path")
     lib = library_path()
     if not lib.exists():
-        from torch.utils import cpp_extension
-
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
         os.close(fd)
-        cmd = ["c++", *cflags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", tmp,
-               *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True)
+            res = subprocess.run(compile_command(SOURCE, tmp), capture_output=True, text=True)
         except OSError as e:
             Path(tmp).unlink(missing_ok=True)
             raise DFlashError(f"native kernels: no C++ compiler to build {SOURCE} ({e}); install g++ (inductor "

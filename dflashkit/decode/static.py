@@ -509,12 +509,11 @@ class StaticDecoder:
     def warm(self, timed: int = 5) -> None:
         """Compile (or load from inductor's cache) every width now, then time each `timed` times (the median is
         `step_s`, what tree_cost reads) after up to 200 slots of context: a verify's rows each read the slots before
-        them, so a wide tree at a real context costs more than at none.
-        Writes slots from 0 on, which the next prompt overwrites."""
+        them, so a wide tree at a real context costs more than at none. The next prompt overwrites the slots."""
         for w in self.steps:
             if w not in self.compile_s:
                 self._call(w, *self._probe_args(w, 0))
-        self.step_s.update(self.time_widths(max(0, min(200, self.max_len - 2 * max(self.steps))), timed))
+        self.step_s.update(self.time_widths(200, timed))
 
     def _probe_args(self, w: int, depth: int) -> tuple:
         dev = self.embed.device
@@ -524,11 +523,11 @@ class StaticDecoder:
 
     @torch.no_grad()
     def time_widths(self, depth: int = 0, timed: int = 5) -> dict[int, float]:
-        """Median seconds of a verify width's step with `depth` slots before it (native attention reads the slots in
-        use, so the cost model times a realistic context); no prompt chunks. Writes slots from `depth` on. The
-        widths take turns, so that a shared host's drift falls on all alike (one after another, a 2-core Xeon
-        once timed 16 rows below one)."""
-        self._check_room(depth, max(self.steps))
+        """Median seconds of a verify width's step with up to `depth` slots before it (fewer where the run's length
+        leaves no room; native attention reads the slots in use, so the cost model times a realistic context); no
+        prompt chunks. Writes slots from there on. The widths take turns, so that a shared host's drift falls on all
+        alike (one after another, a 2-core Xeon once timed 16 rows below one)."""
+        depth = max(0, min(depth, self.max_len - 2 * max(self.steps)))
         args = {w: self._probe_args(w, depth) for w in self.steps if w != PREFILL and timed}
         times = {w: [] for w in args}
         with collector_paused():  # as the loops run it

@@ -14,15 +14,13 @@ from collections import Counter
 EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}  # torch.finfo(dtype).eps
 CONTEXT = 8  # tokens shown on each side of a divergence
 # Between engines, the relative logit gap bench holds our static step to against transformers' float32 forward
-# (llama.cpp's float32 build parted from ours at a top-2 margin of 0.0019 on a logit near 20: SmolLM2, 2-core Xeon)
 ACROSS_ENGINES = 1e-3
 
 
 def rounding_tolerance(dtype: str | None, logit: float, across_engines: bool = False) -> float:
     """The logit gap a rounding difference of `dtype` can explain: a few units in the last place of the largest
     logit (as bench's check of our own outputs), or between two engines' kernels ACROSS_ENGINES of it."""
-    eps = 8 * EPS.get(dtype or "float32", EPS["float32"])
-    return max(eps, ACROSS_ENGINES if across_engines else 0.0) * max(abs(logit), 1.0)
+    return max(8 * EPS.get(dtype or "float32", EPS["float32"]), ACROSS_ENGINES * across_engines) * max(abs(logit), 1.0)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -120,8 +118,8 @@ def brief(p: dict) -> dict:
 
 VERDICTS = ("equal: the same tokens; prefix: one stops where the other goes on; numerics: the target's top-2 margin "
             "there is within the dtype's rounding (between two engines, 1e-3 of the logit: a near-tie two kernels may "
-            "break either way); logic: a clear "
-            "margin (a loop committed a token the target does not choose); unknown: no logits recorded there.")
+            "break either way); logic: a clear margin (a loop committed a token the target does not choose); unknown: "
+            "no logits recorded there.")
 
 
 def parity_markdown(table: dict[str, dict], title: str = "## Parity") -> list[str]:
