@@ -12,7 +12,8 @@ from dflashkit.decode import bench
 from dflashkit.decode.speculative import generate, generate_ar, generate_chain, generate_tree
 from dflashkit.decode import native, static
 from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_native, attend_reduce, StaticBackend,
-                                     linear_native, linear_reduce, linear_tiles, tile_order)
+                                     linear_native, linear_reduce, linear_tiles, panel_order,
+                                     tile_order)
 from dflashkit.errors import DFlashError
 from tiny_targets import make_tiny_target
 from dflashkit.targets.model import load_target
@@ -77,16 +78,26 @@ def test_linear_reduce_is_a_matmul():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_linear_is_a_matmul_and_row_invariant(dtype):
-    """The C++ linear against a float64 product, over inputs that are and are not a multiple of its 64 lanes; and
-    each row of a call with 1..9 rows (its blocks of rows and outputs, and the rest) equals that row alone, bit for bit."""
+    """The C++ linear (weights in panel order) against a float64 product, over inputs in one pass and in several (its
+    passes of 128 inputs) and outputs in whole panels and not (the last outs % 16 summed in scalars); and each row of
+    a call with 1..17 rows (the one-row path, blocks of rows and their even splits) equals that row alone, bit for
+    bit, with the leading dims kept."""
     native.load()
-    for k in (40, 128, 200):
-        x, w = torch.randn(9, k), torch.randn(37, k).to(dtype)
-        y = linear_native(x, w)
+    for k, outs in ((40, 37), (200, 600), (300, 208)):
+        x, w = torch.randn(17, k), torch.randn(outs, k).to(dtype)
+        y = linear_native(x, panel_order(w))
         torch.testing.assert_close(y, (x.double() @ w.double().T).float(), atol=2e-5, rtol=1e-5)
-        for n in range(1, 10):
-            assert torch.equal(linear_native(x[:n], w), y[:n]), (k, n)
-        assert torch.equal(linear_native(x[None, 2:7], w)[0], y[2:7])  # leading dims kept
+        for n in range(1, 18):
+            assert torch.equal(linear_native(x[:n], panel_order(w)), y[:n]), (k, n)
+        assert torch.equal(linear_native(x[None, 2:7], panel_order(w))[0], y[2:7])
+
+
+def test_panel_order_puts_each_16_outputs_input_major():
+    w = torch.arange(40 * 3).reshape(40, 3)  # 2 panels of 16 and 8 outputs left
+    flat = panel_order(w).reshape(-1)
+    assert flat[:16].tolist() == w[:16, 0].tolist() and flat[16:32].tolist() == w[:16, 1].tolist()
+    assert flat[48:64].tolist() == w[16:32, 0].tolist()
+    assert flat[96:].tolist() == w[32:].t().reshape(-1).tolist()
 
 
 def test_the_native_attention_is_softmax_attention_and_each_row_its_own():
@@ -152,13 +163,14 @@ def test_auto_kernels_are_tiles_where_they_run_and_native_elsewhere(tiny_dirs):
 NATIVE_OUTPUTS = """
 import torch
 from dflashkit.decode import native
+from dflashkit.decode.static import panel_order
 native.load()
 g = torch.Generator().manual_seed(0)
 out = {}
 for dtype in (torch.float32, torch.bfloat16):
     for k in (40, 128, 200, 576):
-        x, w = torch.randn(9, k, generator=g), torch.randn(37, k, generator=g).to(dtype)
-        out[f"linear-{dtype}-{k}"] = torch.ops.dflashkit.linear(x, w)
+        x, w = torch.randn(17, k, generator=g), torch.randn(200, k, generator=g).to(dtype)
+        out[f"linear-{dtype}-{k}"] = torch.ops.dflashkit.linear(x, panel_order(w))
 q, kc, vc = (torch.randn(1, h, n, 64, generator=g) for h, n in ((6, 3), (2, 40), (2, 40)))
 path = torch.tensor([[20, -1, -1], [20, 21, -1], [20, 21, 22]])
 out["attend"] = torch.ops.dflashkit.attend(q, kc, vc, torch.tensor([20]), path)

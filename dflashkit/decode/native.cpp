@@ -146,77 +146,115 @@ inline float dot(const float* __restrict x, const W* __restrict w, int64_t k) {
   return finish(acc, x + full, w + full, k - full);
 }
 
-// ---- several rows: R rows against O outputs, one chain at a time
-// A dot's 64 lanes are independent chains (chain c, lane j sums the products at i + 64m + (c * lane width) + j over
-// m, in order), so a dot may run its chains one after another: the sums are the same bits, and the registers that
-// held one dot's chains now hold R x O dots' sums of one chain. Each x vector loaded then serves O outputs and each
-// weight vector R rows, where the interleaved dot above loads one x vector per product: SmolLM2's float32 linears
-// at 4-16 rows take 0.61-0.64x the time (AVX-512) and 0.66-0.76x (AVX2), 2-core Xeon, alternating in one process
-// (`python benchmarks/native_linear.py`).
-// `ahead`, `lines`: the next block's weights still to prefetch; this block fetches up to `share` of those lines,
-// spread over its steps, and advances them
-template <int R, int O, typename W>
-inline void dot_block(const float* __restrict x, const W* __restrict w, int64_t k, float* __restrict y,
-                      int64_t outs, const char*& ahead, int64_t& lines, int64_t share) {
-  lvec lanes[R][O][CHAINS];
-  const int64_t full = k - k % LANES, steps = CHAINS * (full / LANES);
-  int64_t mine = std::min(share, lines);
-  lines -= mine;
-  const int64_t each = steps ? (mine + steps - 1) / steps : 0;  // lines of the next block fetched a step
-  for (int c = 0; c < CHAINS; ++c) {
-    lvec acc[R][O] = {};
-    for (int64_t i = VL * c; i < full; i += LANES) {
-      for (int64_t l = 0; l < each && mine > 0; ++l, --mine, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
-      lvec xv[R];
-      for (int r = 0; r < R; ++r) xv[r] = loadl(x + r * k + i);
-      for (int o = 0; o < O; ++o) {
-        if (c == 0)  // the first chain reads one cache line of each 64 weights: fetch the block's others with it
-          for (int line = 1; line < static_cast<int>(LANES * sizeof(W) / 64); ++line)
-            _mm_prefetch(reinterpret_cast<const char*>(w + o * k + i) + 64 * line, _MM_HINT_T0);
-        const lvec wv = loadl(w + o * k + i);
-        for (int r = 0; r < R; ++r) acc[r][o] += xv[r] * wv;
+// ---- the linear: weights in panels, outputs in a vector's lanes
+// w in panel order (static.panel_order): each 16 outputs as one panel [k][16], the last outs % 16 outputs as [k][rest].
+// y[r, o] is one chain of fused multiply-adds over k in order, from zero: the same bits whatever rows and outputs
+// share a call and whatever the vector width (a lane or a scalar fuses alike), so a verify row is the one-token
+// step's and the AVX2 build equals the AVX-512 one. A weight vector loaded serves every row of a block and a row's
+// x[k] every output of it, so a block of rows runs at the FMA units' rate (the dot per (row, output) above loaded
+// an x vector per product and reached ~45% of it): a 16-row verify then costs little more than reading the weights.
+constexpr int64_t PANEL = 16, PV = PANEL / VL;  // outputs a panel, vectors a panel's row
+constexpr int64_t KC = 128;  // inputs a pass: a block's panels stay in L1 while its rows run; each pass's sums from zero
+#if defined(__AVX512F__)
+constexpr int RB = 8, NPB = 2;  // a block of at most 8 rows x 2 panels: 16 sums in 32 registers
+#else
+constexpr int RB = 3, NPB = 2;  // 3 rows x 2 panels (2 registers each): 12 sums in 16 registers
+#endif
+constexpr int NP1 = 8 / PV;  // one row against 8 sums' worth of panels: enough chains to hide the FMA's latency
+
+// The next weights to bring to L2 while a block computes from L1: `each` cache lines a step of k, `left` in all
+struct Ahead {
+  const char* line;
+  int64_t left, each;
+  inline void step() {
+    for (int64_t l = 0; l < each && left > 0; ++l, --left, line += 64) _mm_prefetch(line, _MM_HINT_T1);
+  }
+};
+
+// R rows against NP panels over inputs [k0, k1): a chain of fused multiply-adds from zero, then added to the sums of
+// the inputs before (y) or, at k0 = 0, written there
+template <int R, int NP, typename W>
+inline void panel_block(const float* __restrict x, int64_t k, const W* __restrict w, float* __restrict y,
+                        int64_t outs, int64_t k0, int64_t k1, Ahead& ahead) {
+  lvec acc[R][NP * PV] = {};
+  for (int64_t i = k0; i < k1; ++i) {
+    ahead.step();
+    lvec xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = lvec{} + x[r * k + i];
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < PV; ++v) {
+        const lvec wv = loadl(w + p * PANEL * k + i * PANEL + v * VL);
+        for (int r = 0; r < R; ++r) acc[r][p * PV + v] += xb[r] * wv;
       }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int o = 0; o < O; ++o) lanes[r][o][c] = acc[r][o];
   }
   for (int r = 0; r < R; ++r)
-    for (int o = 0; o < O; ++o) y[r * outs + o] = finish(lanes[r][o], x + r * k + full, w + o * k + full, k - full);
+    for (int v = 0; v < NP * PV; ++v) {
+      float* out = y + r * outs + v * VL;
+      const lvec sum = k0 ? loadl(out) + acc[r][v] : acc[r][v];
+      std::memcpy(out, &sum, sizeof sum);
+    }
 }
 
-// Every row against O outputs. The weights stream from memory in the first chain of the first rows and are read
-// from cache for the rest (16 rows: 15 of 16 passes), so the next block's weights (`ahead`, `lines` cache lines) are
-// prefetched a share a step meanwhile: without it the memory sat idle while the block computed.
-template <int O, typename W>
-inline void rows_against(const float* x, const W* w, float* y, int64_t rows, int64_t outs, int64_t k,
-                         const char* ahead, int64_t lines) {
-  const int64_t calls = rows / BR + rows % BR / 2 + rows % BR % 2, share = (lines + calls - 1) / calls;
-  int64_t r = 0;
-  for (; r + BR <= rows; r += BR) dot_block<BR, O>(x + r * k, w, k, y + r * outs, outs, ahead, lines, share);
-  for (; r + 2 <= rows; r += 2) dot_block<2, O>(x + r * k, w, k, y + r * outs, outs, ahead, lines, share);
-  for (; r < rows; ++r) dot_block<1, O>(x + r * k, w, k, y + r * outs, outs, ahead, lines, share);
+// n rows (1..R) as one block
+template <int R, int NP, typename W>
+inline void rows_block(int64_t n, const float* x, int64_t k, const W* w, float* y, int64_t outs, int64_t k0,
+                       int64_t k1, Ahead& ahead) {
+  if constexpr (R > 0) {
+    if (n == R) return panel_block<R, NP>(x, k, w, y, outs, k0, k1, ahead);
+    rows_block<R - 1, NP>(n, x, k, w, y, outs, k0, k1, ahead);
+  }
+}
+
+// Every row against NP panels, in blocks of as even a size as RB allows (8 rows: two of 4, not 6 and 2), inputs in
+// passes of KC; meanwhile the next `lines` of weights from `next` come to L2 (only the first block of a pass reads
+// its weights from memory: without it the memory sat idle while the others computed)
+template <int NP, typename W>
+inline void rows_against_panels(const float* x, const W* w, float* y, int64_t rows, int64_t outs, int64_t k,
+                                const W* next, int64_t lines) {
+  const int64_t blocks = (rows + RB - 1) / RB, steps = blocks * k;
+  Ahead ahead{reinterpret_cast<const char*>(next), lines, (lines + steps - 1) / steps};
+  for (int64_t k0 = 0; k0 < k; k0 += KC)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r = rows * b / blocks, n = rows * (b + 1) / blocks - r;
+      rows_block<RB, NP>(n, x + r * k, k, w, y + r * outs, outs, k0, std::min(k, k0 + KC), ahead);
+    }
 }
 
 template <typename W>
 void linear_rows(const float* x, const W* w, float* y, int64_t rows, int64_t outs, int64_t k) {
-  // outputs split between threads in blocks of 16 rows of w
-  at::parallel_for(0, outs, 16, [&](int64_t lo, int64_t hi) {
-    if (rows == 1) {  // a one-token step streams each weight row once, its chains interleaved
-      for (int64_t o = lo; o < hi; ++o) y[o] = dot(x, w + o * k, k);
-      return;
-    }
-    int64_t o = lo;
-    const int64_t block = BO * k * sizeof(W) / 64;  // cache lines of a block's weights
-    for (; o + BO <= hi; o += BO)
-      rows_against<BO>(x, w + o * k, y + o, rows, outs, k, reinterpret_cast<const char*>(w + (o + BO) * k),
-                       o + 2 * BO <= hi ? block : 0);
-    for (; o < hi; ++o) rows_against<1>(x, w + o * k, y + o, rows, outs, k, nullptr, 0);
+  const int64_t panels = outs / PANEL, rest = outs % PANEL;
+  const int64_t group = rows == 1 ? NP1 : NPB;
+  at::parallel_for(0, panels, group, [&](int64_t lo, int64_t hi) {
+    int64_t p = lo;
+    Ahead none{nullptr, 0, 0};
+    if (rows == 1)  // one token: each weight read once, NP1 panels' chains in flight
+      for (; p + NP1 <= hi; p += NP1)
+        for (int64_t k0 = 0; k0 < k; k0 += KC)
+          panel_block<1, NP1>(x, k, w + p * PANEL * k, y + p * PANEL, outs, k0, std::min(k, k0 + KC), none);
+    else
+      for (; p + NPB <= hi; p += NPB) {
+        const int64_t lines = p + 2 * NPB <= hi ? NPB * PANEL * k * static_cast<int64_t>(sizeof(W)) / 64 : 0;
+        rows_against_panels<NPB>(x, w + p * PANEL * k, y + p * PANEL, rows, outs, k, w + (p + NPB) * PANEL * k, lines);
+      }
+    for (; p < hi; ++p) rows_against_panels<1>(x, w + p * PANEL * k, y + p * PANEL, rows, outs, k, w, 0);
   });
+  const W* wr = w + panels * PANEL * k;  // the last outputs, [k][rest]: the same chain a lane runs, in scalars
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < rest; ++o) {
+      float sum = 0.0f;
+      for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        float acc = 0.0f;
+        for (int64_t i = k0; i < std::min(k, k0 + KC); ++i) acc += x[r * k + i] * to_float(wr[i * rest + o]);
+        sum = k0 ? sum + acc : acc;
+      }
+      y[r * outs + panels * PANEL + o] = sum;
+    }
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "dflashkit::linear: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "dflashkit::linear: w must be a contiguous [out, in] matrix");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "dflashkit::linear: w must be a contiguous [out, in] matrix in "
+              "panel order (static.panel_order)");
   TORCH_CHECK(x.size(-1) == w.size(1), "dflashkit::linear: x has ", x.size(-1), " inputs, w ", w.size(1));
   auto xc = x.contiguous();
   const int64_t k = w.size(1), outs = w.size(0), rows = xc.numel() / k;

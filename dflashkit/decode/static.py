@@ -198,6 +198,15 @@ def tile_order(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(o // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(o, k)
 
 
+def panel_order(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] in the order dflashkit::linear reads it (native.cpp): each 16 outputs as a panel [in][16], the last
+    out % 16 as [in][rest]."""
+    o, k = w.shape
+    full = o // 16 * 16
+    panels = w[:full].reshape(o // 16, 16, k).transpose(1, 2).reshape(-1)
+    return torch.cat([panels, w[full:].t().reshape(-1)]).reshape(o, k)
+
+
 def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
     """An untouched buffer; on a Linux CPU the kernel is first asked to back it with 2 MiB pages (madvise): a step
     streams every weight once, and on 4 KiB pages the TLB misses cost 6-12% of it (2-core Zen 5, side by side).
@@ -215,15 +224,16 @@ def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
     return raw[start: start + nbytes].view(dtype)
 
 
-def pack_weights(target, geo: Geometry, tiles: bool = False) -> torch.Tensor:
+def pack_weights(target, geo: Geometry, kernels: str = "mm") -> torch.Tensor:
     """The target's weights in the step's layout, one buffer (its own copy: q, k, v and gate, up are
-    concatenated, so a step reads each layer's weights as four matrices; with `tiles`, each matrix in tile order,
-    the layout the tile kernels read)."""
+    concatenated, so a step reads each layer's weights as four matrices; for our kernels each matrix in the order
+    they read it, tiles or panels)."""
     layer, stride, tail, size = geo.layout()
     arena = _empty_arena(size, target.dtype, target.device)
+    order = {"tiles": tile_order, "native": panel_order}.get(kernels)
 
     def put(off, shape, w):
-        _view(arena, off, shape).copy_(tile_order(w) if tiles and len(shape) == 2 else w)
+        _view(arena, off, shape).copy_(order(w) if order and len(shape) == 2 else w)
     for i, lw in enumerate(_layer_weights(m) for m in target.decoder.layers):
         for name, (off, shape) in layer.items():
             put(i * stride + off, shape, lw[name])
@@ -263,7 +273,7 @@ def attend_mm(q, k, v, mask, kvh):
 
 
 def linear_native(x, w):
-    """dflashkit::linear (native.cpp): a fixed-order float32 dot per row and output, each weight read once a call."""
+    """dflashkit::linear (native.cpp): weights in panel order, one fixed-order float32 chain per row and output."""
     return torch.ops.dflashkit.linear(x, w)
 
 
@@ -383,7 +393,7 @@ class StaticDecoder:
             native.load()
         dev = target.device
         self.target, self.max_len, self.kernels = target, max_len, kernels
-        self.arena, self.embed = pack_weights(target, geo, kernels == "tiles"), target.embed_tokens.weight
+        self.arena, self.embed = pack_weights(target, geo, kernels), target.embed_tokens.weight
         self.rope = tuple(t.to(dev) for t in rope_tables(target, max_len))
         # activations and KV in float32, only weights in the target's dtype: inductor keeps or skips a bf16 rounding
         # between ops as it fuses them, differently per width; with none, verify rows equal the one-token step's.
@@ -399,7 +409,7 @@ class StaticDecoder:
         # so that each of its rows is bit for bit what plain decoding computes (tests/test_static_decoder.py)
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
         ids = tuple(self.layer_ids) if self.layer_ids is not None else None
-        kinds = {1: (kernels, ids if trees else None), PREFILL: ("tiles" if kernels == "tiles" else "mm", ids)}
+        kinds = {1: (kernels, ids if trees else None), PREFILL: (kernels if kernels in BY_PATH else "mm", ids)}
         widths = ((verify_width,) if verify_width is not None else ()) + (TREE_WIDTHS if trees else ())
         kinds |= {w: (kernels, ids) for w in widths}
         self.verify_width, self.trees = verify_width, trees
@@ -549,8 +559,8 @@ class StaticDecoder:
         if width == PREFILL:
             span_slots = torch.arange(span, device=ids.device)
             torch._dynamo.mark_dynamic(span_slots, 0, min=2, max=self.max_len)
-            # a prompt chunk attends by mask, or on tile kernels (which read the weights mm cannot) as a chain
-            path = chain_path(pos) if self.kernels == "tiles" else pos[:, None]
+            # a prompt chunk attends by mask, or on our kernels (which read weights mm cannot) as a chain
+            path = chain_path(pos) if self.kernels in BY_PATH else pos[:, None]
         args = (self.arena, self.embed, self.rope, self.kv, ids, pos, slots, path, keep, span_slots)
         if width in self.compile_s:  # the hot path: nothing timed
             return self.steps[width](*args)
