@@ -156,7 +156,7 @@ inline float dot(const float* __restrict x, const W* __restrict w, int64_t k) {
 constexpr int64_t PANEL = 16, PV = PANEL / VL;  // outputs a panel, vectors a panel's row
 constexpr int64_t KC = 128;  // inputs a pass: a block's panels stay in L1 while its rows run; each pass's sums from zero
 #if defined(__AVX512F__)
-constexpr int RB = 8, NPB = 2;  // a block of at most 8 rows x 2 panels: 16 sums in 32 registers
+constexpr int RB = 12, NPB = 2;  // a block of at most 12 rows x 2 panels: 24 sums in 32 registers
 #else
 constexpr int RB = 3, NPB = 2;  // 3 rows x 2 panels (2 registers each): 12 sums in 16 registers
 #endif

@@ -1,10 +1,10 @@
 """The static decoder's own CPU kernels (`native.cpp`: `dflashkit::linear`, `dflashkit::attend`), compiled on
 first use for this machine's instruction set and cached (a later process loads them in a fraction of a second).
 
-Why: a one-token step is a matrix-vector product per weight; the C++ dot keeps 64 independent float32 lanes, so it
-streams weights at the memory's speed where inductor's reduction is bound by one accumulator chain, and every row's
-sum has one fixed order (a verify's rows equal the one-token step's bit for bit); attention reads a row's sequence
-(committed slots, then its tree path) in that order too. Built with inductor's own C++ compiler against torch's
+Why: a one-token step is a matrix-vector product per weight; the C++ linear keeps 8 vectors of outputs in flight
+over weights in panel order, so it streams them at the memory's speed where inductor's reduction is bound by one
+accumulator chain, and every (row, output) sum has one fixed order (a verify's rows equal the one-token step's bit
+for bit); attention reads a row's sequence (committed slots, then its tree path) in a fixed order too. Built with inductor's own C++ compiler against torch's
 headers and libraries (torch's extension builder's flags); no ninja, no change to the process's environment.
 """
 
@@ -25,7 +25,7 @@ from dflashkit.fileio import home
 from dflashkit.threads import ISA_VAR, cpu, isa
 
 SOURCE = Path(__file__).with_name("native.cpp")
-# fp-contract: a * b + c is one fused multiply-add wherever it is written, so the one-row and four-row dots agree
+# fp-contract: a * b + c is one fused multiply-add wherever it is written, so a lane and a scalar sum alike
 COMMON = ["-O3", "-ffp-contract=fast", "-fopenmp", "-std=c++20", "-fPIC", "-shared"]
 # The instruction set the kernels are built for (threads.isa): this CPU's own, or AVX2 + FMA without AVX-512 (what
 # a float32-only laptop or cloud CPU has; any x86 machine runs it, so the two compare side by side on one)

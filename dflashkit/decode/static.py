@@ -201,10 +201,9 @@ def tile_order(w: torch.Tensor) -> torch.Tensor:
 def panel_order(w: torch.Tensor) -> torch.Tensor:
     """w [out, in] in the order dflashkit::linear reads it (native.cpp): each 16 outputs as a panel [in][16], the last
     out % 16 as [in][rest]."""
-    o, k = w.shape
-    full = o // 16 * 16
-    panels = w[:full].reshape(o // 16, 16, k).transpose(1, 2).reshape(-1)
-    return torch.cat([panels, w[full:].t().reshape(-1)]).reshape(o, k)
+    full = w.shape[0] // 16 * 16
+    panels = w[:full].reshape(-1, 16, w.shape[1]).transpose(1, 2)
+    return torch.cat([panels.reshape(-1), w[full:].t().reshape(-1)]).reshape(w.shape)
 
 
 def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
