@@ -231,7 +231,8 @@ def test_the_cost_command_writes_a_table_and_a_plot(evaluated, home, tiny_dirs, 
 def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(evaluated, tiny_targets, home):
     from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench
     from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.fileio import read_json
+    from dflashkit.decode.speculative import DFlashProposer
+    from dflashkit.fileio import read_json, write_json
 
     root, cache = evaluated
     t = tiny_targets["llama"]
@@ -241,8 +242,13 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
     assert set(offline["overall"]["hybrid"]) == {"4", "8"}  # the default trees' budgets, replayed with the n-gram
     assert re.search(r"Hybrid replayed .* hybrid-4 tau=\d", (root / "walk" / "summary.md").read_text())
     prompts = [(x, t.chat_ids([{"role": "user", "content": x}])) for x in ("def add(a, b):", "Write a haiku.")]
-    res = run_bench(t, load_drafter(root / "d", target=t), prompts, parse_methods("ar,chain,ddtree-8,ngram,hybrid-8"),
+    drafter = load_drafter(root / "d", target=t)
+    stale = cost_model("hf", t, DFlashProposer(t, drafter, drafter.config.block_size))  # from a slower hour
+    stale.forward_ms = [1e6] * len(stale.forward_ms)
+    write_json(stale.path, stale.to_dict())
+    res = run_bench(t, drafter, prompts, parse_methods("ar,chain,ddtree-8,ngram,hybrid-8"),
                     max_new_tokens=12, progress=False, warmup=False, offline=offline)
+    assert max(res["cost_models"]["hf"]["forward"]["ms"]) < 1e5
     s = res["methods"]
     assert s["hybrid-8"]["predicted"]["offline"]["tokens_per_s"] > 0
     for m in ("ar", "chain", "ddtree-8", "ngram"):

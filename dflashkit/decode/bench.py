@@ -19,6 +19,7 @@ from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, tree_cost_curve
 from dflashkit.decode.engine import resolve
 from dflashkit.decode.methods import ENGINE_METHODS, ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
+from dflashkit.decode.native import cflags, instruction_set
 from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, differences, engine_tau,
                                    is_engine, plain_of, predicted_tau, EnginePeer)
 from dflashkit.decode.predict import measured_decode_tps, predict_bench, predicted_markdown, predicted_plot
@@ -225,12 +226,8 @@ def _add_parity(target, rows: dict, sampling: Sampling, result: dict) -> dict:
 
 def _kernels_built_for(decoder) -> str | None:
     """The static step's kernels and the instruction set they were compiled for, where a static row ran."""
-    if decoder is None:
-        return None
-    from dflashkit.decode.native import cflags, instruction_set
-
-    if decoder.kernels not in ("native", "tiles"):
-        return f"{decoder.kernels} (inductor)"
+    if decoder is None or decoder.kernels not in ("native", "tiles"):
+        return decoder and f"{decoder.kernels} (inductor)"
     return f"{decoder.kernels}, {' '.join(f for f in cflags() if f.startswith('-m'))} on this CPU: {instruction_set()}"
 
 

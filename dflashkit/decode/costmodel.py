@@ -21,7 +21,10 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflashkit import __version__
+from dflashkit.engines.install import LLAMA_CPP_BUILD, VLLM_VERSION
 from dflashkit.errors import DFlashError
+from dflashkit.threads import isa
 
 PROBE_NS = (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)  # chain blocks 4/8/16, DDTree-b verifies b+1
 MODEL_ENGINES = ("hf", "static", "llama.cpp", "vllm")
@@ -107,18 +110,11 @@ def engine_version(engine: str) -> str:
     """What a re-measure is due on: our own code and torch for the backends (the static one's C++ kernels by their
     library, which names their source, flags and CPU), the build for a peer."""
     if engine == "llama.cpp":
-        from dflashkit.engines.install import LLAMA_CPP_BUILD
-        from dflashkit.threads import isa
-
         return f"llama.cpp build {LLAMA_CPP_BUILD}" + (f" ({isa()})" if isa() != "native" else "")
     if engine == "vllm":
-        from dflashkit.engines.install import VLLM_VERSION
-
         return f"vllm {VLLM_VERSION}"
     import torch
     import transformers
-
-    from dflashkit import __version__
 
     version = f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
     if engine == "static":
@@ -169,7 +165,7 @@ def cost_model(engine: str, target, proposer=None, state: dict | None = None, fo
                           f"it once: `dflashkit cost --target {target.name} --engine {engine}"
                           + (" --drafter DIR`" if proposer is not None else "`"))
     else:
-        (log or (lambda m: None))(f"cost model: measuring {engine} on this machine (once; cached in {path})")
+        (log or (lambda m: None))(f"cost model: measuring {engine} on this machine (cached in {path})")
         t0 = time.perf_counter()
         model = PROBES[engine](target, proposer, {} if state is None else state, log)
         model.record = {**record, "probe_s": round(time.perf_counter() - t0, 1),

@@ -148,7 +148,9 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
                   offline: dict | None = None, log=None) -> dict:
     """Each row's predicted decode tokens/s beside its measured one (`summary[label]["predicted"]`): from its own
     rounds (the cost half), and from an offline eval's acceptance where one is given (both halves); returns the
-    cost models used, by engine. A model that cannot be had (an engine not installed) is said on the row."""
+    cost models used, by engine. Our backends' models are measured again now (a shared host's speed drifts 20-40%
+    within an hour, and a cached model's drift read as the prediction's error); the peers' are the cached ones. A
+    model that cannot be had (an engine not installed) is said on the row."""
     from dflashkit.decode.costmodel import cost_model
 
     B = proposer.block_size if proposer is not None else None
@@ -163,7 +165,8 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
         engine = engine.removesuffix("-dflash")
         if engine not in models:
             try:  # the peers' probes start their engines (minutes): measured by `dflashkit cost` only
-                models[engine] = cost_model(engine, target, proposer, state, log=log, measure=engine in ("hf", "static"))
+                ours = engine in ("hf", "static")
+                models[engine] = cost_model(engine, target, proposer, state, force=ours, log=log, measure=ours)
             except (DFlashError, OSError) as e:
                 models[engine] = str(e)
         model = models[engine]
@@ -217,13 +220,14 @@ def predicted_markdown(result: dict) -> list[str]:
     if not rows:
         return []
     return ["## Predicted beside measured", "",
-            "Decode tokens/s (prefill excluded) measured here, and predicted by the engine's cached cost model "
-            "(`dflashkit cost`) from each row's own acceptance (its rounds' tokens and widths: checks the cost half) "
+            "Decode tokens/s (prefill excluded) measured here, and predicted by the engine's cost model (`dflashkit cost`;"
+            " ours measured after the runs, the peers' cached) from each row's own acceptance (its rounds' tokens and "
+            "widths: checks the cost half) "
             + (f"and from {offline} (checks both halves)" if offline else "and, given `--offline RUN`, from an offline "
                "eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%. The speedup error "
             "compares the predicted speedup over the engine's plain decoding with the measured one: the machine's "
             "speed when the cost model was measured cancels (a plain row's error is that drift: a shared host's level "
-            "moves 10-40% within an hour; `dflashkit cost --force` right before a bench measures it anew).", "",
+            "moves 10-40% within an hour).", "",
             markdown_table(["method", "engine", "measured", "predicted (own acceptance)", "error", "speedup error",
                             "predicted (offline)", "error", "speedup error", "not predicted: why"], rows, digits=1)]
 

@@ -271,21 +271,15 @@ def attend_mm(q, k, v, mask, kvh):
     return (s.softmax(-1).view(1, kvh, g * n, -1) @ v).reshape(1, nh, n, hd)
 
 
-def linear_native(x, w):
-    """dflashkit::linear (native.cpp): weights in panel order, one fixed-order float32 chain per row and output."""
-    return torch.ops.dflashkit.linear(x, w)
+def native_op(name: str):
+    """`dflashkit::NAME` of native.cpp, found when called (the library loads on a decoder's first use). linear: weights
+    in panel order; linear_tiles: AMX tile products over bf16 weights in tile order, x in two bf16 parts; attend: each
+    row reads slots 0..start-1, then its own path (its ancestors' and its own). Each row's sums have one order whatever
+    rows share the call, so a verify row is the one-token step's bit for bit; attention reads only the slots in use."""
+    return lambda *args: getattr(torch.ops.dflashkit, name)(*args)
 
 
-def linear_tiles(x, w):
-    """dflashkit::linear_tiles (native.cpp): AMX tile products over bf16 weights in tile order, x split into two bf16
-    parts (16 significant bits); each row's sums in a fixed order whatever rows share the call."""
-    return torch.ops.dflashkit.linear_tiles(x, w)
-
-
-def attend_native(q, k_cache, v_cache, start, path):
-    """dflashkit::attend (native.cpp): each row attends to slots 0..start-1, then its own `path` (ancestors' slots and
-    its own, in depth order), in a fixed order: a verify row is the one-token step there; only used slots are read."""
-    return torch.ops.dflashkit.attend(q, k_cache, v_cache, start, path)
+linear_native, linear_tiles, attend_native = native_op("linear"), native_op("linear_tiles"), native_op("attend")
 
 
 # a step's kernels: (linear, attention), by name; the one-token and verify steps use `tiles` on a CPU with AMX
@@ -605,8 +599,7 @@ def collector_paused():
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        (gc.enable if was else gc.disable)()
 
 
 class StaticBackend:
