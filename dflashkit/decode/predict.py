@@ -149,7 +149,8 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
     """Each row's predicted decode tokens/s beside its measured one (`summary[label]["predicted"]`): from its own
     rounds (the cost half), and from an offline eval's acceptance where one is given (both halves); returns the
     cost models used, by engine. Our backends' models are measured again now (a shared host's speed drifts 20-40%
-    within an hour, and a cached model's drift read as the prediction's error); the peers' are the cached ones. A
+    within an hour, and a cached model's drift read as the prediction's error), and llama.cpp's (its probe: 30 s);
+    vLLM's is the cached one (its probe starts the server: minutes, so `dflashkit cost` measures it). A
     model that cannot be had (an engine not installed) is said on the row."""
     from dflashkit.decode.costmodel import cost_model
 
@@ -164,9 +165,9 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
             continue
         engine = engine.removesuffix("-dflash")
         if engine not in models:
-            try:  # the peers' probes start their engines (minutes): measured by `dflashkit cost` only
-                ours = engine in ("hf", "static")
-                models[engine] = cost_model(engine, target, proposer, state, force=ours, log=log, measure=ours)
+            try:
+                now = engine != "vllm"
+                models[engine] = cost_model(engine, target, proposer, state, force=now, log=log, measure=now)
             except (DFlashError, OSError) as e:
                 models[engine] = str(e)
         model = models[engine]
@@ -221,7 +222,7 @@ def predicted_markdown(result: dict) -> list[str]:
         return []
     return ["## Predicted beside measured", "",
             "Decode tokens/s (prefill excluded) measured here, and predicted by the engine's cost model (`dflashkit cost`;"
-            " ours measured after the runs, the peers' cached) from each row's own acceptance (its rounds' tokens and "
+            " measured after the runs, vLLM's cached) from each row's own acceptance (its rounds' tokens and "
             "widths: checks the cost half) "
             + (f"and from {offline} (checks both halves)" if offline else "and, given `--offline RUN`, from an offline "
                "eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%. The speedup error "
