@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
+import time
 
 import pytest
 import torch
@@ -136,7 +138,8 @@ def home(tmp_path, monkeypatch):
 
 
 def test_the_cache_is_reused_and_keyed(tiny_dirs, tiny_targets, home, monkeypatch):
-    """A second call reads the file; another dtype or thread count measures again."""
+    """A second call reads the file; another dtype or thread count measures again, as does `force` (a number: an
+    older file)."""
     from dflashkit.targets.model import load_target
 
     calls = []
@@ -157,6 +160,11 @@ def test_the_cache_is_reused_and_keyed(tiny_dirs, tiny_targets, home, monkeypatc
     assert len(calls) == 3 and len(list((home / "cost-model").glob("hf-*.json"))) == 3
     cost_model("hf", t, force=True)
     assert len(calls) == 4
+    cost_model("hf", t, force=600.0)  # a number: measured again only where the cached one is older
+    assert len(calls) == 4
+    os.utime(first.path, (time.time() - 601,) * 2)
+    cost_model("hf", t, force=600.0)
+    assert len(calls) == 5
     with pytest.raises(DFlashError, match="no hf cost model cached"):
         cost_model("hf", t, new_proposer(t), measure=False)  # another drafter shape: not cached
 
@@ -246,6 +254,7 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
     stale = cost_model("hf", t, DFlashProposer(t, drafter, drafter.config.block_size))  # from a slower hour
     stale.forward_ms = [1e6] * len(stale.forward_ms)
     write_json(stale.path, stale.to_dict())
+    os.utime(stale.path, (time.time() - 3600,) * 2)  # an hour old: measured again; under 10 minutes: reused
     res = run_bench(t, drafter, prompts, parse_methods("ar,chain,ddtree-8,ngram,hybrid-8"),
                     max_new_tokens=12, progress=False, warmup=False, offline=offline)
     assert max(res["cost_models"]["hf"]["forward"]["ms"]) < 1e5

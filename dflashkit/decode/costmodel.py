@@ -148,17 +148,17 @@ def check_model_engine(engine: str) -> None:
         raise DFlashError(f"--engine {engine!r}: no cost model for it; use one of auto, {', '.join(MODEL_ENGINES)}")
 
 
-def cost_model(engine: str, target, proposer=None, state: dict | None = None, force: bool = False,
+def cost_model(engine: str, target, proposer=None, state: dict | None = None, force: bool | float = False,
                log=None, measure: bool = True) -> CostModel:
     """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now (and cached)
-    where none is, or with `force`; not `measure`: a missing one is an error naming the command that measures it.
-    `state`: a run's state (decode/engine.py), whose static decoder it reuses."""
+    where none is, or with `force` (a number: where the cached one is older than that many seconds); not `measure`:
+    a missing one is an error naming the command that measures it. `state`: a run's state (decode/engine.py)."""
     from dflashkit.fileio import home, write_json
 
     check_model_engine(engine)
     key, record = model_key(target, engine, proposer)
     path = home() / "cost-model" / f"{engine}-{key}.json"
-    if path.is_file() and not force:
+    if path.is_file() and not (force is True or force and time.time() - path.stat().st_mtime > force):
         model = load_model(path)
     elif not measure:
         raise DFlashError(f"no {engine} cost model cached for this machine, target, dtype and threads ({path}); measure "

@@ -148,9 +148,9 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
                   offline: dict | None = None, log=None) -> dict:
     """Each row's predicted decode tokens/s beside its measured one (`summary[label]["predicted"]`): from its own
     rounds (the cost half), and from an offline eval's acceptance where one is given (both halves); returns the
-    cost models used, by engine. Our backends' models are measured again now (a shared host's speed drifts 20-40%
-    within an hour, and a cached model's drift read as the prediction's error), and llama.cpp's (its probe: 30 s);
-    vLLM's is the cached one (its probe starts the server: minutes, so `dflashkit cost` measures it). A
+    cost models used, by engine. Ours and llama.cpp's (probes of 30-60 s) are measured again where the cached one is
+    over 10 minutes old (a shared host's speed drifts 20-40% within an hour, and that drift read as the prediction's
+    error); vLLM's is the cached one (its probe starts the server: minutes; `dflashkit cost` measures it). A
     model that cannot be had (an engine not installed) is said on the row."""
     from dflashkit.decode.costmodel import cost_model
 
@@ -167,7 +167,7 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
         if engine not in models:
             try:
                 now = engine != "vllm"
-                models[engine] = cost_model(engine, target, proposer, state, force=now, log=log, measure=now)
+                models[engine] = cost_model(engine, target, proposer, state, force=now and 600.0, log=log, measure=now)
             except (DFlashError, OSError) as e:
                 models[engine] = str(e)
         model = models[engine]
@@ -222,8 +222,8 @@ def predicted_markdown(result: dict) -> list[str]:
         return []
     return ["## Predicted beside measured", "",
             "Decode tokens/s (prefill excluded) measured here, and predicted by the engine's cost model (`dflashkit cost`;"
-            " measured after the runs, vLLM's cached) from each row's own acceptance (its rounds' tokens and "
-            "widths: checks the cost half) "
+            " measured after the runs where the cached one is over 10 minutes old; vLLM's cached) from each row's own "
+            "acceptance (its rounds' tokens and widths: checks the cost half) "
             + (f"and from {offline} (checks both halves)" if offline else "and, given `--offline RUN`, from an offline "
                "eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%. The speedup error "
             "compares the predicted speedup over the engine's plain decoding with the measured one: the machine's "
