@@ -31,7 +31,7 @@ MODEL_ENGINES = ("hf", "static", "llama.cpp", "vllm")
 FORMAT = "dflashkit-cost-model/1"
 FIX = "delete the file to measure again (`dflashkit cost ... --force`)"
 PROBE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
-PROBE_TOKENS = 48  # our loops' decode; an engine peer's runs to 256 (peer_round_ms)
+PROBE_TOKENS, PEER_TOKENS = 48, 256  # our loops' probe decode; an engine peer's (peer_round_ms)
 # tokens of context before a timed forward: about a bench answer's mean (a ~50-token prompt and half of 256 new
 # tokens). At 400 the static step priced SmolLM2's one-token step 12% above its cost at 100 (attention reads the KV
 # in use), and the demo's plain decoding was predicted 17% slow (2-core Xeon, bf16)
@@ -233,8 +233,8 @@ def llama_bench_curve(engine, model: Path, threads: int) -> tuple[list[int], lis
 
 
 def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
-    """ms per round (one token plain, one verify with a drafter) of an engine peer decoding the probe prompt to 256
-    tokens, a bench answer's context (a llama.cpp-dflash round: 34.8 ms over 48, 40.0 over 174), less a 1-token one."""
+    """ms per round (one token plain, one verify with a drafter) of an engine peer decoding the probe prompt to
+    PEER_TOKENS, a bench answer's context (a llama.cpp-dflash round: 34.8 ms over 48, 40.0 over 174), less a 1-token one."""
     import tempfile
 
     from dflashkit.decode.peers import _context_length, _start
@@ -244,7 +244,7 @@ def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
     with tempfile.TemporaryDirectory(prefix="dflashkit-cost-") as work:
         with _start(method, target, drafter, block_size, _context_length(target), Path(work)) as engine:
             engine.complete(ids, 8, stops)  # warm-up
-            one, full = engine.complete(ids, 1, stops), engine.complete(ids, 256, stops)
+            one, full = engine.complete(ids, 1, stops), engine.complete(ids, PEER_TOKENS, stops)
     rounds = full.steps - one.steps if drafter is not None else len(full.tokens) - len(one.tokens)
     return 1000 * (full.seconds - one.seconds) / max(1, rounds)
 

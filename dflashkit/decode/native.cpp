@@ -1,13 +1,11 @@
-// The static decoder's CPU linear (dflashkit/decode/native.py): y[r, o] = sum_k x[r, k] * w[o, k], activations
-// float32, weights in their own dtype (bfloat16 or float32), sums in float32.
+// The static decoder's CPU kernels (dflashkit/decode/native.py): the linear y[r, o] = sum_k x[r, k] * w[o, k]
+// (activations float32, weights in their own dtype, bfloat16 or float32, sums in float32) and attention.
 //
 // Why our own: at one row a decode step is a matrix-vector product that must stream every weight once at the
 // memory's speed. inductor's fused reduction keeps one accumulator chain per output (latency-bound, about 60% of
-// the bandwidth), and mm rounds the activations to bf16. Here each dot product keeps 64 independent lanes,
-// combined in a fixed tree, so
-//   - a row's result does not depend on how many rows share the call (row-invariant by construction: every
-//     (r, o) runs the same code on the same operands in the same order), and
-//   - a call with n rows reads each weight row from memory once (the other rows find it in L1).
+// the bandwidth), and mm rounds the activations to bf16. Here every (r, o) runs the same code on the same operands
+// in the same order, so a row's result does not depend on how many rows share the call (row-invariant by
+// construction), and a call with n rows reads each weight from memory once (the other rows find it in L1).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -90,7 +88,6 @@ typedef f32x16 lvec;
 constexpr int CHAINS = 4, VL = 16;
 inline lvec loadl(const float* p) { return load16(p); }
 inline lvec loadl(const c10::BFloat16* p) { return load16(p); }
-constexpr int BR = 4, BO = 6;  // a block of rows x outputs: 24 sums, 4 x vectors and a weight vector in 32 registers
 
 #else
 // ---- AVX2 (and narrower): a register holds 8 lanes. Written with 16-lane vectors, GCC kept the accumulators on
@@ -126,7 +123,6 @@ typedef f32x8 lvec;
 constexpr int CHAINS = 8, VL = 8;
 inline lvec loadl(const float* p) { return load8(p); }
 inline lvec loadl(const c10::BFloat16* p) { return load8(p); }
-constexpr int BR = 2, BO = 4;  // 8 sums, 2 x vectors and a weight vector in 16 registers
 
 #endif
 
@@ -137,7 +133,7 @@ inline void chains(const float* __restrict x, const W* __restrict w, int64_t ful
     for (int c = 0; c < CHAINS; ++c) acc[c] += loadl(x + i + VL * c) * loadl(w + i + VL * c);
 }
 
-// One row of x against one row of w: a one-token step streams each weight row once at the memory's speed
+// One row of x against one row of w in 64 lanes summed in a fixed tree (attention's scores: a query against a key)
 template <typename W>
 inline float dot(const float* __restrict x, const W* __restrict w, int64_t k) {
   lvec acc[CHAINS] = {};
@@ -151,8 +147,9 @@ inline float dot(const float* __restrict x, const W* __restrict w, int64_t k) {
 // y[r, o] is one chain of fused multiply-adds over k in order, from zero: the same bits whatever rows and outputs
 // share a call and whatever the vector width (a lane or a scalar fuses alike), so a verify row is the one-token
 // step's and the AVX2 build equals the AVX-512 one. A weight vector loaded serves every row of a block and a row's
-// x[k] every output of it, so a block of rows runs at the FMA units' rate (the dot per (row, output) above loaded
-// an x vector per product and reached ~45% of it): a 16-row verify then costs little more than reading the weights.
+// x[k] every output of it (the dot per (row, output) it replaced loaded an x vector per product): SmolLM2's float32
+// linears at 16 rows cost 1.65x one row where it took 1.76x, and one row on AVX2 0.84x its time (2-core Xeon,
+// benchmarks/native_linear.py).
 constexpr int64_t PANEL = 16, PV = PANEL / VL;  // outputs a panel, vectors a panel's row
 constexpr int64_t KC = 128;  // inputs a pass: a block's panels stay in L1 while its rows run; each pass's sums from zero
 #if defined(__AVX512F__)
