@@ -10,19 +10,21 @@ for token; a mismatch fails loudly.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import torch
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, tree_cost_curve
+from dflashkit.decode.costmodel import SAMPLED, forward_sample
 from dflashkit.decode.engine import resolve
 from dflashkit.decode.methods import ENGINE_METHODS, ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
 from dflashkit.decode.native import cflags, instruction_set
 from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, differences, engine_tau,
                                    is_engine, plain_of, predicted_tau, EnginePeer)
-from dflashkit.decode.predict import measured_decode_tps, predict_bench, predicted_markdown, predicted_plot
+from dflashkit.decode.predict import (measured_decode_tps, predict_bench, predicted_engine, predicted_markdown,
+                                     predicted_plot)
 from dflashkit.decode.records import TRANSFORMERS as PEERS, kind_of, plain_row  # PEERS: transformers' own loops
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, HfBackend, generate, generate_ar, new_lookup
@@ -177,8 +179,14 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     with ExitStack() as stack:  # the engines up through the whole rotation, idle but for their own turns
         peers = {m: stack.enter_context(EnginePeer(m, target, drafter, proposer.block_size if proposer else 0,
                                                    max_new_tokens)) for m in engines}
+        window = {e: [] for e in dict.fromkeys(predicted_engine(m, rows) for m in methods) if predict and e in SAMPLED}
+
+        def sample():  # one that fails is left out (the cached model stands where none is taken)
+            for e, w in window.items():
+                with suppress(DFlashError, OSError):
+                    w.append(forward_sample(e, target, state))
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
-                                  progress, curve, peers, state, rows)
+                                  progress, curve, peers, state, rows, sample)
     started = {m: p.info for m, p in peers.items()}
     mismatches, divergences, judged = _judge(target, runs, rows, turns, sampling, switched, state.get("static"))
     B = proposer.block_size if proposer else None
@@ -187,7 +195,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     _annotate(summary, rows, started, judged,
               lambda m: predicted_tau(target, proposer, [r for r in runs if r["method"] == m]))
     # predicted beside measured (decode/predict.py): each row's own rounds, and `offline` (an eval's results) given
-    models = predict_bench(target, proposer, runs, rows, summary, state, offline, log) if predict else {}
+    models = predict_bench(target, proposer, runs, rows, summary, state, offline, log, window) if predict else {}
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
     return _add_parity(target, rows, sampling, {
@@ -267,10 +275,11 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
 
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve,
-                peers: dict, state: dict, rows: dict) -> tuple[list[dict], dict]:
+                peers: dict, state: dict, rows: dict, sample=lambda: None) -> tuple[list[dict], dict]:
     """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike),
-    under a progress bar (tqdm: it also prints where the output is not a terminal). Also returns plain decoding's
-    turns per prompt: (prompt ids per turn, answer lengths), what a divergence is explained from."""
+    then `sample` (the cost models' forwards, in the same minutes), under a progress bar (tqdm: it also prints where
+    the output is not a terminal). Also returns plain decoding's turns per prompt: (prompt ids per turn, answer
+    lengths), what a divergence is explained from."""
     from tqdm import tqdm
 
     runs, turns = [], {}
@@ -296,6 +305,8 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
                 runs.append(r := run(m, i, pid, item, max_new_tokens))
                 bar.set_postfix_str(f"last {m}: {len(r['tokens']) / r['times']['total']:.1f} tok/s", refresh=False)
                 bar.update()
+            bar.set_description(f"bench {pid}: cost samples")
+            sample()
     return runs, turns
 
 

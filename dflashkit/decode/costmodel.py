@@ -15,10 +15,11 @@ vLLM times whole rounds through its worker (its forward is not reachable apart).
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import time
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dflashkit import __version__
@@ -148,17 +149,17 @@ def check_model_engine(engine: str) -> None:
         raise DFlashError(f"--engine {engine!r}: no cost model for it; use one of auto, {', '.join(MODEL_ENGINES)}")
 
 
-def cost_model(engine: str, target, proposer=None, state: dict | None = None, force: bool | float = False,
-               log=None, measure: bool = True) -> CostModel:
+def cost_model(engine: str, target, proposer=None, state: dict | None = None, force: bool = False, log=None,
+               measure: bool = True) -> CostModel:
     """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now (and cached)
-    where none is, or with `force` (a number: where the cached one is older than that many seconds); not `measure`:
-    a missing one is an error naming the command that measures it. `state`: a run's state (decode/engine.py)."""
+    where none is or with `force`; not `measure`: a missing one is an error naming the command that measures it.
+    `state`: a run's state (decode/engine.py)."""
     from dflashkit.fileio import home, write_json
 
     check_model_engine(engine)
     key, record = model_key(target, engine, proposer)
     path = home() / "cost-model" / f"{engine}-{key}.json"
-    if path.is_file() and not (force is True or force and time.time() - path.stat().st_mtime > force):
+    if path.is_file() and not force:
         model = load_model(path)
     elif not measure:
         raise DFlashError(f"no {engine} cost model cached for this machine, target, dtype and threads ({path}); measure "
@@ -220,9 +221,10 @@ def probe_static(target, proposer, state: dict, log=None) -> CostModel:
     return CostModel("static", widths, [1000 * times[w] for w in widths], draft, overhead, rounding="up")
 
 
-def llama_bench_curve(engine, model: Path, threads: int) -> tuple[list[int], list[float]]:
+def llama_bench_curve(engine, model: Path, threads: int, repeats: int = 5) -> tuple[list[int], list[float]]:
     """llama.cpp's own forward over n tokens after DEPTH of context (`llama-bench -p n -d DEPTH`), ms per n."""
-    cmd = [str(engine.binary("llama-bench")), "-m", str(model), "-t", str(threads), "-n", "0", "-r", "5", "-o", "json",
+    cmd = [str(engine.binary("llama-bench")), "-m", str(model), "-t", str(threads), "-n", "0", "-r", str(repeats), "-o",
+           "json",
            "-d", str(DEPTH), "-p", ",".join(map(str, PROBE_NS))]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
@@ -249,17 +251,21 @@ def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
     return 1000 * (full.seconds - one.seconds) / max(1, rounds)
 
 
-def probe_llama_cpp(target, proposer, state: dict, log=None) -> CostModel:
-    """The forward curve from llama-bench; the loop's work per token is the server's plain round less its
-    one-token forward; the drafter's call, its speculative round less the verify and that work."""
+def llama_cpp_curve(target, repeats: int = 5) -> tuple[list[int], list[float]]:
     import torch
 
     from dflashkit.engines.install import require
     from dflashkit.engines.llamacpp import target_gguf
 
     engine = require("llama.cpp")
-    ns, ms = llama_bench_curve(engine, target_gguf(engine, target, str(target.dtype).removeprefix("torch.")),
-                               torch.get_num_threads())
+    gguf = target_gguf(engine, target, str(target.dtype).removeprefix("torch."))
+    return llama_bench_curve(engine, gguf, torch.get_num_threads(), repeats)
+
+
+def probe_llama_cpp(target, proposer, state: dict, log=None) -> CostModel:
+    """The forward curve from llama-bench; the loop's work per token is the server's plain round less its
+    one-token forward; the drafter's call, its speculative round less the verify and that work."""
+    ns, ms = llama_cpp_curve(target)
     model = CostModel("llama.cpp", ns, ms, None, {})
     model.overhead_ms = {"ar": max(0.0, peer_round_ms("llama.cpp", target, None, 0) - model.forward(1))}
     if proposer is not None:
@@ -280,6 +286,41 @@ def probe_vllm(target, proposer, state: dict, log=None) -> CostModel:
 
 
 PROBES = {"hf": probe_hf, "static": probe_static, "llama.cpp": probe_llama_cpp, "vllm": probe_vllm}
+SAMPLED = ("hf", "static", "llama.cpp")  # vLLM's forward is its loop: no quick sample
+
+
+def forward_sample(engine: str, target, state: dict) -> dict[int, float] | None:
+    """One quick sample of `engine`'s forward per n (ms; hf ~2 s, static 0.1 s, llama.cpp ~3 s), taken between a
+    bench's prompts: a shared host's speed drifts 10-40% within minutes, and a probe of seconds read that drift as
+    the prediction's error (a bench's rows moved by up to 20 points between two runs 13 minutes apart)."""
+    if engine == "static":
+        times = state["static"].time_widths(depth=DEPTH, timed=3) if state.get("static") else {}
+        return {w: 1000 * t for w, t in times.items()}
+    if engine == "hf":
+        from dflashkit.decode.cost import measure_cost_curve
+        from dflashkit.targets.invariant import kernels_for
+
+        with kernels_for(target):
+            curve = measure_cost_curve(target, PROBE_NS, context=DEPTH, repeats=1)
+        return {n: 1000 * t for n, t in zip(curve.ns, curve.seconds)}
+    return dict(zip(*llama_cpp_curve(target, repeats=1))) if engine == "llama.cpp" else None
+
+
+def in_window(model: CostModel, samples: list[dict]) -> CostModel:
+    """`model` over the minutes the samples (forward_sample) were taken in: each forward the samples' median, and
+    what was not sampled (the drafter call, the loops' work, a tree verified by paths) scaled by the host's level
+    then: the median ratio of a sample to the model's own time at the same n."""
+    samples = [s for s in samples if s]
+    ns = sorted(n for n in set().union(*samples) if all(n in s for s in samples) and model.forward(n) < float("inf"))
+    if not ns:
+        return model
+    ms = [statistics.median(s[n] for s in samples) for n in ns]
+    level = statistics.median(t / model.forward(n) for n, t in zip(ns, ms))
+    return replace(
+        model, ns=ns, forward_ms=ms, draft_ms=None if model.draft_ms is None else model.draft_ms * level,
+        overhead_ms={k: v * level for k, v in model.overhead_ms.items()},
+        paths=model.paths and {"ns": model.paths["ns"], "ms": [t * level for t in model.paths["ms"]]},
+        record={**model.record, "window": {"samples": len(samples), "level": level}})
 
 
 def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> list[str]:

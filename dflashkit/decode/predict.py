@@ -144,30 +144,34 @@ def _online(label: str, runs: list[dict], summary: dict, model, block_size: int 
     return predict_rounds(pick("accepted"), pick("widths"), pick("drafted"), model, loop_of(label))
 
 
+def predicted_engine(label: str, rows: dict) -> str | None:
+    """The engine whose cost model prices a bench row; None: stock kernels or transformers' loops (none of ours)."""
+    method, engine = rows.get(label, (label, label))
+    return None if method in NOT_PREDICTED or method.split("-")[0] in ("prompt", "hf") else engine.removesuffix("-dflash")
+
+
 def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict, state: dict,
-                  offline: dict | None = None, log=None) -> dict:
+                  offline: dict | None = None, log=None, window: dict | None = None) -> dict:
     """Each row's predicted decode tokens/s beside its measured one (`summary[label]["predicted"]`): from its own
     rounds (the cost half), and from an offline eval's acceptance where one is given (both halves); returns the
-    cost models used, by engine. Ours and llama.cpp's (probes of 30-60 s) are measured again where the cached one is
-    over 10 minutes old (a shared host's speed drifts 20-40% within an hour, and that drift read as the prediction's
-    error); vLLM's is the cached one (its probe starts the server: minutes; `dflashkit cost` measures it). A
-    model that cannot be had (an engine not installed) is said on the row."""
-    from dflashkit.decode.costmodel import cost_model
+    cost models used, by engine: the cached one (measured now where none is; vLLM's only cached, its probe starts
+    the server) over the bench's own minutes (costmodel.in_window: `window` {engine: forward samples taken between
+    the prompts}). A model that cannot be had (an engine not installed) is said on the row."""
+    from dflashkit.decode.costmodel import cost_model, in_window
 
     B = proposer.block_size if proposer is not None else None
     models = {}
     acceptance = offline_acceptance(offline["overall"], offline["settings"]["block_size"],
                                     offline.get("source", "offline eval")) if offline is not None else None
     for label, s in summary.items():
-        method, engine = rows.get(label, (label, label))
-        if method in NOT_PREDICTED or method.split("-")[0] in ("prompt", "hf"):
+        method = rows.get(label, (label,))[0]
+        if (engine := predicted_engine(label, rows)) is None:
             s["predicted"] = {"why": "stock kernels or transformers' own loop: no cost model of ours"}
             continue
-        engine = engine.removesuffix("-dflash")
         if engine not in models:
             try:
-                now = engine != "vllm"
-                models[engine] = cost_model(engine, target, proposer, state, force=now and 600.0, log=log, measure=now)
+                model = cost_model(engine, target, proposer, state, log=log, measure=engine != "vllm")
+                models[engine] = in_window(model, (window or {}).get(engine, []))
             except (DFlashError, OSError) as e:
                 models[engine] = str(e)
         model = models[engine]
@@ -220,15 +224,18 @@ def predicted_markdown(result: dict) -> list[str]:
                      pct(off.get("speedup_error")), off.get("why", "")])
     if not rows:
         return []
+    windows = [f"{e} x{fmt(w['level'], 2)} over {w['samples']}" for e, m in (result.get("cost_models") or {}).items()
+               if (w := (m.get("record") or {}).get("window"))]
     return ["## Predicted beside measured", "",
-            "Decode tokens/s (prefill excluded) measured here, and predicted by the engine's cost model (`dflashkit cost`;"
-            " measured after the runs where the cached one is over 10 minutes old; vLLM's cached) from each row's own "
-            "acceptance (its rounds' tokens and widths: checks the cost half) "
+            "Decode tokens/s (prefill excluded) measured here, and predicted by the engine's cost model (`dflashkit cost`)"
+            " over this run's minutes: each forward the median of quick samples taken between the prompts, the drafter "
+            "call and loop work scaled by the host's level then (the samples against the cached model: "
+            + (", ".join(windows) or "none sampled") + "; vLLM's cached) from each row's own acceptance (its rounds' "
+            "tokens and widths: checks the cost half) "
             + (f"and from {offline} (checks both halves)" if offline else "and, given `--offline RUN`, from an offline "
                "eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%. The speedup error "
-            "compares the predicted speedup over the engine's plain decoding with the measured one: the machine's "
-            "speed when the cost model was measured cancels (a plain row's error is that drift: a shared host's level "
-            "moves 10-40% within an hour).", "",
+            "compares the predicted speedup over the engine's plain decoding with the measured one (the host's level "
+            "cancels).", "",
             markdown_table(["method", "engine", "measured", "predicted (own acceptance)", "error", "speedup error",
                             "predicted (offline)", "error", "speedup error", "not predicted: why"], rows, digits=1)]
 
