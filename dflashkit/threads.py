@@ -2,9 +2,8 @@
 
 torch starts one thread per logical CPU. Our default is one a user can predict: OMP_NUM_THREADS when set, else the
 physical cores this process may use, divided under torchrun by its processes on this machine (LOCAL_WORLD_SIZE).
-It ignores the machine's load: two processes that each take every core make each 10-140x slower (beside one busy
-process on 2 cores the static decoder made 27.8 tok/s on two threads and 57.1 on one, against 86.7 quiet: SmolLM2
-bf16, Zen 5), so the CLI samples /proc/stat once and names `--threads` in one line where other work keeps cores busy.
+It ignores the machine's load (two processes that each take every core run 10-140x slower), so the CLI samples
+/proc/stat once and names `--threads` in one line where other work keeps cores busy.
 
 $DFLASHKIT_NATIVE_ISA (native, the default, or avx2) says what our C++ kernels (decode/native.py) and the llama.cpp
 peer (engines/install.py) are compiled for, so an AVX2-only CPU's code path can be measured, both sides alike, on

@@ -84,14 +84,15 @@ def test_a_hybrid_replayed_offline_is_priced_round_by_round_and_its_best_budget_
 
 
 def test_a_model_over_a_benchs_minutes_is_the_samples_median_and_the_rest_at_their_level():
-    """Each forward: the median of the samples at an n every sample has; the drafter call, the loops' work and a
-    tree verified by paths: times the host's level (the median ratio of a sample to the model at the same n)."""
-    model = dataclasses.replace(FIXED, paths={"ns": [1, 8], "ms": [10.0, 30.0]})
+    """Each forward: the median of the samples at an n every sample has; a tree verified by paths: times the ratio
+    of sample to model at as many tokens; the drafter call and the loops' work: times the host's level (the median
+    of those ratios)."""
+    model = dataclasses.replace(FIXED, paths={"ns": [1, 4], "ms": [10.0, 30.0]})
     samples = [{1: 20.0, 4: 24.0, 8: 28.0}, {1: 22.0, 4: 26.0, 8: 30.0, 16: 50.0}, None, {1: 18.0, 4: 30.0, 8: 26.0}]
     m = cm.in_window(model, samples)
     level = statistics.median([20.0 / 10.0, 26.0 / 12.0, 28.0 / 14.0])
     assert m.ns == [1, 4, 8] and m.forward_ms == [20.0, 26.0, 28.0] and level == 2.0
-    assert m.draft_ms == 3.0 * level and m.overhead("tree") == 2.5 * level and m.paths["ms"] == [20.0, 60.0]
+    assert m.draft_ms == 3.0 * level and m.overhead("tree") == 2.5 * level and m.paths["ms"] == [20.0, 30.0 * 26 / 12]
     assert m.record["window"] == {"samples": 3, "level": level} and FIXED.record == {}
     assert cm.in_window(FIXED, [None]) is FIXED  # nothing sampled: the cached model alone
 

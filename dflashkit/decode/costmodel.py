@@ -221,11 +221,17 @@ def probe_static(target, proposer, state: dict, log=None) -> CostModel:
     return CostModel("static", widths, [1000 * times[w] for w in widths], draft, overhead, rounding="up")
 
 
-def llama_bench_curve(engine, model: Path, threads: int, repeats: int = 5) -> tuple[list[int], list[float]]:
+def llama_bench_curve(target, repeats: int = 5) -> tuple[list[int], list[float]]:
     """llama.cpp's own forward over n tokens after DEPTH of context (`llama-bench -p n -d DEPTH`), ms per n."""
-    cmd = [str(engine.binary("llama-bench")), "-m", str(model), "-t", str(threads), "-n", "0", "-r", str(repeats), "-o",
-           "json",
-           "-d", str(DEPTH), "-p", ",".join(map(str, PROBE_NS))]
+    import torch
+
+    from dflashkit.engines.install import require
+    from dflashkit.engines.llamacpp import target_gguf
+
+    engine = require("llama.cpp")
+    gguf = target_gguf(engine, target, str(target.dtype).removeprefix("torch."))
+    cmd = [str(engine.binary("llama-bench")), "-m", str(gguf), "-t", str(torch.get_num_threads()), "-n", "0", "-r",
+           str(repeats), "-o", "json", "-d", str(DEPTH), "-p", ",".join(map(str, PROBE_NS))]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise DFlashError(f"llama-bench failed ({' '.join(cmd)}): {res.stderr.strip()[-300:]}")
@@ -251,21 +257,10 @@ def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
     return 1000 * (full.seconds - one.seconds) / max(1, rounds)
 
 
-def llama_cpp_curve(target, repeats: int = 5) -> tuple[list[int], list[float]]:
-    import torch
-
-    from dflashkit.engines.install import require
-    from dflashkit.engines.llamacpp import target_gguf
-
-    engine = require("llama.cpp")
-    gguf = target_gguf(engine, target, str(target.dtype).removeprefix("torch."))
-    return llama_bench_curve(engine, gguf, torch.get_num_threads(), repeats)
-
-
 def probe_llama_cpp(target, proposer, state: dict, log=None) -> CostModel:
     """The forward curve from llama-bench; the loop's work per token is the server's plain round less its
     one-token forward; the drafter's call, its speculative round less the verify and that work."""
-    ns, ms = llama_cpp_curve(target)
+    ns, ms = llama_bench_curve(target)
     model = CostModel("llama.cpp", ns, ms, None, {})
     model.overhead_ms = {"ar": max(0.0, peer_round_ms("llama.cpp", target, None, 0) - model.forward(1))}
     if proposer is not None:
@@ -290,9 +285,8 @@ SAMPLED = ("hf", "static", "llama.cpp")  # vLLM's forward is its loop: no quick 
 
 
 def forward_sample(engine: str, target, state: dict) -> dict[int, float] | None:
-    """One quick sample of `engine`'s forward per n (ms; hf ~2 s, static 0.1 s, llama.cpp ~3 s), taken between a
-    bench's prompts: a shared host's speed drifts 10-40% within minutes, and a probe of seconds read that drift as
-    the prediction's error (a bench's rows moved by up to 20 points between two runs 13 minutes apart)."""
+    """One quick sample of `engine`'s forward per n (ms), taken between a bench's prompts: a shared host drifts 10-40%
+    within minutes, and a probe of seconds read that as the prediction's error (rows moved 20 points in 13 minutes)."""
     if engine == "static":
         times = state["static"].time_widths(depth=DEPTH, timed=3) if state.get("static") else {}
         return {w: 1000 * t for w, t in times.items()}
@@ -303,24 +297,27 @@ def forward_sample(engine: str, target, state: dict) -> dict[int, float] | None:
         with kernels_for(target):
             curve = measure_cost_curve(target, PROBE_NS, context=DEPTH, repeats=1)
         return {n: 1000 * t for n, t in zip(curve.ns, curve.seconds)}
-    return dict(zip(*llama_cpp_curve(target, repeats=1))) if engine == "llama.cpp" else None
+    return dict(zip(*llama_bench_curve(target, repeats=1))) if engine == "llama.cpp" else None
 
 
 def in_window(model: CostModel, samples: list[dict]) -> CostModel:
-    """`model` over the minutes the samples (forward_sample) were taken in: each forward the samples' median, and
-    what was not sampled (the drafter call, the loops' work, a tree verified by paths) scaled by the host's level
-    then: the median ratio of a sample to the model's own time at the same n."""
+    """`model` over the minutes the samples (forward_sample) were taken in: each forward the samples' median, a tree
+    verified by paths scaled as the forward over as many tokens moved, the drafter call and the loops' work by the
+    host's level then (the median ratio of a sample to the model's own time at the same n)."""
     samples = [s for s in samples if s]
     ns = sorted(n for n in set().union(*samples) if all(n in s for s in samples) and model.forward(n) < float("inf"))
     if not ns:
         return model
     ms = [statistics.median(s[n] for s in samples) for n in ns]
-    level = statistics.median(t / model.forward(n) for n, t in zip(ns, ms))
-    return replace(
-        model, ns=ns, forward_ms=ms, draft_ms=None if model.draft_ms is None else model.draft_ms * level,
-        overhead_ms={k: v * level for k, v in model.overhead_ms.items()},
-        paths=model.paths and {"ns": model.paths["ns"], "ms": [t * level for t in model.paths["ms"]]},
-        record={**model.record, "window": {"samples": len(samples), "level": level}})
+    from dflashkit.decode.cost import CostCurve
+
+    moved = CostCurve(ns, [t / model.forward(n) for n, t in zip(ns, ms)])  # (linear between the sampled n)
+    level = statistics.median(moved.seconds)
+    return replace(model, ns=ns, forward_ms=ms, draft_ms=None if model.draft_ms is None else model.draft_ms * level,
+                   overhead_ms={k: v * level for k, v in model.overhead_ms.items()},
+                   paths=model.paths and {"ns": model.paths["ns"],
+                                          "ms": [t * moved(n) for n, t in zip(model.paths["ns"], model.paths["ms"])]},
+                   record={**model.record, "window": {"samples": len(samples), "level": level}})
 
 
 def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> list[str]:

@@ -6,11 +6,9 @@ produced) -> commit (keep only the accepted positions in the target KV; their fe
 next context). "The target's choice" is its argmax at temperature 0 and its own sample from softmax(logits / T)
 otherwise; accepting a greedy draft iff it equals that sample keeps the output distribution exactly the target's.
 
-Hybrid targets (Qwen3.5 linear-attention layers) keep recurrent and conv states that cannot be cropped: the loop
-snapshots them before verifying, restores them afterwards and re-runs the target over the accepted tokens. That
-costs one extra target forward over tau tokens per round (skipped when a chain round accepts the whole block).
-A recurrent layer cannot read a flattened tree either, so on hybrid targets DDTree verifies every root-to-leaf
-path as its own batch row.
+Hybrid targets (Qwen3.5 linear-attention layers) keep states that cannot be cropped: the loop snapshots them before
+verifying, restores them and re-runs the accepted tokens (one extra forward over tau tokens, skipped when a chain
+round accepts the whole block), and verifies a tree one root-to-leaf path per batch row.
 
 The drafter enters through a small `Proposer` interface, so tests can inject an oracle.
 """

@@ -1,25 +1,9 @@
-"""Built-in prompt suites and a JSONL prompt loader that reads the formats the field uses.
-
-A prompt file is JSON Lines, one conversation per line (blank lines ignored); the format of each row is told by
-its fields:
-
-* ours: ``id`` + ``prompt`` (one user message) or ``messages`` (a chat list of ``{"role", "content"}``);
-* OpenAI chat: ``messages``, assistant turns included, ``id`` optional;
-* z-lab / DeepSpec: ``turns``, a list of user turns;
-* Spec-Bench: ``question_id``, ``category``, ``turns``;
-* ShareGPT: ``conversations``, a list of ``{"from", "value"}`` (human / gpt / system).
-
-A row without an id gets a stable one, the file stem and its line number (``mt-bench-12``); a ``category`` is
-kept (per-category results), and a row without one takes the file stem (``gsm8k``) or the built-in suite's name.
-A conversation with several user turns is multi-turn: each turn is asked after the target's own answer to the one
-before (MT-Bench, Spec-Bench); a file's own assistant answers are kept for the one use that asks for them by name
-(``data generate --use-file-responses``).
-
-Built-in suites: ``coding-10``, ten Python coding tasks for evaluation; ``train-mix``, 600+ mixed prompts (mostly
-coding) for drafter training, deliberately without a task that duplicates a ``coding-10`` topic.
-
-Several files joined by commas (``gsm8k.jsonl,math500.jsonl``) make one suite with a category per file, so that a
-per-set table comes out of one run.
+"""Built-in prompt suites and a JSONL loader for the formats the field uses (docs/standard-sets.md): ours (``id`` +
+``prompt`` or ``messages``), OpenAI chat, z-lab/DeepSpec ``turns``, Spec-Bench and ShareGPT, told apart by their
+fields. A row without an id gets the file stem and its line (``mt-bench-12``), one without a category the stem, so
+files joined by commas make one suite with a table per set. Several user turns run multi-turn: each asked after the
+target's own answer to the one before; a file's own answers are kept for ``data generate --use-file-responses``.
+Built-in: ``coding-10`` (ten Python tasks, evaluation) and ``train-mix`` (600+ prompts, none on a coding-10 topic).
 """
 
 from __future__ import annotations

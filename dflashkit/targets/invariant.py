@@ -1,28 +1,12 @@
-"""Row-invariant kernels: a token's logits must not depend on how many tokens share its forward.
+"""Row-invariant kernels: a token's logits must not depend on how many tokens share its forward (docs/design.md
+section 8, "Row-invariant kernels in detail").
 
-Speculative decoding is lossless only if the target's choice for a token is the same whether the token is
-verified alone (plain decoding) or among a block or tree of drafts. On CPU in bfloat16 it is not by default:
-a one-row matmul runs a GEMV kernel whose rounding differs from the GEMM kernel used for 2+ rows, and the fused
-SDPA kernels reduce differently for 1 and n queries. One ulp of bf16 (0.4%) then flips a near-tie a few hundred
-tokens in, and plain and speculative outputs part (measured on SmolLM2: first difference after 135-217 tokens).
-
-`RowInvariantKernels` is those kernels as a value: a torch function mode that the reference backend enters around
-its own forwards (`kernels_for(target)` gives it, or a null context where none is needed). It changes nothing on
-the model: no module swapped, no attention registered, no config touched, so an extraction on the same target
-beside it runs the stock kernels. Inside it, on low-precision tensors only:
-- a linear of one row runs as two identical rows (the GEMM kernel; in bf16 a two-row product costs 1.01x a
-  one-row one), and one of more than MAX_ROWS rows in slices (on AMX CPUs a GEMM of 33+ rows takes another kernel);
-- attention (SDPA) and the products and softmax of a family's eager attention (Gemma 2's soft-capping and gpt-oss's
-  sinks are plain operations there) run in float64 and are rounded once: a bf16 matmul's rounding depends on the
-  kernel its shape selects (on AMX CPUs a query's scores round differently with 52 keys than with 53), and float32
-  sums still differ in order (about 1e-7); in float64 the differences are about 1e-16 relative.
-float32 needs none of it (its rounding differences are 1e-7 and have not flipped a token in our runs), and there
-the GEMV kernel is much faster, so `kernels_for` leaves float32 targets alone.
-
-Hybrid targets add a third source: a Gated DeltaNet layer runs a multi-token input through its chunked conv and
-delta rule and a one-token input through the recurrent ones, which round differently in bf16. A low-precision CPU
-target therefore loads its linear-attention layers stepwise (`step_linear_attention`, once, in load_target): a cached
-multi-token call after the prefill runs one token at a time, exactly what plain decoding computes.
+On CPU in bfloat16 a one-row matmul runs a GEMV kernel whose rounding differs from the GEMM kernel of 2+ rows, and
+the fused SDPA kernels reduce differently for 1 and n queries: one ulp flips a near-tie a few hundred tokens in
+(SmolLM2: first difference after 135-217 tokens). `RowInvariantKernels` is those kernels as a value, a torch
+function mode the reference backend enters around its own forwards (`kernels_for(target)`), nothing on the model
+changed: one-row linears run as two rows, attention and eager attention's products and softmax in float64 rounded
+once. float32 needs none of it. A low-precision CPU hybrid target loads its linear-attention layers stepwise.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
-"""The drafter's training loss over blocks (docs/design.md section 7), with the lm_head applied in chunks.
+"""The drafter's training loss over blocks, with the lm_head applied in chunks (docs/design.md section 7, "The loss
+in detail": labels, `ce` and `kl`, the normaliser, DFlash2's selector loss).
 
-Labels: slot k (1..B-1) of the block anchored at position a predicts token a+k; slot 0 (the anchor itself) and
-slots past the end of the sequence carry no loss. Slot k weighs w_k = exp(-(k-1)/gamma).
-
-- `ce`: hard cross-entropy against token a+k over the draft vocabulary. A label outside the draft vocabulary
-  cannot be proposed, so its slot gets no loss; such slots are counted (`oov`) and logged.
-- `kl`: KL(p || q), p = the target's distribution at position a+k-1 (the logits that predict token a+k),
-  q = the drafter's at slot k, both over the draft vocabulary (p renormalised over it). p comes from the
-  target's last decoder layer through its final norm and lm_head, so it is the target's own next-token
-  distribution, computed from clean (never noised) states.
-
-Normalisation, both losses: loss = sum_slots w_k * l_slot / sum_slots w_k, the sums running over every
-supervised slot of the optimiser step (all micro-batches, all processes), so neither the loss nor the gradient
-depends on how a global batch is split into micro-batches or processes. Frameworks differ here by up to the number
-of slots, which is why learning rates transfer only with matched normalisation.
-
-DFlash2 adds its candidate selector's loss (the facts from speculators 0.9.0): per supervised slot, the top-k of
-the drafter's logits are the candidates (the true token replaces the last one when it is not among them), scored
-as the selector scores them at inference, with the true previous token as predecessor (teacher forcing);
-hard cross-entropy over those k scores, with the same slot weights and normaliser, times `selector_loss_alpha`.
-
-Memory: logits for thousands of slots x 49K vocabulary do not fit, and autograd would keep every chunk's
-softmax. `ChunkedHeadLoss` computes loss and d(loss)/d(hidden) chunk by chunk in the forward pass and keeps only
-the [N, H] gradient; the lm_head is frozen, so nothing else is needed in backward.
+Slot k (1..B-1) of the block anchored at a predicts token a+k with weight exp(-(k-1)/gamma); loss = sum w*l / sum w
+over every supervised slot of the optimiser step (all micro-batches, all processes), so neither the loss nor the
+gradient depends on how a global batch is split. `ChunkedHeadLoss` computes loss and d(loss)/d(hidden) chunk by
+chunk in the forward pass and keeps only the [N, H] gradient: logits for thousands of slots x 49K vocabulary do not
+fit, and the lm_head is frozen.
 """
 
 from __future__ import annotations
