@@ -83,17 +83,18 @@ def test_a_hybrid_replayed_offline_is_priced_round_by_round_and_its_best_budget_
     assert offline_acceptance(overall, 2)["hybrid"] == {8: replay}
 
 
-def test_a_model_over_a_benchs_minutes_is_the_samples_median_and_the_rest_at_their_level():
-    """Each forward: the median of the samples at an n every sample has; a tree verified by paths: times the ratio
-    of sample to model at as many tokens; the drafter call and the loops' work: times the host's level (the median
-    of those ratios)."""
+def test_a_model_over_a_benchs_minutes_takes_the_samples_medians():
+    """Each sampled curve (the forward, hf's paths): the median of the samples at every n they all hold; the drafter
+    call and the loops' work stay as measured; a curve not sampled stays too."""
     model = dataclasses.replace(FIXED, paths={"ns": [1, 4], "ms": [10.0, 30.0]})
-    samples = [{1: 20.0, 4: 24.0, 8: 28.0}, {1: 22.0, 4: 26.0, 8: 30.0, 16: 50.0}, None, {1: 18.0, 4: 30.0, 8: 26.0}]
-    m = cm.in_window(model, samples)
-    level = statistics.median([20.0 / 10.0, 26.0 / 12.0, 28.0 / 14.0])
-    assert m.ns == [1, 4, 8] and m.forward_ms == [20.0, 26.0, 28.0] and level == 2.0
-    assert m.draft_ms == 3.0 * level and m.overhead("tree") == 2.5 * level and m.paths["ms"] == [20.0, 30.0 * 26 / 12]
-    assert m.record["window"] == {"samples": 3, "level": level} and FIXED.record == {}
+    fwd = [{1: 20.0, 4: 24.0, 8: 28.0}, {1: 22.0, 4: 26.0, 8: 30.0, 16: 50.0}, {1: 18.0, 4: 30.0, 8: 26.0}]
+    m = cm.in_window(model, [{"forward": f} for f in fwd] + [None])
+    assert m.ns == [1, 4, 8] and m.forward_ms == [20.0, 26.0, 28.0] and m.paths == model.paths
+    assert m.draft_ms == FIXED.draft_ms and m.overhead_ms == FIXED.overhead_ms and FIXED.record == {}
+    assert m.record["window"] == {"samples": 3, "level": statistics.median([20 / 10, 26 / 12, 28 / 14])}
+    paths = [{1: 20.0, 8: 60.0}, {1: 22.0, 8: 64.0, 16: 99.0}, {1: 24.0, 8: 62.0}]
+    m = cm.in_window(model, [{"forward": f, "paths": p} for f, p in zip(fwd, paths)])
+    assert m.paths == {"ns": [1, 8], "ms": [22.0, 62.0]}
     assert cm.in_window(FIXED, [None]) is FIXED  # nothing sampled: the cached model alone
 
 
@@ -259,12 +260,12 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
     prompts = [(x, t.chat_ids([{"role": "user", "content": x}])) for x in ("def add(a, b):", "Write a haiku.")]
     drafter = load_drafter(root / "d", target=t)
     slow = cost_model("hf", t, DFlashProposer(t, drafter, drafter.config.block_size))  # from a much slower hour
-    slow.forward_ms, slow.draft_ms = [1e6] * len(slow.forward_ms), 1e6
+    slow.forward_ms = [1e6] * len(slow.forward_ms)
     write_json(slow.path, slow.to_dict())
     res = run_bench(t, drafter, prompts, parse_methods("ar,chain,ddtree-8,ngram,hybrid-8"),
                     max_new_tokens=12, progress=False, warmup=False, offline=offline)
-    hf = res["cost_models"]["hf"]  # its forwards sampled after each prompt, its drafter call scaled to the host then
-    assert max(hf["forward"]["ms"]) < 1e5 and hf["draft_ms"] < 1e4 and hf["record"]["window"]["samples"] == 2
+    hf = res["cost_models"]["hf"]  # its forwards sampled after each prompt
+    assert max(hf["forward"]["ms"]) < 1e5 and hf["record"]["window"]["samples"] == 2
     s = res["methods"]
     assert s["hybrid-8"]["predicted"]["offline"]["tokens_per_s"] > 0
     for m in ("ar", "chain", "ddtree-8", "ngram"):

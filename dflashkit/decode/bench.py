@@ -180,11 +180,10 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         peers = {m: stack.enter_context(EnginePeer(m, target, drafter, proposer.block_size if proposer else 0,
                                                    max_new_tokens)) for m in engines}
         window = {e: [] for e in dict.fromkeys(predicted_engine(m, rows) for m in methods) if predict and e in SAMPLED}
-
         def sample():  # one that fails is left out (the cached model stands where none is taken)
             for e, w in window.items():
                 with suppress(DFlashError, OSError):
-                    w.append(forward_sample(e, target, state))
+                    w.append(forward_sample(e, target, proposer, state))
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
                                   progress, curve, peers, state, rows, sample)
     started = {m: p.info for m, p in peers.items()}

@@ -15,6 +15,7 @@ vLLM times whole rounds through its worker (its forward is not reachable apart).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import time
@@ -284,39 +285,37 @@ PROBES = {"hf": probe_hf, "static": probe_static, "llama.cpp": probe_llama_cpp, 
 SAMPLED = ("hf", "static", "llama.cpp")  # vLLM's forward is its loop: no quick sample
 
 
-def forward_sample(engine: str, target, state: dict) -> dict[int, float] | None:
-    """One quick sample of `engine`'s forward per n (ms), taken between a bench's prompts: a shared host drifts 10-40%
-    within minutes, and a probe of seconds read that as the prediction's error (rows moved 20 points in 13 minutes)."""
+def forward_sample(engine: str, target, proposer, state: dict) -> dict | None:
+    """One quick sample of `engine`'s forward per n (ms; {"forward": {n: ms}, "paths": hf's verifies one path a
+    row}), taken between a bench's prompts: a shared host drifts 10-40% within minutes, and a probe of seconds read
+    that as the prediction's error (rows moved 20 points in 13 minutes)."""
     if engine == "static":
         times = state["static"].time_widths(depth=DEPTH, timed=3) if state.get("static") else {}
-        return {w: 1000 * t for w, t in times.items()}
+        return {"forward": {w: 1000 * t for w, t in times.items()}}
     if engine == "hf":
-        from dflashkit.decode.cost import measure_cost_curve
+        from dflashkit.decode.cost import tree_cost_curve
         from dflashkit.targets.invariant import kernels_for
 
         with kernels_for(target):
-            curve = measure_cost_curve(target, PROBE_NS, context=DEPTH, repeats=1)
-        return {n: 1000 * t for n, t in zip(curve.ns, curve.seconds)}
-    return dict(zip(*llama_bench_curve(target, repeats=1))) if engine == "llama.cpp" else None
+            c = tree_cost_curve(target, proposer.block_size if proposer else 4, ns=PROBE_NS, context=DEPTH, repeats=1)
+        ms = lambda curve: {n: 1000 * t for n, t in zip(curve.ns, curve.seconds)}
+        return {"forward": ms(c), "paths": c.paths and ms(c.paths)}
+    return {"forward": dict(zip(*llama_bench_curve(target, repeats=1)))} if engine == "llama.cpp" else None
 
 
 def in_window(model: CostModel, samples: list[dict]) -> CostModel:
-    """`model` over the minutes the samples (forward_sample) were taken in: each forward the samples' median, a tree
-    verified by paths scaled as the forward over as many tokens moved, the drafter call and the loops' work by the
-    host's level then (the median ratio of a sample to the model's own time at the same n)."""
-    samples = [s for s in samples if s]
-    ns = sorted(n for n in set().union(*samples) if all(n in s for s in samples) and model.forward(n) < float("inf"))
-    if not ns:
+    """`model` over the minutes the samples (forward_sample) were taken in: each sampled curve the samples' median
+    at every n they all hold. The drafter call and the loops' work stay as measured: they run our torch code on every
+    backend, and a backend's own drift (hf's moved 9% where the drafter's did not) is not theirs."""
+    samples, curves = [s for s in samples if s], {}
+    for key in ("forward", "paths"):
+        got = [s[key] for s in samples if s.get(key)]
+        ns = sorted(set(got[0]).intersection(*got[1:])) if got and len(got) == len(samples) else []
+        curves[key] = {"ns": ns, "ms": [statistics.median(g[n] for g in got) for n in ns]} if ns else None
+    if not (f := curves["forward"]):
         return model
-    ms = [statistics.median(s[n] for s in samples) for n in ns]
-    from dflashkit.decode.cost import CostCurve
-
-    moved = CostCurve(ns, [t / model.forward(n) for n, t in zip(ns, ms)])  # (linear between the sampled n)
-    level = statistics.median(moved.seconds)
-    return replace(model, ns=ns, forward_ms=ms, draft_ms=None if model.draft_ms is None else model.draft_ms * level,
-                   overhead_ms={k: v * level for k, v in model.overhead_ms.items()},
-                   paths=model.paths and {"ns": model.paths["ns"],
-                                          "ms": [t * moved(n) for n, t in zip(model.paths["ns"], model.paths["ms"])]},
+    level = statistics.median(t / model.forward(n) for n, t in zip(f["ns"], f["ms"]) if model.forward(n) < math.inf)
+    return replace(model, ns=f["ns"], forward_ms=f["ms"], paths=curves["paths"] or model.paths,
                    record={**model.record, "window": {"samples": len(samples), "level": level}})
 
 

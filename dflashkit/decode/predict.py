@@ -1,20 +1,17 @@
 """Predicted decoding speed: an acceptance and an engine's cost model (decode/costmodel.py) give tokens per round,
 time per round, tokens per second and the speedup over that engine's plain decoding (docs/decoding.md,
-"Predicting speed from offline acceptance"):
+"Predicting an engine's speed before serving"):
 
     time per round   = draft + forward(width) + overhead(loop)        (ms; plain decoding: forward(1) + overhead(ar))
     tokens per round = 1 + sum_k P(drafts 1..k all accepted)           (chain, width B)
-                     = 1 + mean accepted depth of the budget-b tree     (ddtree-b, width b + 1, or its
-                                                                         leaves x (depth + 1) verified by paths,
-                                                                         priced on the model's paths curve)
-                     = mean of the rounds replayed offline              (hybrid-b: the drafter's tree and the
-                                                                         n-gram branch, each round priced)
+                     = 1 + mean accepted depth of the budget-b tree     (ddtree-b: width b + 1, or leaves x
+                                                                         (depth + 1) by paths, on the paths curve)
+                     = mean of the rounds replayed offline              (hybrid-b: drafter tree + n-gram branch)
     tokens/s         = 1000 * tokens per round / time per round;  speedup = tokens/s / plain tokens/s
 
-ddtree-auto and hybrid-auto are predicted as the best fixed budget (the online tree is cut per round, so it can do
-a little better; hybrid-auto's lookup also proposes two longer continuations).
-The acceptance comes either from an offline eval (`offline_acceptance`: both halves predicted) or from a decode's
-own rounds (`predict_rounds`: its tokens and widths per round, which checks the cost half alone)."""
+ddtree-auto and hybrid-auto are predicted as the best fixed budget (online, the tree is cut per round and the hybrid
+lookup proposes longer continuations too). The acceptance comes from an offline eval (`offline_acceptance`: both
+halves predicted) or a decode's own rounds (`predict_rounds`: its tokens and widths, the cost half alone)."""
 
 from __future__ import annotations
 
@@ -228,8 +225,8 @@ def predicted_markdown(result: dict) -> list[str]:
                if (w := (m.get("record") or {}).get("window"))]
     return ["## Predicted beside measured", "",
             "Decode tokens/s (prefill excluded) measured here, and predicted by the engine's cost model (`dflashkit cost`)"
-            " over this run's minutes: each forward the median of quick samples taken between the prompts, the drafter "
-            "call and loop work scaled by the host's level then (the samples against the cached model: "
+            " over this run's minutes: each forward (and hf's verifies by paths) the median of quick samples taken "
+            "between the prompts, the drafter call and loop work as cached (samples against the cached forwards: "
             + (", ".join(windows) or "none sampled") + "; vLLM's cached) from each row's own acceptance (its rounds' "
             "tokens and widths: checks the cost half) "
             + (f"and from {offline} (checks both halves)" if offline else "and, given `--offline RUN`, from an offline "
