@@ -57,7 +57,7 @@ def test_every_stage_writes_its_outputs(demo_run):
     assert bench["cost"]["ns"][0] == 1 and "### Cost of one target forward" in text
     assert "Numerics: dtype float32" in text and "Decoding kernels: the stock kernels" in text
     # issue 50: the offline walk priced on the cost model, beside measured, in the report and as a plot
-    assert "### Predicted beside measured" in text and "![predicted vs measured](bench/predicted.png)" in text
+    assert "### Predicted beside measured" in text and "![predicted against measured](bench/predicted.png)" in text
     summary = json.loads((out / "report.json").read_text())
     assert set(summary["bench"]) == set(bench["methods"]) and summary["training"]["steps"] == 3
     assert summary["offline"]["stride/trained"]["tau"] >= 1.0 and summary["machine"]["threads"] >= 1

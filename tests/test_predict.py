@@ -277,7 +277,8 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
         chain["measured_decode_tokens_per_s"] / ar["measured_decode_tokens_per_s"]) - 1
     assert chain["online"]["speedup_error"] == pytest.approx(want) and ar["online"]["speedup_error"] == pytest.approx(0)
     assert "offline" not in s["ngram"]["predicted"]  # the offline walk replays hybrids, not the n-gram alone
-    assert "hf" in res["cost_models"] and "## Predicted beside measured" in bench_markdown(res)
+    md = bench_markdown(res)
+    assert "hf" in res["cost_models"] and "## Predicted beside measured" in md and "](predicted.png)" in md
 
 
 needs_llama = pytest.mark.skipif(find("llama.cpp") is None, reason="llama.cpp not installed: "

@@ -234,7 +234,8 @@ def predicted_markdown(result: dict) -> list[str]:
             "compares the predicted speedup over the engine's plain decoding with the measured one (the host's level "
             "cancels).", "",
             markdown_table(["method", "engine", "measured", "predicted (own acceptance)", "error", "speedup error",
-                            "predicted (offline)", "error", "speedup error", "not predicted: why"], rows, digits=1)]
+                            "predicted (offline)", "error", "speedup error", "not predicted: why"], rows, digits=1),
+            *(["![predicted against measured](predicted.png)"] if predicted_points(result) else []), ""]
 
 
 def predicted_points(result: dict) -> dict[str, tuple[float, float]]:

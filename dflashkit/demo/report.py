@@ -38,7 +38,7 @@ def bench_section(root: Path, folder: str, title: str) -> list[str]:
 
     head, _, body = bench_markdown(load(root / folder / "results.json")).partition("\n")
     body = re.sub(r"^##", "###", body, flags=re.M).replace("](", f"]({folder}/")
-    plots = {"speedup": "speedup", "predicted": "predicted vs measured"}
+    plots = {"speedup": "speedup"}  # (bench's own report links its predicted.png)
     images = [f"![{alt}]({folder}/{name}.png)" for name, alt in plots.items() if (root / folder / f"{name}.png").is_file()]
     return [f"## {title}", "", f"{head.lstrip('# ')}.", body, *images, ""]
 
