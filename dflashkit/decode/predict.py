@@ -161,7 +161,6 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
     acceptance = offline_acceptance(offline["overall"], offline["settings"]["block_size"],
                                     offline.get("source", "offline eval")) if offline is not None else None
     for label, s in summary.items():
-        method = rows.get(label, (label,))[0]
         if (engine := predicted_engine(label, rows)) is None:
             s["predicted"] = {"why": "stock kernels or transformers' own loop: no cost model of ours"}
             continue
@@ -180,7 +179,7 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
         s["predicted"] = {"engine": engine, "measured_decode_tokens_per_s": measured,
                           "online": {**online, "error": error(online["tokens_per_s"], measured)}}
         if acceptance is not None and (row := predict_offline(acceptance, model).get(
-                "chain" if label.endswith("-dflash") else method)):
+                "chain" if label.endswith("-dflash") else rows.get(label, (label,))[0])):
             s["predicted"]["offline"] = {**row, "error": error(row["tokens_per_s"], measured),
                                          "source": acceptance["source"]}
     _speedup_errors(rows, summary)
@@ -218,7 +217,8 @@ def predicted_markdown(result: dict) -> list[str]:
         pct = lambda e: "" if e is None else f"{100 * e:+.1f}%" + ("" if abs(e) <= ERROR_BAR else " (beyond 10%)")
         rows.append([m, p["engine"], p["measured_decode_tokens_per_s"], on["tokens_per_s"], pct(on["error"]),
                      pct(on.get("speedup_error")), off.get("tokens_per_s"), pct(off.get("error")),
-                     pct(off.get("speedup_error")), off.get("why", "")])
+                     pct(off.get("speedup_error")), off.get("why") or (f"tokens/round {off['tokens_per_round']:.2f} "
+                     f"offline, {on['tokens_per_round']:.2f} here" if off else "")])
     if not rows:
         return []
     windows = [f"{e} x{fmt(w['level'], 2)} over {w['samples']}" for e, m in (result.get("cost_models") or {}).items()
@@ -234,7 +234,7 @@ def predicted_markdown(result: dict) -> list[str]:
             "compares the predicted speedup over the engine's plain decoding with the measured one (the host's level "
             "cancels).", "",
             markdown_table(["method", "engine", "measured", "predicted (own acceptance)", "error", "speedup error",
-                            "predicted (offline)", "error", "speedup error", "not predicted: why"], rows, digits=1),
+                            "predicted (offline)", "error", "speedup error", "note"], rows, digits=1),
             *(["![predicted against measured](predicted.png)"] if predicted_points(result) else []), ""]
 
 
