@@ -194,32 +194,39 @@ def probe_loops(target, proposer, engine: str, state: dict) -> tuple[float | Non
     return draft, overhead
 
 
-def probe_hf(target, proposer, state: dict, log=None) -> CostModel:
-    """transformers' forward over n tokens, and over 1..16 paths of the drafter's block where branching trees go one
-    path a row (such a verify cost 15-40% more than a flat one over as many tokens: SmolLM2, bf16, Xeon)."""
+def hf_curves(target, proposer, repeats: int) -> tuple[dict, dict | None]:
+    """ms of transformers' forward over n tokens after DEPTH ({n: ms}) and, where branching trees go one path a row,
+    of such verifies over 1..16 paths of the drafter's block (they cost 15-40% more than a flat forward over as many
+    tokens: SmolLM2, bf16, Xeon), under the kernels decoding runs (low-precision CPU targets switch)."""
     from dflashkit.decode.cost import tree_cost_curve
     from dflashkit.targets.invariant import kernels_for
 
-    with kernels_for(target):  # the kernels decoding runs (low-precision CPU targets switch)
-        curve = tree_cost_curve(target, proposer.block_size if proposer else 4, ns=PROBE_NS, context=DEPTH, repeats=5)
-    paths = {"ns": curve.paths.ns, "ms": [1000 * t for t in curve.paths.seconds]} if curve.paths else None
-    draft, overhead = probe_loops(target, proposer, "hf", state)
-    return CostModel("hf", curve.ns, [1000 * t for t in curve.seconds], draft, overhead, paths=paths)
+    with kernels_for(target):
+        c = tree_cost_curve(target, proposer.block_size if proposer else 4, ns=PROBE_NS, context=DEPTH, repeats=repeats)
+    ms = lambda curve: {n: 1000 * t for n, t in zip(curve.ns, curve.seconds)}
+    return ms(c), c.paths and ms(c.paths)
+
+
+def static_widths(decoder, timed: int) -> dict[int, float]:
+    """ms of the static step per compiled width after DEPTH slots (a verify of n runs on the smallest width >= n)."""
+    return {w: 1000 * t for w, t in sorted(decoder.time_widths(depth=DEPTH, timed=timed).items())}
+
+
+def probe_hf(target, proposer, state: dict, log=None) -> CostModel:
+    (forward, paths), (draft, overhead) = hf_curves(target, proposer, 5), probe_loops(target, proposer, "hf", state)
+    return CostModel("hf", list(forward), list(forward.values()), draft, overhead,
+                     paths=paths and {"ns": list(paths), "ms": list(paths.values())})
 
 
 def probe_static(target, proposer, state: dict, log=None) -> CostModel:
-    """The static step per compiled width, timed after DEPTH slots (a tree or chain runs on the smallest width that
-    holds it, so n rounds up)."""
     from dflashkit.decode.engine import static_refusal
     from dflashkit.decode.static import decoder_for
 
     if why := static_refusal(target):
         raise DFlashError(why)
-    d = decoder_for(target, state, 512, proposer, log=log, trees=True)
-    times = d.time_widths(depth=DEPTH, timed=7)
+    times = static_widths(decoder_for(target, state, 512, proposer, log=log, trees=True), 7)
     draft, overhead = probe_loops(target, proposer, "static", state)
-    widths = sorted(times)
-    return CostModel("static", widths, [1000 * times[w] for w in widths], draft, overhead, rounding="up")
+    return CostModel("static", list(times), list(times.values()), draft, overhead, rounding="up")
 
 
 def llama_bench_curve(target, repeats: int = 5) -> tuple[list[int], list[float]]:
@@ -290,16 +297,9 @@ def forward_sample(engine: str, target, proposer, state: dict) -> dict | None:
     row}), taken between a bench's prompts: a shared host drifts 10-40% within minutes, and a probe of seconds read
     that as the prediction's error (rows moved 20 points in 13 minutes)."""
     if engine == "static":
-        times = state["static"].time_widths(depth=DEPTH, timed=3) if state.get("static") else {}
-        return {"forward": {w: 1000 * t for w, t in times.items()}}
+        return {"forward": static_widths(state["static"], 3) if state.get("static") else {}}
     if engine == "hf":
-        from dflashkit.decode.cost import tree_cost_curve
-        from dflashkit.targets.invariant import kernels_for
-
-        with kernels_for(target):
-            c = tree_cost_curve(target, proposer.block_size if proposer else 4, ns=PROBE_NS, context=DEPTH, repeats=1)
-        ms = lambda curve: {n: 1000 * t for n, t in zip(curve.ns, curve.seconds)}
-        return {"forward": ms(c), "paths": c.paths and ms(c.paths)}
+        return dict(zip(("forward", "paths"), hf_curves(target, proposer, 1)))
     return {"forward": dict(zip(*llama_bench_curve(target, repeats=1)))} if engine == "llama.cpp" else None
 
 
