@@ -262,8 +262,9 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
     slow = cost_model("hf", t, DFlashProposer(t, drafter, drafter.config.block_size))  # from a much slower hour
     slow.forward_ms = [1e6] * len(slow.forward_ms)
     write_json(slow.path, slow.to_dict())
+    on_hf = {**offline, "overall": {**offline["overall"], "acc_cumulative": [0.0] * 3}, "source": "hf's answers"}
     res = run_bench(t, drafter, prompts, parse_methods("ar,chain,ddtree-8,ngram,hybrid-8"),
-                    max_new_tokens=12, progress=False, warmup=False, offline=offline)
+                    max_new_tokens=12, progress=False, warmup=False, offline={"": offline, "hf": on_hf})
     hf = res["cost_models"]["hf"]  # its forwards sampled after each prompt
     assert max(hf["forward"]["ms"]) < 1e5 and hf["record"]["window"]["samples"] == 2
     s = res["methods"]
@@ -271,7 +272,9 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
     for m in ("ar", "chain", "ddtree-8", "ngram"):
         p = s[m]["predicted"]
         assert p["engine"] == "hf" and p["online"]["tokens_per_s"] > 0 and p["online"]["error"] is not None, m
-    assert s["ddtree-8"]["predicted"]["online"]["width"] > 1 and "offline" in s["chain"]["predicted"]
+    assert s["ddtree-8"]["predicted"]["online"]["width"] > 1
+    chain = s["chain"]["predicted"]["offline"]  # the eval on the hf rows' own answers, not the one for the rest
+    assert chain["source"] == "hf's answers" and chain["tokens_per_round"] == 1.0
     ar, chain = s["ar"]["predicted"], s["chain"]["predicted"]  # the speedup over plain decoding, predicted vs measured
     want = (chain["online"]["tokens_per_s"] / ar["online"]["tokens_per_s"]) / (
         chain["measured_decode_tokens_per_s"] / ar["measured_decode_tokens_per_s"]) - 1
@@ -279,6 +282,23 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
     assert "offline" not in s["ngram"]["predicted"]  # the offline walk replays hybrids, not the n-gram alone
     md = bench_markdown(res)
     assert "hf" in res["cost_models"] and "## Predicted beside measured" in md and "](predicted.png)" in md
+
+
+def test_bench_offline_takes_one_eval_per_engine_and_refuses_a_misnamed_one(tmp_path):
+    from dflashkit.decode.cli import offline_runs
+    from dflashkit.fileio import write_json
+
+    for name in ("a", "b"):
+        write_json(tmp_path / name / "results.json", {"overall": {}, "settings": {"anchors": "walk"}})
+    runs = offline_runs([str(tmp_path / "a"), f"static={tmp_path / 'b'}"])
+    assert set(runs) == {"", "static"} and runs["static"]["source"].endswith("for the static rows")
+    assert str(tmp_path / "b") in runs["static"]["source"] and "for the" not in runs[""]["source"]
+    with pytest.raises(DFlashError, match="no engine 'stati'; name one of hf, static, llama.cpp, vllm"):
+        offline_runs([f"stati={tmp_path / 'b'}"])
+    with pytest.raises(DFlashError, match="engine static is given twice"):
+        offline_runs([f"static={tmp_path / 'a'}", f"static={tmp_path / 'b'}"])
+    with pytest.raises(DFlashError, match="no results.json there"):
+        offline_runs([f"hf={tmp_path / 'c'}"])
 
 
 needs_llama = pytest.mark.skipif(find("llama.cpp") is None, reason="llama.cpp not installed: "

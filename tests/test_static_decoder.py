@@ -490,3 +490,31 @@ def test_a_wrong_static_step_fails_a_bf16_bench_with_the_position_named(tiny_dir
         return
     assert step and step[0]["position"] == 0 and step[0]["logit_gap"] > 1e-3
     assert "the static step's logits" in bench.bench_markdown(res) and "at position 0" in bench.bench_markdown(res)
+
+
+def test_data_generate_answers_on_the_static_backend_and_a_cache_names_it(tiny_targets, monkeypatch, tmp_path):
+    """`data generate --engine static` (plain_answers): every completion is the static backend's plain decoding (transformers'
+    batched generation never runs), the header says so, a rerun on hf is refused, and a cache extracted from those
+    answers names the backend that wrote them."""
+    from dflashkit.cache import extract, open_cache
+    from dflashkit.cache.sequences import generate_sequences, read_sequences
+    from dflashkit.decode.engine import plain_answers
+    from dflashkit.prompts import load_prompts
+    from dflashkit.targets import generation
+
+    eager_decoders(monkeypatch)
+    t, out = tiny_targets["llama"], tmp_path / "seqs.jsonl"
+    suite = load_prompts("coding-10").subset(2)
+    with monkeypatch.context() as m:
+        m.setattr(generation, "iter_generate_greedy", lambda *a, **k: pytest.fail("answered by transformers"))
+        generate_sequences(t, suite, out, max_new_tokens=8, progress=False, answered_by=plain_answers(t, "static"))
+    head, recs = read_sequences(out)
+    assert head["engine"] == "static" and len(recs) == 2
+    for r in recs:
+        want = generate_ar(StaticBackend(StaticDecoder(t, 512, compile=False)), r["prompt_ids"], 8).tokens
+        assert r["completion_ids"] == want
+    with pytest.raises(DFlashError, match="engine='static', now 'hf'"):
+        generate_sequences(t, suite, out, max_new_tokens=8, progress=False)
+    cache = extract(t, suite, tmp_path / "cache", layer_ids=[1, 2], max_new_tokens=8, progress=False,
+                    completions_from=out)
+    assert "(answered on static)" in open_cache(cache).manifest["generation"]["completions_from"]

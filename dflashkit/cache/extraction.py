@@ -373,7 +373,8 @@ def _completions_from(path, target, prompt_ids: list[str]) -> tuple[dict, str]:
         if not same_target(header.get("target"), target.identity()):
             raise DFlashError(f"--completions-from {path}: written by target {header.get('target', {}).get('name')}, "
                               f"not {target.name}; generate it with this target")
-        return {r["id"]: r for r in recs}, f"{Path(path).resolve()}#{sha256_file(path)[:16]}"
+        on = f" (answered on {header['engine']})" if header.get("engine", "hf") != "hf" else ""  # data generate --engine
+        return {r["id"]: r for r in recs}, f"{Path(path).resolve()}#{sha256_file(path)[:16]}{on}"
     m = store.read_manifest(path)
     store.check_target(path, m, target.identity())
     f = Path(path) / COMPLETIONS

@@ -3,16 +3,17 @@ suite, one record per turn, appended batch by batch (a killed run resumes). Trai
 in the loop for features), and extraction of multi-turn suites answers their earlier turns through it.
 
 Format: the first line is a header {"format": "dflashkit-sequences/1", "target": <target identity>, "prompts": ...,
-"prompts_hash": ..., "max_new_tokens": ..., "enable_thinking": false, "responses": "target" | "file"}; every other
-line is one turn {"id", "turn", "category", "prompt_ids", "completion_ids", "stopped", "completion"}: exact token ids
-(the chat-templated prompt, holding the target's own earlier answers in a multi-turn conversation, and the greedy
-completion) and the completion's text for people.
+"prompts_hash": ..., "max_new_tokens": ..., "enable_thinking": false, "responses": "target" | "file", "engine": the
+backend that answered, "hf" | "static"}; every other line is one turn {"id", "turn", "category", "prompt_ids",
+"completion_ids", "stopped", "completion"}: exact token ids (the chat-templated prompt, holding the target's own
+earlier answers in a multi-turn conversation, and the greedy completion) and the completion's text for people.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
@@ -88,11 +89,14 @@ def file_record(target, item, k: int, where: str) -> dict:
 
 
 def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_size: int = 8,
-                       num_prompts: int | None = None, progress: bool = True, use_file_responses: bool = False) -> Path:
+                       num_prompts: int | None = None, progress: bool = True, use_file_responses: bool = False,
+                       answered_by=None) -> Path:
     """Greedy responses of `target` to every user turn of a prompt suite (a name or path, or a PromptSuite),
     appended to `out` batch by batch; a rerun skips the turns done. Turn k is asked after the target's own answers
     to the turns before it (round by round), so no answer of the file reaches the data unless
-    `use_file_responses` (then the file's answers are the completions, and the header says so)."""
+    `use_file_responses` (then the file's answers are the completions, and the header says so). `answered_by`: (the
+    backend's name, answer(prompt ids) -> (index, completion)...) where another backend than transformers' batches
+    answers (decode/engine.py: plain_answers), whose text in bf16 parts from hf's at near-ties."""
     from tqdm import tqdm
 
     from dflashkit.prompts import PromptSuite, load_prompts
@@ -104,7 +108,7 @@ def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_si
         raise DFlashError(str(e)) from e
     header = {"format": FORMAT, "target": target.identity(), "prompts": suite.name,
               "prompts_hash": suite.content_hash, "max_new_tokens": max_new_tokens, "enable_thinking": False,
-              "responses": "file" if use_file_responses else "target"}
+              "responses": "file" if use_file_responses else "target", "engine": answered_by[0] if answered_by else "hf"}
     if num_prompts is not None:
         suite = suite.subset(num_prompts)
     out = Path(out)
@@ -129,12 +133,12 @@ def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_si
         pending += [file_record(target, it, k, suite.name) for it, k in turns if turn_id(it, k) not in done]
         flush()
         rounds = 0  # nothing for the target to answer
-    stops = set(target.stop_token_ids)
+    stops, answer = set(target.stop_token_ids), answered_by[1] if answered_by else partial(iter_generate_greedy, target)
     for k in range(rounds):
         todo = [it for it, j in turns if j == k and turn_id(it, k) not in done]
         answers = [[done[turn_id(it, j)]["completion"] for j in range(k)] for it in todo]
         prompt_ids = [target.chat_ids(it.turn(k, a), enable_thinking=False) for it, a in zip(todo, answers)]
-        for i, comp in iter_generate_greedy(target, prompt_ids, max_new_tokens, batch_size=batch_size):
+        for i, comp in answer(prompt_ids, max_new_tokens, batch_size=batch_size):
             pending.append({"id": turn_id(todo[i], k), "turn": k + 1, "category": todo[i].category,
                             "prompt_ids": prompt_ids[i], "completion_ids": comp,
                             "stopped": bool(comp) and comp[-1] in stops, "completion": target.decode(comp)})
@@ -153,8 +157,8 @@ def _start_or_resume(out: Path, header: dict, target) -> dict[str, dict]:
         return {}
     _repair_tail(out)
     old, records = read_sequences(out)
-    for key in ("prompts_hash", "max_new_tokens", "enable_thinking", "responses"):
-        was = old.get(key, "target" if key == "responses" else None)  # files from before the flag: the target's
+    for key in ("prompts_hash", "max_new_tokens", "enable_thinking", "responses", "engine"):
+        was = old.get(key, {"responses": "target", "engine": "hf"}.get(key))  # files from before the flag
         if was != header[key]:
             raise DFlashError(f"{out}: was generated with {key}={was!r}, now {header[key]!r}; "
                               "use another --out (or delete the file) instead of mixing the two")

@@ -193,7 +193,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     summary = summarize_methods(runs, methods, B)
     _annotate(summary, rows, started, judged,
               lambda m: predicted_tau(target, proposer, [r for r in runs if r["method"] == m]))
-    # predicted beside measured (decode/predict.py): each row's own rounds, and `offline` (an eval's results) given
+    # predicted beside measured (decode/predict.py): each row's own rounds, and `offline` ({engine: an eval}) given
     models = predict_bench(target, proposer, runs, rows, summary, state, offline, log, window) if predict else {}
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}

@@ -37,8 +37,10 @@ def register(sub) -> None:
                    "method on each, rows on the second named METHOD@ENGINE; default auto")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
-    b.add_argument("--offline", metavar="RUN", help="an eval run folder of the same drafter (`dflashkit eval`, best "
-                   "--anchors walk on these prompts): bench also predicts tokens/s from its acceptance, beside measured")
+    b.add_argument("--offline", metavar="[ENGINE=]RUN", action="append", help="an eval run folder of the same drafter "
+                   "(`dflashkit eval`, best --anchors walk on these prompts): bench also predicts tokens/s from its "
+                   "acceptance, beside measured; static=RUN: an eval on that backend's own answers (`data generate "
+                   "--engine static`, then `extract --completions-from`) for its rows alone; repeatable")
     b.set_defaults(func=cmd_bench)
 
 
@@ -171,6 +173,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def offline_runs(args: list[str]) -> dict[str, dict]:
+    """{engine, or "" for every engine: an eval run's results} of `--offline [ENGINE=]RUN` (each given once)."""
+    from dflashkit.decode.costmodel import MODEL_ENGINES
+
+    runs = {}
+    for arg in args:
+        engine, _, folder = arg.rpartition("=")
+        if engine and engine not in MODEL_ENGINES:
+            raise DFlashError(f"--offline {arg}: no engine {engine!r}; name one of {', '.join(MODEL_ENGINES)} "
+                              "(ENGINE=RUN) or pass the run alone for every engine")
+        if engine in runs:
+            raise DFlashError(f"--offline {arg}: {'engine ' + engine if engine else 'a run for every engine'} is "
+                              "given twice; pass one eval run each")
+        runs[engine] = offline_run(folder)
+        runs[engine]["source"] += f" for the {engine} rows" if engine else ""
+    return runs
+
+
 def offline_run(folder: str) -> dict:
     """An eval run's results.json, with where it came from (bench's offline prediction names it)."""
     from pathlib import Path
@@ -195,7 +215,7 @@ def cmd_bench(args) -> int:
     sampling = _check(args)
     methods = parse_methods(args.methods or DEFAULT_METHODS)
     prompts = _prompts(args)  # a bad prompt file fails before the target loads
-    offline = offline_run(args.offline) if args.offline else None  # a bad run folder fails before the target loads
+    offline = offline_runs(args.offline or [])  # a bad run folder fails before the target loads
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, sampling=sampling, engine=args.engine,

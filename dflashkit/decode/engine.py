@@ -124,3 +124,16 @@ def open_backend(engine: str, target, method: str, state: dict, length: int, pro
 
     trees = parse_method(method)[0] in TREE_KINDS or state.get("trees", False)
     return StaticBackend(decoder_for(target, state, length, proposer, log=log, trees=trees))
+
+
+def plain_answers(target, engine: str, state: dict | None = None, log=None):
+    """(the backend, answer(prompt ids, max new tokens) -> (index, greedy completion)...) for `data generate
+    --engine`: our plain decoding one prompt at a time where `engine` resolves to static (the text a server on it
+    writes); None where it resolves to hf (transformers' batched generation is the same text, faster)."""
+    from dflashkit.decode.speculative import generate
+
+    state = {} if state is None else state
+    if (name := resolve(engine, target, "ar", state, log)) == "hf":
+        return None
+    return name, lambda ids, n, **_: ((i, generate(target, p, "ar", max_new_tokens=n, engine=name, state=state).tokens)
+                                      for i, p in enumerate(ids))

@@ -241,7 +241,8 @@ void linear_rows(const float* x, const W* w, float* y, int64_t rows, int64_t out
       float sum = 0.0f;
       for (int64_t k0 = 0; k0 < k; k0 += KC) {
         float acc = 0.0f;
-        for (int64_t i = k0; i < std::min(k, k0 + KC); ++i) acc += x[r * k + i] * to_float(wr[i * rest + o]);
+        for (int64_t i = k0; i < std::min(k, k0 + KC); ++i)  // fused by name: left to GCC, a Zen 4 build and the
+          acc = __builtin_fmaf(x[r * k + i], to_float(wr[i * rest + o]), acc);  // AVX2 one rounded bf16 tails apart
         sum = k0 ? sum + acc : acc;
       }
       y[r * outs + panels * PANEL + o] = sum;

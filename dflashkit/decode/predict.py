@@ -150,16 +150,16 @@ def predicted_engine(label: str, rows: dict) -> str | None:
 def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict, state: dict,
                   offline: dict | None = None, log=None, window: dict | None = None) -> dict:
     """Each row's predicted decode tokens/s beside its measured one (`summary[label]["predicted"]`): from its own
-    rounds (the cost half), and from an offline eval's acceptance where one is given (both halves); returns the
+    rounds (the cost half), and from an offline eval's acceptance where one is given (both halves: `offline` {engine,
+    or "" for the rest: an eval's results}, so a backend's rows read an eval on its own answers); returns the
     cost models used, by engine: the cached one (measured now where none is; vLLM's only cached, its probe starts
     the server) over the bench's own minutes (costmodel.in_window: `window` {engine: forward samples taken between
     the prompts}). A model that cannot be had (an engine not installed) is said on the row."""
     from dflashkit.decode.costmodel import cost_model, in_window
 
     B = proposer.block_size if proposer is not None else None
-    models = {}
-    acceptance = offline_acceptance(offline["overall"], offline["settings"]["block_size"],
-                                    offline.get("source", "offline eval")) if offline is not None else None
+    models, acceptances = {}, {e: offline_acceptance(o["overall"], o["settings"]["block_size"], o.get(
+        "source", "offline eval")) for e, o in (offline or {}).items()}
     for label, s in summary.items():
         if (engine := predicted_engine(label, rows)) is None:
             s["predicted"] = {"why": "stock kernels or transformers' own loop: no cost model of ours"}
@@ -178,6 +178,7 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
         online = _online(label, [r for r in runs if r["method"] == label], s, model, B)
         s["predicted"] = {"engine": engine, "measured_decode_tokens_per_s": measured,
                           "online": {**online, "error": error(online["tokens_per_s"], measured)}}
+        acceptance = acceptances.get(engine, acceptances.get(""))  # an eval on this engine's own answers first
         if acceptance is not None and (row := predict_offline(acceptance, model).get(
                 "chain" if label.endswith("-dflash") else rows.get(label, (label,))[0])):
             s["predicted"]["offline"] = {**row, "error": error(row["tokens_per_s"], measured),
@@ -205,7 +206,7 @@ def predicted_markdown(result: dict) -> list[str]:
     """The bench's predicted-beside-measured table (decode tokens/s, prefill excluded), with each error."""
     from dflashkit.report import fmt, markdown_table
 
-    rows, offline = [], None
+    rows, sources = [], {}
     for m, s in result["methods"].items():
         if not (p := s.get("predicted")):
             continue
@@ -213,7 +214,7 @@ def predicted_markdown(result: dict) -> list[str]:
             rows.append([m, "-", "", "", "", "", "", "", "", p["why"][:120]])
             continue
         on, off = p["online"], p.get("offline") or {}
-        offline = offline or off.get("source")
+        sources |= {off["source"]: None} if off.get("source") else {}
         pct = lambda e: "" if e is None else f"{100 * e:+.1f}%" + ("" if abs(e) <= ERROR_BAR else " (beyond 10%)")
         rows.append([m, p["engine"], p["measured_decode_tokens_per_s"], on["tokens_per_s"], pct(on["error"]),
                      pct(on.get("speedup_error")), off.get("tokens_per_s"), pct(off.get("error")),
@@ -229,8 +230,8 @@ def predicted_markdown(result: dict) -> list[str]:
             "between the prompts, the drafter call and loop work as cached (samples against the cached forwards: "
             + (", ".join(windows) or "none sampled") + "; vLLM's cached) from each row's own acceptance (its rounds' "
             "tokens and widths: checks the cost half) "
-            + (f"and from {offline} (checks both halves)" if offline else "and, given `--offline RUN`, from an offline "
-               "eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%. The speedup error "
+            + (f"and from {' and '.join(sources)} (checks both halves)" if sources else "and, given `--offline RUN`, "
+               "from an offline eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%. The speedup error "
             "compares the predicted speedup over the engine's plain decoding with the measured one (the host's level "
             "cancels).", "",
             markdown_table(["method", "engine", "measured", "predicted (own acceptance)", "error", "speedup error",

@@ -262,7 +262,7 @@ def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
         prompts = [(it.id, target.chat_ids(it.messages)) for it in suite.items]
         offline = None
         if out == p.bench and walk.is_file():  # bench predicts tokens/s from the trained drafter's walk too
-            offline = {**read_json(walk), "source": f"offline walk of the trained drafter ({walk.parent})"}
+            offline = {"": {**read_json(walk), "source": f"offline walk of the trained drafter ({walk.parent})"}}
         result = run_bench(target, drafter, prompts, parse_methods(methods), max_new_tokens=max_new_tokens,
                            progress=cfg.progress, cost=cost, engine=cfg.engine, offline=offline,
                            references=out == p.bench)

@@ -35,6 +35,10 @@ def register(sub) -> None:
     g.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
     g.add_argument("--per-category", type=int, default=None, metavar="N", help="only the first N of each category")
     g.add_argument("--device", default="auto")
+    g.add_argument("--engine", default="hf", choices=("hf", "static", "auto"),
+                   help="the backend that answers: hf (transformers, batched) or the one you serve on (static: our "
+                   "compiled step, one prompt at a time; in bf16 its text parts from hf's at near-ties, and an eval "
+                   "on it predicts that backend's speed)")
     add_threads_option(g)
     g.set_defaults(func=cmd_generate)
 
@@ -55,20 +59,22 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from dflashkit.cache.sequences import generate_sequences, read_sequences
+    from dflashkit.decode.engine import plain_answers
     from dflashkit.errors import DFlashError
     from dflashkit.prompts import select_prompts
     from dflashkit.targets.model import load_target
-    from dflashkit.cache.sequences import generate_sequences, read_sequences
 
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise DFlashError("--max-new-tokens and --batch-size must be at least 1")
     suite = select_prompts(args.prompts, per_category=args.per_category)  # before the target loads: errors are fast
     target = load_target(args.target, device=args.device)
     out = generate_sequences(target, suite, args.out, args.max_new_tokens, args.batch_size, args.num_prompts,
-                             use_file_responses=args.use_file_responses)
+                             use_file_responses=args.use_file_responses,
+                             answered_by=None if args.use_file_responses else plain_answers(target, args.engine))
     head, recs = read_sequences(out)
     tokens, stopped = sum(len(r["completion_ids"]) for r in recs), sum(bool(r.get("stopped")) for r in recs)
-    who = "the file's own answers" if head.get("responses") == "file" else "the target's own answers"
+    who = "the file's own answers" if head.get("responses") == "file" else f"the target's own answers on {head['engine']}"
     print(f"{out}: {len(recs)} sequences (one per turn), {tokens} response tokens ({who}), {stopped} ended with a "
           "stop token")
     return 0
