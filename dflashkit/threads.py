@@ -1,17 +1,6 @@
-"""`--threads`: torch's intra-op threads for every command that runs models.
-
-torch starts one thread per logical CPU. Our default is one a user can predict: OMP_NUM_THREADS when set, else the
-physical cores this process may use, divided under torchrun by its processes on this machine (LOCAL_WORLD_SIZE).
-It ignores the machine's load (two processes that each take every core run 10-140x slower), so the CLI samples
-/proc/stat once and names `--threads` in one line where other work keeps cores busy.
-
-$DFLASHKIT_NATIVE_ISA (native, the default, or avx2) says what our C++ kernels (decode/native.py) and the llama.cpp
-peer (engines/install.py) are compiled for, so an AVX2-only CPU's code path can be measured, both sides alike, on
-any x86 machine. It is read per process (two builds of the same ops cannot both be loaded in one).
-
-Wiring: `add_threads_option(parser)` on a subcommand's parser; `dflashkit.cli.main` calls `apply_threads(args)`
-before the command runs (call it yourself when parsing arguments elsewhere).
-"""
+"""`--threads`: torch's intra-op threads for every command that runs models, a default a user can predict, and
+$DFLASHKIT_NATIVE_ISA, what our kernels and llama.cpp are built for (docs/design.md, "Threads and the kernels'
+instruction set"). Wiring: `add_threads_option(parser)`; `dflashkit.cli.main` calls `apply_threads(args)`."""
 
 from __future__ import annotations
 

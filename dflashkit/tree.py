@@ -114,18 +114,12 @@ def path_tokens(tree: Tree) -> int:
     return (len(tree) - len(set(tree.parents.tolist()) - {-1})) * (int(tree.depths.max()) + 1)
 
 
-def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, path_cost=None) -> Tree:
-    """Keep the nodes that maximize expected committed tokens per second: (1 + sum of the kept nodes' acceptance
-    probabilities) / (fixed + cost(tokens)), with cost(n) the time of a target forward over n tokens and tokens the
-    nodes + 1 of a flattened tree, or path_cost(leaves x (depth + 1)) when every root-to-leaf path is its own batch
-    row (each row a copy of the target KV: dearer than a flat forward over as many tokens).
-
-    probs[i] is node i's chance to be accepted (probs[0], the root, is ignored). A node is never likelier than its
-    parent, so taking nodes in descending probability (parents first on ties) keeps every candidate prefix-closed;
-    the best of these len(tree) candidates is exact for the flattened cost. For paths it is greedy: against an
-    exhaustive search over every prefix-closed subtree of 400 random trees of 4-11 nodes (linear cost curves of slope
-    0.02-0.3 per token) it fell short of the best rate by 0.9% on average, by more than 1% on 75 trees, by at most
-    20% (measured 2026-12-01)."""
+def cut_candidates(tree: Tree, probs: Sequence[float]) -> tuple[list[int], list[float], list[int]]:
+    """The cuts a cost-aware tree chooses among: (its nodes in the order a cut keeps them, and per cut of the first n
+    = 0..len-1 of them: 1 + the kept nodes' acceptance probabilities, the tokens of a verify one path a row). probs[i]
+    is node i's chance to be accepted (the root's ignored); a node is never likelier than its parent, so nodes taken
+    in descending probability (parents first on ties) keep every cut prefix-closed. Decoding cuts with it
+    (prune_by_cost) and the offline walk records it (evaluate/offline.py), so the two cut alike."""
     p = list(map(float, probs))
     parents = tree.parents.tolist()
     for i, par in enumerate(parents):  # parents precede children: one pass makes p monotone
@@ -133,17 +127,33 @@ def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, 
             p[i] = min(p[i], p[par])
     depths = tree.depths.tolist()
     order = sorted(range(1, len(tree)), key=lambda i: (-p[i], depths[i], i))
-    best, best_n, gain = 1.0 / (fixed + cost(1)), 0, 1.0
-    has_child, leaves, depth = set(), 1, 0
-    for n, i in enumerate(order, start=1):
-        gain += p[i]
+    gains, tokens, has_child, leaves, depth = [1.0], [1], set(), 1, 0
+    for i in order:
         leaves += parents[i] in has_child  # a second child opens a new path; a first one extends its parent's
         has_child.add(parents[i])
         depth = max(depth, depths[i])
-        rate = gain / (fixed + (path_cost(leaves * (depth + 1)) if path_cost else cost(n + 1)))
-        if rate > best:
-            best, best_n = rate, n
-    return subtree(tree, order[:best_n])
+        gains.append(gains[-1] + p[i])
+        tokens.append(leaves * (depth + 1))
+    return order, gains, tokens
+
+
+def best_cut(gains: Sequence[float], tokens: Sequence[int], cost, fixed: float = 0.0, path_cost=None) -> int:
+    """The n of cut_candidates whose expected committed tokens per unit of time is highest (the fewest on ties)."""
+    verify = lambda n: cost(1) if n == 0 else path_cost(tokens[n]) if path_cost else cost(n + 1)  # noqa: E731
+    return max(range(len(gains)), key=lambda n: gains[n] / (fixed + verify(n)))
+
+
+def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, path_cost=None) -> Tree:
+    """Keep the nodes that maximize expected committed tokens per second: (1 + sum of the kept nodes' acceptance
+    probabilities) / (fixed + cost(tokens)), with cost(n) the time of a target forward over n tokens and tokens the
+    nodes + 1 of a flattened tree, or path_cost(leaves x (depth + 1)) when every root-to-leaf path is its own batch
+    row (each row a copy of the target KV: dearer than a flat forward over as many tokens). The best of the
+    len(tree) prefix-closed candidates (cut_candidates) is exact for the flattened cost. For paths it is greedy:
+    against an exhaustive search over every prefix-closed subtree of 400 random trees of 4-11 nodes (linear cost
+    curves of slope 0.02-0.3 per token) it fell short of the best rate by 0.9% on average, by more than 1% on 75
+    trees, by at most 20% (measured 2026-12-01)."""
+    order, gains, tokens = cut_candidates(tree, probs)
+    return subtree(tree, order[:best_cut(gains, tokens, cost, fixed, path_cost)])
 
 
 def draft_tree(logits: Tensor, budget: int, anchor: Tensor, to_tokens) -> Tree:

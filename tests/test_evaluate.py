@@ -227,6 +227,10 @@ def test_walk_reproduces_online_chain_decoding(t64, kind):
             assert r["matches"] == (logits.argmax(-1) == labels)[: r["n_labels"]].int().tolist()
             assert r["expected"]["budget:8"] == pytest.approx(build_tree(logits, 8).log_probs[1:].double().exp().sum().item(), rel=1e-5)
             assert r["trees"] == {s: tree_streak(logits, labels, s) for s in TREES}
+    for r in recs:  # the cuts a cost-aware tree chooses among, as the budget curve counts them
+        for b in CURVE_BUDGETS:
+            assert sum(rank <= b for rank in r["cut"]["path"]) == r["curve"][str(b)]
+            assert r["cut"]["gains"][b] - 1 == pytest.approx(r["curve_expected"][str(b)], abs=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["oracle", "random"])
@@ -366,7 +370,8 @@ def test_evaluate_on_cache_matches_per_sequence_and_refuses_missing_layers(setup
     for rec in cache:
         direct += evaluate_sequence(d, head, t.embed_tokens, rec.tokens, rec.features(LAYERS), rec.prompt_len,
                                     trees=TREES, max_blocks=4)
-    assert [{k: v for k, v in b.items() if k not in ("prompt", "block")} for b in res["blocks"]] == direct
+    strip = lambda b: {k: v for k, v in b.items() if k not in ("prompt", "block", "cut")}  # noqa: E731 (cut: walk's)
+    assert [strip(b) for b in res["blocks"]] == [strip(b) for b in direct]
     assert res["overall"]["blocks"] == len(direct) == sum(p["blocks"] for p in res["per_prompt"])
     assert res["overall"]["prompts"] == 3 and res["overall"]["streak"] == aggregate(direct, B, TREES)["streak"]
     other = new_drafter(t, num_layers=2, target_layer_ids=[1, 2, 0], block_size=B)

@@ -71,6 +71,21 @@ def test_a_backend_that_verifies_one_path_a_row_is_priced_on_its_paths_curve():
     assert back.paths == by_paths.paths and back.forward_paths(12) == by_paths.forward_paths(12)
 
 
+def test_ddtree_auto_replays_the_walks_trees_cut_where_decoding_cuts_them():
+    """Each round's cut maximizes (1 + expected accepted) / (draft + forward(nodes + 1) + the tree loop's work), as
+    the online loop's prune does; the round commits the accepted path's nodes inside it (a reference written out)."""
+    cuts = {"gains": [[1.0, 1.9, 2.5, 2.6], [1.0, 1.1, 1.15, 1.18]], "tokens": [[1, 2, 3, 4], [1, 2, 3, 4]],
+            "path": [[1, 2], []]}
+    fixed = FIXED.draft_ms + FIXED.overhead("tree")
+    chosen = [max(range(4), key=lambda n: g[n] / (fixed + FIXED.forward(n + 1))) for g in cuts["gains"]]
+    assert chosen == [3, 2]  # the second round's third node costs more than it is worth
+    tokens, ms = (3 + 1) / 2, fixed + (FIXED.forward(4) + FIXED.forward(3)) / 2
+    row = predict_offline({**ACCEPTANCE, "cuts": cuts}, FIXED)["ddtree-auto"]
+    assert row["tokens_per_round"] == tokens and row["tokens_per_s"] == pytest.approx(1000 * tokens / ms)
+    assert row["budget"] == "cut per round" and row["width"] == 3.5
+    assert predict_offline(ACCEPTANCE, FIXED)["ddtree-auto"]["budget"] in ACCEPTANCE["ddtree"]  # no cuts: a budget
+
+
 def test_a_hybrid_replayed_offline_is_priced_round_by_round_and_its_best_budget_is_auto():
     replay = {"accepted": [0, 3, 1, 5], "nodes": [9, 12, 9, 19], "path_tokens": [16, 20, 16, 30]}
     rows = predict_offline({**ACCEPTANCE, "hybrid": {4: {**replay, "accepted": [0, 0, 1, 0]}, 8: replay}}, FIXED)
@@ -255,6 +270,7 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
     assert main(["eval", "--drafter", str(root / "d"), "--cache", str(cache), "--out", str(root / "walk"),
                  "--anchors", "walk"]) == 0
     offline = read_json(root / "walk" / "results.json")
+    assert len(offline["overall"]["ddtree_cuts"]["path"]) == offline["overall"]["blocks"]  # one per walk round
     assert set(offline["overall"]["hybrid"]) == {"4", "8"}  # the default trees' budgets, replayed with the n-gram
     assert re.search(r"Hybrid replayed .* hybrid-4 tau=\d", (root / "walk" / "summary.md").read_text())
     prompts = [(x, t.chat_ids([{"role": "user", "content": x}])) for x in ("def add(a, b):", "Write a haiku.")]

@@ -1,16 +1,6 @@
-"""A cost model per engine, so that an offline acceptance says what a drafter is worth on an engine before it is
-served (issue 50): what one target forward over n = 1..64 new tokens costs after a realistic KV, what one drafter
-call costs, and what the loop spends per round besides the two. A short probe measures it once and caches it
-under $DFLASHKIT_HOME/cost-model/ (beside the backend probe of decode/engine.py), keyed by the CPU (model and
-vector flags), the target's weights, dtype, threads, the engine and its version, and the drafter's shape
-(its call is priced on this machine; its weights do not change the price). decode/predict.py turns a model and an
-acceptance into tokens per second.
-
-Backends: `hf` times transformers' forward with decode/cost.py's curve (under the kernels decoding runs); `static`
-times its compiled widths (a verify of n runs on the smallest width >= n, none past the widest). Peers: llama.cpp
-times its forward with its own `llama-bench` (n tokens after 400 of context) and its rounds through `llama-server`;
-vLLM times whole rounds through its worker (its forward is not reachable apart). The loops' own work is the
-`other` share of a short decode of each loop on that engine."""
+"""A cost model per engine (issue 50), so that an offline acceptance prices a drafter before it is served: a target
+forward over n = 1..64 tokens, one drafter call and the loop's own work per round, probed once and cached per machine
+and engine (docs/design.md, "The cost model in detail"); decode/predict.py turns it into tokens per second."""
 
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ time per round, tokens per second and the speedup over that engine's plain decod
                      = mean of the rounds replayed offline              (hybrid-b: drafter tree + n-gram branch)
     tokens/s         = 1000 * tokens per round / time per round;  speedup = tokens/s / plain tokens/s
 
-ddtree-auto and hybrid-auto are predicted as the best fixed budget (online, the tree is cut per round and the hybrid
-lookup proposes longer continuations too). The acceptance comes from an offline eval (`offline_acceptance`: both
-halves predicted) or a decode's own rounds (`predict_rounds`: its tokens and widths, the cost half alone)."""
+ddtree-auto replays the walk's trees cut per round where decoding cuts them on the engine (where the eval recorded
+the cuts); hybrid-auto is the best fixed budget (online its tree is cut per round, the drafter sits out rounds the
+n-gram lookup covers, and the lookup proposes longer continuations too). The acceptance comes from an offline eval
+(`offline_acceptance`: both halves predicted) or a decode's own rounds (`predict_rounds`: the cost half alone)."""
 
 from __future__ import annotations
 
@@ -64,9 +65,26 @@ def predict_offline(acceptance: dict, model) -> dict:
         out.update(rows)
         if paying := [(r["tokens_per_s"], m) for m, r in rows.items() if r["tokens_per_s"]]:
             out[f"{kind}-auto"] = {**rows[max(paying)[1]], "budget": int(max(paying)[1].split("-")[1])}
+    if acceptance.get("cuts"):  # the walk's trees cut round by round, as decoding cuts them on this engine
+        out["ddtree-auto"] = replay_cuts(acceptance["cuts"], model, draft)
     for r in out.values():
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if r["tokens_per_s"] and base["tokens_per_s"] else None
     return out
+
+
+def replay_cuts(cuts: dict, model, draft: float) -> dict:
+    """ddtree-auto over the offline walk's rounds: each round's budget-32 tree cut where decoding would cut it on
+    this engine (tree.best_cut: expected tokens per ms), the round committing the accepted path's nodes inside the
+    cut. `cuts`: per round the cut candidates' gains and path tokens, and the accepted path's ranks among them."""
+    from dflashkit.tree import best_cut
+
+    fixed, flat = draft + model.overhead("tree"), not model.paths
+    accepted, widths = [], []
+    for gains, tokens, path in zip(cuts["gains"], cuts["tokens"], cuts["path"]):
+        n = best_cut(gains, tokens, model.forward, fixed, None if flat else model.forward_paths)
+        accepted.append(1 + sum(r <= n for r in path))
+        widths.append(n + 1 if flat or n == 0 else tokens[n])
+    return {**predict_rounds(accepted, widths, [True] * len(accepted), model, "tree"), "budget": "cut per round"}
 
 
 def offline_acceptance(overall: dict, block_size: int, source: str = "offline eval") -> dict:
@@ -79,7 +97,8 @@ def offline_acceptance(overall: dict, block_size: int, source: str = "offline ev
     ddtree |= {int(k.split(":")[1]): v for k, v in overall.items() if k.startswith("budget:") and v is not None}
     paths = {int(b): n for b, n in (overall.get("budget_curve_paths") or {}).items() if n is not None}
     return {"block_size": block_size, "chain": overall["acc_cumulative"], "ddtree": ddtree, "paths": paths,
-            "hybrid": {int(b): h for b, h in (overall.get("hybrid") or {}).items()}, "source": source}
+            "hybrid": {int(b): h for b, h in (overall.get("hybrid") or {}).items()}, "cuts": overall.get("ddtree_cuts"),
+            "source": source}
 
 
 def loop_of(method: str) -> str:
@@ -219,7 +238,8 @@ def predicted_markdown(result: dict) -> list[str]:
         rows.append([m, p["engine"], p["measured_decode_tokens_per_s"], on["tokens_per_s"], pct(on["error"]),
                      pct(on.get("speedup_error")), off.get("tokens_per_s"), pct(off.get("error")),
                      pct(off.get("speedup_error")), off.get("why") or (f"tokens/round {off['tokens_per_round']:.2f} "
-                     f"offline, {on['tokens_per_round']:.2f} here" if off else "")])
+                     f"offline, {on['tokens_per_round']:.2f} here" + (f"; offline as its best fixed budget, "
+                     f"{off['budget']}" if isinstance(off.get("budget"), int) else "") if off else "")])
     if not rows:
         return []
     windows = [f"{e} x{fmt(w['level'], 2)} over {w['samples']}" for e, m in (result.get("cost_models") or {}).items()

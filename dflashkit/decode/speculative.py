@@ -1,17 +1,6 @@
-"""Online speculative decoding against the live target: plain (ar), chain and DDTree, lossless at any temperature.
-
-Each loop reads top to bottom (docs/design.md sections 4-5): prefill with the target's layer features; then rounds of
-draft (one drafter pass) -> verify (one target forward) -> accept (the longest draft the target itself would have
-produced) -> commit (keep only the accepted positions in the target KV; their features become the drafter's
-next context). "The target's choice" is its argmax at temperature 0 and its own sample from softmax(logits / T)
-otherwise; accepting a greedy draft iff it equals that sample keeps the output distribution exactly the target's.
-
-Hybrid targets (Qwen3.5 linear-attention layers) keep states that cannot be cropped: the loop snapshots them before
-verifying, restores them and re-runs the accepted tokens (one extra forward over tau tokens, skipped when a chain
-round accepts the whole block), and verifies a tree one root-to-leaf path per batch row.
-
-The drafter enters through a small `Proposer` interface, so tests can inject an oracle.
-"""
+"""Online speculative decoding against the live target: plain (ar), chain, DDTree, n-gram and hybrid trees, each
+written once over a backend, lossless at any temperature (docs/design.md sections 4-5 and "The decoding loops in
+detail"). The drafter enters through a small `Proposer` interface, so tests can inject an oracle."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Offline evaluation of a drafter on cached target states (docs/design.md section 6).
-
-For an anchor position a in the completion: context = target features of positions < a, block =
-[token_a, MASK x (B-1)] at positions a..a+B-1, labels = tokens a+1..a+B-1 (-100 past the end). A block is
-scored by its greedy `streak` (leading slots whose argmax equals the label; tau = streak + 1 online) and by
-one accepted depth per requested draft-tree family (dflashkit/tree.py): `budget:B` (the paper's DDTree, shown as
-ddtree-B), `paths:K` and `width:K`.
-
-Anchor schedules: `stride` (a = prompt_len, prompt_len + B, ...: the same blocks for every drafter, so runs
-compare) and `walk` (next anchor = a + streak + 1: online chain decoding at T=0 when the cache holds the
-target's own greedy output). Stride puts all blocks of a prompt through ONE `drafter.forward_blocks` call
-(block j sees context < anchor_j and its own block); walk depends on each result, so it runs block after
-block with the drafter's context KV, exactly as the online loop drafts.
-"""
+"""Offline evaluation of a drafter on cached target states: each block's streak and accepted depth per draft tree,
+anchored `stride` (comparable across drafters) or `walk` (online chain decoding at T=0, block after block with the
+drafter's context KV); docs/design.md section 6 and "Offline evaluation in detail"."""
 
 from __future__ import annotations
 
@@ -26,8 +15,8 @@ from dflashkit.drafter.model import block_ids
 from dflashkit.errors import DFlashError
 from dflashkit.ngram import NgramLookup
 from dflashkit.targets.model import check_same_target
-from dflashkit.tree import (accepted_path, add_branch, build_tree_topk, draft_tree, parse_tree_spec, path_tokens,
-                            paths_streak, subtree, top_logprobs, width_streak)
+from dflashkit.tree import (accepted_path, add_branch, build_tree_topk, cut_candidates, draft_tree, parse_tree_spec,
+                            path_tokens, paths_streak, subtree, top_logprobs, width_streak)
 
 ANCHOR_MODES = ("stride", "walk")
 DEFAULT_TREES = ("budget:4", "budget:8")
@@ -98,6 +87,8 @@ def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None
     probs = tree.log_probs.double().exp()
     curve = {b: sum(1 for node in path if node <= b) for b in budgets}
     expected = {b: probs[1 : b + 1].sum().item() for b in budgets}
+    order, gains, cut_tokens = cut_candidates(tree, probs.tolist())  # what a cost-aware tree chooses among
+    rank = {node: r for r, node in enumerate(order, start=1)}
     out_trees, out_expected = {}, {}
     for spec in trees:
         family, k = parse_tree_spec(spec)
@@ -112,7 +103,8 @@ def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None
     return {"n_labels": n_labels, "streak": int(hit.long().cumprod(0).sum()), "matches": hit[:n_labels].int().tolist(),
             "trees": out_trees, "expected": out_expected, "curve": {str(b): curve[b] for b in CURVE_BUDGETS},
             "curve_expected": {str(b): expected[b] for b in CURVE_BUDGETS},  # and a verify one path per row's tokens:
-            "curve_paths": {str(b): path_tokens(subtree(tree, range(min(b + 1, len(tree))))) for b in CURVE_BUDGETS}}
+            "curve_paths": {str(b): path_tokens(subtree(tree, range(min(b + 1, len(tree))))) for b in CURVE_BUDGETS},
+            "cut": {"gains": [round(g, 4) for g in gains], "tokens": cut_tokens, "path": sorted(rank[n] for n in path)}}
 
 
 def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int, trees: list[str],
@@ -296,14 +288,16 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     full = (DraftHead(target.lm_head.weight, None, head.scaling)
             if head.vocab_ids is not None and anchors == "stride" and cfg.arch == "dflash" else None)
     B = cfg.block_size
-    per_prompt, blocks, hybrid = [], [], {}
+    per_prompt, blocks, hybrid, cuts = [], [], {}, {}
     for rec in tqdm(cache, total=len(cache), desc="eval", unit="prompt", disable=not progress, leave=False):
         t0 = time.perf_counter()
         tokens, feats = rec.tokens, rec.features(cfg.target_layer_ids)  # read once: the hybrid replays reuse them
         recs = evaluate_sequence(drafter, head, target.embed, tokens, feats, rec.prompt_len, anchors=anchors,
                                  trees=trees, max_blocks=max_blocks, full_head=full)
         for i, r in enumerate(recs):
-            r["prompt"], r["block"] = rec.id, i
+            r["prompt"], r["block"], cut = rec.id, i, r.pop("cut", None)
+            for key in ("gains", "tokens", "path") if cut and anchors == "walk" else ():  # as rounds: walk only
+                cuts.setdefault(key, []).append(cut[key])
         summary = {"id": rec.id, "category": rec.category, "prompt_len": rec.prompt_len, "tokens": int(tokens.shape[0]),
                    "seconds": time.perf_counter() - t0, **aggregate(recs, B, trees)}
         if anchors == "walk":  # and each budget's hybrid (drafter tree + n-gram branch) replayed
@@ -318,7 +312,8 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
             on_prompt(summary, recs)
     if not blocks:
         raise DFlashError(f"cache {cache.path}: no block to score: every selected completion has fewer than 2 tokens")
-    overall = {**aggregate(blocks, B, trees), "prompts": len(per_prompt), **({"hybrid": hybrid} if hybrid else {})}
+    overall = {**aggregate(blocks, B, trees), "prompts": len(per_prompt), **({"hybrid": hybrid} if hybrid else {}),
+               **({"ddtree_cuts": cuts} if cuts else {})}  # each round's budget-32 tree, for -auto's cut per round
     if full is not None:  # what an engine reading an export without the token map would accept
         streak = _mean(b["streak_as_exported"] for b in blocks)
         overall["as_exported"] = {"vocabulary": full.size, "streak": streak, "tau": streak + 1}

@@ -1,17 +1,6 @@
-"""Linear-attention backends for hybrid targets (Qwen3.5/3.6 Gated DeltaNet layers).
-
-transformers calls two module-level functions from these layers: a chunked gated delta rule for
-multi-token forwards and a recurrent one for single-token decode steps. It binds them once at import:
-to `fla` when that package imports, else to its pure-torch reference. `linear_attention(target, backend)`
-rebinds them for the duration of a block, so two caches can be extracted with different backends and
-compared with `dflashkit cache diff`:
-
-- "torch": the torch reference (chunked for prompts, recurrent for single tokens), what runs on CPU;
-- "torch-recurrent": the token-by-token recurrence everywhere (slow, the plainest reference);
-- "fla": flash-linear-attention's Triton kernels (CUDA only);
-- "auto": fla on CUDA when it is installed, else torch.
-Targets without linear-attention layers report "none" whatever was asked.
-"""
+"""Linear-attention backends for hybrid targets (Qwen3.5/3.6 Gated DeltaNet layers): "torch", "torch-recurrent",
+"fla" or "auto", rebound for a block so two caches can be extracted with different backends and compared
+(docs/design.md, "Linear-attention backends")."""
 
 from __future__ import annotations
 

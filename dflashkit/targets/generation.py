@@ -1,13 +1,5 @@
-"""Batched generation with left padding: the target's own answers, for caches and training data.
-
-Prompts are batched by length to waste little on padding; a completion ends with the first stop token (kept, since
-the target produced it) or at max_new_tokens. Greedy output equals batch-size-1 greedy decoding; with a temperature
-the answers are sampled from the target's own distribution at that temperature (no top-k or top-p cut), more data
-from the same prompts once their greedy answers are all used. With `layer_ids` the chosen layers' features are
-recorded while generating (every step feeds the token before, so one more step after the last one completes them):
-that saves the second forward over prompt + completion, 1.21x the data stage's tokens/s on a float32 CPU
-(benchmarks/results/cpu-2026-12-02-fused-capture.md).
-"""
+"""Batched generation with left padding: the target's own answers, for caches and training data, equal to
+batch-size-1 greedy decoding, features recorded while generating (docs/design.md, "Batched generation")."""
 
 from __future__ import annotations
 

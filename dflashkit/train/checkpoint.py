@@ -1,15 +1,5 @@
-"""Training checkpoints: a drafter folder in the dflashkit format plus `train_state.pt`, written atomically.
-
-Layout of a run folder:
-    checkpoints/step-00000200/   config.json, model.safetensors, dflashkit.json (loadable with load_drafter)
-                                 + train_state.pt (optimizer, step, epoch, data position, training time, RNG
-                                 states; the learning rate is a function of step and time, so that is its state)
-    latest.json                  {"step", "checkpoint", "finished", "reason"}: what a rerun resumes from
-    best/ + best.json            the drafter with the highest offline tau on the eval cache so far
-The resume contract (layer ids, block size, mask id, gamma, loss, draft vocabulary, target identity) is stored
-with the state; a rerun whose settings change any of them is refused instead of silently training a different
-drafter on top of the old weights.
-"""
+"""Training checkpoints: a drafter folder in the dflashkit format plus `train_state.pt`, written atomically; a rerun
+whose settings change the resume contract is refused (layout and contract: docs/design.md, "Training checkpoints")."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""The training loop, top to bottom (docs/design.md section 7).
-
-    setup (processes, target, data, drafter, optimiser, resume)
-    for each optimiser step:
-        the step's sequences <- a per-epoch permutation; anchors <- re-sampled per (epoch, sequence)
-        normaliser <- sum of slot weights over the whole global batch (all micro-batches, all processes)
-        for each micro-batch: features (cache or target) -> optional noise on the drafter inputs only ->
-            drafter.forward_blocks (strict mask) -> chunked lm_head loss -> backward
-        clip, AdamW, cosine schedule; log; checkpoint / evaluate every N steps; stop on Ctrl-C, SIGTERM, max_minutes
-
-Multi-process: launched by torchrun (WORLD_SIZE/RANK/LOCAL_RANK), DDP or FSDP2 (`fully_shard`), gloo on CPU and
-nccl on CUDA. Every source of randomness is derived from (seed, epoch, sequence), so a global batch gives the same
-loss whether it runs in one process or is split across several, and a resumed run repeats an uninterrupted one.
-
-`train()` comes first; the helpers follow in the order it calls them.
-"""
+"""The training loop, top to bottom (docs/design.md section 7 and "The training loop in detail"): setup, then per
+optimiser step its micro-batches (features, noise, drafter, chunked loss, backward), the update, logs, checkpoints and
+evaluation. `train()` comes first; the helpers follow in the order it calls them."""
 
 from __future__ import annotations
 
