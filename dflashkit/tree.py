@@ -116,10 +116,9 @@ def path_tokens(tree: Tree) -> int:
 
 def cut_candidates(tree: Tree, probs: Sequence[float]) -> tuple[list[int], list[float], list[int]]:
     """The cuts a cost-aware tree chooses among: (its nodes in the order a cut keeps them, and per cut of the first n
-    = 0..len-1 of them: 1 + the kept nodes' acceptance probabilities, the tokens of a verify one path a row). probs[i]
-    is node i's chance to be accepted (the root's ignored); a node is never likelier than its parent, so nodes taken
-    in descending probability (parents first on ties) keep every cut prefix-closed. Decoding cuts with it
-    (prune_by_cost) and the offline walk records it (evaluate/offline.py), so the two cut alike."""
+    = 0..len-1: 1 + the kept nodes' acceptance probabilities, the tokens of a verify one path a row). probs[i]: node
+    i's chance (root ignored), made no likelier than its parent's, so every cut is prefix-closed. Decoding cuts on it
+    (prune_by_cost) and the offline walk records it (evaluate/offline.py): the two cut alike."""
     p = list(map(float, probs))
     parents = tree.parents.tolist()
     for i, par in enumerate(parents):  # parents precede children: one pass makes p monotone
@@ -148,10 +147,8 @@ def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, 
     probabilities) / (fixed + cost(tokens)), with cost(n) the time of a target forward over n tokens and tokens the
     nodes + 1 of a flattened tree, or path_cost(leaves x (depth + 1)) when every root-to-leaf path is its own batch
     row (each row a copy of the target KV: dearer than a flat forward over as many tokens). The best of the
-    len(tree) prefix-closed candidates (cut_candidates) is exact for the flattened cost. For paths it is greedy:
-    against an exhaustive search over every prefix-closed subtree of 400 random trees of 4-11 nodes (linear cost
-    curves of slope 0.02-0.3 per token) it fell short of the best rate by 0.9% on average, by more than 1% on 75
-    trees, by at most 20% (measured 2026-12-01)."""
+    len(tree) prefix-closed candidates (cut_candidates) is exact for the flattened cost, greedy for paths (how near
+    the best: docs/design.md section 5)."""
     order, gains, tokens = cut_candidates(tree, probs)
     return subtree(tree, order[:best_cut(gains, tokens, cost, fixed, path_cost)])
 

@@ -325,6 +325,27 @@ needs_vllm = pytest.mark.skipif(find("vllm") is None, reason="vLLM not installed
 @pytest.mark.engines
 @pytest.mark.slow
 @needs_llama
+def test_data_generate_answers_on_llama_cpp(smollm2, tmp_path):
+    """`data generate --engine llama.cpp`: every completion is the llama.cpp server's own greedy answer (a fresh
+    server asked again answers the same), and the header says which engine wrote them."""
+    from dflashkit.cache.sequences import generate_sequences, read_sequences
+    from dflashkit.decode.engine import plain_answers
+    from dflashkit.decode.peers import EnginePeer
+    from dflashkit.prompts import load_prompts
+
+    out = tmp_path / "seqs.jsonl"
+    with plain_answers(smollm2, "llama.cpp", 16) as by:
+        generate_sequences(smollm2, load_prompts("coding-10").subset(2), out, 16, progress=False, answered_by=by)
+    head, recs = read_sequences(out)
+    assert head["engine"] == "llama.cpp" and len(recs) == 2
+    with EnginePeer("llama.cpp", smollm2, None, 0, 16) as peer:
+        assert [r["completion_ids"] for r in recs] == [peer.one(r["prompt_ids"]).tokens for r in recs]
+    assert all(0 < len(r["completion_ids"]) <= 16 for r in recs)
+
+
+@pytest.mark.engines
+@pytest.mark.slow
+@needs_llama
 def test_the_llama_cpp_probe_measures_its_curve_and_rounds(smollm2):
     model = cost_model("llama.cpp", smollm2, new_proposer(smollm2))
     assert model.ns == list(cm.PROBE_NS) and all(ms > 0 for ms in model.forward_ms)

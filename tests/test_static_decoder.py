@@ -507,7 +507,8 @@ def test_data_generate_answers_on_the_static_backend_and_a_cache_names_it(tiny_t
     suite = load_prompts("coding-10").subset(2)
     with monkeypatch.context() as m:
         m.setattr(generation, "iter_generate_greedy", lambda *a, **k: pytest.fail("answered by transformers"))
-        generate_sequences(t, suite, out, max_new_tokens=8, progress=False, answered_by=plain_answers(t, "static"))
+        with plain_answers(t, "static", 8) as by:
+            generate_sequences(t, suite, out, max_new_tokens=8, progress=False, answered_by=by)
     head, recs = read_sequences(out)
     assert head["engine"] == "static" and len(recs) == 2
     for r in recs:

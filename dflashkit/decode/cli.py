@@ -37,10 +37,9 @@ def register(sub) -> None:
                    "method on each, rows on the second named METHOD@ENGINE; default auto")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
-    b.add_argument("--offline", metavar="[ENGINE=]RUN", action="append", help="an eval run folder of the same drafter "
-                   "(`dflashkit eval`, best --anchors walk on these prompts): bench also predicts tokens/s from its "
-                   "acceptance, beside measured; static=RUN: an eval on that backend's own answers (`data generate "
-                   "--engine static`, then `extract --completions-from`) for its rows alone; repeatable")
+    b.add_argument("--offline", metavar="[ENGINE=]RUN", action="append", help="an eval run of the drafter (best --anchors "
+                   "walk on these prompts): bench predicts tokens/s from it too; ENGINE=RUN for that engine's rows alone "
+                   "(an eval on its own answers: `data generate --engine`, docs/decoding.md); repeatable")
     b.set_defaults(func=cmd_bench)
 
 
@@ -177,7 +176,7 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
     """{engine, or "" for every engine: an eval run's results} of `--offline [ENGINE=]RUN` (each given once)."""
     from dflashkit.decode.costmodel import MODEL_ENGINES
 
-    runs = {}
+    runs: dict[str, dict] = {}
     for arg in args:
         engine, _, folder = arg.rpartition("=")
         if engine and engine not in MODEL_ENGINES:
@@ -186,12 +185,11 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
         if engine in runs:
             raise DFlashError(f"--offline {arg}: {'engine ' + engine if engine else 'a run for every engine'} is "
                               "given twice; pass one eval run each")
-        runs[engine] = offline_run(folder)
-        runs[engine]["source"] += f" for the {engine} rows" if engine else ""
+        runs[engine] = offline_run(folder, f" for the {engine} rows" if engine else "")
     return runs
 
 
-def offline_run(folder: str) -> dict:
+def offline_run(folder: str, rows: str = "") -> dict:
     """An eval run's results.json, with where it came from (bench's offline prediction names it)."""
     from pathlib import Path
 
@@ -204,7 +202,7 @@ def offline_run(folder: str) -> dict:
     if "overall" not in res or "settings" not in res:
         raise DFlashError(f"--offline {folder}: {path} has no 'overall' or 'settings'; it is not an eval run")
     s, o = res["settings"], res["overall"]
-    res["source"] = f"offline eval {folder} ({s.get('anchors')} anchors, {o.get('blocks')} blocks)"
+    res["source"] = f"offline eval {folder} ({s.get('anchors')} anchors, {o.get('blocks')} blocks){rows}"
     return res
 
 

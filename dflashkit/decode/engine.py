@@ -7,6 +7,7 @@ refuses a target, auto says why and runs hf."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -126,14 +127,20 @@ def open_backend(engine: str, target, method: str, state: dict, length: int, pro
     return StaticBackend(decoder_for(target, state, length, proposer, log=log, trees=trees))
 
 
-def plain_answers(target, engine: str, state: dict | None = None, log=None):
-    """(the backend, answer(prompt ids, max new tokens) -> (index, greedy completion)...) for `data generate
-    --engine`: our plain decoding one prompt at a time where `engine` resolves to static (the text a server on it
-    writes); None where it resolves to hf (transformers' batched generation is the same text, faster)."""
+@contextlib.contextmanager
+def plain_answers(target, engine: str, max_new_tokens: int, log=None):
+    """(the backend, answer(prompt ids, max new tokens) -> (index, greedy completion)...) for `data generate --engine`:
+    our plain decoding on static or an engine peer's (its server up while the context is), one prompt at a time; None
+    for hf (transformers' batches write its text faster). In bf16 each writes its own text (near-ties)."""
+    from dflashkit.decode.methods import ENGINE_METHODS
     from dflashkit.decode.speculative import generate
 
-    state = {} if state is None else state
-    if (name := resolve(engine, target, "ar", state, log)) == "hf":
-        return None
-    return name, lambda ids, n, **_: ((i, generate(target, p, "ar", max_new_tokens=n, engine=name, state=state).tokens)
-                                      for i, p in enumerate(ids))
+    if engine in ENGINE_METHODS:
+        from dflashkit.decode.peers import EnginePeer
+
+        with EnginePeer(engine, target, None, 0, max_new_tokens) as peer:
+            yield engine, lambda ids, n, **_: ((i, peer.one(p).tokens) for i, p in enumerate(ids))
+        return
+    name = resolve(engine, target, "ar", state := {}, log)
+    yield None if name == "hf" else (name, lambda ids, n, **_: (
+        (i, generate(target, p, "ar", max_new_tokens=n, engine=name, state=state).tokens) for i, p in enumerate(ids)))

@@ -73,9 +73,8 @@ def predict_offline(acceptance: dict, model) -> dict:
 
 
 def replay_cuts(cuts: dict, model, draft: float) -> dict:
-    """ddtree-auto over the offline walk's rounds: each round's budget-32 tree cut where decoding would cut it on
-    this engine (tree.best_cut: expected tokens per ms), the round committing the accepted path's nodes inside the
-    cut. `cuts`: per round the cut candidates' gains and path tokens, and the accepted path's ranks among them."""
+    """ddtree-auto over the walk's rounds: each round's 32-node tree cut where decoding would cut it on this engine
+    (tree.best_cut), committing the accepted path's nodes inside the cut (`cuts`: evaluate/offline.py)."""
     from dflashkit.tree import best_cut
 
     fixed, flat = draft + model.overhead("tree"), not model.paths
@@ -197,8 +196,7 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
         online = _online(label, [r for r in runs if r["method"] == label], s, model, B)
         s["predicted"] = {"engine": engine, "measured_decode_tokens_per_s": measured,
                           "online": {**online, "error": error(online["tokens_per_s"], measured)}}
-        acceptance = acceptances.get(engine, acceptances.get(""))  # an eval on this engine's own answers first
-        if acceptance is not None and (row := predict_offline(acceptance, model).get(
+        if (acceptance := acceptances.get(engine, acceptances.get(""))) and (row := predict_offline(acceptance, model).get(
                 "chain" if label.endswith("-dflash") else rows.get(label, (label,))[0])):
             s["predicted"]["offline"] = {**row, "error": error(row["tokens_per_s"], measured),
                                          "source": acceptance["source"]}

@@ -77,15 +77,21 @@ def hist_plot(path, series: dict[str, list[float]], title: str, xlabel: str, sta
 
 
 def scatter_against_measured(path, points: dict[str, tuple[float, float]], title: str, unit: str, band: float) -> Path:
-    """points[label] = (measured, predicted): one dot each, the diagonal and the +-band around it."""
+    """points[label] = (measured, predicted): one dot each, the diagonal and the +-band around it; a label that would
+    cover another's steps down a line."""
     ax = _figure()
     top = max(max(p) for p in points.values()) * 1.1
     ax.plot([0, top], [0, top], color="grey", linewidth=1, label="predicted = measured")
     ax.fill_between([0, top], [0, top * (1 - band)], [0, top * (1 + band)], color="grey", alpha=0.15,
                     label=f"within {band:.0%}")
-    for name, (measured, predicted) in points.items():
-        ax.scatter([measured], [predicted], s=25)
-        ax.annotate(name, (measured, predicted), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set(title=title, xlabel=f"measured {unit}", ylabel=f"predicted {unit}", xlim=(0, top), ylim=(0, top))
+    placed, pt = [], ax.figure.dpi / 72  # labels' places in display pixels; pixels a point
+    for name, (measured, predicted) in sorted(points.items(), key=lambda kv: -kv[1][1]):
+        ax.scatter([measured], [predicted], s=25)
+        (x, y), dy = ax.transData.transform((measured, predicted)), 4
+        while any(abs(x - px) < 80 * pt and abs(y + dy * pt - py) < 9 * pt for px, py in placed):
+            dy -= 9
+        placed.append((x, y + dy * pt))
+        ax.annotate(name, (measured, predicted), textcoords="offset points", xytext=(4, dy), fontsize=8)
     ax.legend(loc="upper left")
     return _save(ax, path, False)

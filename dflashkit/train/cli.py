@@ -35,10 +35,9 @@ def register(sub) -> None:
     g.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
     g.add_argument("--per-category", type=int, default=None, metavar="N", help="only the first N of each category")
     g.add_argument("--device", default="auto")
-    g.add_argument("--engine", default="hf", choices=("hf", "static", "auto"),
-                   help="the backend that answers: hf (transformers, batched) or the one you serve on (static: our "
-                   "compiled step, one prompt at a time; in bf16 its text parts from hf's at near-ties, and an eval "
-                   "on it predicts that backend's speed)")
+    g.add_argument("--engine", default="hf", choices=("hf", "static", "auto", "llama.cpp", "vllm"),
+                   help="what answers: hf (transformers, batched) or, one prompt at a time, what you serve on (static, "
+                   "llama.cpp, vllm): in bf16 each writes its own text, and an eval on it predicts that engine")
     add_threads_option(g)
     g.set_defaults(func=cmd_generate)
 
@@ -69,9 +68,9 @@ def cmd_generate(args) -> int:
         raise DFlashError("--max-new-tokens and --batch-size must be at least 1")
     suite = select_prompts(args.prompts, per_category=args.per_category)  # before the target loads: errors are fast
     target = load_target(args.target, device=args.device)
-    out = generate_sequences(target, suite, args.out, args.max_new_tokens, args.batch_size, args.num_prompts,
-                             use_file_responses=args.use_file_responses,
-                             answered_by=None if args.use_file_responses else plain_answers(target, args.engine))
+    with plain_answers(target, "hf" if args.use_file_responses else args.engine, args.max_new_tokens) as by:
+        out = generate_sequences(target, suite, args.out, args.max_new_tokens, args.batch_size, args.num_prompts,
+                                 use_file_responses=args.use_file_responses, answered_by=by)
     head, recs = read_sequences(out)
     tokens, stopped = sum(len(r["completion_ids"]) for r in recs), sum(bool(r.get("stopped")) for r in recs)
     who = "the file's own answers" if head.get("responses") == "file" else f"the target's own answers on {head['engine']}"
