@@ -133,11 +133,10 @@ def plain_answers(target, engine: str, max_new_tokens: int, log=None):
     our plain decoding on static or an engine peer's (its server up while the context is), one prompt at a time; None
     for hf (transformers' batches write its text faster). In bf16 each writes its own text (near-ties)."""
     from dflashkit.decode.methods import ENGINE_METHODS
+    from dflashkit.decode.peers import EnginePeer
     from dflashkit.decode.speculative import generate
 
     if engine in ENGINE_METHODS:
-        from dflashkit.decode.peers import EnginePeer
-
         with EnginePeer(engine, target, None, 0, max_new_tokens) as peer:
             yield engine, lambda ids, n, **_: ((i, peer.one(p).tokens) for i, p in enumerate(ids))
         return

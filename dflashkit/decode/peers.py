@@ -74,7 +74,11 @@ class EnginePeer:
         self.method, self.target, self.max_new_tokens = method, target, max_new_tokens
         self.drafter, self.block_size = drafter, block_size
         self.ctx, self.stops = _context_length(target), set(target.stop_token_ids)
+        self.fresh()
+
+    def fresh(self) -> None:  # a conversation's own counters: the engine's drafts and what it reported per position
         self.counts = {"drafted": 0, "accepted": 0, "steps": 0}
+        self.reported, self.turns = {"per_position": None, "prefill_known": True}, 0
 
     def __enter__(self) -> "EnginePeer":
         with ExitStack() as stack:  # a failed start removes its work folder; a started one keeps both to __exit__
@@ -111,8 +115,7 @@ class EnginePeer:
     def run(self, pid: str, item) -> dict:
         """One conversation as a bench run record, with the engine's own draft counters (and, for the
         per-request record, what it reported per draft position and whether it timed its prompt)."""
-        self.counts = dict.fromkeys(self.counts, 0)
-        self.reported, self.turns = {"per_position": None, "prefill_known": True}, 0
+        self.fresh()
         c = decode_conversation(self.target, item, self.one)
         g = c.generation
         return {"prompt": pid, "method": self.method, "prompt_tokens": len(c.prompts[0]), "turns": c.lengths,

@@ -77,8 +77,7 @@ def replay_cuts(cuts: dict, model, draft: float) -> dict:
     (tree.best_cut), committing the accepted path's nodes inside the cut (`cuts`: evaluate/offline.py)."""
     from dflashkit.tree import best_cut
 
-    fixed, flat = draft + model.overhead("tree"), not model.paths
-    accepted, widths = [], []
+    fixed, flat, accepted, widths = draft + model.overhead("tree"), not model.paths, [], []
     for gains, tokens, path in zip(cuts["gains"], cuts["tokens"], cuts["path"]):
         n = best_cut(gains, tokens, model.forward, fixed, None if flat else model.forward_paths)
         accepted.append(1 + sum(r <= n for r in path))

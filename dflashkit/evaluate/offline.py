@@ -88,7 +88,6 @@ def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None
     curve = {b: sum(1 for node in path if node <= b) for b in budgets}
     expected = {b: probs[1 : b + 1].sum().item() for b in budgets}
     order, gains, cut_tokens = cut_candidates(tree, probs.tolist())  # what a cost-aware tree chooses among
-    rank = {node: r for r, node in enumerate(order, start=1)}
     out_trees, out_expected = {}, {}
     for spec in trees:
         family, k = parse_tree_spec(spec)
@@ -104,7 +103,7 @@ def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None
             "trees": out_trees, "expected": out_expected, "curve": {str(b): curve[b] for b in CURVE_BUDGETS},
             "curve_expected": {str(b): expected[b] for b in CURVE_BUDGETS},  # and a verify one path per row's tokens:
             "curve_paths": {str(b): path_tokens(subtree(tree, range(min(b + 1, len(tree))))) for b in CURVE_BUDGETS},
-            "cut": {"gains": [round(g, 4) for g in gains], "tokens": cut_tokens, "path": sorted(rank[n] for n in path)}}
+            "cut": {"gains": [round(g, 4) for g in gains], "tokens": cut_tokens, "path": sorted(order.index(n) + 1 for n in path)}}
 
 
 def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int, trees: list[str],
