@@ -189,7 +189,7 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
     return runs
 
 
-def offline_run(folder: str, rows: str = "") -> dict:
+def offline_run(folder: str, for_rows: str = "") -> dict:
     """An eval run's results.json, with where it came from (bench's offline prediction names it)."""
     from pathlib import Path
 
@@ -202,7 +202,7 @@ def offline_run(folder: str, rows: str = "") -> dict:
     if "overall" not in res or "settings" not in res:
         raise DFlashError(f"--offline {folder}: {path} has no 'overall' or 'settings'; it is not an eval run")
     s, o = res["settings"], res["overall"]
-    res["source"] = f"offline eval {folder} ({s.get('anchors')} anchors, {o.get('blocks')} blocks){rows}"
+    res["source"] = f"offline eval {folder} ({s.get('anchors')} anchors, {o.get('blocks')} blocks){for_rows}"
     return res
 
 

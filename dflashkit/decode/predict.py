@@ -175,8 +175,8 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
     from dflashkit.decode.costmodel import cost_model, in_window
 
     B = proposer.block_size if proposer is not None else None
-    models, acceptances = {}, {e: offline_acceptance(o["overall"], o["settings"]["block_size"], o.get(
-        "source", "offline eval")) for e, o in (offline or {}).items()}
+    models, priced, acceptances = {}, {}, {e: offline_acceptance(o["overall"], o["settings"]["block_size"], o.get(
+        "source", "offline eval")) for e, o in (offline or {}).items()}  # priced: an engine's offline rows, once
     for label, s in summary.items():
         if (engine := predicted_engine(label, rows)) is None:
             s["predicted"] = {"why": "stock kernels or transformers' own loop: no cost model of ours"}
@@ -195,8 +195,8 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
         online = _online(label, [r for r in runs if r["method"] == label], s, model, B)
         s["predicted"] = {"engine": engine, "measured_decode_tokens_per_s": measured,
                           "online": {**online, "error": error(online["tokens_per_s"], measured)}}
-        if (acceptance := acceptances.get(engine, acceptances.get(""))) and (row := predict_offline(acceptance, model).get(
-                "chain" if label.endswith("-dflash") else rows.get(label, (label,))[0])):
+        if (acceptance := acceptances.get(engine, acceptances.get(""))) and (row := (priced.get(engine) or priced.setdefault(
+                engine, predict_offline(acceptance, model))).get("chain" if label.endswith("-dflash") else rows.get(label, (label,))[0])):
             s["predicted"]["offline"] = {**row, "error": error(row["tokens_per_s"], measured),
                                          "source": acceptance["source"]}
     _speedup_errors(rows, summary)
