@@ -113,6 +113,55 @@ def test_a_model_over_a_benchs_minutes_takes_the_samples_medians():
     assert cm.in_window(FIXED, [None]) is FIXED  # nothing sampled: the cached model alone
 
 
+def test_an_engines_rounds_timed_in_the_window_set_its_loop_and_drafter():
+    """Where the engine's own rounds were timed between the prompts (llama.cpp), a round priced from the window's
+    model is those rounds' median: its plain loop's work and drafter call follow them, not the cached probe."""
+    model = dataclasses.replace(FIXED, engine="llama.cpp", overhead_ms={"ar": 0.0}, record={"drafter": {"block_size": 4}})
+    fwd = {1: 10.0, 4: 20.0}
+    timed = [{"ar": 11.0, "chain": 26.0}, {"ar": 10.5, "chain": 27.0}, {"ar": 12.0, "chain": 26.5}]
+    m = cm.in_window(model, [{"forward": fwd, "rounds": r} for r in timed])
+    assert m.overhead("ar") == pytest.approx(1.0) and m.forward(1) + m.overhead("ar") == pytest.approx(11.0)
+    assert m.draft_ms + m.forward(4) + m.overhead("chain") == pytest.approx(26.5)
+    assert m.record["window"]["rounds"] == {"ar": 11.0, "chain": 26.5}
+    assert predict_offline(ACCEPTANCE, m)["chain"]["ms_per_round"]["total"] == pytest.approx(26.5)
+    fast = cm.in_window(model, [{"forward": fwd, "rounds": {"ar": 9.0, "chain": 15.0}}])  # never below the forwards
+    assert fast.overhead("ar") == 0.0 and fast.draft_ms == 0.0
+    plain = cm.in_window(model, [{"forward": fwd}])  # not timed: as cached
+    assert plain.draft_ms == FIXED.draft_ms and plain.overhead_ms == {"ar": 0.0} and "rounds" not in plain.record["window"]
+
+
+def test_a_window_sample_times_the_open_llama_cpp_peers_rounds(monkeypatch):
+    """forward_sample hands each open llama.cpp peer the probe prompt: one token, then PEER_TOKENS; a round is the
+    difference over the rounds the engine reports (verify steps with a drafter, tokens without)."""
+    from dflashkit.engines.llamacpp import EngineAnswer
+
+    class Engine:
+        def __init__(self, per_round, speculative):
+            self.per_round, self.speculative, self.asked = per_round, speculative, []
+
+        def complete(self, ids, n, stops):
+            self.asked.append(n)
+            rounds = n if not self.speculative else (0 if n == 1 else n // 2)
+            return EngineAnswer(list(range(n)), 0.05 + rounds * self.per_round, 0.05, 0, 0, rounds)
+
+    class Peer:
+        def __init__(self, *a):
+            self.engine = Engine(*a)
+
+    class Target:
+        stop_token_ids = [0]
+
+        def chat_ids(self, messages):
+            return [1, 2, 3]
+
+    monkeypatch.setattr(cm, "llama_bench_curve", lambda target, repeats: ([1, 4], [10.0, 20.0]))
+    peers = {"llama.cpp": Peer(0.010, False), "llama.cpp-dflash": Peer(0.026, True)}
+    got = cm.forward_sample("llama.cpp", Target(), None, {}, peers)
+    assert got["forward"] == {1: 10.0, 4: 20.0} and peers["llama.cpp"].engine.asked == [1, cm.PEER_TOKENS]
+    assert got["rounds"]["ar"] == pytest.approx(10.0) and got["rounds"]["chain"] == pytest.approx(26.0)
+    assert "rounds" not in cm.forward_sample("llama.cpp", Target(), None, {}, {})
+
+
 def test_a_decodes_own_rounds_priced_by_the_model():
     row = predict_rounds([2, 3, 1], [9, 9, 1], [True, True, False], FIXED, "tree")
     forward9 = 14.5

@@ -183,7 +183,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         def sample():  # one that fails is left out (the cached model stands where none is taken)
             for e, w in window.items():
                 with suppress(DFlashError, OSError):
-                    w.append(forward_sample(e, target, proposer, state))
+                    w.append(forward_sample(e, target, proposer, state, peers))
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
                                   progress, curve, peers, state, rows, sample)
     started = {m: p.info for m, p in peers.items()}

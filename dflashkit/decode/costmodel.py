@@ -239,19 +239,25 @@ def llama_bench_curve(target, repeats: int = 5) -> tuple[list[int], list[float]]
 
 
 def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
-    """ms per round (one token plain, one verify with a drafter) of an engine peer decoding the probe prompt to
-    PEER_TOKENS, a bench answer's context (a llama.cpp-dflash round: 34.8 ms over 48, 40.0 over 174), less a 1-token one."""
+    """ms per round of an engine peer started for the probe (engine_round_ms; a llama.cpp-dflash round: 34.8 ms
+    over 48 tokens, 40.0 over 174)."""
     import tempfile
 
     from dflashkit.decode.peers import _context_length, _start
 
-    ids = target.chat_ids([{"role": "user", "content": PROBE_PROMPT}])
-    stops = set(target.stop_token_ids)
     with tempfile.TemporaryDirectory(prefix="dflashkit-cost-") as work:
         with _start(method, target, drafter, block_size, _context_length(target), Path(work)) as engine:
-            engine.complete(ids, 8, stops)  # warm-up
-            one, full = engine.complete(ids, 1, stops), engine.complete(ids, PEER_TOKENS, stops)
-    rounds = full.steps - one.steps if drafter is not None else len(full.tokens) - len(one.tokens)
+            engine.complete(target.chat_ids([{"role": "user", "content": PROBE_PROMPT}]), 8,
+                            set(target.stop_token_ids))  # warm-up
+            return engine_round_ms(engine, target, drafter is not None)
+
+
+def engine_round_ms(engine, target, speculative: bool) -> float:
+    """ms per round (one token plain, one verify with a drafter) of an open engine decoding the probe prompt to
+    PEER_TOKENS, a bench answer's context, less a 1-token answer (the prefill and first token cancel)."""
+    ids, stops = target.chat_ids([{"role": "user", "content": PROBE_PROMPT}]), set(target.stop_token_ids)
+    one, full = engine.complete(ids, 1, stops), engine.complete(ids, PEER_TOKENS, stops)
+    rounds = full.steps - one.steps if speculative else len(full.tokens) - len(one.tokens)
     return 1000 * (full.seconds - one.seconds) / max(1, rounds)
 
 
@@ -282,21 +288,28 @@ PROBES = {"hf": probe_hf, "static": probe_static, "llama.cpp": probe_llama_cpp, 
 SAMPLED = ("hf", "static", "llama.cpp")  # vLLM's forward is its loop: no quick sample
 
 
-def forward_sample(engine: str, target, proposer, state: dict) -> dict | None:
+def forward_sample(engine: str, target, proposer, state: dict, peers: dict | None = None) -> dict | None:
     """One quick sample of `engine`'s forward per n (ms; {"forward": {n: ms}, "paths": hf's verifies one path a
     row}), taken between a bench's prompts: a shared host drifts 10-40% within minutes, and a probe of seconds read
-    that as the prediction's error (rows moved 20 points in 13 minutes)."""
+    that as the prediction's error (rows moved 20 points in 13 minutes). With the bench's llama.cpp `peers` open,
+    their rounds on the probe prompt too ("rounds" {loop: ms}): on a 2-core Zen 4 a llama.cpp-dflash round ran
+    26.5 ms where a probe 2 hours before had priced 24.0, while llama-bench's forwards read the same."""
     if engine == "static":
         return {"forward": static_widths(state["static"], 3) if state.get("static") else {}}
     if engine == "hf":
         return dict(zip(("forward", "paths"), hf_curves(target, proposer, 1)))
-    return {"forward": dict(zip(*llama_bench_curve(target, repeats=1)))} if engine == "llama.cpp" else None
+    if engine != "llama.cpp":
+        return None
+    rounds = {loop: engine_round_ms(peers[m].engine, target, loop == "chain")
+              for loop, m in (("ar", "llama.cpp"), ("chain", "llama.cpp-dflash")) if m in (peers or {})}
+    return {"forward": dict(zip(*llama_bench_curve(target, repeats=1))), **({"rounds": rounds} if rounds else {})}
 
 
 def in_window(model: CostModel, samples: list[dict]) -> CostModel:
     """`model` over the minutes the samples (forward_sample) were taken in: each sampled curve the samples' median
-    at every n they all hold. The drafter call and the loops' work stay as measured: they run our torch code on every
-    backend, and a backend's own drift (hf's moved 9% where the drafter's did not) is not theirs."""
+    at every n they all hold. The drafter call and the loops' work stay as measured (they run our torch code on every
+    backend, and a backend's own drift, hf's 9% where the drafter's did not, is not theirs), but for an engine whose
+    rounds were timed too: its loop's work and drafter call are then those rounds' medians less the forwards."""
     samples, curves = [s for s in samples if s], {}
     for key in ("forward", "paths"):
         got = [s[key] for s in samples if s.get(key)]
@@ -305,8 +318,18 @@ def in_window(model: CostModel, samples: list[dict]) -> CostModel:
     if not (f := curves["forward"]):
         return model
     level = statistics.median(t / model.forward(n) for n, t in zip(f["ns"], f["ms"]) if model.forward(n) < math.inf)
-    return replace(model, ns=f["ns"], forward_ms=f["ms"], paths=curves["paths"] or model.paths,
-                   record={**model.record, "window": {"samples": len(samples), "level": level}})
+    out = replace(model, ns=f["ns"], forward_ms=f["ms"], paths=curves["paths"] or model.paths,
+                  record={**model.record, "window": {"samples": len(samples), "level": level}})
+    timed = [s["rounds"] for s in samples if s.get("rounds")]
+    rounds = {loop: statistics.median(r[loop] for r in timed if loop in r) for loop in ("ar", "chain")
+              if any(loop in r for r in timed)}
+    if "ar" in rounds:
+        out.overhead_ms = {**out.overhead_ms, "ar": max(0.0, rounds["ar"] - out.forward(1))}
+    if "chain" in rounds and (B := (out.record.get("drafter") or {}).get("block_size")):
+        out.draft_ms = max(0.0, rounds["chain"] - out.forward(B) - out.overhead("chain"))
+    if rounds:
+        out.record["window"]["rounds"] = rounds
+    return out
 
 
 def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> list[str]:

@@ -84,7 +84,7 @@ class EnginePeer:
         with ExitStack() as stack:  # a failed start removes its work folder; a started one keeps both to __exit__
             work = stack.enter_context(tempfile.TemporaryDirectory(prefix="dflashkit-peer-"))
             t0 = time.perf_counter()
-            self._engine = stack.enter_context(_start(self.method, self.target, self.drafter, self.block_size,
+            self.engine = stack.enter_context(_start(self.method, self.target, self.drafter, self.block_size,
                                                       self.ctx, Path(work)))
             self.info = {"start_s": time.perf_counter() - t0, "context": self.ctx}
             if self.method.endswith("-dflash"):  # which count the engine was given (docs/design.md section 14)
@@ -99,7 +99,7 @@ class EnginePeer:
     def one(self, ids: list[int]) -> Generation:
         """One turn: the engine's answer, timed by this process end to end (its prompt time apart, where the
         engine reports it); its per-position acceptance summed over turns (None once a turn has none)."""
-        a = self._engine.complete(ids, self.max_new_tokens, self.stops)
+        a = self.engine.complete(ids, self.max_new_tokens, self.stops)
         for k in self.counts:
             self.counts[k] += getattr(a, k)
         pos, known = self.reported["per_position"], getattr(a, "per_position", None)

@@ -239,8 +239,9 @@ def predicted_markdown(result: dict) -> list[str]:
                      f"{off['budget']}" if isinstance(off.get("budget"), int) else "") if off else "")])
     if not rows:
         return []
-    windows = [f"{e} x{fmt(w['level'], 2)} over {w['samples']}" for e, m in (result.get("cost_models") or {}).items()
-               if (w := (m.get("record") or {}).get("window"))]
+    windows = [f"{e} x{fmt(w['level'], 2)} over {w['samples']}" + (", its own rounds on the probe prompt timed there "
+               "too (" + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in w["rounds"].items()) + ")" if w.get("rounds") else "")
+               for e, m in (result.get("cost_models") or {}).items() if (w := (m.get("record") or {}).get("window"))]
     return ["## Predicted beside measured", "",
             "Decode tokens/s (prefill excluded) measured here, and predicted by the engine's cost model (`dflashkit cost`)"
             " over this run's minutes: each forward (and hf's verifies by paths) the median of quick samples taken "
