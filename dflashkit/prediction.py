@@ -104,7 +104,12 @@ def cmd_eval(args) -> int:
     from dflashkit.evaluate.cli import run_eval_command
 
     names = engines_of(args.engine) if args.engine else []  # a wrong name fails before the evaluation runs
-    result, target = run_eval_command(args)
+
+    def replays(target):  # hybrid-auto replayed by the walk as decoding runs it on each engine
+        from dflashkit.decode.predict import hybrid_replay
+
+        return {m.engine: hybrid_replay(m) for m in models_for(names, target, proposer_of(target, args.drafter))}
+    result, target = run_eval_command(args, replays if names else None)
     for line in predict_eval(result, target, args, names) if names else []:
         print(line)
     return 0

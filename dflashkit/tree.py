@@ -13,6 +13,7 @@ import heapq
 import itertools
 import re
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Sequence
 
 import torch
@@ -266,3 +267,109 @@ def parse_tree_spec(spec: str) -> tuple[str, int]:
     if m is None or int(m.group(2)) < 1:
         raise ValueError(f"bad tree spec {spec!r}: {allowed}")
     return m.group(1) or "budget", int(m.group(2))
+
+
+ADDED_PRIOR = (1.0, 1.0)  # what the gate assumes the drafter adds before it has drafted: one token, worth one round
+ADDED_DECAY = 0.9  # per drafted round: a mean over about ten, not a moving average that two misses can shut
+
+
+class TreeDrafts:
+    """What one round verifies: the drafter's DDTree (`budget` nodes), n-gram continuations as extra branches, or
+    both merged. With a cost curve the tree is cut to the nodes that maximize expected tokens per second (`budget`
+    is then the most the drafter offers), and when both proposers are there the drafter sits out rounds where what
+    it has been adding beyond the n-gram branch does not pay for its forward."""
+
+    def __init__(self, drafter=None, budget: int = 0, ngram=None, cost=None, draft_cost: float | None = None):
+        self.drafter, self.budget, self.ngram, self.cost = drafter, budget, ngram, cost
+        self.timed = draft_cost is None  # an offline replay prices the drafter's call (draft_cost), not times it
+        self.layer_ids = drafter.layer_ids if drafter is not None else None
+        self.gated = drafter is not None and ngram is not None and cost is not None
+        self.fixed = 0.0  # seconds a round costs besides the verify and draft forwards (running mean, set by the loop)
+        self.path_cost = None  # set by the loop: the backend's cost of a tree verified one root-to-leaf path a row
+        self.branches: list[tuple[list[int], int]] = []  # this round's verified n-gram proposals, matched lengths
+        self.t_draft = draft_cost or 0.0  # running mean of one drafter forward
+        self.added: dict[int, list[float]] = {}  # n-gram confidence bucket -> [tokens added, weight, rounds idle]
+        self.bucket, self.drafted, self.pending = 0, False, None
+
+    def most_nodes(self) -> int:
+        """The widest tree this proposer can build (root included): the drafter's budget plus each n-gram branch."""
+        n = self.ngram
+        return 1 + self.budget + (n.max_tokens * getattr(n, "branches", 1) if n is not None else 0)
+
+    def reset(self, prompt_ids) -> None:
+        self.pending = None
+        for proposer in (p for p in (self.drafter, self.ngram) if p is not None):
+            proposer.reset(prompt_ids)
+
+    def propose(self, features, bonus: torch.Tensor, start: int, timer) -> Tree:
+        found = []
+        if self.ngram is not None:
+            self.ngram.extend(bonus.tolist())
+            found = [(cont, match, self.ngram.probs(match, len(cont))) for cont, match in self.ngram.propose_all()]
+        if self.drafter is not None:  # features of every committed position reach the drafter, drafted or not
+            self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+        self.drafted = self.drafter is not None and self._worth_drafting(found)
+        if self.drafted:
+            t = perf_counter()
+            with timer("draft"):
+                logits = self.drafter.propose(self.pending, bonus, start)
+            if self.timed:
+                self.t_draft = 0.8 * self.t_draft + 0.2 * (perf_counter() - t) if self.t_draft else perf_counter() - t
+            self.pending = None
+            tree = (self.drafter.tree(logits, self.budget, bonus) if hasattr(self.drafter, "tree")
+                    else draft_tree(logits, self.budget, bonus, self.drafter.to_tokens))
+        else:
+            tree = Tree(bonus.cpu(), torch.zeros(1, dtype=torch.long), torch.tensor([-1]), torch.zeros(1))
+        probs = tree.log_probs.double().exp().tolist()
+        for cont, _, qs in found:
+            tree, nodes = add_branch(tree, cont, log_prob=float("-inf"))
+            probs += [0.0] * (len(tree) - len(probs))
+            for node, q in zip(nodes, qs):
+                probs[node] = 1 - (1 - probs[node]) * (1 - q)  # independent proposers agreeing on a token
+        self.branches = [(cont, match) for cont, match, _ in found]
+        if self.cost is not None:
+            tree = prune_by_cost(tree, probs, self.cost, self.fixed + self.drafted * self.t_draft, self.path_cost)
+            # what survived of each branch is what the target gets to test
+            self.branches = [(cont[: len(accepted_path(tree, cont))], match) for cont, match in self.branches]
+        return tree
+
+    def _worth_drafting(self, found) -> bool:
+        """Draft unless, at this n-gram confidence, the tokens the drafter has been adding do not pay for its
+        forward and a few more verified nodes, against the best n-gram prefix alone (what pruning would keep);
+        every eighth idle round drafts anyway to keep the estimate fresh."""
+        if not self.gated:
+            return True
+        q1 = max((qs[0] for _, _, qs in found), default=0.0)
+        self.bucket = 0 if not found else 1 + int(4 * q1)
+        total, weight, idle = self.added.setdefault(self.bucket, list(ADDED_PRIOR) + [0])
+        if idle >= 8 or not self.t_draft:
+            return True
+        gain, n = 1.0, 1  # expected tokens and verified tokens of the best n-gram prefix (root included)
+        for _, _, qs in found:
+            g = 1.0
+            for depth, q in enumerate(qs, start=1):
+                g += q
+                if g / (self.fixed + self.cost(depth + 1)) > gain / (self.fixed + self.cost(n)):
+                    gain, n = g, depth + 1
+        without = gain / (self.fixed + self.cost(n))
+        with_ = (gain + total / weight) / (self.fixed + self.t_draft + self.cost(n + 4))
+        return with_ > without
+
+    def observe(self, new: list[int]) -> None:
+        """Learn from the round (`new`: the accepted drafts): how much of each n-gram proposal the target accepted,
+        what the drafter added beyond it, and the committed tokens for the next lookup."""
+        if self.ngram is None:
+            return
+        best = 0
+        for cont, match in self.branches:
+            if cont:
+                depth = common_prefix(cont, new)
+                self.ngram.observe(match, len(cont), depth)
+                best = max(best, depth)
+        if self.gated:
+            stat = self.added[self.bucket]
+            if self.drafted:  # a decayed mean over about the last ten drafted rounds of this bucket
+                stat[:] = [ADDED_DECAY * stat[0] + len(new) - best, ADDED_DECAY * stat[1] + 1, 0]
+            else:
+                stat[2] += 1
+        self.ngram.extend(new)

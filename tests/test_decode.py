@@ -405,7 +405,7 @@ def test_hybrid_gate_drafts_while_the_drafter_adds_tokens_and_rechecks_when_idle
 
     def drafted_round(added: int, force: bool = False):
         drafts.drafted = force or drafts._worth_drafting([])
-        drafts.observe(list(range(added)), 0)
+        drafts.observe(list(range(added)))
         return drafts.drafted
 
     assert all(drafted_round(1) for _ in range(20))

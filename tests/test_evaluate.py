@@ -275,6 +275,41 @@ def test_hybrid_walk_reproduces_dflashkit_decode_hybrid(t64, kind):
     assert max(gen.accepted) >= (5 if kind == "oracle" else 2)  # past the drafter's 3 slots: the n-gram's tokens
 
 
+@pytest.mark.parametrize("kind", ["oracle", "random"])
+def test_hybrid_auto_replayed_at_an_engines_prices_is_what_the_loop_does(t64, kind, monkeypatch):
+    """Issue 50: hybrid-auto replayed offline at an engine's prices (each round's tree cut to what pays, the drafter
+    sitting out rounds it does not pay for) commits, verifies and drafts what the online loop does at those prices:
+    the loop's clock is fixed here (a drafter call 1/256 s, nothing else), so both price a round alike."""
+    import itertools
+
+    import dflashkit.decode.speculative as speculative
+    import dflashkit.tree as tree
+    from dflashkit.decode.cost import CostCurve
+    from dflashkit.decode.speculative import DFlashProposer, HfBackend, generate, new_lookup
+
+    clock = itertools.count()
+    monkeypatch.setattr(tree, "perf_counter", lambda: next(clock) / 256)  # one tick per drafter call
+    monkeypatch.setattr(speculative, "perf_counter", lambda: 0.0)  # the loop's own work: none
+    cost = CostCurve([1, 4, 8, 16, 48], [0.010, 0.011, 0.013, 0.020, 0.060])
+    prompt = t64.chat_ids([{"role": "user", "content": "class LRU:"}])
+    ref = greedy(t64, prompt, 70)
+    d = (CopyLabelDrafter(drafter_for(t64).config, t64.lm_head.weight, ref, {p for p in range(len(ref)) if p % 5 == 2})
+         if kind == "oracle" else drafter_for(t64, seed=4))
+    gen = generate(t64, prompt, "hybrid-auto", DFlashProposer(t64, d), max_new_tokens=60, stop_ids=[], cost=cost)
+    tokens = torch.tensor(prompt + gen.tokens)
+    by_paths = HfBackend(t64).by_paths  # how the online loop verifies a branching tree, and so records its widths
+    price = {"cost": cost, "path_cost": cost if by_paths else None, "draft": 1 / 256, "fixed": 0.0}
+    rounds = hybrid_walk(d, DraftHead.for_drafter(t64, d), t64.embed_tokens, tokens, features(t64, tokens),
+                         len(prompt), 32, lookup=new_lookup("hybrid-auto"), price=price)
+    n = gen.rounds - 1  # the last online round may have accepted tokens past the cut, which the cache lacks
+    assert [r["accepted"] + 1 for r in rounds][:n] == gen.accepted[:n] and len(rounds) >= n
+    widths = [r["path_tokens" if by_paths else "nodes"] for r in rounds]
+    assert widths[:n] == gen.widths[:n] and [r["drafted"] for r in rounds][:n] == gen.drafted[:n]
+    assert max(r["nodes"] for r in rounds) < 33  # cut: the drafter alone offers 32 nodes
+    if kind == "random":  # a drafter that adds nothing sits out rounds
+        assert not all(gen.drafted)
+
+
 # ---- cheating and random drafters -----------------------------------------------------------------------------
 
 def test_cheating_drafter_scores_everything_and_random_drafter_near_zero(tiny_targets):

@@ -196,7 +196,7 @@ def peer_record(t, method: str, answer, prompt) -> dict:
     """The record a bench writes for an engine peer's run: EnginePeer.run over the engine's answer, then the same
     conversion as every run (decode/records.py)."""
     peer = EnginePeer(method, t, None, 4, 10)
-    peer._engine = Recorded(answer)
+    peer.engine = Recorded(answer)
     run = peer.run(*prompt)
     return run_record(run, 0, {"name": t.name, "path": str(t.path)}, "float32")
 

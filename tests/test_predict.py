@@ -130,8 +130,8 @@ def test_an_engines_rounds_timed_in_the_window_set_its_loop_and_drafter():
     assert plain.draft_ms == FIXED.draft_ms and plain.overhead_ms == {"ar": 0.0} and "rounds" not in plain.record["window"]
 
 
-def test_a_window_sample_times_the_open_llama_cpp_peers_rounds(monkeypatch):
-    """forward_sample hands each open llama.cpp peer the probe prompt: one token, then PEER_TOKENS; a round is the
+def test_a_window_sample_times_an_open_llama_cpp_peers_round(monkeypatch):
+    """forward_sample hands the run's llama.cpp peer the probe prompt: one token, then PEER_TOKENS; a round is the
     difference over the rounds the engine reports (verify steps with a drafter, tokens without)."""
     from dflashkit.engines.llamacpp import EngineAnswer
 
@@ -154,12 +154,13 @@ def test_a_window_sample_times_the_open_llama_cpp_peers_rounds(monkeypatch):
         def chat_ids(self, messages):
             return [1, 2, 3]
 
-    monkeypatch.setattr(cm, "llama_bench_curve", lambda target, repeats: ([1, 4], [10.0, 20.0]))
-    peers = {"llama.cpp": Peer(0.010, False), "llama.cpp-dflash": Peer(0.026, True)}
-    got = cm.forward_sample("llama.cpp", Target(), None, {}, peers)
-    assert got["forward"] == {1: 10.0, 4: 20.0} and peers["llama.cpp"].engine.asked == [1, cm.PEER_TOKENS]
-    assert got["rounds"]["ar"] == pytest.approx(10.0) and got["rounds"]["chain"] == pytest.approx(26.0)
-    assert "rounds" not in cm.forward_sample("llama.cpp", Target(), None, {}, {})
+    plain, dflash = Peer(0.010, False), Peer(0.026, True)
+    assert cm.forward_sample("llama.cpp", Target(), None, {}, plain)["rounds"]["ar"] == pytest.approx(10.0)
+    assert plain.engine.asked == [1, cm.PEER_TOKENS]
+    assert cm.forward_sample("llama.cpp", Target(), None, {}, dflash, True)["rounds"]["chain"] == pytest.approx(26.0)
+    assert cm.forward_sample("llama.cpp", Target(), None, {}) is None and cm.forward_sample("vllm", None, None, {}) is None
+    rounds = cm.in_window(dataclasses.replace(FIXED, record={"drafter": {"block_size": 4}}), [{"rounds": {"chain": 26.0}}])
+    assert rounds.forward_ms == FIXED.forward_ms and rounds.draft_ms + rounds.forward(4) + rounds.overhead("chain") == 26.0
 
 
 def test_a_decodes_own_rounds_priced_by_the_model():
@@ -292,6 +293,11 @@ def test_eval_with_an_engine_prints_the_prediction(evaluated, home, capsys):
     for method in ("| ar ", "| chain ", "| ddtree-8 ", "| ddtree-auto "):
         assert method in out, method
     assert len(list((home / "cost-model").glob("hf-*.json"))) == 1
+    assert main(["eval", "--drafter", str(root / "d"), "--cache", str(cache), "--out", str(root / "walk-hf"),
+                 "--engine", "hf", "--threads", "1", "--anchors", "walk"]) == 0  # walk: hybrid-auto replayed on hf
+    auto = json.loads((root / "walk-hf" / "results.json").read_text())["overall"]["hybrid_auto"]["hf"]
+    assert len(auto["accepted"]) == len(auto["nodes"]) == len(auto["drafted"]) > 0
+    assert re.search(r"\| hybrid-auto \|.*budget replayed per round", capsys.readouterr().out)
     assert main(["eval", "--drafter", str(root / "d"), "--cache", str(cache), "--out", str(root / "run2"),
                  "--engine", "nope"]) == 2
     assert "no cost model for it" in capsys.readouterr().err
@@ -330,9 +336,10 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
     on_hf = {**offline, "overall": {**offline["overall"], "acc_cumulative": [0.0] * 3}, "source": "hf's answers"}
     res = run_bench(t, drafter, prompts, parse_methods("ar,chain,ddtree-8,ngram,hybrid-8"),
                     max_new_tokens=12, progress=False, warmup=False, offline={"": offline, "hf": on_hf})
-    hf = res["cost_models"]["hf"]  # its forwards sampled after each prompt
-    assert max(hf["forward"]["ms"]) < 1e5 and hf["record"]["window"]["samples"] == 2
+    hf = res["cost_models"]["hf"]  # its forwards sampled before each run: 5 methods x 2 prompts
+    assert max(hf["forward"]["ms"]) < 1e5 and hf["record"]["window"]["samples"] == 10
     s = res["methods"]
+    assert all(s[m]["predicted"]["window"]["samples"] == 2 for m in ("ar", "chain", "ngram"))  # each row: its own runs
     assert s["hybrid-8"]["predicted"]["offline"]["tokens_per_s"] > 0
     for m in ("ar", "chain", "ddtree-8", "ngram"):
         p = s[m]["predicted"]

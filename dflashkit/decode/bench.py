@@ -179,11 +179,12 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     with ExitStack() as stack:  # the engines up through the whole rotation, idle but for their own turns
         peers = {m: stack.enter_context(EnginePeer(m, target, drafter, proposer.block_size if proposer else 0,
                                                    max_new_tokens)) for m in engines}
-        window = {e: [] for e in dict.fromkeys(predicted_engine(m, rows) for m in methods) if predict and e in SAMPLED}
-        def sample():  # one that fails is left out (the cached model stands where none is taken)
-            for e, w in window.items():
-                with suppress(DFlashError, OSError):
-                    w.append(forward_sample(e, target, proposer, state, peers))
+        window = {m: [] for m in methods if predict and predicted_engine(m, rows) in SAMPLED}
+        def sample(m):  # one that fails is left out (the cached model stands where none is taken)
+            with suppress(DFlashError, OSError):
+                if m in window and (got := forward_sample(predicted_engine(m, rows), target, proposer, state,
+                                                          peers.get(m), m.endswith("-dflash"))):
+                    window[m].append(got)
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
                                   progress, curve, peers, state, rows, sample)
     started = {m: p.info for m, p in peers.items()}
@@ -274,10 +275,10 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
 
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve,
-                peers: dict, state: dict, rows: dict, sample=lambda: None) -> tuple[list[dict], dict]:
+                peers: dict, state: dict, rows: dict, sample=None) -> tuple[list[dict], dict]:
     """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike),
-    then `sample` (the cost models' forwards, in the same minutes), under a progress bar (tqdm: it also prints where
-    the output is not a terminal). Also returns plain decoding's turns per prompt: (prompt ids per turn, answer
+    each run after `sample(method)` (its engine's cost, seconds before), under a progress bar (tqdm: it also prints
+    where the output is not a terminal). Also returns plain decoding's turns per prompt: (prompt ids per turn, answer
     lengths), what a divergence is explained from."""
     from tqdm import tqdm
 
@@ -301,11 +302,11 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
         for i, (pid, item) in enumerate(prompts):
             for m in methods[i % len(methods):] + methods[: i % len(methods)]:
                 bar.set_description(f"bench {pid} {m}")
+                if sample is not None:
+                    sample(m)
                 runs.append(r := run(m, i, pid, item, max_new_tokens))
                 bar.set_postfix_str(f"last {m}: {len(r['tokens']) / r['times']['total']:.1f} tok/s", refresh=False)
                 bar.update()
-            bar.set_description(f"bench {pid}: cost samples")
-            sample()
     return runs, turns
 
 

@@ -288,47 +288,46 @@ PROBES = {"hf": probe_hf, "static": probe_static, "llama.cpp": probe_llama_cpp, 
 SAMPLED = ("hf", "static", "llama.cpp")  # vLLM's forward is its loop: no quick sample
 
 
-def forward_sample(engine: str, target, proposer, state: dict, peers: dict | None = None) -> dict | None:
-    """One quick sample of `engine`'s forward per n (ms; {"forward": {n: ms}, "paths": hf's verifies one path a
-    row}), taken between a bench's prompts: a shared host drifts 10-40% within minutes, and a probe of seconds read
-    that as the prediction's error (rows moved 20 points in 13 minutes). With the bench's llama.cpp `peers` open,
-    their rounds on the probe prompt too ("rounds" {loop: ms}): on a 2-core Zen 4 a llama.cpp-dflash round ran
-    26.5 ms where a probe 2 hours before had priced 24.0, while llama-bench's forwards read the same."""
+def forward_sample(engine: str, target, proposer, state: dict, peer=None, speculative: bool = False) -> dict | None:
+    """One quick sample of `engine`'s cost, taken seconds before a bench's run: a shared host drifts 10-40% within
+    minutes (2-core Zen 4: static's step 7.8 then 12.5 ms a minute apart), and a probe of seconds read that as the
+    prediction's error. Our backends: the forward per n (ms; {"forward": {n: ms}, "paths": hf's verifies one path a
+    row}); a llama.cpp `peer`: its own round on the probe prompt ({"rounds": {"ar" or "chain": ms}}: a
+    llama.cpp-dflash round ran 26.5 ms where a probe two hours before had priced 24.0)."""
     if engine == "static":
         return {"forward": static_widths(state["static"], 3) if state.get("static") else {}}
     if engine == "hf":
         return dict(zip(("forward", "paths"), hf_curves(target, proposer, 1)))
-    if engine != "llama.cpp":
-        return None
-    rounds = {loop: engine_round_ms(peers[m].engine, target, loop == "chain")
-              for loop, m in (("ar", "llama.cpp"), ("chain", "llama.cpp-dflash")) if m in (peers or {})}
-    return {"forward": dict(zip(*llama_bench_curve(target, repeats=1))), **({"rounds": rounds} if rounds else {})}
+    if engine == "llama.cpp" and peer is not None:
+        return {"rounds": {"chain" if speculative else "ar": engine_round_ms(peer.engine, target, speculative)}}
+    return None
 
 
 def in_window(model: CostModel, samples: list[dict]) -> CostModel:
     """`model` over the minutes the samples (forward_sample) were taken in: each sampled curve the samples' median
     at every n they all hold. The drafter call and the loops' work stay as measured (they run our torch code on every
-    backend, and a backend's own drift, hf's 9% where the drafter's did not, is not theirs), but for an engine whose
-    rounds were timed too: its loop's work and drafter call are then those rounds' medians less the forwards."""
-    samples, curves = [s for s in samples if s], {}
+    backend, and a backend's own drift, hf's 9% where the drafter's did not, is not theirs), but where an engine's
+    own rounds were timed: its loop's work and drafter call are then those rounds' medians less the forwards."""
+    curves, out = {}, model
+    fwd = [s for s in samples if s and s.get("forward")]
     for key in ("forward", "paths"):
-        got = [s[key] for s in samples if s.get(key)]
-        ns = sorted(set(got[0]).intersection(*got[1:])) if got and len(got) == len(samples) else []
+        got = [s[key] for s in fwd if s.get(key)]
+        ns = sorted(set(got[0]).intersection(*got[1:])) if got and len(got) == len(fwd) else []
         curves[key] = {"ns": ns, "ms": [statistics.median(g[n] for g in got) for n in ns]} if ns else None
-    if not (f := curves["forward"]):
-        return model
-    level = statistics.median(t / model.forward(n) for n, t in zip(f["ns"], f["ms"]) if model.forward(n) < math.inf)
-    out = replace(model, ns=f["ns"], forward_ms=f["ms"], paths=curves["paths"] or model.paths,
-                  record={**model.record, "window": {"samples": len(samples), "level": level}})
-    timed = [s["rounds"] for s in samples if s.get("rounds")]
-    rounds = {loop: statistics.median(r[loop] for r in timed if loop in r) for loop in ("ar", "chain")
-              if any(loop in r for r in timed)}
+    if f := curves["forward"]:
+        level = statistics.median(t / model.forward(n) for n, t in zip(f["ns"], f["ms"]) if model.forward(n) < math.inf)
+        out = replace(model, ns=f["ns"], forward_ms=f["ms"], paths=curves["paths"] or model.paths,
+                      record={**model.record, "window": {"samples": len(fwd), "level": level}})
+    timed = [s["rounds"] for s in samples if s and s.get("rounds")]
+    if not (rounds := {loop: statistics.median(r[loop] for r in timed if loop in r) for loop in ("ar", "chain")
+                       if any(loop in r for r in timed)}):
+        return out
+    out = replace(out, record={**out.record, "window": {"samples": len(timed), **out.record.get("window", {}),
+                                                        "rounds": rounds}})
     if "ar" in rounds:
         out.overhead_ms = {**out.overhead_ms, "ar": max(0.0, rounds["ar"] - out.forward(1))}
     if "chain" in rounds and (B := (out.record.get("drafter") or {}).get("block_size")):
         out.draft_ms = max(0.0, rounds["chain"] - out.forward(B) - out.overhead("chain"))
-    if rounds:
-        out.record["window"]["rounds"] = rounds
     return out
 
 

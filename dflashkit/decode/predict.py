@@ -1,18 +1,7 @@
-"""Predicted decoding speed: an acceptance and an engine's cost model (decode/costmodel.py) give tokens per round,
-time per round, tokens per second and the speedup over that engine's plain decoding (docs/decoding.md,
-"Predicting an engine's speed before serving"):
-
-    time per round   = draft + forward(width) + overhead(loop)        (ms; plain decoding: forward(1) + overhead(ar))
-    tokens per round = 1 + sum_k P(drafts 1..k all accepted)           (chain, width B)
-                     = 1 + mean accepted depth of the budget-b tree     (ddtree-b: width b + 1, or leaves x
-                                                                         (depth + 1) by paths, on the paths curve)
-                     = mean of the rounds replayed offline              (hybrid-b: drafter tree + n-gram branch)
-    tokens/s         = 1000 * tokens per round / time per round;  speedup = tokens/s / plain tokens/s
-
-ddtree-auto replays the walk's trees cut per round where decoding cuts them on the engine (where the eval recorded
-the cuts); hybrid-auto is the best fixed budget (online its tree is cut per round, the drafter sits out rounds the
-n-gram lookup covers, and the lookup proposes longer continuations too). The acceptance comes from an offline eval
-(`offline_acceptance`: both halves predicted) or a decode's own rounds (`predict_rounds`: the cost half alone)."""
+"""Predicted decoding speed: an acceptance (an offline eval's, both halves predicted, or a decode's own rounds, the
+cost half alone) priced on an engine's cost model (decode/costmodel.py) as tokens per round, time per round, tokens
+per second and the speedup over that engine's plain decoding. Formulas: docs/decoding.md, "Predicting an engine's
+speed before serving"."""
 
 from __future__ import annotations
 
@@ -41,11 +30,12 @@ def _draft_ms(model) -> float:
     return float(model.draft_ms)
 
 
-def predict_offline(acceptance: dict, model) -> dict:
+def predict_offline(acceptance: dict, model, only: str | None = None) -> dict:
     """{method: predicted row} for ar, chain, every ddtree-b and hybrid-b of the acceptance, and the best budget of
     each as its -auto (the online trees are cut per round, so they can do a little better). `acceptance`: {"block_size":
     B, "chain": [P(streak >= k), k = 1..B-1], "ddtree": {b: mean accepted depth}, "hybrid": {b: the replayed rounds'
-    "accepted", "nodes", "path_tokens"}} (evaluate/offline.py, walk anchors)."""
+    "accepted", "nodes", "path_tokens"}} (evaluate/offline.py, walk anchors). `only`: the one method a caller
+    reads (the per-round replays of the others are skipped)."""
     for field in ("block_size", "chain", "ddtree"):
         if field not in acceptance:
             raise DFlashError(f"acceptance: field {field!r} is missing (an eval results.json's 'overall' gives it)")
@@ -65,8 +55,11 @@ def predict_offline(acceptance: dict, model) -> dict:
         out.update(rows)
         if paying := [(r["tokens_per_s"], m) for m, r in rows.items() if r["tokens_per_s"]]:
             out[f"{kind}-auto"] = {**rows[max(paying)[1]], "budget": int(max(paying)[1].split("-")[1])}
-    if acceptance.get("cuts"):  # the walk's trees cut round by round, as decoding cuts them on this engine
+    if acceptance.get("cuts") and only in (None, "ddtree-auto"):  # each round's tree cut as decoding cuts it
         out["ddtree-auto"] = replay_cuts(acceptance["cuts"], model, draft)
+    if only in (None, "hybrid-auto") and (auto := (acceptance.get("hybrid_auto") or {}).get(model.engine)):
+        out["hybrid-auto"] = {**predict_rounds([d + 1 for d in auto["accepted"]], auto["path_tokens" if model.paths
+                              else "nodes"], auto["drafted"], model, "tree"), "budget": "replayed per round"}
     for r in out.values():
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if r["tokens_per_s"] and base["tokens_per_s"] else None
     return out
@@ -85,6 +78,17 @@ def replay_cuts(cuts: dict, model, draft: float) -> dict:
     return {**predict_rounds(accepted, widths, [True] * len(accepted), model, "tree"), "budget": "cut per round"}
 
 
+def hybrid_replay(model) -> dict:
+    """What the offline walk needs to replay hybrid-auto as decoding runs it on this engine (evaluate/offline.py,
+    hybrid_walk): the drafter's most nodes, the method's own n-gram lookup, and the engine's prices in ms."""
+    from dflashkit.decode.methods import AUTO_BUDGET
+    from dflashkit.decode.speculative import new_lookup
+
+    return {"budget": AUTO_BUDGET, "lookup": new_lookup("hybrid-auto"), "price": {
+        "cost": model.forward, "path_cost": model.forward_paths if model.paths else None, "draft": _draft_ms(model),
+        "fixed": model.overhead("tree")}}
+
+
 def offline_acceptance(overall: dict, block_size: int, source: str = "offline eval") -> dict:
     """The acceptance of an eval's `overall` (evaluate/offline.py): per-position streak acceptance and the mean
     accepted depth of every budget it measured (its budget curve and its budget:b trees)."""
@@ -96,7 +100,7 @@ def offline_acceptance(overall: dict, block_size: int, source: str = "offline ev
     paths = {int(b): n for b, n in (overall.get("budget_curve_paths") or {}).items() if n is not None}
     return {"block_size": block_size, "chain": overall["acc_cumulative"], "ddtree": ddtree, "paths": paths,
             "hybrid": {int(b): h for b, h in (overall.get("hybrid") or {}).items()}, "cuts": overall.get("ddtree_cuts"),
-            "source": source}
+            "hybrid_auto": overall.get("hybrid_auto"), "source": source}
 
 
 def loop_of(method: str) -> str:
@@ -170,37 +174,39 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
     rounds (the cost half), and from an offline eval's acceptance where one is given (both halves: `offline` {engine,
     or "" for the rest: an eval's results}, so a backend's rows read an eval on its own answers); returns the
     cost models used, by engine: the cached one (measured now where none is; vLLM's only cached, its probe starts
-    the server) over the bench's own minutes (costmodel.in_window: `window` {engine: forward samples taken between
-    the prompts}). A model that cannot be had (an engine not installed) is said on the row."""
+    the server) over the bench's own minutes (costmodel.in_window over all its rows' samples); each row is priced on
+    the model over its own runs' minutes (`window` {row: samples of its engine's cost, each taken before a run}). A
+    model that cannot be had (an engine not installed) is said on the row."""
     from dflashkit.decode.costmodel import cost_model, in_window
 
-    B = proposer.block_size if proposer is not None else None
-    models, priced, acceptances = {}, {}, {e: offline_acceptance(o["overall"], o["settings"]["block_size"], o.get(
-        "source", "offline eval")) for e, o in (offline or {}).items()}  # priced: an engine's offline rows, once
+    B, window = proposer.block_size if proposer is not None else None, window or {}
+    models, acceptances = {}, {e: offline_acceptance(o["overall"], o["settings"]["block_size"], o.get(
+        "source", "offline eval")) for e, o in (offline or {}).items()}
     for label, s in summary.items():
         if (engine := predicted_engine(label, rows)) is None:
             s["predicted"] = {"why": "stock kernels or transformers' own loop: no cost model of ours"}
             continue
         if engine not in models:
             try:
-                model = cost_model(engine, target, proposer, state, log=log, measure=engine != "vllm")
-                models[engine] = in_window(model, (window or {}).get(engine, []))
+                models[engine] = cost_model(engine, target, proposer, state, log=log, measure=engine != "vllm")
             except (DFlashError, OSError) as e:
                 models[engine] = str(e)
-        model = models[engine]
-        if isinstance(model, str):
-            s["predicted"] = {"why": model}
+        if isinstance(models[engine], str):
+            s["predicted"] = {"why": models[engine]}
             continue
+        model = in_window(models[engine], window.get(label, []))
         measured = measured_decode_tps([r for r in runs if r["method"] == label])
         online = _online(label, [r for r in runs if r["method"] == label], s, model, B)
-        s["predicted"] = {"engine": engine, "measured_decode_tokens_per_s": measured,
-                          "online": {**online, "error": error(online["tokens_per_s"], measured)}}
-        if (acceptance := acceptances.get(engine, acceptances.get(""))) and (row := (priced.get(engine) or priced.setdefault(
-                engine, predict_offline(acceptance, model))).get("chain" if label.endswith("-dflash") else rows.get(label, (label,))[0])):
+        s["predicted"] = {"engine": engine, "measured_decode_tokens_per_s": measured, "window": model.record.get(
+            "window"), "online": {**online, "error": error(online["tokens_per_s"], measured)}}
+        method = "chain" if label.endswith("-dflash") else rows.get(label, (label,))[0]
+        if (acceptance := acceptances.get(engine, acceptances.get(""))) and (
+                row := predict_offline(acceptance, model, only=method).get(method)):
             s["predicted"]["offline"] = {**row, "error": error(row["tokens_per_s"], measured),
                                          "source": acceptance["source"]}
     _speedup_errors(rows, summary)
-    return {e: m.to_dict() if not isinstance(m, str) else {"why": m} for e, m in models.items()}
+    return {e: {"why": m} if isinstance(m, str) else in_window(m, [x for label, w in window.items() if predicted_engine(
+            label, rows) == e for x in w]).to_dict() for e, m in models.items()}
 
 
 def _speedup_errors(rows: dict, summary: dict) -> None:
@@ -239,14 +245,15 @@ def predicted_markdown(result: dict) -> list[str]:
                      f"{off['budget']}" if isinstance(off.get("budget"), int) else "") if off else "")])
     if not rows:
         return []
-    windows = [f"{e} x{fmt(w['level'], 2)} over {w['samples']}" + (", its own rounds on the probe prompt timed there "
-               "too (" + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in w["rounds"].items()) + ")" if w.get("rounds") else "")
-               for e, m in (result.get("cost_models") or {}).items() if (w := (m.get("record") or {}).get("window"))]
+    windows = [f"{e}" + (f" x{fmt(w['level'], 2)}" if "level" in w else "") + f" over {w['samples']}" + (
+               ", its rounds " + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in w["rounds"].items()) if w.get("rounds")
+               else "") for e, m in (result.get("cost_models") or {}).items() if (w := (m.get("record") or {}).get("window"))]
     return ["## Predicted beside measured", "",
             "Decode tokens/s (prefill excluded) measured here, and predicted by the engine's cost model (`dflashkit cost`)"
-            " over this run's minutes: each forward (and hf's verifies by paths) the median of quick samples taken "
-            "between the prompts, the drafter call and loop work as cached (samples against the cached forwards: "
-            + (", ".join(windows) or "none sampled") + "; vLLM's cached) from each row's own acceptance (its rounds' "
+            " over each row's own minutes: a quick sample of its engine's cost taken seconds before each of its runs (our "
+            "backends: each forward, and hf's verifies by paths; llama.cpp: its own round on the probe prompt), each "
+            "row's model their median, the drafter call and our loops' work as cached (samples against the cached "
+            "model: " + (", ".join(windows) or "none sampled") + "; vLLM's cached) from each row's own acceptance (its rounds' "
             "tokens and widths: checks the cost half) "
             + (f"and from {' and '.join(sources)} (checks both halves)" if sources else "and, given `--offline RUN`, "
                "from an offline eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%. The speedup error "

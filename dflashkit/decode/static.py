@@ -1,16 +1,7 @@
 """Plain and speculative decoding in the shape of gpt-fast (issue 38): a static KV cache sized to the run, the Llama
 step written out over the target's weights, compiled once per width (one token, a chain's block, tree widths, prompt
-chunks). Nothing here changes process state: the step is a pure function of its inputs, its kernels chosen by name.
-
-Why it beats our `ar` on a CPU: HF's modules, a DynamicCache and ~450 small ops a token cost more than reading the
-weights; compiled, the step is a few dozen fused kernels. Why its linears and attention are our own (native.cpp) on
-a CPU: they stream bf16 weights at the memory's speed (inductor's fused reduction is bound by one accumulator chain:
-20.3 vs 15.7 ms a SmolLM2 step on a 2-core Xeon), and each row's sums have one fixed order, so every row of a chain or
-tree verify is the one-token step's, bit for bit. With bf16 weights on a CPU with AMX, tile products instead
-(`tiles`, weights in tile order): as row-invariant, and a verify of 16 rows costs 1.5x one row instead of 3.1x
-(benchmarks/tile_verify.py), so trees pay. Elsewhere, inductor's reductions (`reduce`: row-invariant too; at one row
-faster than mm, 27 vs 18 GB/s on a 2-core EPYC, benchmarks/static_decode_probe.py).
-"""
+chunks). The step is a pure function of its inputs, its kernels chosen by name; why it beats `ar` and why its kernels
+are our own: docs/design.md, "The static decoder in detail"."""
 
 from __future__ import annotations
 

@@ -4,8 +4,10 @@ drafter's context KV); docs/design.md section 6 and "Offline evaluation in detai
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -15,7 +17,7 @@ from dflashkit.drafter.model import block_ids
 from dflashkit.errors import DFlashError
 from dflashkit.ngram import NgramLookup
 from dflashkit.targets.model import check_same_target
-from dflashkit.tree import (accepted_path, add_branch, build_tree_topk, cut_candidates, draft_tree, parse_tree_spec,
+from dflashkit.tree import (TreeDrafts, accepted_path, build_tree_topk, cut_candidates, parse_tree_spec,
                             path_tokens, paths_streak, subtree, top_logprobs, width_streak)
 
 ANCHOR_MODES = ("stride", "walk")
@@ -221,24 +223,43 @@ def _walk(drafter, embed, tokens, feats, prompt_len: int, max_blocks, score, acc
 
 
 @torch.no_grad()
-def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, budget: int, max_blocks=None):
-    """hybrid-`budget` replayed on the cached text as decoding runs it at T=0 on the target's own greedy answer:
-    each round the drafter's budget tree plus the n-gram lookup's continuation (over the text up to the root),
-    the longest path the text follows accepted, the next round after it. Per round: accepted drafts, nodes, and
-    the tokens of a verify one path a row (decode/speculative.py)."""
+def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, budget: int, max_blocks=None,
+                lookup=None, price: dict | None = None):
+    """A hybrid replayed on the cached text as decoding runs it at T=0 on the target's own greedy answer, by the
+    loop's own TreeDrafts: each round the drafter's `budget` tree plus the n-gram lookup's continuations (over the text
+    up to the root), the longest path the text follows accepted, the next round after it. With an engine's `price`
+    (cost and path_cost: ms of a verify over n tokens; draft, fixed: ms a round) as hybrid-auto: the tree cut per
+    round, the drafter sitting out rounds it does not pay for. Per round: accepted drafts, nodes, the tokens of a
+    verify one path a row, whether the drafter ran."""
     p, ids = next(drafter.parameters()), tokens.tolist()
-    tokens, lookup = tokens.to(p.device).long(), NgramLookup()
-    lookup.reset(ids[: prompt_len + 1])
+    tokens, price = tokens.to(p.device).long(), price or {}
+    replayed = SimpleNamespace(to_tokens=head.to_tokens, layer_ids=None, logits=None, reset=lambda ids: None,
+                               propose=lambda *_: replayed.logits)  # the drafter as TreeDrafts calls it: the walk's
+    drafts = TreeDrafts(replayed, budget, lookup or NgramLookup(), price.get("cost"), price.get("draft"))
+    drafts.fixed, drafts.path_cost = price.get("fixed", 0.0), price.get("path_cost")
+    drafts.reset(ids[:prompt_len])
 
     def score(h, a):
-        tree = draft_tree(head.logits(h)[0], budget, tokens[a : a + 1], head.to_tokens)  # as decoding drafts it
-        for cont, _ in lookup.propose_all():
-            tree = add_branch(tree, cont)[0]
-        depth = len(accepted_path(tree, ids[a + 1 : a + 1 + int(tree.depths.max())]))
-        lookup.extend(ids[a + 1 : a + depth + 2])
-        return {"anchor": a, "accepted": depth, "nodes": len(tree), "path_tokens": path_tokens(tree)}
+        replayed.logits = head.logits(h)[0]
+        tree = drafts.propose(None, tokens[a : a + 1], a, lambda _: contextlib.nullcontext())
+        path = accepted_path(tree, ids[a + 1 : a + 1 + int(tree.depths.max())])
+        drafts.observe(ids[a + 1 : a + 1 + len(path)])
+        return {"anchor": a, "accepted": len(path), "nodes": len(tree), "path_tokens": path_tokens(tree),
+                "drafted": drafts.drafted}
     embed = lambda x: drafter.embed_block(embed_tokens, x)  # noqa: E731
     return _walk(drafter, embed, tokens, features.to(p.device, p.dtype), prompt_len, max_blocks, score, "accepted")
+
+
+def replay_hybrids(drafter, head, embed_tokens, tokens, feats, prompt_len, max_blocks, budgets, replays, hybrid, auto):
+    """Each budget's hybrid (drafter tree + n-gram branch) and each engine's hybrid-auto (`replays`, its lookup shared
+    across texts: its statistics carry over, as in bench) replayed on one text, their rounds appended to `hybrid`
+    {budget: ...} and `auto` {engine: ...}."""
+    runs = [(hybrid, str(b), b, None, None) for b in budgets]
+    for store, key, budget, lookup, price in runs + [(auto, e, r["budget"], r["lookup"], r["price"])
+                                                     for e, r in replays.items()]:
+        for r in hybrid_walk(drafter, head, embed_tokens, tokens, feats, prompt_len, budget, max_blocks, lookup, price):
+            for k in ("accepted", "nodes", "path_tokens") + (("drafted",) if price else ()):
+                store.setdefault(key, {}).setdefault(k, []).append(r[k])
 
 
 def _mean(xs):
@@ -270,13 +291,14 @@ def aggregate(blocks: list[dict], block_size: int, trees) -> dict:
 
 
 def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride", max_blocks: int | None = None,
-             progress: bool = False, on_prompt=None) -> dict:
+             progress: bool = False, on_prompt=None, replays: dict | None = None) -> dict:
     """Evaluate `drafter` on every selected prompt of an opened cache (dflashkit.cache.open_cache). Returns
     {"settings", "cache", "shortfall", "overall", "per_category", "per_prompt", "blocks"}; overall (and each
     category's entry, where the cache records categories) holds streak, tau, pos1_acc, one mean per tree spec (e.g.
     "budget:8"), "expected", per-position accuracies, histogram, budget curve, blocks and prompts. For walk, each
     per-prompt entry also lists "accepted": tau per round (accepted drafts + 1), like online decoding.
-    on_prompt(prompt_summary, block_records) is called after each prompt (console lines)."""
+    on_prompt(prompt_summary, block_records) is called after each prompt (console lines). `replays` {engine: its
+    hybrid-auto's budget, n-gram lookup and price} (walk only) adds "hybrid_auto": that method's rounds on each."""
     from tqdm import tqdm
 
     check_mode(anchors, max_blocks)
@@ -287,7 +309,7 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     full = (DraftHead(target.lm_head.weight, None, head.scaling)
             if head.vocab_ids is not None and anchors == "stride" and cfg.arch == "dflash" else None)
     B = cfg.block_size
-    per_prompt, blocks, hybrid, cuts = [], [], {}, {}
+    per_prompt, blocks, hybrid, cuts, auto = [], [], {}, {}, {}
     for rec in tqdm(cache, total=len(cache), desc="eval", unit="prompt", disable=not progress, leave=False):
         t0 = time.perf_counter()
         tokens, feats = rec.tokens, rec.features(cfg.target_layer_ids)  # read once: the hybrid replays reuse them
@@ -299,12 +321,10 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
                 cuts.setdefault(key, []).append(cut[key])
         summary = {"id": rec.id, "category": rec.category, "prompt_len": rec.prompt_len, "tokens": int(tokens.shape[0]),
                    "seconds": time.perf_counter() - t0, **aggregate(recs, B, trees)}
-        if anchors == "walk":  # and each budget's hybrid (drafter tree + n-gram branch) replayed
+        if anchors == "walk":  # and each budget's hybrid, each engine's hybrid-auto, replayed
             summary["accepted"] = [r["streak"] + 1 for r in recs]
-            for b in (k for f, k in map(parse_tree_spec, trees) if f == "budget"):
-                rounds = hybrid_walk(drafter, head, target.embed, tokens, feats, rec.prompt_len, b, max_blocks)
-                for key in ("accepted", "nodes", "path_tokens"):
-                    hybrid.setdefault(str(b), {}).setdefault(key, []).extend(r[key] for r in rounds)
+            replay_hybrids(drafter, head, target.embed, tokens, feats, rec.prompt_len, max_blocks, [
+                k for f, k in map(parse_tree_spec, trees) if f == "budget"], replays or {}, hybrid, auto)
         per_prompt.append(summary)
         blocks += recs
         if on_prompt is not None:
@@ -312,7 +332,8 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     if not blocks:
         raise DFlashError(f"cache {cache.path}: no block to score: every selected completion has fewer than 2 tokens")
     overall = {**aggregate(blocks, B, trees), "prompts": len(per_prompt), **({"hybrid": hybrid} if hybrid else {}),
-               **({"ddtree_cuts": cuts} if cuts else {})}  # each round's budget-32 tree, for -auto's cut per round
+               **({"ddtree_cuts": cuts} if cuts else {}),  # each round's budget-32 tree, for -auto's cut per round
+               **({"hybrid_auto": auto} if auto else {})}
     if full is not None:  # what an engine reading an export without the token map would accept
         streak = _mean(b["streak_as_exported"] for b in blocks)
         overall["as_exported"] = {"vocabulary": full.size, "streak": streak, "tau": streak + 1}

@@ -177,7 +177,7 @@ def save_run(run_dir, result: dict, log_lines: list[str], drafter_path, plots: b
 
 
 def run_eval(drafter_path, target, cache, run_dir, anchors: str = "stride", trees=DEFAULT_TREES,
-             max_blocks: int | None = None, show_matches: bool = False, progress: bool = True, say=print,
+             max_blocks: int | None = None, show_matches: bool = False, progress: bool = True, say=print, replays=None,
              allow_skipped: bool = False, plots: bool = True) -> dict:
     """Evaluate a checkpoint on an opened cache and write its run folder: what `dflashkit eval` does."""
     trees = parse_trees(trees)
@@ -209,7 +209,7 @@ def run_eval(drafter_path, target, cache, run_dir, anchors: str = "stride", tree
 
     t0 = time.perf_counter()
     result = evaluate(drafter, target, cache, trees=trees, anchors=anchors, max_blocks=max_blocks,
-                      progress=progress, on_prompt=on_prompt)
+                      progress=progress, on_prompt=on_prompt, replays=replays)
     out(*overall_lines(result))
     out(f"evaluated in {time.perf_counter() - t0:.1f}s; run folder {run_dir}")
     header = header_lines(drafter_info, drafter.load_report, target.identity(), info, result["settings"],

@@ -1,13 +1,6 @@
-"""Row-invariant kernels: a token's logits must not depend on how many tokens share its forward (docs/design.md
-section 8, "Row-invariant kernels in detail").
-
-On CPU in bfloat16 a one-row matmul runs a GEMV kernel whose rounding differs from the GEMM kernel of 2+ rows, and
-the fused SDPA kernels reduce differently for 1 and n queries: one ulp flips a near-tie a few hundred tokens in
-(SmolLM2: first difference after 135-217 tokens). `RowInvariantKernels` is those kernels as a value, a torch
-function mode the reference backend enters around its own forwards (`kernels_for(target)`), nothing on the model
-changed: one-row linears run as two rows, attention and eager attention's products and softmax in float64 rounded
-once. float32 needs none of it. A low-precision CPU hybrid target loads its linear-attention layers stepwise.
-"""
+"""Row-invariant kernels: a token's logits must not depend on how many tokens share its forward. In CPU bf16 a
+one-row GEMV and fused SDPA round unlike their n-row kernels and flip a near-tie a few hundred tokens in; the why and
+the how: docs/design.md section 8, "Row-invariant kernels in detail"."""
 
 from __future__ import annotations
 
