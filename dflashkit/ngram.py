@@ -1,11 +1,5 @@
-"""n-gram lookup: propose the continuation of the last earlier occurrence of the text's own suffix.
-
-Greedy answers repeat their prompt and themselves (names, signatures, boilerplate), so the tokens that followed
-the last occurrence of the current 3-, 2- or 1-token suffix are often what comes next. Costs microseconds per
-round, needs no model, and its proposals are verified like any draft, so they can never change the output.
-The lookup also learns how often its proposals survive, per matched n-gram length and depth, which is what a
-cost-aware tree needs to price its nodes.
-"""
+"""n-gram lookup: propose the continuation of the last earlier occurrence of the text's own suffix, and learn how
+often its proposals survive (docs/design.md, "The n-gram lookup in detail")."""
 
 from __future__ import annotations
 

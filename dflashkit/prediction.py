@@ -68,6 +68,13 @@ def models_for(names: list[str], target, proposer, force: bool = False) -> list:
     return [cost_model(e, target, proposer, state, force=force, log=_log) for e in dict.fromkeys(concrete)]
 
 
+def replays_for(names: list[str], target, drafter_ref) -> dict:
+    """hybrid-auto as the offline walk replays it at each engine's prices (decode/predict.py, hybrid_replay)."""
+    from dflashkit.decode.predict import hybrid_replay
+
+    return {m.engine: hybrid_replay(m) for m in models_for(names, target, proposer_of(target, drafter_ref))}
+
+
 def proposer_of(target, drafter_ref):
     if not drafter_ref:
         return None
@@ -104,12 +111,7 @@ def cmd_eval(args) -> int:
     from dflashkit.evaluate.cli import run_eval_command
 
     names = engines_of(args.engine) if args.engine else []  # a wrong name fails before the evaluation runs
-
-    def replays(target):  # hybrid-auto replayed by the walk as decoding runs it on each engine
-        from dflashkit.decode.predict import hybrid_replay
-
-        return {m.engine: hybrid_replay(m) for m in models_for(names, target, proposer_of(target, args.drafter))}
-    result, target = run_eval_command(args, replays if names else None)
+    result, target = run_eval_command(args, (lambda target: replays_for(names, target, args.drafter)) if names else None)
     for line in predict_eval(result, target, args, names) if names else []:
         print(line)
     return 0

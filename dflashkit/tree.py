@@ -1,12 +1,6 @@
 """Draft trees, shared by offline evaluation and online decoding: DDTree (Ringel & Romano, arXiv:2604.12989),
-extra branches (n-gram continuations), the verify mask, the accepted-path walk and cost-aware pruning.
-
-A drafter pass gives logits[L, V] for the L draft positions of a block. DDTree treats them as a product distribution
-over drafts and keeps the `budget` most probable prefixes as a draft tree; the target accepts the longest root path
-that matches its own continuation. One target forward verifies any prefix-closed tree, whoever proposed its branches,
-so other proposers merge into the same tree. Also the simpler measures compared with it (greedy streak, `paths:K`,
-`width:K`) and the tree spec parser. Pure tensor code, no model.
-"""
+extra branches (n-gram continuations), the verify mask, the accepted-path walk, cost-aware cuts and `TreeDrafts`
+(what one round verifies; docs/design.md, "Draft trees in detail")."""
 from __future__ import annotations
 
 import heapq

@@ -58,6 +58,9 @@ def test_every_stage_writes_its_outputs(demo_run):
     assert "Numerics: dtype float32" in text and "Decoding kernels: the stock kernels" in text
     # issue 50: the offline walk priced on the cost model, beside measured, in the report and as a plot
     assert "### Predicted beside measured" in text and "![predicted against measured](bench/predicted.png)" in text
+    walk = json.loads((out / "eval/trained-walk/results.json").read_text())["overall"]
+    assert set(walk["hybrid_auto"]) == {bench["methods"]["hybrid-auto"]["predicted"]["engine"]}  # replayed on it
+    assert bench["methods"]["hybrid-auto"]["predicted"]["offline"]["budget"] == "replayed per round"
     summary = json.loads((out / "report.json").read_text())
     assert set(summary["bench"]) == set(bench["methods"]) and summary["training"]["steps"] == 3
     assert summary["offline"]["stride/trained"]["tau"] >= 1.0 and summary["machine"]["threads"] >= 1

@@ -1,13 +1,6 @@
-"""Extraction: the target's greedy completion of every prompt (and, on request, sampled ones: more data from the
-same prompts) and the hidden states of chosen layers over prompt + completion, written as a cache (see store.py for
-the layout). The features are recorded while generating; completions that come from elsewhere (an earlier run's
-log, --completions-from, multi-turn answers) get theirs from one forward over prompt + completion.
-
-Resumable by construction: each prompt's features land in their own atomically written file and its completion
-in a per-rank log as each generation batch finishes, so a killed run loses at most one batch; a rerun with the
-same settings picks up what is missing, and one with other settings is refused.
-Under torchrun (WORLD_SIZE > 1) each rank takes every WORLD_SIZE-th prompt and rank 0 writes the manifest.
-"""
+"""Extraction: the target's greedy completion of every prompt (and, on request, sampled ones) and the hidden
+states of chosen layers over prompt + completion, written as a cache (store.py has the layout); resumable, and
+sharded under torchrun (docs/design.md, "Extraction in detail")."""
 
 from __future__ import annotations
 

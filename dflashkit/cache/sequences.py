@@ -1,13 +1,6 @@
 """The sequences JSONL that `dflashkit data generate` writes: the target's own answers to every turn of a prompt
-suite, one record per turn, appended batch by batch (a killed run resumes). Training reads it (the target then runs
-in the loop for features), and extraction of multi-turn suites answers their earlier turns through it.
-
-Format: the first line is a header {"format": "dflashkit-sequences/1", "target": <target identity>, "prompts": ...,
-"prompts_hash": ..., "max_new_tokens": ..., "enable_thinking": false, "responses": "target" | "file", "engine": the
-backend that answered, "hf" | "static"}; every other line is one turn {"id", "turn", "category", "prompt_ids",
-"completion_ids", "stopped", "completion"}: exact token ids (the chat-templated prompt, holding the target's own
-earlier answers in a multi-turn conversation, and the greedy completion) and the completion's text for people.
-"""
+suite, one record per turn, appended batch by batch (a killed run resumes); its format: docs/design.md, "The
+sequences file in detail"."""
 
 from __future__ import annotations
 

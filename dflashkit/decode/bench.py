@@ -1,12 +1,7 @@
-"""`dflashkit bench`: every decoding method on the same prompts in one process, with the gap to the bound.
-
-First the target's cost curve (one forward over n = 1..32 new tokens with a realistic target KV) and the
-memory-bound floor; cost-aware methods (`-auto`) size their trees from that curve. Methods run after a warm-up,
-in an order rotated per prompt so that no method always runs first (caches, allocator, CPU frequency). Per
-method: tau, tokens/s, the speedups, where the time goes, and the ceiling tau * t_ar / (t_draft + t_verify): the
-decode speedup if nothing but the forwards cost time. At temperature 0 every output must equal plain decoding token
-for token; a mismatch fails loudly.
-"""
+"""`dflashkit bench`: every decoding method on the same prompts in one process, with the gap to the bound: the
+target's cost curve and memory floor, then each method after a warm-up in an order rotated per prompt; per method
+tau, tokens/s, speedups, where the time goes and the ceiling (docs/decoding.md). At temperature 0 every output must
+equal plain decoding token for token; a mismatch fails loudly."""
 
 from __future__ import annotations
 

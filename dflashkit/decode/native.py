@@ -1,12 +1,5 @@
 """The static decoder's own CPU kernels (`native.cpp`: `dflashkit::linear`, `dflashkit::attend`), compiled on
-first use for this machine's instruction set and cached (a later process loads them in a fraction of a second).
-
-Why: a step is a matrix product per weight over a few rows; the C++ linear reads weights in panel order with the
-outputs in a vector's lanes, streams them at the memory's speed (inductor's reduction is bound by one accumulator
-chain) and sums each (row, output) in one fixed order, so a verify's rows equal the one-token step's bit for bit;
-attention reads a row's sequence (committed slots, then its tree path) in a fixed order too. Built with inductor's
-C++ compiler against torch's headers and libraries (its extension builder's flags); no ninja, no environment change.
-"""
+first use for this machine's instruction set and cached (docs/design.md, "Native kernels in detail")."""
 
 from __future__ import annotations
 

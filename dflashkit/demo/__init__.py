@@ -239,14 +239,15 @@ def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
     from dflashkit.cache import open_cache
     from dflashkit.evaluate.compare import compare_runs
     from dflashkit.evaluate.runs import run_eval
+    from dflashkit.prediction import replays_for
 
     cache = open_cache(p.eval_cache, expect_target=target.identity())
     drafters = {"trained": final_checkpoint(p), "first-checkpoint": p.first, "untrained": p.untrained}
     for anchors in EVAL_ANCHORS:
-        for name, path in drafters.items():
+        for name, path in drafters.items():  # the comparison draws all three; the trained walk replays hybrid-auto
             run_eval(path, target, cache, p.eval / f"{name}-{anchors}", anchors=anchors, trees=EVAL_TREES,
-                     progress=cfg.progress, say=print if cfg.progress else (lambda line: None),
-                     plots=False)  # the comparison draws all three
+                     progress=cfg.progress, say=print if cfg.progress else (lambda line: None), plots=False,
+                     replays=replays_for([cfg.engine], target, path) if (name, anchors) == ("trained", "walk") else None)
         compare_runs([p.eval / f"{n}-{anchors}" for n in drafters], out=p.eval / f"compare-{anchors}")
 
 

@@ -1,11 +1,5 @@
-"""The draft vocabulary in a DFlash GGUF: what llama.cpp's converter does not write for DFlash.
-
-llama.cpp's DFlash graph scatters the drafter's logits to the target vocabulary through an I64 `d2t` tensor of
-absolute target ids when one is present, and then needs the drafter's own `output.weight` over those rows
-(src/models/dflash.cpp). Its converter writes both only for DSpark, so a DFlash export over a 3,310-token
-draft vocabulary would draft over all 49,152. `add_token_map` copies the converter's file key by key and
-tensor by tensor and adds the two; nothing else changes.
-"""
+"""The draft vocabulary in a DFlash GGUF: what llama.cpp's converter does not write for DFlash (docs/design.md,
+"The draft vocabulary in a GGUF")."""
 
 from __future__ import annotations
 

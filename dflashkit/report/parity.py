@@ -1,11 +1,6 @@
 """Token parity of two runs' per-request records (report/requests.py): per prompt, equal or the first divergence
-by new-token index, the text around it and, where logits were recorded, the target's top-2 margin there.
-
-A near-tie (margin within the dtype's rounding; between two engines, whose kernels differ through every layer,
-the gap such kernels leave in a logit) is a numerics divergence: two kernels that round differently may pick either
-token. A clear margin means a loop committed a token the target does not choose: a logic divergence. `dflashkit
-parity` and bench (each method against its plain baseline) both call `parity`.
-"""
+by new-token index, the text around it and the target's top-2 margin there (a near-tie or a logic divergence:
+docs/design.md, "Token parity in detail")."""
 
 from __future__ import annotations
 
