@@ -57,31 +57,27 @@ def engines_of(spec: str) -> list[str]:
     return names
 
 
-def models_for(names: list[str], target, proposer, force: bool = False) -> list:
-    """The cost model of each engine named (auto made concrete for the drafter's methods, or plain decoding)."""
+def models_for(names: list[str], target, drafter_ref=None, force: bool = False) -> list:
+    """The cost model of each engine named (auto made concrete for the drafter's methods, or plain decoding), the
+    drafter's call priced where one is given."""
     from dflashkit.decode.costmodel import cost_model
     from dflashkit.decode.engine import resolve
+    from dflashkit.decode.speculative import DFlashProposer
+    from dflashkit.drafter.checkpoint import load_drafter
 
+    proposer = DFlashProposer(target, load_drafter(drafter_ref, target=target, device=target.device,
+                                                   dtype=target.dtype)) if drafter_ref else None
     state: dict = {"proposer": proposer, "trees": True}
     method = "chain" if proposer else "ar"
     concrete = [resolve("auto", target, method, state, _log) if n == "auto" else n for n in names]
     return [cost_model(e, target, proposer, state, force=force, log=_log) for e in dict.fromkeys(concrete)]
 
 
-def replays_for(names: list[str], target, drafter_ref) -> dict:
+def replays_for(models: list) -> dict:
     """hybrid-auto as the offline walk replays it at each engine's prices (decode/predict.py, hybrid_replay)."""
     from dflashkit.decode.predict import hybrid_replay
 
-    return {m.engine: hybrid_replay(m) for m in models_for(names, target, proposer_of(target, drafter_ref))}
-
-
-def proposer_of(target, drafter_ref):
-    if not drafter_ref:
-        return None
-    from dflashkit.decode.speculative import DFlashProposer
-    from dflashkit.drafter.checkpoint import load_drafter
-
-    return DFlashProposer(target, load_drafter(drafter_ref, target=target, device=target.device, dtype=target.dtype))
+    return {m.engine: hybrid_replay(m) for m in models}
 
 
 def cmd_cost(args) -> int:
@@ -91,7 +87,7 @@ def cmd_cost(args) -> int:
 
     names = engines_of(args.engine)  # a wrong name fails before the target loads
     target = load_target(args.target, device=args.device, dtype=args.dtype)  # in the dtype decoding runs it
-    models = models_for(names, target, proposer_of(target, args.drafter), force=args.force)
+    models = models_for(names, target, args.drafter, force=args.force)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# Cost models: {target.name}", ""] + [line for m in models for line in cost_markdown(m)]
@@ -111,19 +107,22 @@ def cmd_eval(args) -> int:
     from dflashkit.evaluate.cli import run_eval_command
 
     names = engines_of(args.engine) if args.engine else []  # a wrong name fails before the evaluation runs
-    result, target = run_eval_command(args, (lambda target: replays_for(names, target, args.drafter)) if names else None)
-    for line in predict_eval(result, target, args, names) if names else []:
+    models: list = []  # each engine's cost model, read (or measured) once, when the eval has loaded the target
+
+    def replays(target):  # the walk replays hybrid-auto at each engine's prices
+        models.extend(models_for(names, target, args.drafter))
+        return replays_for(models)
+    result = run_eval_command(args, replays if names else None)
+    for line in predict_eval(result, models):
         print(line)
     return 0
 
 
-def predict_eval(result: dict, target, args, names: list[str]) -> list[str]:
+def predict_eval(result: dict, models: list) -> list[str]:
     from dflashkit.decode.predict import offline_acceptance, predict_offline, prediction_markdown
 
-    proposer = proposer_of(target, args.drafter)  # eval loads the target in the dtype decoding picks (auto)
-    settings = result["settings"]
+    settings = result["settings"]  # eval loads the target in the dtype decoding picks (auto), as the models price it
     source = (f"offline eval ({settings['anchors']} anchors, {result['overall']['blocks']} blocks, "
               f"{result['overall']['prompts']} prompts)")
     acceptance = offline_acceptance(result["overall"], settings["block_size"], source)
-    return [line for model in models_for(names, target, proposer)
-            for line in prediction_markdown(predict_offline(acceptance, model), model, source)]
+    return [line for model in models for line in prediction_markdown(predict_offline(acceptance, model), model, source)]

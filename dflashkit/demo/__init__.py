@@ -239,7 +239,7 @@ def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
     from dflashkit.cache import open_cache
     from dflashkit.evaluate.compare import compare_runs
     from dflashkit.evaluate.runs import run_eval
-    from dflashkit.prediction import replays_for
+    from dflashkit.prediction import models_for, replays_for
 
     cache = open_cache(p.eval_cache, expect_target=target.identity())
     drafters = {"trained": final_checkpoint(p), "first-checkpoint": p.first, "untrained": p.untrained}
@@ -247,7 +247,7 @@ def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
         for name, path in drafters.items():  # the comparison draws all three; the trained walk replays hybrid-auto
             run_eval(path, target, cache, p.eval / f"{name}-{anchors}", anchors=anchors, trees=EVAL_TREES,
                      progress=cfg.progress, say=print if cfg.progress else (lambda line: None), plots=False,
-                     replays=replays_for([cfg.engine], target, path) if (name, anchors) == ("trained", "walk") else None)
+                     replays=replays_for(models_for([cfg.engine], target, path)) if (name, anchors) == ("trained", "walk") else None)
         compare_runs([p.eval / f"{n}-{anchors}" for n in drafters], out=p.eval / f"compare-{anchors}")
 
 

@@ -54,9 +54,9 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def run_eval_command(args, replays=None) -> tuple[dict, object]:
-    """What `dflashkit eval` does; returns (the run's result, the target), for `eval --engine` (dflashkit/prediction.py:
-    the prediction needs decode, a sibling stage, so it sits above both; `replays(target)` gives evaluate's)."""
+def run_eval_command(args, replays=None) -> dict:
+    """What `dflashkit eval` does; returns the run's result, for `eval --engine` (dflashkit/prediction.py: the
+    prediction needs decode, a sibling stage, so it sits above both; `replays(target)` gives evaluate's, walk only)."""
     from tqdm import tqdm
 
     from dflashkit.cache import open_cache
@@ -81,8 +81,8 @@ def run_eval_command(args, replays=None) -> tuple[dict, object]:
     check_target(cache.path, cache.manifest, target.identity())  # weights included: a fine-tune is another target
     result = runs.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,
                            show_matches=args.show_matches, say=tqdm.write, allow_skipped=args.allow_skipped,
-                           replays=replays(target) if replays and args.anchors == "walk" else None)
-    return result, target
+                           replays=replays(target) if replays else None)
+    return result
 
 
 def cmd_compare(args) -> int:

@@ -254,9 +254,9 @@ def replay_hybrids(drafter, head, embed_tokens, tokens, feats, prompt_len, max_b
     """Each budget's hybrid (drafter tree + n-gram branch) and each engine's hybrid-auto (`replays`, its lookup shared
     across texts: its statistics carry over, as in bench) replayed on one text, their rounds appended to `hybrid`
     {budget: ...} and `auto` {engine: ...}."""
-    runs = [(hybrid, str(b), b, None, None) for b in budgets]
-    for store, key, budget, lookup, price in runs + [(auto, e, r["budget"], r["lookup"], r["price"])
-                                                     for e, r in replays.items()]:
+    runs = [(hybrid, str(b), b, None, None) for b in budgets] + [
+        (auto, e, r["budget"], r["lookup"], r["price"]) for e, r in replays.items()]
+    for store, key, budget, lookup, price in runs:
         for r in hybrid_walk(drafter, head, embed_tokens, tokens, feats, prompt_len, budget, max_blocks, lookup, price):
             for k in ("accepted", "nodes", "path_tokens") + (("drafted",) if price else ()):
                 store.setdefault(key, {}).setdefault(k, []).append(r[k])
