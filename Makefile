@@ -3,6 +3,9 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+# `make test ISA=v3`: the suite at an ISA level narrower than this CPU's (dflashkit/levels.py), as a CPU of it runs
+ISA ?= $(DFLASHKIT_ISA)
+export DFLASHKIT_ISA := $(ISA)
 # uv reads no pip configuration: it is handed pip's local wheel folder where this machine has one. It hardlinks
 # packages from its cache where it can (the whole install: 10 s instead of 21 s by copying, measured on a 2-core machine).
 UV := UV_FIND_LINKS="$(or $(UV_FIND_LINKS),$(PIP_FIND_LINKS))" $(BIN)/uv pip install -q --python $(BIN)/python

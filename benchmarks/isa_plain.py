@@ -1,8 +1,8 @@
-"""Plain decoding, ours against llama.cpp's, on this CPU's own code path and on the AVX2 path of a float32-only CPU
-(issue 53). Each code path is one `dflashkit bench --methods ar,llama.cpp --engine static` process, as a user runs
-it, so our step and llama.cpp's alternate prompt by prompt in one run; the AVX2 path sets DFLASHKIT_NATIVE_ISA=avx2
-(our kernels built without AVX-512, torch's kernels on AVX2, llama.cpp's AVX2 build: install it once with
-`DFLASHKIT_NATIVE_ISA=avx2 dflashkit engines install llama.cpp`). The ratio is ours / llama.cpp within a run.
+"""Plain decoding, ours against llama.cpp's, at this CPU's widest ISA level and at v3, a float32-only CPU's
+(issues 53, 68). Each level is one `dflashkit --isa LEVEL bench --methods ar,llama.cpp --engine static` process, as a
+user runs it, so our step and llama.cpp's alternate prompt by prompt in one run; v3 builds our kernels for
+x86-64-v3, starts torch on its AVX2 kernels and runs llama.cpp's AVX2 build (install it once with
+`dflashkit --isa v3 engines install llama.cpp`). The ratio is ours / llama.cpp within a run.
 
     python benchmarks/isa_plain.py --out benchmarks/results/cpu-DATE-isa-plain
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from common import cpu_name, write_results
 
-PATHS = {"native": {}, "avx2": {"DFLASHKIT_NATIVE_ISA": "avx2"}}
+PATHS = {"native": {}, "v3": {"DFLASHKIT_ISA": "v3"}}
 
 
 def bench(isa: str, dtype: str, args) -> dict:
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--prompts", default="coding-10")
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--runs", default="avx2:float32,native:float32,native:bfloat16",
+    ap.add_argument("--runs", default="v3:float32,native:float32,native:bfloat16",
                     help="ISA:DTYPE pairs, each one bench process")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 """The static backend's C++ linear, this tree's against a git revision's, side by side in one process.
 
     python benchmarks/native_linear.py [--against REV] [--dtype float32] [--rows 1,4,8,16,32]
-    DFLASHKIT_NATIVE_ISA=avx2 python benchmarks/native_linear.py ...   # the AVX2 build, as a float32-only CPU runs
+    DFLASHKIT_ISA=v3 python benchmarks/native_linear.py ...   # the v3 level (AVX2 + FMA), as a float32-only CPU runs
 
 Both sources are built with the flags dflashkit builds with (each under its own op namespace, so one process loads
 both), then every decoder linear of SmolLM2-135M (30 layers, random weights of the target's shapes and dtype) runs
@@ -35,15 +35,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 
 
-def build(name: str, source: str, tmp: Path):
-    """Compile `source` as op namespace dfk_NAME and return its linear."""
-    cpp, lib = tmp / f"{name}.cpp", tmp / f"{name}.so"
-    cpp.write_text(source.replace("TORCH_LIBRARY(dflashkit", f"TORCH_LIBRARY(dfk_{name}")
-                   .replace("TORCH_LIBRARY_IMPL(dflashkit", f"TORCH_LIBRARY_IMPL(dfk_{name}"))
-    subprocess.run(native.compile_command(cpp, lib), check=True)
+def build(name: str, files: dict[str, str], tmp: Path):
+    """Compile the sources `files` (native.cpp and the headers it includes) as op namespace dfk_NAME at the chosen
+    level, and return its linear."""
+    folder, lib = tmp / name, tmp / f"{name}.so"
+    folder.mkdir()
+    for file, text in files.items():
+        (folder / file).write_text(text.replace("TORCH_LIBRARY(dflashkit,", f"TORCH_LIBRARY(dfk_{name},")
+                                   .replace("TORCH_LIBRARY_IMPL(dflashkit,", f"TORCH_LIBRARY_IMPL(dfk_{name},"))
+    cmd = [str(folder / "native.cpp") if c == str(native.SOURCE) else f"-DDFLASHKIT_OPS=dfk_{name}"
+           if c.startswith("-DDFLASHKIT_OPS=") else c for c in native.compile_command(lib)]
+    subprocess.run(cmd, check=True)
     torch.ops.load_library(str(lib))
     op = getattr(torch.ops, f"dfk_{name}").linear
-    return (lambda x, w: op(x, w[1])) if "panel order" in source else (lambda x, w: op(x, w[0]))
+    return (lambda x, w: op(x, w[1])) if "panel order" in "".join(files.values()) else (lambda x, w: op(x, w[0]))
 
 
 def main() -> None:
@@ -53,10 +58,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,16,32")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    old = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:dflashkit/decode/native.cpp"],
-                         check=True, capture_output=True, text=True).stdout
+    old = {f: subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:dflashkit/decode/{f}"],
+                             capture_output=True, text=True).stdout for f in ("native.cpp", "kernels.h")}
     with tempfile.TemporaryDirectory() as tmp:
-        ops = {"old": build("old", old, Path(tmp)), "new": build("new", native.SOURCE.read_text(), Path(tmp))}
+        new = {f: (native.HERE / f).read_text() for f in ("native.cpp", "kernels.h")}
+        ops = {"old": build("old", old, Path(tmp)), "new": build("new", new, Path(tmp))}
     g = torch.Generator().manual_seed(0)
     dtype = getattr(torch, args.dtype)
     # each weight in both layouts: (rows of outputs, panel order)

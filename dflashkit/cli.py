@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="dflashkit", description="Train, evaluate and compare DFlash speculative drafters.")
     parser.add_argument("--version", action="version", version=f"dflashkit {__version__}")
+    parser.add_argument("--isa", metavar="LEVEL", help=(
+        "the ISA level our CPU kernels (and a llama.cpp peer) run at: portable, v3 (x86-64-v3: AVX2+FMA), v4 "
+        "(AVX-512), or native, the widest this CPU runs (the default; also $DFLASHKIT_ISA). A narrower level than "
+        "this CPU's runs here as a CPU of that level would, torch's own kernels included"))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in STAGES:
         try:
@@ -41,10 +45,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    from dflashkit.threads import isa_environment  # torch's own kernels on the code path ours are built for
+def asked_isa(argv: list[str]) -> str | None:
+    """`--isa LEVEL` before the command, else $DFLASHKIT_ISA ($DFLASHKIT_NATIVE_ISA, its earlier name): read before
+    the parser, which imports torch, since torch's own kernels take the level's code path only if told first."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            break
+        if arg == "--isa" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--isa="):
+            return arg.partition("=")[2]
+    return os.environ.get("DFLASHKIT_ISA") or os.environ.get("DFLASHKIT_NATIVE_ISA") or None
 
-    for key, value in {**ENVIRONMENT, **isa_environment()}.items():
+
+def main(argv=None) -> int:
+    from dflashkit import levels
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        level = levels.choose(asked := asked_isa(argv))
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if asked:
+        os.environ["DFLASHKIT_ISA"] = level  # what a dflashkit process started from this one runs at
+    for key, value in {**ENVIRONMENT, **levels.torch_environment(level)}.items():
         os.environ.setdefault(key, value)
     args = build_parser().parse_args(argv)
     before = None
@@ -76,7 +101,7 @@ def main(argv=None) -> int:
             raise
         # torch's CPU attention computes bf16 with AVX-512 kernels only (measured: its AVX2 path refuses)
         print("error: --dtype bfloat16 needs AVX-512 on a CPU (torch's attention refuses bf16 on its AVX2 kernels, "
-              "as on a float32-only CPU or with DFLASHKIT_NATIVE_ISA=avx2); use --dtype float32 or auto", file=sys.stderr)
+              "as on a float32-only CPU or with --isa v3); use --dtype float32 or auto", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; completed work is saved and a rerun resumes", file=sys.stderr)

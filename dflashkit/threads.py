@@ -1,53 +1,14 @@
-"""`--threads`: torch's intra-op threads for every command that runs models, a default a user can predict, and
-$DFLASHKIT_NATIVE_ISA, what our kernels and llama.cpp are built for (docs/design.md, "Threads and the kernels'
-instruction set"). Wiring: `add_threads_option(parser)`; `dflashkit.cli.main` calls `apply_threads(args)`."""
+"""`--threads`: torch's intra-op threads for every command that runs models, and a default a user can predict
+(docs/design.md, "Threads and ISA levels"). Wiring: `add_threads_option(parser)`; `dflashkit.cli.main` calls
+`apply_threads(args)`."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
-import platform
 import time
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
-
-ISA_VAR = "DFLASHKIT_NATIVE_ISA"
-ISAS = ("native", "avx2")
-
-
-def isa() -> str:
-    """native (default) or avx2, from $DFLASHKIT_NATIVE_ISA; anything else is refused by name."""
-    value = os.environ.get(ISA_VAR) or "native"
-    if value not in ISAS:
-        raise DFlashError(f"{ISA_VAR}={value!r}: use one of {', '.join(ISAS)}")
-    return value
-
-
-def isa_environment() -> dict[str, str]:
-    """What torch must be told before it loads for its own kernels to take the same code path: ATen's dispatch and
-    inductor's vector ISA (ATEN_CPU_CAPABILITY) and inductor's -march. The CLI sets these; a Python caller sets them
-    before importing torch (decode/native.load refuses a mismatch)."""
-    if os.environ.get(ISA_VAR) != "avx2":
-        return {}
-    return {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "haswell"}
-
-
-@functools.cache
-def cpu() -> tuple[str, frozenset[str]]:
-    """This CPU's model name and flags from /proc/cpuinfo (the platform's name and none where there is none): what
-    the kernels, the engine probe and `dtype auto` read."""
-    model, flags = platform.processor(), frozenset()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            if key.strip() == "flags":
-                return model, frozenset(value.split())
-    return model, flags
-
 
 def _usable_cpus() -> list[int]:
     try:

@@ -9,6 +9,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MATPLOTLIBRC", os.path.join(os.path.dirname(__file__), "matplotlibrc"))  # fewer pixels per plot
+if os.environ.get("DFLASHKIT_ISA"):  # `make test ISA=v3`: the suite at a level, as the CLI would run it (torch too)
+    from dflashkit import levels
+
+    for key, value in levels.torch_environment(levels.choose(os.environ["DFLASHKIT_ISA"])).items():
+        os.environ.setdefault(key, value)
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one torch thread each
     import torch
 

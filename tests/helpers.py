@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 KINDS = ("llama", "qwen3", "qwen3_5")
 # torch's own CPU attention computes bf16 on its AVX-512 kernels only (their AVX2 path raises "pack_vnni2 is only
-# supported when avx512 is supported"): a float32-only CPU, or this one on the AVX2 code path (DFLASHKIT_NATIVE_ISA=avx2
-# with ATEN_CPU_CAPABILITY=avx2, what native.load checks), cannot run a bf16 forward on stock kernels. The row-invariant
+# supported when avx512 is supported"): a float32-only CPU, or this one at level v3 (`--isa v3` starts torch with
+# ATEN_CPU_CAPABILITY=avx2), cannot run a bf16 forward on stock kernels. The row-invariant
 # kernels (float64 attention) run bf16 everywhere; tests of bf16 on stock kernels skip there.
 stock_bf16 = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "NO AVX", "AVX2"),
                                 reason="torch's CPU attention computes bf16 on its AVX-512 code path only")

@@ -110,7 +110,7 @@ def test_a_new_build_of_our_kernels_is_timed_again(tiny_targets, monkeypatch):
     t = tiny_targets["llama"]
     path, record = engines.probe_path(t)
     assert "kernels native-" in record["static"] and engines.probe_path(t)[0] == path
-    monkeypatch.setattr(native, "library_path", lambda: path.with_name("native-0123456789abcdef.so"))
+    monkeypatch.setattr(native, "library_path", lambda *a: path.with_name("native-v3-0123456789abcdef.so"))
     assert engines.probe_path(t)[0] != path
 
 
@@ -172,36 +172,36 @@ def test_the_compiled_static_program_decodes_as_hf(tiny_dirs, dtype):
     assert set(state["static"].compile_s) == {1, 32, 4, 8, 16, 24}
 
 
-def test_the_avx2_code_path_is_one_setting_for_our_kernels_and_the_llama_cpp_peer(monkeypatch, tmp_path):
-    """Issue 53: DFLASHKIT_NATIVE_ISA=avx2 builds our kernels without AVX-512, tells torch to take its AVX2 kernels,
-    gives llama.cpp a build of its own (GGML_NATIVE off, AVX-512 off, same source), keys the probes apart and is
-    what bench reports; a value it does not know is refused by name."""
+def test_a_narrower_level_is_one_setting_for_our_kernels_and_the_llama_cpp_peer(monkeypatch, tmp_path):
+    """Issues 53 and 68: `--isa v3` on a wider CPU builds our kernels for x86-64-v3, tells torch to take its AVX2
+    kernels, gives llama.cpp a build of its own (GGML_NATIVE off, AVX-512 off, same source), keys the probes apart,
+    drops native bf16 and is what bench reports."""
+    from dflashkit import levels
     from dflashkit.decode import native
-    from dflashkit.engines.install import CMAKE_FLAGS, LlamaCpp, find
-    from dflashkit.threads import isa, isa_environment
+    from dflashkit.engines.install import CMAKE_FLAGS, LlamaCpp, find, llama_isa
+    from dflashkit.targets.model import cpu_has_bf16_matmul
 
-    monkeypatch.delenv("DFLASHKIT_NATIVE_ISA", raising=False)
-    assert isa() == "native" and isa_environment() == {} and "-march=native" in native.cflags()
+    if levels.best() != "v4":
+        pytest.skip("a narrower level than this CPU's needs an AVX-512 CPU")
+    monkeypatch.setattr(levels, "_chosen", None)
+    assert levels.chosen() == "v4" and levels.torch_environment("v4") == {} and llama_isa() == "native"
     native_key = engines.machine_key(load_target(make_tiny_target("llama", tmp_path / "t"), device="cpu"))[0]
     plain = LlamaCpp(tmp_path)
     assert plain.cmake == CMAKE_FLAGS and plain.build.name == "llama.cpp-11434-build"
 
-    monkeypatch.setenv("DFLASHKIT_NATIVE_ISA", "avx2")
-    assert isa() == "avx2" and isa_environment()["ATEN_CPU_CAPABILITY"] == "avx2"
-    assert "-mno-avx512f" in native.cflags() and "-march=native" not in native.cflags()
-    assert native.instruction_set().startswith("avx2+fma, no native bf16")
-    avx2 = LlamaCpp(tmp_path, isa())
+    monkeypatch.setattr(levels, "_chosen", "v3")  # what `--isa v3` chooses before torch loads
+    assert levels.torch_environment("v3")["ATEN_CPU_CAPABILITY"] == "avx2" and not cpu_has_bf16_matmul()
+    assert "-march=x86-64-v3" in native.cflags() and native.instruction_set().startswith("level v3 (this CPU runs v4)")
+    avx2 = LlamaCpp(tmp_path, llama_isa())
     assert "-DGGML_AVX512=OFF" in avx2.cmake and "-DGGML_NATIVE=ON" not in avx2.cmake and "-DGGML_NATIVE=OFF" in avx2.cmake
     assert avx2.build != plain.build and avx2.stamp != plain.stamp and avx2.src == plain.src
     monkeypatch.setenv("DFLASHKIT_ENGINES", str(tmp_path))
-    (tmp_path / plain.stamp.name).write_text("{}")  # the native build alone is not the AVX2 one
+    (tmp_path / plain.stamp.name).write_text("{}")  # the native build alone is not the v3 one
     assert find("llama.cpp") is None
-    avx2_key = engines.machine_key(load_target(make_tiny_target("llama", tmp_path / "t"), device="cpu"))[0]
-    assert avx2_key != native_key
-
-    monkeypatch.setenv("DFLASHKIT_NATIVE_ISA", "avx512")
-    with pytest.raises(DFlashError, match="DFLASHKIT_NATIVE_ISA='avx512': use one of native, avx2"):
-        isa()
+    v3_key = engines.machine_key(load_target(make_tiny_target("llama", tmp_path / "t"), device="cpu"))[0]
+    assert v3_key != native_key
+    with pytest.raises(DFlashError, match="torch already loaded its .* kernels; set ATEN_CPU_CAPABILITY=avx2"):
+        levels.choose("v3")  # in a process whose torch took its AVX-512 kernels
 
 
 @COMPILED

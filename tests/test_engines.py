@@ -31,17 +31,18 @@ def test_dflash_peers_bring_their_plain_engine_and_our_chain():
         parse_methods("vllm,vllm")
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", [None, "portable"])
 def test_missing_engine_names_its_install_command(tmp_path, monkeypatch, isa):
-    """The command as this code path runs it: on the AVX2 one, llama.cpp's own build is installed with the setting."""
-    from dflashkit.threads import ISA_VAR
+    """The command as this level runs it: at a level narrower than the CPU's, llama.cpp's own build is installed
+    with the setting."""
+    from dflashkit import levels
 
     monkeypatch.setenv("DFLASHKIT_ENGINES", str(tmp_path))
-    monkeypatch.setenv(ISA_VAR, isa)
+    monkeypatch.setattr(levels, "_chosen", isa)
     assert find("vllm") is None and find("llama.cpp") is None
     for name in ("vllm", "llama.cpp"):
-        prefix = f"{ISA_VAR}=avx2 " if isa == "avx2" and name == "llama.cpp" else ""
-        with pytest.raises(DFlashError, match=re.escape(f"`{prefix}dflashkit engines install {name}`")):
+        prefix = "--isa portable " if isa and levels.narrower() and name == "llama.cpp" else ""
+        with pytest.raises(DFlashError, match=re.escape(f"`dflashkit {prefix}engines install {name}`")):
             require(name)
 
 

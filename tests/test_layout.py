@@ -11,7 +11,7 @@ import dflashkit
 ROOT = Path(dflashkit.__file__).parent
 # lower number = lower layer; shared utilities sit at the bottom, the CLI and the demo at the top
 LAYERS = {
-    "errors": 0, "lazy": 0, "rng": 0, "configs": 2, "fileio": 1, "threads": 2, "report": 2, "prompts": 2, "tree": 2,
+    "errors": 0, "lazy": 0, "rng": 0, "configs": 2, "fileio": 1, "levels": 1, "threads": 2, "report": 2, "prompts": 2, "tree": 2,
     "ngram": 2,  # the n-gram lookup: decoding proposes with it, the offline walk replays it
     "targets": 3,
     "drafter": 4, "distributed": 4,  # distributed picks the device the way targets does

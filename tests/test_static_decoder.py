@@ -14,6 +14,7 @@ from dflashkit.decode import native, static
 from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_native, attend_reduce, StaticBackend,
                                      linear_native, linear_reduce, linear_tiles, panel_order,
                                      tile_order)
+from dflashkit import levels
 from dflashkit.errors import DFlashError
 from tiny_targets import make_tiny_target
 from dflashkit.targets.model import load_target
@@ -22,6 +23,11 @@ from helpers import eager_decoders
 pytestmark = pytest.mark.usefixtures("one_thread")
 AMX = native.tiles_run_here()
 needs_amx = pytest.mark.skipif(not AMX, reason="the tile kernels need a CPU with AMX (amx_bf16)")
+# Every ISA level this machine runs (v3 and portable on any x86-64, v4 with AVX-512), and v3 built with Zen 1-3's
+# tuning planted (GCC's avoid-fma-max-bits: single-chain loops left unfused where fusion is merely allowed): the
+# exactness tests hold on each, so a green run here is green on the CPUs of those levels
+BUILDS = [pytest.param((lv, None), id=lv) for lv in levels.runnable()] + \
+    ([pytest.param(("v3", "znver3"), id="v3-znver3")] if levels.runs_here("v3") else [])
 
 
 def prompt(t):
@@ -58,15 +64,19 @@ def verify_against_steps(d, ids):
     return logits, torch.stack([d.forward(ids[i:i + 1], i) for i in range(len(ids) - 4, len(ids))])
 
 
-@pytest.mark.parametrize("kernels", ["native", "reduce", pytest.param("tiles", marks=needs_amx)])
+@pytest.mark.parametrize("kernels", [*(pytest.param(("native", b.values[0]), id=f"native-{b.id}") for b in BUILDS),
+                                     ("reduce", (None, None)),
+                                     pytest.param(("tiles", ("v4", None)), id="tiles", marks=needs_amx)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_verify_row_is_the_one_token_step(tiny_dirs, dtype, kernels):
     """Row invariance, what chain-static's exactness rests on: each row of a 4-token verify equals one-token steps
-    over the same tokens, bit for bit (eager steps here; the compiled program is held to it in test_engine.py)."""
+    over the same tokens, bit for bit, where the step holds the earlier rows' keys in committed slots (eager steps
+    here; the compiled program is held to it in test_engine.py). On every level's build, and the planted tuning."""
+    kernels, (level, tune) = kernels
     if kernels == "tiles" and dtype == "float32":
         pytest.skip("the tile kernels read bf16 weights")
     t = load_target(tiny_dirs["llama"], device="cpu", dtype=dtype)
-    d = StaticDecoder(t, 128, kernels=kernels, compile=False, layer_ids=[1, 2], verify_width=4)
+    d = StaticDecoder(t, 128, kernels=kernels, compile=False, layer_ids=[1, 2], verify_width=4, level=level, tune=tune)
     logits, steps = verify_against_steps(d, prompt(t))
     torch.testing.assert_close(logits, steps, rtol=0, atol=0)
 
@@ -160,41 +170,45 @@ def test_auto_kernels_are_tiles_where_they_run_and_native_elsewhere(tiny_dirs):
         StaticDecoder(f32, 64, compile=False, kernels="tiles")
 
 
-NATIVE_OUTPUTS = """
-import torch
-from dflashkit.decode import native
-from dflashkit.decode.static import panel_order
-native.load()
-g = torch.Generator().manual_seed(0)
-out = {}
-for dtype in (torch.float32, torch.bfloat16):
-    for k in (40, 128, 200, 576):
-        x, w = torch.randn(17, k, generator=g), torch.randn(200, k, generator=g).to(dtype)
-        out[f"linear-{dtype}-{k}"] = torch.ops.dflashkit.linear(x, panel_order(w))
-q, kc, vc = (torch.randn(1, h, n, 64, generator=g) for h, n in ((6, 3), (2, 40), (2, 40)))
-path = torch.tensor([[20, -1, -1], [20, 21, -1], [20, 21, 22]])
-out["attend"] = torch.ops.dflashkit.attend(q, kc, vc, torch.tensor([20]), path)
-"""
+def native_outputs(ops) -> dict:
+    """A level's linears over float32 and bf16 weights (lengths on and off the 64 lanes, outputs on and off the
+    16-wide panels) and attention over a chain's paths, on fixed inputs."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for k in (40, 128, 200, 576):
+            x, w = torch.randn(17, k, generator=g), torch.randn(200, k, generator=g).to(dtype)
+            out[f"linear-{dtype}-{k}"] = ops.linear(x, panel_order(w))
+    for hd in (64, 48):
+        q, kc, vc = (torch.randn(1, h, n, hd, generator=g) for h, n in ((6, 3), (2, 40), (2, 40)))
+        path = torch.tensor([[20, -1, -1], [20, 21, -1], [20, 21, 22]])
+        out[f"attend-{hd}"] = ops.attend(q, kc, vc, torch.tensor([20]), path)
+    return out
 
 
-@pytest.mark.slow
-def test_the_avx2_build_computes_the_same_bits_as_this_cpus_build(tmp_path):
-    """Issue 53: the AVX2 build (8-lane registers, DFLASHKIT_NATIVE_ISA=avx2) sums every dot and every attention row
-    in the AVX-512 build's order, so the two give the same bits: linears over float32 and bf16 weights (lengths on
-    and off the 64 lanes) and attention over a chain's paths."""
-    import os
-    import subprocess
-    import sys
+@pytest.mark.parametrize("build", [b for b in BUILDS if b.id != "v3"])
+def test_every_level_computes_the_v3_bits(build):
+    """Issue 68: every build sums each dot and each attention row in one order, every product-sum fused by name, so
+    v4 (16 lanes), portable (no intrinsics) and v3 with Zen's tuning planted give v3's bits."""
+    theirs = native_outputs(native.ops(*build))
+    mine = native_outputs(native.ops("v3"))
+    assert set(mine) == set(theirs) and len(mine) == 10
+    for name, value in mine.items():
+        assert torch.equal(value, theirs[name]), name
 
-    env = {**os.environ, "DFLASHKIT_NATIVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "haswell"}
-    code = NATIVE_OUTPUTS + f"torch.save(out, {str(tmp_path / 'avx2.pt')!r})"
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
-    theirs = torch.load(tmp_path / "avx2.pt")
-    ns: dict = {}
-    exec(NATIVE_OUTPUTS, ns)
-    assert set(ns["out"]) == set(theirs) and len(theirs) == 9
-    for name, mine in ns["out"].items():
-        assert torch.equal(mine, theirs[name]), name
+
+@pytest.mark.parametrize("build", [b for b in BUILDS if b.id != "v3"])
+def test_a_model_level_verify_is_the_same_on_every_level(tiny_dirs, build):
+    """The whole step: a 4-token verify's logits and features over the tiny target at v3 and at each other build."""
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="float32")
+    got = []
+    for level, tune in (("v3", None), build):
+        d = StaticDecoder(t, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4, level=level,
+                          tune=tune)
+        ids = prompt(t)
+        d.prefill(ids[:-4])
+        got.append(d.verify(torch.tensor(ids[-4:]), len(ids) - 4))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
 def test_the_native_linear_refuses_what_it_does_not_compute():
@@ -396,8 +410,10 @@ def test_the_collector_is_paused_for_a_decode_loop_and_restored(tiny_targets, mo
     assert gc.isenabled()
 
 
+@pytest.mark.parametrize("build", [*(pytest.param(("native", *b.values[0]), id=b.id) for b in BUILDS),
+                                   pytest.param(("tiles", "v4", None), id="tiles", marks=needs_amx)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_tree_verify_row_is_the_one_token_step_and_commit_makes_it_a_chain(tiny_dirs, dtype):
+def test_a_tree_verify_row_is_the_one_token_step_and_commit_makes_it_a_chain(tiny_dirs, dtype, build):
     """A branching tree, flat in one step: each node's logits equal one-token steps along its own root path, bit
     for bit (its ancestors sit at other slots than plain decoding's, but attention reads them in depth order).
     After commit of a path that skips a sibling, the next one-token step equals plain decoding's."""
@@ -408,11 +424,14 @@ def test_a_tree_verify_row_is_the_one_token_step_and_commit_makes_it_a_chain(tin
     start = len(ids) - 1
     toks = torch.tensor([ids[start], 5, 9, 7, 11, 3])  # root; 5, 9 children of the root; 7 under 9; 11, 3 under 7
     tree = Tree(toks, torch.tensor([0, 1, 1, 2, 3, 3]), torch.tensor([-1, 0, 0, 2, 3, 3]), torch.zeros(6))
-    d = StaticDecoder(t, 128, compile=False, layer_ids=[1], trees=True)
+    kernels, level, tune = build
+    if kernels == "tiles" and dtype == "float32":
+        pytest.skip("the tile kernels read bf16 weights")
+    d = StaticDecoder(t, 128, kernels=kernels, compile=False, layer_ids=[1], trees=True, level=level, tune=tune)
     d.prefill(ids[:-1])
     logits, feats = d.verify_tree(tree, start)
     assert logits.shape[0] == 6 and feats.shape[1] == 6 and d.tree_width(6) == 8
-    plain = StaticDecoder(t, 128, compile=False, layer_ids=[1], trees=True)
+    plain = StaticDecoder(t, 128, kernels=kernels, compile=False, layer_ids=[1], trees=True, level=level, tune=tune)
     for path in ([0, 1], [0, 2, 3, 4], [0, 2, 3, 5]):
         plain.prefill(ids[:-1])
         for depth, node in enumerate(path):

@@ -16,7 +16,7 @@ from pathlib import Path
 from dflashkit import __version__
 from dflashkit.engines.install import LLAMA_CPP_BUILD, VLLM_VERSION
 from dflashkit.errors import DFlashError
-from dflashkit.threads import isa
+from dflashkit import levels
 
 PROBE_NS = (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)  # chain blocks 4/8/16, DDTree-b verifies b+1
 MODEL_ENGINES = ("hf", "static", "llama.cpp", "vllm")
@@ -102,7 +102,7 @@ def engine_version(engine: str) -> str:
     """What a re-measure is due on: our own code and torch for the backends (the static one's C++ kernels by their
     library, which names their source, flags and CPU), the build for a peer."""
     if engine == "llama.cpp":
-        return f"llama.cpp build {LLAMA_CPP_BUILD}" + (f" ({isa()})" if isa() != "native" else "")
+        return f"llama.cpp build {LLAMA_CPP_BUILD}" + (f" (level {levels.chosen()})" if levels.narrower() else "")
     if engine == "vllm":
         return f"vllm {VLLM_VERSION}"
     import torch

@@ -17,7 +17,7 @@ import torch
 from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, parse_method
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import sha256_json
-from dflashkit.threads import cpu, isa
+from dflashkit import levels
 
 
 def static_refusal(target) -> str | None:
@@ -63,10 +63,10 @@ def _say(log, message: str) -> None:
 def machine_key(target) -> tuple[str, dict]:
     """What a probe's answer depends on: the CPU (model and its vector flags), the target's weights, dtype, threads
     and torch's version."""
-    name, flags = cpu()
+    name, flags = levels.cpu()
     vector = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
-    if isa() == "avx2":  # the AVX2 code path (threads.isa) is another machine to time
-        vector = [f for f in vector if f in ("avx2", "fma")] + ["isa=avx2"]
+    if levels.narrower():  # a level narrower than this CPU's (--isa) is another machine to time
+        vector = sorted(set(vector) & levels.LEVELS[levels.chosen()].needs) + [f"isa={levels.chosen()}"]
     ident = target.identity()
     record = {"cpu": name, "flags": vector, "target": ident.get("weights_hash") or ident.get("name"),
               "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),

@@ -1,95 +1,141 @@
-"""The static decoder's own CPU kernels (`native.cpp`: `dflashkit::linear`, `dflashkit::attend`), compiled on
-first use for this machine's instruction set and cached (docs/design.md, "Native kernels in detail")."""
+"""The static decoder's own CPU kernels (`kernels.h`, bound to torch by `native.cpp`), built per ISA level
+(dflashkit/levels.py) on first use and cached under a name that says the level (docs/design.md, "Native kernels in
+detail"). Each build registers its operators under a namespace of its own (`torch.ops.dflashkit_v3.linear`), so
+a process can load several levels side by side; `tune` plants a compiler tuning (tests plant Zen's)."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
-import platform
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from dflashkit import levels
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import home
-from dflashkit.threads import ISA_VAR, cpu, isa
 
-SOURCE = Path(__file__).with_name("native.cpp")
-# fp-contract: a * b + c is one fused multiply-add wherever it is written, so a lane and a scalar sum alike
-COMMON = ["-O3", "-ffp-contract=fast", "-fopenmp", "-std=c++20", "-fPIC", "-shared"]
-# The instruction set the kernels are built for (threads.isa): this CPU's own, or AVX2 + FMA without AVX-512 (what
-# a float32-only laptop or cloud CPU has; any x86 machine runs it, so the two compare side by side on one)
-ISA_FLAGS = {"native": ["-march=native", "-mprefer-vector-width=512"],
-             "avx2": ["-march=haswell", "-mno-avx512f", "-mprefer-vector-width=256"]}
+HERE = Path(__file__).parent
+SOURCE, CORE = HERE / "native.cpp", HERE / "kernels.h"
+# fp-contract off: a fused multiply-add is one where the source names it (kernels.h), never a compiler's choice
+COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-Wno-psabi"]
 
 
-def tiles_run_here() -> bool:
-    """linear_tiles runs on this CPU's own code path with AMX (the AVX2 path stands for a CPU without it)."""
-    return {"amx_bf16", "amx_tile"} <= cpu()[1] and isa() == "native"
+def namespace(level: str, tune: str | None = None) -> str:
+    return "dflashkit_" + level + (f"_{tune}" if tune else "")
 
 
-def cflags() -> list[str]:
-    return ISA_FLAGS[isa()] + COMMON
+def cflags(level: str | None = None, tune: str | None = None) -> list[str]:
+    """The compiler flags of a level's build (the chosen level's by default): its ISA, generic tuning, or `tune`."""
+    flags = list(levels.LEVELS[level or levels.chosen()].flags)
+    if tune:
+        flags = [f for f in flags if not f.startswith("-mtune=")] + [f"-mtune={tune}"]
+    return flags + COMMON
 
 
 def instruction_set() -> str:
-    """The widest vector ISA the kernels are built for here and whether bf16 dots are native (bench and the demo
-    report it beside dtype and threads)."""
-    if isa() == "avx2":
-        return f"avx2+fma, no native bf16 ({ISA_VAR}=avx2)"
-    flags = cpu()[1]
-    widest = "avx512" if "avx512f" in flags else "avx2+fma" if {"avx2", "fma"} <= flags else "baseline x86-64" \
-        if "sse2" in flags else platform.machine()
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    return widest + (f" ({', '.join(bf16)})" if bf16 else ", no native bf16")
+    """What bench and the demo report beside dtype and threads: the level the kernels run at."""
+    return levels.describe()
 
 
-def library_path() -> Path:
-    """Where this source, these flags, this CPU and this torch build their library."""
-    key = "\n".join([SOURCE.read_text(), *cflags(), *sorted(cpu()[1]), torch.__version__, torch.__file__])
-    return home() / "native" / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+def tiles_run_here() -> bool:
+    """linear_tiles runs: level v4 on a CPU with AMX."""
+    return levels.amx()
 
 
-def compile_command(source, out) -> list[str]:
-    """The compiler call that builds `source` into the library `out` for this machine (torch's extension flags)."""
+def library_path(level: str | None = None, tune: str | None = None) -> Path:
+    """Where a level's build of this source, with these flags and this torch, lives: named by the level, not by the
+    CPU, so every CPU that runs the level runs the same library."""
+    level = level or levels.chosen()
+    key = "\n".join([SOURCE.read_text(), CORE.read_text(), *cflags(level, tune), torch.__version__, torch.__file__])
+    return home() / "native" / f"native-{level}{'-' + tune if tune else ''}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def compile_command(out, level: str | None = None, tune: str | None = None) -> list[str]:
+    """The compiler call that builds the level's library `out` (torch's extension flags)."""
     from torch.utils import cpp_extension
-    return ["c++", *cflags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", str(out),
+    return ["c++", *cflags(level, tune), f"-DDFLASHKIT_OPS={namespace(level or levels.chosen(), tune)}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(out),
             *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-@functools.cache
-def load() -> None:
-    """Build (once per source, flags, CPU and torch) and load the kernels; a second process only loads them.
-    Concurrent builds each write their own temporary file and the last rename wins (the files are alike)."""
-    if isa() == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "DEFAULT"):
-        raise DFlashError(f"{ISA_VAR}=avx2, but torch loaded with its {torch.backends.cpu.get_cpu_capability()} "
-                          "kernels: set ATEN_CPU_CAPABILITY=avx2 and TORCHINDUCTOR_CPP_MARCH=haswell before torch is "
-                          "imported (the dflashkit command does), so every kernel takes the AVX2 path")
-    lib = library_path()
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
-        os.close(fd)
-        try:
-            res = subprocess.run(compile_command(SOURCE, tmp), capture_output=True, text=True)
-        except OSError as e:
-            Path(tmp).unlink(missing_ok=True)
-            raise DFlashError(f"native kernels: no C++ compiler to build {SOURCE} ({e}); install g++ (inductor "
-                              "needs one too), or build the decoder with kernels='reduce'") from e
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _build(lib: Path, level: str, tune: str | None) -> None:
+    """Compile to a temporary file, record its digest beside it, then rename both into place: a killed build leaves
+    nothing a later run would load."""
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        res = subprocess.run(compile_command(tmp, level, tune), capture_output=True, text=True)
         if res.returncode != 0:
-            Path(tmp).unlink(missing_ok=True)
-            raise DFlashError(f"native kernels: building {SOURCE} failed; build the decoder with kernels='reduce' "
-                              f"meanwhile. The compiler said:\n{res.stderr[-3000:]}")
+            raise DFlashError(f"native kernels: building {SOURCE} for level {level} failed; build the decoder with "
+                              f"kernels='reduce' meanwhile. The compiler said:\n{res.stderr[-3000:]}")
+        digest = lib.with_suffix(".sha256")
+        digest_tmp = Path(tmp + ".sha256")
+        digest_tmp.write_text(_digest(Path(tmp)))
         os.replace(tmp, lib)
-    torch.ops.load_library(str(lib))
+        os.replace(digest_tmp, digest)
+    except OSError as e:
+        raise DFlashError(f"native kernels: no C++ compiler to build {SOURCE} ({e}); install g++ (inductor needs one "
+                          "too), or build the decoder with kernels='reduce'") from e
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+        Path(tmp + ".sha256").unlink(missing_ok=True)
 
-    for op in ("dflashkit::linear", "dflashkit::linear_tiles"):
-        torch.library.register_fake(op)(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]))
 
-    @torch.library.register_fake("dflashkit::attend")
+def _intact(lib: Path) -> bool:
+    """The library is the file its build wrote (a truncated or replaced one would crash the process on load)."""
+    digest = lib.with_suffix(".sha256")
+    try:
+        return lib.is_file() and digest.read_text().strip() == _digest(lib)
+    except OSError:
+        return False
+
+
+def load(level: str | None = None, tune: str | None = None) -> str:
+    """Build (once per source, level, tuning and torch) and load a level's kernels (the chosen level's by default);
+    returns their namespace under torch.ops. A library that is not the file its build wrote is rebuilt, with one
+    line saying so."""
+    return _load(level or levels.chosen(), tune)
+
+
+def ensure_built(level: str, tune: str | None = None) -> Path:
+    """The level's library, built where missing, and built again (one line says so) where it is not the file its
+    build wrote: a truncated library crashes the process that loads it, and one replaced by text fails to load."""
+    if not levels.runs_here(level):
+        raise DFlashError(f"native kernels: this CPU cannot run level {level}; use one of {', '.join(levels.runnable())}")
+    lib = library_path(level, tune)
+    if lib.exists() and not _intact(lib):
+        print(f"native kernels: {lib} is damaged (not the file its build wrote); building it again", file=sys.stderr)
+        lib.unlink()
+    if not lib.exists():
+        _build(lib, level, tune)
+    return lib
+
+
+@functools.cache
+def _load(level: str, tune: str | None) -> str:
+    torch.ops.load_library(str(ensure_built(level, tune)))
+    ns = namespace(level, tune)
+    for op in ("linear", "linear_tiles"):
+        torch.library.register_fake(f"{ns}::{op}")(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake(f"{ns}::attend")
     def _(q, k, v, start, path):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    return ns
+
+
+def ops(level: str | None = None, tune: str | None = None):
+    """The operators of a level's build (loaded on first use): `.linear`, `.linear_tiles`, `.attend`."""
+    return getattr(torch.ops, load(level, tune))

@@ -263,41 +263,51 @@ def attend_mm(q, k, v, mask, kvh):
 
 
 def native_op(name: str):
-    """`dflashkit::NAME` of native.cpp, found when called (the library loads on a decoder's first use). linear: weights
-    in panel order; linear_tiles: AMX tile products over bf16 weights in tile order, x in two bf16 parts; attend: each
-    row reads slots 0..start-1, then its own path (its ancestors' and its own). Each row's sums have one order whatever
-    rows share the call, so a verify row is the one-token step's bit for bit; attention reads only the slots in use."""
-    return lambda *args: getattr(torch.ops.dflashkit, name)(*args)
+    """`NAME` of the chosen ISA level's build of native.cpp (loaded on first use). linear: weights in panel order;
+    linear_tiles: AMX tile products over bf16 weights in tile order, x in two bf16 parts; attend: each row reads
+    slots 0..start-1, then its own path (its ancestors' and its own). Each row's sums have one order whatever rows
+    share the call, so a verify row is the one-token step's bit for bit; attention reads only the slots in use."""
+    from dflashkit.decode import native
+
+    return lambda *args: getattr(native.ops(), name)(*args)
 
 
 linear_native, linear_tiles, attend_native = native_op("linear"), native_op("linear_tiles"), native_op("attend")
 
 
-# a step's kernels: (linear, attention), by name; the one-token and verify steps use `tiles` on a CPU with AMX
-# (bf16 weights), else `native` on a CPU. Both attend by path (each row its own slots), the others by mask
-KERNELS = {"mm": (linear_mm, attend_mm), "reduce": (linear_reduce, attend_reduce),
-           "native": (linear_native, attend_native), "tiles": (linear_tiles, attend_native)}
+# a step's kernels by name: (linear, attention). `native` and `tiles` are ours (a level's build, named by its op
+# namespace), used by the one-token and verify steps on a CPU (`tiles` with AMX and bf16 weights); both attend by
+# path (each row its own slots), the others by mask
+KERNELS = {"mm": (linear_mm, attend_mm), "reduce": (linear_reduce, attend_reduce)}
 BY_PATH = ("native", "tiles")
 
 
+def kernel_pair(kernels: str, ops: str | None):
+    """(linear, attention) of `kernels`; ours from the build whose operators live under torch.ops.`ops`."""
+    if kernels in BY_PATH:
+        lib = getattr(torch.ops, ops)
+        return (lib.linear_tiles if kernels == "tiles" else lib.linear), lib.attend
+    return KERNELS[kernels]
+
+
 def cpu_kernels(target, geo: Geometry) -> str:
-    """`tiles` where they run and pay (bf16 weights whose shapes tile, a CPU with AMX, this CPU's own code path),
-    else `native`."""
+    """`tiles` where they run and pay (bf16 weights whose shapes tile, a CPU with AMX at level v4), else `native`."""
     from dflashkit.decode.native import tiles_run_here
 
     return "tiles" if tiles_run_here() and target.dtype == torch.bfloat16 and tiles_fit(geo) else "native"
 
 
-def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geometry, kernels: str, layer_ids):
+def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geometry, kernels: str, ops: str | None,
+         layer_ids):
     """The Llama step as a pure function of its inputs, so that decoders of one geometry share its compile and
     dynamo guards a handful of tensors, not every weight: the packed weights, the embedding table, rope's
     (cos, sin), the caches `kv` (per-layer K and V lists, written in place), ids [n] at absolute positions pos [n],
     their K and V written to cache `slots` [n] -> logits [k, V] of the `keep` rows (and, with `layer_ids`, those
     layers' hidden states of all n rows [1, n, len(layer_ids) * H]). What a row attends to: with native kernels,
     slots 0..pos[0]-1 and then its `path` [n, W] (attend_native); else the first len(`span`) slots (span =
-    0..S-1) up to its position."""
+    0..S-1) up to its position. `ops`: the op namespace of our kernels' build (kernel_pair)."""
     layout, stride, tail, _ = geo.layout()
-    linear, attend = KERNELS[kernels]
+    linear, attend = kernel_pair(kernels, ops)
     n, eps, nh, kvh, hd = ids.shape[0], geo.eps, geo.heads, geo.kv_heads, geo.head_dim
     x = F.embedding(ids, embed)[None].float()
     cos, sin = rope[0][pos][None, None], rope[1][pos][None, None]
@@ -329,13 +339,14 @@ def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geom
 
 
 @functools.cache
-def compiled_step(geo: Geometry, kernels: str, layer_ids: tuple | None, device_type: str = "cpu", width: int = 0):
+def compiled_step(geo: Geometry, kernels: str, layer_ids: tuple | None, device_type: str = "cpu", width: int = 0,
+                  ops: str | None = None):
     """`step` for one geometry and width, compiled on its first call. One per geometry and width in a process,
     shared by every decoder of it; each width is its own copy of the function (dynamo keeps 8 compiled entries per
     function), so a decoder rebuilt for a longer run adds one entry to each, and seven widths fit."""
     code = step.__code__.replace(co_name=f"step_{width}")  # its own code object: dynamo counts entries per code
     f = types.FunctionType(code, step.__globals__, f"step_{width}")
-    f.__kwdefaults__ = {"geo": geo, "kernels": kernels, "layer_ids": layer_ids}
+    f.__kwdefaults__ = {"geo": geo, "kernels": kernels, "ops": ops, "layer_ids": layer_ids}
     return torch.compile(f, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS[device_type])
 
 
@@ -351,7 +362,8 @@ class StaticDecoder:
     position and its own path, and the next write overwrites them."""
 
     def __init__(self, target, max_len: int, kernels: str = "auto", compile: bool = True,
-                 layer_ids: list[int] | None = None, verify_width: int | None = None, trees: bool = False):
+                 layer_ids: list[int] | None = None, verify_width: int | None = None, trees: bool = False,
+                 level: str | None = None, tune: str | None = None):
         geo = geometry_of(target, max_len)
         if verify_width is not None and not 1 < verify_width < PREFILL:
             raise DFlashError(f"verify width {verify_width}: the static decoder verifies 2..{PREFILL - 1} tokens")
@@ -359,8 +371,8 @@ class StaticDecoder:
             raise DFlashError("static decoder: a verify step returns the drafter's features; give layer_ids with it")
         if kernels == "auto":  # our C++ kernels on a CPU (native.cpp), inductor's reductions elsewhere
             kernels = cpu_kernels(target, geo) if target.device.type == "cpu" else "reduce"
-        if kernels not in KERNELS:
-            raise DFlashError(f"kernels {kernels!r}: use auto or one of {', '.join(KERNELS)}")
+        if kernels not in (*KERNELS, *BY_PATH):
+            raise DFlashError(f"kernels {kernels!r}: use auto or one of {', '.join((*KERNELS, *BY_PATH))}")
         if trees and kernels not in BY_PATH:
             raise DFlashError(f"static decoder: tree verify needs kernels 'native' or 'tiles' (a CPU target), not "
                               f"{kernels!r}")
@@ -371,12 +383,13 @@ class StaticDecoder:
         if kernels in BY_PATH and target.device.type != "cpu":
             raise DFlashError(f"kernels {kernels!r} run on a CPU; target {target.name} is on {target.device}: "
                               "use kernels='reduce' (or auto)")
-        if kernels in BY_PATH:
+        ops = None
+        if kernels in BY_PATH:  # our kernels at an ISA level: the process's chosen one, or `level` (tests: each)
             from dflashkit.decode import native
 
-            native.load()
+            ops = native.load(level, tune)
         dev = target.device
-        self.target, self.max_len, self.kernels = target, max_len, kernels
+        self.target, self.max_len, self.kernels, self.ops = target, max_len, kernels, ops
         self.arena, self.embed = pack_weights(target, geo, kernels), target.embed_tokens.weight
         self.rope = tuple(t.to(dev) for t in rope_tables(target, max_len))
         # activations and KV in float32, only weights in the target's dtype: inductor keeps or skips a bf16 rounding
@@ -401,8 +414,9 @@ class StaticDecoder:
         if dev.type == "cuda":
             for t in [self.arena, *self.kv[0], *self.kv[1]]:
                 torch._dynamo.mark_static_address(t)
-        self.steps = {w: compiled_step(geo, k, f, dev.type, w) if compile else
-                      functools.partial(step, geo=geo, kernels=k, layer_ids=f) for w, (k, f) in kinds.items()}
+        self.steps = {w: compiled_step(geo, k, f, dev.type, w, ops if k in BY_PATH else None) if compile else
+                      functools.partial(step, geo=geo, kernels=k, ops=ops if k in BY_PATH else None, layer_ids=f)
+                      for w, (k, f) in kinds.items()}
         self.compile_s, self.step_s = {}, {}  # seconds per width: the first call's; a step's median, by warm()
 
     def _check_room(self, pos: int, n: int) -> None:

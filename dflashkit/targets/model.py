@@ -21,7 +21,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import home, read_json, sha256_file, sha256_json, write_json
 from dflashkit.targets.invariant import step_linear_attention
 from dflashkit.targets.registry import resolve
-from dflashkit.threads import cpu, isa
+from dflashkit import levels
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -35,9 +35,9 @@ def pick_device(device: str = "auto") -> torch.device:
 def cpu_has_bf16_matmul() -> bool:
     """Native bf16 dot products (Zen 4, Sapphire Rapids and later). With them a bf16 forward is faster than float32
     and nearly flat in the tokens it verifies (SmolLM2, 2 cores: 9 tokens cost 1.2x one token, 1.6x in float32);
-    without them bf16 is emulated and a 16-token forward costs 7x. The AVX2 code path (DFLASHKIT_NATIVE_ISA=avx2,
-    dflashkit/threads.py) has none, whatever this CPU has."""
-    return isa() != "avx2" and bool({"avx512_bf16", "amx_bf16"} & cpu()[1])
+    without them bf16 is emulated and a 16-token forward costs 7x. Only level v4 has them (`--isa v3` has none, whatever
+    this CPU has: dflashkit/levels.py)."""
+    return levels.native_bf16()
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -60,8 +60,8 @@ def dtype_reason(dtype: torch.dtype, device: torch.device, asked: str | None = "
         return f"{name}, as asked (--dtype {asked})"
     if device.type == "cuda":
         return f"{name}: the default on CUDA"
-    if dtype == torch.float32 and isa() == "avx2":
-        return f"{name}: the AVX2 code path (DFLASHKIT_NATIVE_ISA=avx2) has no native bf16 dot products"
+    if dtype == torch.float32 and levels.narrower():
+        return f"{name}: level {levels.chosen()} (--isa) has no native bf16 dot products"
     if dtype == torch.float32:
         return f"{name}: this CPU has no native bf16 dot products (avx512_bf16/AMX), where bf16 is emulated and slower"
     return f"{name}: this CPU has native bf16 dot products"

@@ -1,0 +1,540 @@
+// The static decoder's CPU kernels, free of torch (native.cpp binds them to torch; tests/kernel_bits.cpp runs them
+// alone, on any CPU a cross compiler targets): the linear y[r, o] = sum_k x[r, k] * w[o, k] (activations float32,
+// weights float32 or bfloat16, sums in float32) and attention over each row's own sequence.
+//
+// Why our own: at one row a decode step is a matrix-vector product that must stream every weight once at the
+// memory's speed, and every (row, output) must run the same code on the same operands in the same order, so that a
+// row's result does not depend on how many rows share the call (row-invariant by construction).
+//
+// The rule the bits rest on: every accumulation is written as a fused multiply-add BY NAME (fma() below: an
+// intrinsic where the ISA has one, else __builtin_fmaf lane by lane) or as a separate multiply and add, and the
+// library is built with -ffp-contract=off, so no compiler heuristic decides it. (-ffp-contract=fast only permits
+// fusing; GCC's Zen 1-3 tuning, which -march=native brings there, left single-chain loops unfused, and a verify row
+// came out 1 ulp off the one-token step.) The same sums in the same order at every ISA level: AVX-512 (16 lanes),
+// x86-64-v3 (8 lanes) and the portable path (GCC vector extensions, no intrinsics: aarch64 or any x86-64) give the
+// same bits.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// How a kernel splits its work over threads: native.cpp passes ATen's pool, a standalone caller runs it in one
+#ifndef DFLASHKIT_PARALLEL_FOR
+#define DFLASHKIT_PARALLEL_FOR(begin, end, grain, ...) (__VA_ARGS__)(begin, end)
+#define DFLASHKIT_THREADS() 1
+#endif
+
+namespace dflashkit_kernels {
+
+struct bf16 {  // the top half of a float32, as c10::BFloat16 stores it
+  uint16_t x;
+};
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+constexpr int64_t LANES = 64;  // a dot's 64 lanes: four chains of 16, or eight of 8, in the same memory order
+
+// a * b + c rounded once, on every lane
+template <typename V>
+inline V fma_lanes(V a, V b, V c) {
+  V r;
+  for (unsigned i = 0; i < sizeof(V) / sizeof(float); ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+}
+
+inline f32x16 fma(f32x16 a, f32x16 b, f32x16 c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                  reinterpret_cast<__m512>(c)));
+#else
+  return fma_lanes(a, b, c);
+#endif
+}
+
+inline f32x8 fma(f32x8 a, f32x8 b, f32x8 c) {
+#if defined(__FMA__)
+  return reinterpret_cast<f32x8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                                 reinterpret_cast<__m256>(c)));
+#else
+  return fma_lanes(a, b, c);
+#endif
+}
+
+template <typename V>
+inline V splat(float x) {
+  V v;
+  for (unsigned i = 0; i < sizeof(V) / sizeof(float); ++i) v[i] = x;
+  return v;
+}
+
+template <typename V>
+inline V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float to_float(float v) { return v; }
+
+inline float to_float(bf16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
+
+// bf16 widened: each 16-bit value zero-extended and shifted up (an intrinsic where there is one: GCC's generic
+// 16-lane conversion split into 256-bit halves, five instructions where one does)
+template <typename V>
+inline V load(const bf16* p);
+
+template <>
+inline f32x16 load<f32x16>(const bf16* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<f32x16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  return std::bit_cast<f32x16>(__builtin_convertvector(h, u32x16) << 16);
+#endif
+}
+
+template <>
+inline f32x8 load<f32x8>(const bf16* p) {
+#if defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<f32x8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  return std::bit_cast<f32x8>(__builtin_convertvector(h, u32x8) << 16);
+#endif
+}
+
+// A k that is not a multiple of 64: its last products go to lanes 0.. of the 64 (in memory order) before the tree,
+// each a fused multiply-add as a lane computes it
+template <typename V, int N, typename W>
+inline void add_tail(V (&acc)[N], const float* x, const W* w, int64_t tail) {
+  static_assert(sizeof(acc) == LANES * sizeof(float), "a dot holds 64 lanes");
+  float lanes[LANES];
+  std::memcpy(lanes, acc, sizeof lanes);
+  for (int64_t j = 0; j < tail; ++j) lanes[j] = __builtin_fmaf(x[j], to_float(w[j]), lanes[j]);
+  std::memcpy(acc, lanes, sizeof lanes);
+}
+
+// 8 lanes halved three times: (0+4, 1+5, 2+6, 3+7), then (0+2) + (1+3)
+inline float halve8(f32x8 h8) {
+  const f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+#if defined(__AVX512F__)
+// ---- x86-64-v4: one register holds 16 lanes, so a dot keeps four chains of 16
+typedef f32x16 lvec;
+constexpr int CHAINS = 4, VL = 16;
+
+// A dot's four chains in one register: chains (0+2) + (1+3)
+inline f32x16 combine(const f32x16 (&acc)[4]) { return (acc[0] + acc[2]) + (acc[1] + acc[3]); }
+
+inline float halve(f32x16 v) {
+  return halve8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+#else
+// ---- x86-64-v3 and the portable path: 8 lanes a register. The same 64 lanes are eight chains of 8: chain b lane
+// j is lane 8b + j of the 64, the memory order of v4's four chains of 16, and the tree below is v4's tree.
+// (Written with 16-lane vectors, GCC kept the accumulators on the stack on AVX2: 12 GB/s against 28.)
+typedef f32x8 lvec;
+constexpr int CHAINS = 8, VL = 8;
+
+// v4's (chain 0 + chain 2) + (chain 1 + chain 3): its low eight lanes plus its high eight
+inline f32x8 combine(const f32x8 (&acc)[8]) {
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+inline float halve(f32x8 v) { return halve8(v); }
+#endif
+
+// The sum of a dot's chains in a fixed tree; a k that is not a multiple of 64 first adds its last products
+template <typename W>
+inline float finish(lvec (&acc)[CHAINS], const float* x, const W* w, int64_t tail) {
+  if (tail) add_tail(acc, x, w, tail);
+  return halve(combine(acc));
+}
+
+// A dot's chains over its first `full` inputs (a multiple of 64), interleaved: one pass over x and w
+template <typename W>
+inline void chains(const float* __restrict x, const W* __restrict w, int64_t full, lvec (&acc)[CHAINS]) {
+  for (int64_t i = 0; i < full; i += LANES)
+    for (int c = 0; c < CHAINS; ++c) acc[c] = fma(load<lvec>(x + i + VL * c), load<lvec>(w + i + VL * c), acc[c]);
+}
+
+// One row of x against one row of w in 64 lanes summed in a fixed tree (attention's scores: a query against a key)
+template <typename W>
+inline float dot(const float* __restrict x, const W* __restrict w, int64_t k) {
+  lvec acc[CHAINS] = {};
+  const int64_t full = k - k % LANES;
+  chains(x, w, full, acc);
+  return finish(acc, x + full, w + full, k - full);
+}
+
+// ---- the linear: weights in panels, outputs in a vector's lanes
+// w in panel order (static.panel_order): each 16 outputs as one panel [k][16], the last outs % 16 outputs as [k][rest].
+// y[r, o] is one chain of fused multiply-adds over k in passes of KC, each pass from zero and added to the passes
+// before: the same bits whatever rows and outputs share a call and whatever the vector width (a lane and a scalar
+// fuse alike, by name), so a verify row is the one-token step's and every level computes the same. A weight vector
+// loaded serves every row of a block and a row's x[k] every output of it.
+constexpr int64_t PANEL = 16, PV = PANEL / VL;  // outputs a panel, vectors a panel's row
+constexpr int64_t KC = 128;  // inputs a pass: a block's panels stay in L1 while its rows run
+#if defined(__AVX512F__)
+constexpr int RB = 12, NPB = 2;  // a block of at most 12 rows x 2 panels: 24 sums in 32 registers
+#else
+constexpr int RB = 3, NPB = 2;  // 3 rows x 2 panels (2 registers each): 12 sums in 16 registers
+#endif
+constexpr int NP1 = 8 / PV;  // one row against 8 sums' worth of panels: enough chains to hide the FMA's latency
+
+// The next weights to bring to L2 while a block computes from L1: `each` cache lines a step of k, `left` in all
+struct Ahead {
+  const char* line;
+  int64_t left, each;
+  inline void step() {
+    for (int64_t l = 0; l < each && left > 0; ++l, --left, line += 64) __builtin_prefetch(line, 0, 2);
+  }
+};
+
+// R rows against NP panels over inputs [k0, k1): a chain of fused multiply-adds from zero, then added to the sums of
+// the inputs before (y) or, at k0 = 0, written there
+template <int R, int NP, typename W>
+inline void panel_block(const float* __restrict x, int64_t k, const W* __restrict w, float* __restrict y,
+                        int64_t outs, int64_t k0, int64_t k1, Ahead& ahead) {
+  lvec acc[R][NP * PV] = {};
+  for (int64_t i = k0; i < k1; ++i) {
+    ahead.step();
+    lvec xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = splat<lvec>(x[r * k + i]);
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < PV; ++v) {
+        const lvec wv = load<lvec>(w + p * PANEL * k + i * PANEL + v * VL);
+        for (int r = 0; r < R; ++r) acc[r][p * PV + v] = fma(xb[r], wv, acc[r][p * PV + v]);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NP * PV; ++v) {
+      float* out = y + r * outs + v * VL;
+      const lvec sum = k0 ? load<lvec>(out) + acc[r][v] : acc[r][v];
+      std::memcpy(out, &sum, sizeof sum);
+    }
+}
+
+// n rows (1..R) as one block
+template <int R, int NP, typename W>
+inline void rows_block(int64_t n, const float* x, int64_t k, const W* w, float* y, int64_t outs, int64_t k0,
+                       int64_t k1, Ahead& ahead) {
+  if constexpr (R > 0) {
+    if (n == R) return panel_block<R, NP>(x, k, w, y, outs, k0, k1, ahead);
+    rows_block<R - 1, NP>(n, x, k, w, y, outs, k0, k1, ahead);
+  }
+}
+
+// Every row against NP panels, in blocks of as even a size as RB allows (8 rows: two of 4, not 6 and 2), inputs in
+// passes of KC; meanwhile the next `lines` of weights from `next` come to L2 (only the first block of a pass reads
+// its weights from memory: without it the memory sat idle while the others computed)
+template <int NP, typename W>
+inline void rows_against_panels(const float* x, const W* w, float* y, int64_t rows, int64_t outs, int64_t k,
+                                const W* next, int64_t lines) {
+  const int64_t blocks = (rows + RB - 1) / RB, steps = blocks * k;
+  Ahead ahead{reinterpret_cast<const char*>(next), lines, (lines + steps - 1) / steps};
+  for (int64_t k0 = 0; k0 < k; k0 += KC)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r = rows * b / blocks, n = rows * (b + 1) / blocks - r;
+      rows_block<RB, NP>(n, x + r * k, k, w, y + r * outs, outs, k0, std::min(k, k0 + KC), ahead);
+    }
+}
+
+// x [rows, k] against w [outs, k] in panel order -> y [rows, outs]
+template <typename W>
+void linear(const float* x, const W* w, float* y, int64_t rows, int64_t outs, int64_t k) {
+  const int64_t panels = outs / PANEL, rest = outs % PANEL;
+  const int64_t group = rows == 1 ? NP1 : NPB;
+  DFLASHKIT_PARALLEL_FOR(0, panels, group, [&](int64_t lo, int64_t hi) {
+    int64_t p = lo;
+    Ahead none{nullptr, 0, 0};
+    if (rows == 1)  // one token: each weight read once, NP1 panels' chains in flight
+      for (; p + NP1 <= hi; p += NP1)
+        for (int64_t k0 = 0; k0 < k; k0 += KC)
+          panel_block<1, NP1>(x, k, w + p * PANEL * k, y + p * PANEL, outs, k0, std::min(k, k0 + KC), none);
+    else
+      for (; p + NPB <= hi; p += NPB) {
+        const int64_t lines = p + 2 * NPB <= hi ? NPB * PANEL * k * static_cast<int64_t>(sizeof(W)) / 64 : 0;
+        rows_against_panels<NPB>(x, w + p * PANEL * k, y + p * PANEL, rows, outs, k, w + (p + NPB) * PANEL * k, lines);
+      }
+    for (; p < hi; ++p) rows_against_panels<1>(x, w + p * PANEL * k, y + p * PANEL, rows, outs, k, w, 0);
+  });
+  const W* wr = w + panels * PANEL * k;  // the last outputs, [k][rest]: the same chain a lane runs, in scalars
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < rest; ++o) {
+      float sum = 0.0f;
+      for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        float acc = 0.0f;
+        for (int64_t i = k0; i < std::min(k, k0 + KC); ++i) acc = __builtin_fmaf(x[r * k + i], to_float(wr[i * rest + o]), acc);
+        sum = k0 ? sum + acc : acc;
+      }
+      y[r * outs + panels * PANEL + o] = sum;
+    }
+}
+
+// ---- attention ------------------------------------------------------------------------------------------------
+// One query row sees the cache slots 0..start-1, then the slots of its own path (its ancestors' and its own, in
+// depth order): the keys plain decoding would see at that row's position, in the same order. Its scores, softmax
+// and value sum are computed over that sequence alone, in a fixed order, and a key's value is added by the same
+// fused multiply-add whether it is a committed slot or on the path, so a row of a chain or tree verify equals the
+// one-token step at its position bit for bit, and only the slots in use are read.
+#if defined(__AVX512F__)
+constexpr int64_t VW = 16;
+typedef f32x16 fvec;
+typedef i32x16 ivec;
+typedef u32x16 uvec;
+#else
+constexpr int64_t VW = 8;
+typedef f32x8 fvec;
+typedef i32x8 ivec;
+typedef u32x8 uvec;
+#endif
+
+// e^x, x <= 0 (a score minus the row's maximum): 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (in two
+// parts) and p the degree-6 Taylor polynomial in Horner form (relative error ~2e-7); every step named, so every
+// lane and level computes the same
+inline fvec expv(fvec x) {
+  const fvec zero = {};
+  const ivec lo = x < -87.0f;  // all ones where e^x is below float32's normal range
+  x = lo ? zero - 87.0f : x;
+  const fvec n = fma(x, splat<fvec>(1.44269504f), splat<fvec>(12582912.0f)) - 12582912.0f;  // round to nearest
+  fvec r = fma(-n, splat<fvec>(0.693145752f), x);
+  r = fma(-n, splat<fvec>(1.42860677e-6f), r);
+  fvec p = splat<fvec>(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = fma(p, r, splat<fvec>(c));
+  const uvec bits = __builtin_convertvector(__builtin_convertvector(n, ivec) + 127, uvec) << 23;
+  return lo ? zero : p * std::bit_cast<fvec>(bits);
+}
+
+// 16 lanes (held as 16 / VW vectors) halved four times, as finish() halves a dot
+inline float sum16(const fvec (&t)[16 / VW]) {
+#if defined(__AVX512F__)
+  return halve(t[0]);
+#else
+  return halve8(t[0] + t[1]);
+#endif
+}
+
+// VW keys' lane sums (a key's combined chains: dot() before its halvings) -> their VW scores, each halved as
+// finish() halves one sum. With intrinsics the halvings of all the keys are done together, a shuffle and an add each
+#if defined(__AVX512F__)
+inline fvec halve_keys(const fvec (&sum)[VW]) {  // the lanes of two keys in one register, then four, eight, sixteen
+  __m512 v[16], u[8], w[4], x[2];
+  for (int t = 0; t < 16; ++t) v[t] = reinterpret_cast<__m512>(sum[t]);
+  for (int p = 0; p < 8; ++p)  // lanes i + (i + 8): key 2p's eight in the low half, 2p + 1's in the high
+    u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+  for (int p = 0; p < 4; ++p)  // lanes i + (i + 4): keys 4p .. 4p + 3, four lanes each
+    w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], 0xDD));
+  for (int p = 0; p < 2; ++p)  // lanes 0 + 2 and 1 + 3 of each key
+    x[p] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * p], w[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * p], w[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4m + l holds key 4l + m
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return reinterpret_cast<f32x16>(_mm512_permutexvar_ps(order, sums));
+}
+#elif defined(__AVX2__)
+inline fvec halve_keys(const fvec (&sum)[VW]) {  // the lanes of two keys in one register, then four, eight
+  __m256 v[8], u[4], x[2];
+  for (int t = 0; t < 8; ++t) v[t] = reinterpret_cast<__m256>(sum[t]);
+  for (int p = 0; p < 4; ++p)  // lanes i + (i + 4): key 2p's four in the low half, 2p + 1's in the high
+    u[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+  for (int p = 0; p < 2; ++p)  // lanes 0 + 2 and 1 + 3 of each key
+    x[p] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4m + l holds key 2l + m
+  return reinterpret_cast<f32x8>(_mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#else
+inline fvec halve_keys(const fvec (&sum)[VW]) {  // the portable path: each key halved on its own, the same tree
+  fvec out;
+  for (int t = 0; t < VW; ++t) out[t] = halve(sum[t]);
+  return out;
+}
+#endif
+
+// VW keys' scores at once, each the sum dot() computes, bit for bit. head_dim a multiple of 64 (no tail)
+inline fvec dots(const float* q, const float* const (&key)[VW], int64_t hd) {
+  fvec sum[VW];
+  for (int t = 0; t < VW; ++t) {
+    lvec acc[CHAINS] = {};
+    chains(q, key[t], hd, acc);
+    sum[t] = combine(acc);
+  }
+  return halve_keys(sum);
+}
+
+// o_q = fma(s_q[j], v[j], o_q) for j in [from, to), in that order, for Q queries at once: their CH vectors each held
+// in registers, each V vector loaded once for all Q
+template <int Q, int CH>
+inline void value_sums_of(const float* const* s, const float* v, int64_t hd, int64_t from, int64_t to,
+                          float* const* o) {
+  fvec acc[Q][CH];
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < CH; ++c) acc[q][c] = load<fvec>(o[q] + VW * c);
+  for (int64_t j = from; j < to; ++j)
+    for (int c = 0; c < CH; ++c) {
+      const fvec vj = load<fvec>(v + j * hd + VW * c);
+      for (int q = 0; q < Q; ++q) acc[q][c] = fma(splat<fvec>(s[q][j]), vj, acc[q][c]);
+    }
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < CH; ++c) std::memcpy(o[q] + VW * c, &acc[q][c], sizeof acc[q][c]);
+}
+
+// The value sums of n queries over keys [from, to): two at a time where two queries' sums fit in the registers
+template <int CH>
+inline void value_sums_by(const float* const* s, const float* v, int64_t hd, int64_t from, int64_t to,
+                          float* const* o, int64_t n) {
+  int64_t i = 0;
+  if constexpr (4 * CH <= (VW == 16 ? 32 : 16))  // two queries' sums in half the registers (32 on AVX-512, 16 on AVX2)
+    for (; i + 2 <= n; i += 2) value_sums_of<2, CH>(s + i, v, hd, from, to, o + i);
+  for (; i < n; ++i) value_sums_of<1, CH>(s + i, v, hd, from, to, o + i);
+}
+
+inline void value_sums(const float* const* s, const float* v, int64_t hd, int64_t from, int64_t to,
+                       float* const* o, int64_t n) {
+  switch (hd / VW) {  // head_dim is a multiple of 16 up to 128
+    case 1: return value_sums_by<1>(s, v, hd, from, to, o, n);
+    case 2: return value_sums_by<2>(s, v, hd, from, to, o, n);
+    case 3: return value_sums_by<3>(s, v, hd, from, to, o, n);
+    case 4: return value_sums_by<4>(s, v, hd, from, to, o, n);
+    case 5: return value_sums_by<5>(s, v, hd, from, to, o, n);
+    case 6: return value_sums_by<6>(s, v, hd, from, to, o, n);
+    case 7: return value_sums_by<7>(s, v, hd, from, to, o, n);
+    case 8: return value_sums_by<8>(s, v, hd, from, to, o, n);
+    case 10: return value_sums_by<10>(s, v, hd, from, to, o, n);
+    case 12: return value_sums_by<12>(s, v, hd, from, to, o, n);
+    case 14: return value_sums_by<14>(s, v, hd, from, to, o, n);
+    case 16: return value_sums_by<16>(s, v, hd, from, to, o, n);
+  }
+}
+
+constexpr int64_t TASK = 8;  // the most queries a task of attend holds
+
+// One query of attend: its head's row, the cache slots of its own path after the committed ones, and its output
+struct Query {
+  const float* q;
+  const int64_t* own;
+  int64_t depth;
+  float* out;
+};
+
+// A task's queries, all of one KV head (its group's query heads x rows). Each query's scores, softmax and value sum
+// are the one-row computation (the same sums in the same order: keys in sequence order, the committed slots, then
+// its path), but the committed keys run outer in blocks of 16 with every query inside, so each block of K and V
+// comes from L2 once per task while every query reads it from L1.
+inline void attend_queries(const Query* qs, int64_t nq, const float* k, const float* v, int64_t hd, int64_t first,
+                           std::vector<float>& buf) {
+  int64_t most = 0;
+  for (int64_t i = 0; i < nq; ++i) most = std::max(most, qs[i].depth);
+  const int64_t padded = (first + most + 15) / 16 * 16, chunks = hd / VW;
+  buf.resize(nq * (padded + hd + 1));
+  float *scores = buf.data(), *sums = scores + nq * padded, *norms = sums + nq * hd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  int64_t j = 0;
+  if (hd % LANES == 0)
+    for (; j + VW <= first; j += VW) {
+      const float* key[VW];
+      for (int t = 0; t < VW; ++t) key[t] = k + (j + t) * hd;
+      for (int64_t i = 0; i < nq; ++i) {
+        const fvec d = dots(qs[i].q, key, hd) * scale;
+        std::memcpy(scores + i * padded + j, &d, sizeof d);
+      }
+    }
+  for (int64_t i = 0; i < nq; ++i) {  // the rest of each query's scores, then its softmax
+    const Query& Q = qs[i];
+    float* s = scores + i * padded;
+    const int64_t seen = first + Q.depth, end = (seen + 15) / 16 * 16;
+    for (int64_t jj = j; jj < seen; ++jj) s[jj] = dot(Q.q, k + (jj < first ? jj : Q.own[jj - first]) * hd, hd) * scale;
+    fvec tops = splat<fvec>(-INFINITY);  // the largest score (any order finds it): lane-wise, then across the lanes
+    for (int64_t jj = 0; jj + VW <= seen; jj += VW) {
+      const fvec x = load<fvec>(s + jj);
+      tops = x > tops ? x : tops;
+    }
+    float top = -INFINITY;
+    for (int l = 0; l < VW; ++l) top = std::max(top, tops[l]);
+    for (int64_t jj = seen / VW * VW; jj < seen; ++jj) top = std::max(top, s[jj]);
+    fvec total[16 / VW] = {};  // lane l sums the exponentials of positions 16i + l
+    for (int64_t jj = 0; jj < end; jj += VW) {
+      fvec e = expv(load<fvec>(s + jj) - top);
+      for (int64_t t = std::max<int64_t>(0, seen - jj); t < VW; ++t) e[t] = 0.0f;  // past the sequence
+      std::memcpy(s + jj, &e, sizeof e);
+      total[(jj / VW) % (16 / VW)] += e;
+    }
+    norms[i] = sum16(total);
+    std::fill(sums + i * hd, sums + (i + 1) * hd, 0.0f);
+  }
+  const float* rows_s[TASK];
+  float* rows_o[TASK];
+  for (int64_t i = 0; i < nq; ++i) rows_s[i] = scores + i * padded, rows_o[i] = sums + i * hd;
+  for (int64_t jb = 0; jb < first; jb += 16) {  // the committed values, 16 at a time for every query
+    const int64_t je = std::min(first, jb + 16);
+    value_sums(rows_s, v, hd, jb, je, rows_o, nq);
+  }
+  for (int64_t i = 0; i < nq; ++i) {  // each query's own path (the same fused multiply-add), then the division
+    const Query& Q = qs[i];
+    const float* s = scores + i * padded;
+    for (int64_t c = 0; c < chunks; ++c) {
+      fvec acc = load<fvec>(sums + i * hd + VW * c);
+      for (int64_t d = 0; d < Q.depth; ++d) acc = fma(splat<fvec>(s[first + d]), load<fvec>(v + Q.own[d] * hd + VW * c), acc);
+      acc = acc / norms[i];
+      std::memcpy(Q.out + VW * c, &acc, sizeof acc);
+    }
+  }
+}
+
+// q [heads, n, hd], k and v one cache [kv_heads, slots, hd] (float32), `first`: the committed slots every row sees,
+// path [n, width]: each row's own slots after them, -1 past its depth -> out [heads, n, hd]. Inputs checked by the
+// caller (native.cpp).
+inline void attend(const float* q, const float* k, const float* v, float* out, int64_t heads, int64_t n, int64_t hd,
+                   int64_t kvh, int64_t slots, int64_t first, const int64_t* path, int64_t width) {
+  const int64_t group = heads / kvh, per_head = group * n;
+  std::vector<Query> queries;  // by KV head: its group's query heads, each head's rows
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t* own = path + r * width;
+      int64_t depth = 0;
+      while (depth < width && own[depth] >= 0) ++depth;
+      queries.push_back({q + (h * n + r) * hd, own, depth, out + (h * n + r) * hd});
+    }
+  // tasks of up to 8 queries of one KV head, at least two a thread where there are enough queries
+  const int64_t size = std::clamp<int64_t>(heads * n / (2 * DFLASHKIT_THREADS()), 1, TASK);
+  const int64_t per_kv = (per_head + size - 1) / size;
+  DFLASHKIT_PARALLEL_FOR(0, kvh * per_kv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf;
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t g = task / per_kv, from = (task % per_kv) * size, to = std::min(per_head, from + size);
+      const int64_t off = g * slots * hd;
+      attend_queries(queries.data() + g * per_head + from, to - from, k + off, v + off, hd, first, buf);
+    }
+  });
+}
+
+}  // namespace dflashkit_kernels

@@ -1,0 +1,108 @@
+// The kernels of dflashkit/decode/kernels.h alone, without torch, on fixed inputs: built by tests/test_levels.py
+// for every ISA level this machine runs, with Zen's tuning planted, and for aarch64 (run under qemu-user), so the
+// builds' bits can be compared where the CPUs they stand for are absent.
+// Writes every output's float32 bits to argv[1]; prints one line per exactness check: "NAME equal" or "NAME differs".
+#include <cstdio>
+#include <vector>
+
+#include "kernels.h"
+
+namespace K = dflashkit_kernels;
+
+static uint64_t state = 88172645463325252ull;
+
+static float uniform() {  // xorshift64: the same numbers on every machine
+  state ^= state << 13;
+  state ^= state >> 7;
+  state ^= state << 17;
+  return static_cast<float>(static_cast<int64_t>(state >> 40) - (1 << 23)) / (1 << 23);
+}
+
+static std::vector<float> randoms(size_t n) {
+  std::vector<float> v(n);
+  for (auto& x : v) x = uniform();
+  return v;
+}
+
+// w [outs, k] in panel order (static.panel_order): each 16 outputs as [k][16], the rest as [k][rest]
+template <typename W>
+static std::vector<W> panels(const std::vector<float>& w, int64_t outs, int64_t k, W (*cast)(float)) {
+  std::vector<W> out;
+  const int64_t full = outs / 16 * 16;
+  for (int64_t p = 0; p < full; p += 16)
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t o = p; o < p + 16; ++o) out.push_back(cast(w[o * k + i]));
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t o = full; o < outs; ++o) out.push_back(cast(w[o * k + i]));
+  return out;
+}
+
+static float as_float(float x) { return x; }
+static K::bf16 as_bf16(float x) { return K::bf16{static_cast<uint16_t>(std::bit_cast<uint32_t>(x) >> 16)}; }
+
+static std::vector<float> all;
+static int differ = 0;
+
+static void keep(const std::vector<float>& v) { all.insert(all.end(), v.begin(), v.end()); }
+
+static void check(const char* name, const float* a, const float* b, int64_t n) {
+  const bool same = std::memcmp(a, b, n * sizeof(float)) == 0;
+  differ += !same;
+  std::printf("%s %s\n", name, same ? "equal" : "differs");
+}
+
+template <typename W>
+static void linears(W (*cast)(float), const char* name) {
+  for (auto [k, outs] : {std::pair<int64_t, int64_t>{40, 37}, {200, 48}, {576, 200}}) {
+    const int64_t rows = 7;
+    const auto x = randoms(rows * k), w = panels(randoms(outs * k), outs, k, cast);
+    std::vector<float> y(rows * outs), one(outs);
+    K::linear(x.data(), w.data(), y.data(), rows, outs, k);
+    keep(y);
+    for (int64_t r = 0; r < rows; ++r) {  // a row of a call with many is that row alone
+      K::linear(x.data() + r * k, w.data(), one.data(), 1, outs, k);
+      char label[64];
+      std::snprintf(label, sizeof label, "linear-%s-%lld-row%lld", name, static_cast<long long>(k), static_cast<long long>(r));
+      check(label, one.data(), y.data() + r * outs, outs);
+    }
+  }
+}
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s OUT\n", argv[0]);
+    return 2;
+  }
+  linears(as_float, "f32");
+  linears(as_bf16, "bf16");
+  // attention: a verify of a 4-token chain at slots 20..23 against one-token steps at each position, where the
+  // chain's earlier keys are committed slots; 6 query heads over 2 KV heads, head_dim 64 (batched scores) and 48
+  for (int64_t hd : {64, 48}) {
+    const int64_t heads = 6, kvh = 2, slots = 40, first = 20, n = 4;
+    const auto q = randoms(heads * n * hd), k = randoms(kvh * slots * hd), v = randoms(kvh * slots * hd);
+    std::vector<int64_t> path(n * n, -1);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t d = 0; d <= r; ++d) path[r * n + d] = first + d;
+    std::vector<float> verify(heads * n * hd);
+    K::attend(q.data(), k.data(), v.data(), verify.data(), heads, n, hd, kvh, slots, first, path.data(), n);
+    keep(verify);
+    for (int64_t r = 0; r < n; ++r) {
+      std::vector<float> qr(heads * hd), step(heads * hd);
+      for (int64_t h = 0; h < heads; ++h) std::memcpy(&qr[h * hd], &q[(h * n + r) * hd], hd * sizeof(float));
+      const int64_t own = first + r;
+      K::attend(qr.data(), k.data(), v.data(), step.data(), heads, 1, hd, kvh, slots, first + r, &own, 1);
+      for (int64_t h = 0; h < heads; ++h) {
+        char label[64];
+        std::snprintf(label, sizeof label, "attend-%lld-row%lld-head%lld", static_cast<long long>(hd),
+                      static_cast<long long>(r), static_cast<long long>(h));
+        check(label, &step[h * hd], &verify[(h * n + r) * hd], hd);
+      }
+    }
+  }
+  FILE* f = std::fopen(argv[1], "wb");
+  if (!f || std::fwrite(all.data(), sizeof(float), all.size(), f) != all.size() || std::fclose(f) != 0) {
+    std::fprintf(stderr, "cannot write %s\n", argv[1]);
+    return 2;
+  }
+  return differ ? 1 : 0;
+}
