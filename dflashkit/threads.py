@@ -73,7 +73,11 @@ def load_warning(threads: int, sample_s: float = 0.2) -> str | None:
     if busy == 0 or threads + busy <= cores:
         return None
     return (f"threads: {threads}, while other work keeps {busy} of {cores} CPUs busy: each side may run many times "
-            f"slower; --threads {max(1, cores - busy)} shares them (the default is the physical cores, {threads})")
+            f"slower; --threads {max(1, cores - busy)} shares them (the default is the physical cores, "
+            f"{default_threads()})")
+
+
+MOST = 4  # threads per usable CPU: more only oversubscribe (4096 ran at 0.4 tok/s; 100000 could not start)
 
 
 def add_threads_option(parser) -> None:
@@ -94,6 +98,9 @@ def apply_threads(args_or_n=None) -> int:
         n = default_threads() if under_torchrun() else min(default_threads(), torch.get_num_threads())
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise DFlashError(f"--threads {n!r}: use a positive number of threads")
+    if n > MOST * len(_usable_cpus()):
+        raise DFlashError(f"--threads {n}: this process may use {len(_usable_cpus())} CPUs; use at most "
+                          f"{MOST * len(_usable_cpus())} (the default is the physical cores, {default_threads()})")
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

@@ -87,7 +87,7 @@ def test_export_errors_name_the_fix(setup, tmp_path, monkeypatch):
     with pytest.raises(DFlashError, match=r"name it \*\.gguf"):
         export_drafter(root / "mapped", tmp_path / "d", fmt="gguf")
     monkeypatch.setenv("DFLASHKIT_ENGINES", str(tmp_path / "no-engines"))
-    with pytest.raises(DFlashError, match="dflashkit engines install llama.cpp"):
+    with pytest.raises(DFlashError, match=r"dflashkit (--isa \S+ )?engines install llama.cpp"):
         export_drafter(root / "mapped", tmp_path / "d.gguf", fmt="gguf")
     export_drafter(root / "mapped", tmp_path / "z", dtype="float32")
     with pytest.raises(DFlashError, match="records no target.*pass --target"):  # a z-lab folder names no target

@@ -248,8 +248,11 @@ def test_default_threads(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(threads, "busy_cores", lambda s: 2)
     assert threads.default_threads() == 8  # predictable: the load moves a warning, never the number
+    monkeypatch.setattr(threads, "physical_cores", lambda: 4)
     warning = threads.load_warning(8)
     assert "2 of 8 CPUs busy" in warning and "--threads 6" in warning
+    assert warning.endswith("(the default is the physical cores, 4)")  # the real default, not the count asked
+    monkeypatch.setattr(threads, "physical_cores", lambda: 8)
     assert threads.load_warning(6) is None
     monkeypatch.setattr(threads, "busy_cores", lambda s: 0)
     assert threads.load_warning(8) is None
@@ -295,6 +298,21 @@ def test_threads_option_is_applied_and_restored(monkeypatch):
         threads.apply_threads(0)
 
 
+def test_threads_beyond_what_the_cpus_can_run_are_refused_in_one_line(monkeypatch, capsys):
+    """Issue 72: --threads 100000 ended in "can't start new thread" and a segfault; 4096 ran at 0.4 tok/s."""
+    from dflashkit import threads
+
+    monkeypatch.setattr(threads, "_usable_cpus", lambda: [0, 1])
+    monkeypatch.setattr(threads, "physical_cores", lambda: 2)
+    before = torch.get_num_threads()
+    assert threads.apply_threads(8) == 8
+    torch.set_num_threads(before)
+    assert main(["target", "info", "x", "--threads", "100000"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --threads 100000: this process may use 2 CPUs; use at most 8 (the default is the physical cores, 2)"]
+    assert torch.get_num_threads() == before
+
+
 # ---- 6. test hygiene ----------------------------------------------------------------------------------------
 
 def _marks(fn: ast.FunctionDef) -> set[str]:
@@ -329,6 +347,10 @@ def test_make_test_fast_skips_the_slow_tests():
     assert '-m "not slow' in fast
     full = make[make.index("\ntest:"):].split("\n\n")[0]
     assert "not slow" not in full
+    # the inductor-compiling tests run apart from `make test`, and CI runs them
+    assert "not compiled" in full and '-m "compiled' in make[make.index("\ntest-compiled:"):].split("\n\n")[0]
+    ci = (TESTS.parent / ".ci" / "run").read_text().splitlines()
+    assert ci.index("make test") < ci.index("make test-compiled")
 
 
 # ---- 7. user-facing text ------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,6 +21,8 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import sha256_json
 from dflashkit import levels
 
+BACKENDS = ("hf", "static")  # what a probe may answer
+
 
 def static_refusal(target) -> str | None:
     """Why the static backend cannot run `target` (its message names the config field), or None."""
@@ -26,6 +30,8 @@ def static_refusal(target) -> str | None:
 
     if target.device.type != "cpu":
         return f"target {target.name} is on {target.device}: the static backend's trees run on CPU kernels"
+    if shutil.which("c++") is None:
+        return "no C++ compiler (c++) here to build the static backend's kernels: install g++, or use --engine hf"
     try:
         geometry_of(target)
     except DFlashError as e:
@@ -84,6 +90,26 @@ def probe_path(target):
     return home() / "engine-probe" / f"{sha256_json(record)[:16]}.json", record
 
 
+def cached_probe(path: Path, log=None) -> dict | None:
+    """A probe's cached answer, or None (then timed again) where the file is missing or damaged, with one line
+    naming the file: garbage, a missing field or a backend that does not exist would otherwise end every --engine
+    auto run with a traceback, or with an error about a flag the user never passed."""
+    if not path.is_file():
+        return None
+    try:
+        found = json.loads(path.read_text())
+        bad = next((k for k in ("plain", "speculative") if not isinstance(found, dict) or found.get(k) not in BACKENDS),
+                   None)
+        if bad is None and not isinstance(found.get("cpu"), str):
+            bad = "cpu"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        bad = f"unreadable: {e}"
+    if bad is None:
+        return found
+    _say(log, f"engine auto: {path} is damaged (field {bad!r}); timing the backends again")
+    return None
+
+
 def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     """Time both backends on this machine (cached under $DFLASHKIT_HOME/engine-probe): the one-token step (what
     plain decoding runs) and one-token + 8-node verify (what a speculative round spends on the target)."""
@@ -93,10 +119,10 @@ def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     from dflashkit.targets.invariant import kernels_for
 
     path, record = probe_path(target)
-    if path.is_file():
-        found = json.loads(path.read_text())
+    if found := cached_probe(path, log):
+        when = f" at {found['measured_at']}" if "measured_at" in found else ""
         _say(log, f"engine auto: plain on {found['plain']}, speculative on {found['speculative']} (measured on "
-                  f"{found['cpu']}; {path})")
+                  f"{found['cpu']}{when}; {path}; remove it to measure again)")
         return found
     _say(log, "engine auto: timing the hf and static backends on this machine (once; cached)")
     t0 = time.perf_counter()
@@ -106,8 +132,11 @@ def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     hf, static = {"1": curve(1), "8": curve(8)}, {"1": d.step_s[1], "8": d.step_s[8]}
     pick = lambda k: "static" if sum(static[x] for x in k) < sum(hf[x] for x in k) else "hf"
     found = {**record, "hf_s": hf, "static_s": static, "plain": pick(("1",)), "speculative": pick(("1", "8")),
-             "probe_s": round(time.perf_counter() - t0, 1)}
-    write_json(path, found)
+             "probe_s": round(time.perf_counter() - t0, 1), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        write_json(path, found)
+    except OSError as e:  # the answer is good for this run: say so and go on
+        _say(log, f"engine auto: could not cache the answer in {path} ({e.strerror or e}); the next run times again")
     _say(log, f"engine auto: plain on {found['plain']} (one token: hf {1e3 * hf['1']:.1f} ms, static "
               f"{1e3 * static['1']:.1f}), speculative on {found['speculative']} (8-node verify: hf "
               f"{1e3 * hf['8']:.1f} ms, static {1e3 * static['8']:.1f})")

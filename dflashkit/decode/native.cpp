@@ -3,9 +3,6 @@
 // namespace of its own (DFLASHKIT_OPS, e.g. dflashkit_v3), so one process can load and compare several levels.
 // Built with -ffp-contract=off: every fused multiply-add the bits rest on is written by name (kernels.h).
 #include <torch/library.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #define DFLASHKIT_PARALLEL_FOR(begin, end, grain, ...) at::parallel_for(begin, end, grain, __VA_ARGS__)
@@ -34,7 +31,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   const int64_t k = w.size(1), outs = w.size(0), rows = xc.numel() / k;
   auto sizes = x.sizes().vec();
   sizes.back() = outs;
-  auto y = at::empty(sizes, x.options());
+  auto y = xc.new_empty(sizes);  // (new_empty: at::empty's header alone cost 4 s of every build)
   if (w.scalar_type() == at::kBFloat16)
     K::linear(xc.data_ptr<float>(), reinterpret_cast<const K::bf16*>(w.data_ptr<c10::BFloat16>()),
               y.data_ptr<float>(), rows, outs, k);
@@ -66,7 +63,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     TORCH_CHECK(pp[i] < slots && (pp[i] >= 0 || i % width > 0), "dflashkit::attend: path slot ", pp[i],
                 " outside the cache's ", slots);
   TORCH_CHECK(0 <= first && first <= slots, "dflashkit::attend: start ", first, " outside the cache");
-  auto out = at::empty_like(qc);
+  auto out = qc.new_empty(qc.sizes());
   K::attend(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(), heads, n, hd, kvh,
             slots, first, pp, width);
   return out;
@@ -176,7 +173,7 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& w) {
   const uint16_t* pd = parts.data();  // the lambda's threads would each see their own thread_local
   auto sizes = x.sizes().vec();
   sizes.back() = outs;
-  auto y = at::empty(sizes, x.options());
+  auto y = xc.new_empty(sizes);
   const auto* wd = w.data_ptr<c10::BFloat16>();
   float* yd = y.data_ptr<float>();
   at::parallel_for(0, outs / 16, 8, [&](int64_t lo, int64_t hi) {
