@@ -625,15 +625,18 @@ def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Pro
                            (n or 10) if kind == "prompt-lookup" else None, stop_ids)
     if needs_drafter(method) and proposer is None:
         raise ValueError(f"method {method!r} needs a drafter")
+    name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
+    if engine == "static" and kind not in ("ar", "chain") and n != "auto":  # refused before the decoder compiles
+        from dflashkit.decode.static import TREE_WIDTHS
+
+        if (most := tree_drafts(method, proposer, budget, None, ngram).most_nodes()) > TREE_WIDTHS[-1]:
+            raise DFlashError(f"method {name}: its trees reach {most} nodes, past the static backend's widest verify "
+                              f"({TREE_WIDTHS[-1]}); use a smaller budget, its -auto variant or --engine hf")
     backend = open_backend(engine, target, method, state, len(prompt_ids) + max_new_tokens,
                            proposer if kind != "ar" or engine == "static" else None, cost, log)
     if kind == "ar":
         return generate_ar(backend, prompt_ids, max_new_tokens, sampling, generator, stop_ids)
     if kind == "chain":
         return generate_chain(backend, proposer, prompt_ids, max_new_tokens, sampling, generator, stop_ids)
-    name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
     drafts = tree_drafts(method, proposer, budget, backend.cost, ngram)
-    if backend.widest is not None and n != "auto" and drafts.most_nodes() > backend.widest:
-        raise DFlashError(f"method {name}: its trees reach {drafts.most_nodes()} nodes, past the static backend's "
-                          f"widest verify ({backend.widest}); use a smaller budget, its -auto variant or --engine hf")
     return generate_tree(backend, drafts, prompt_ids, max_new_tokens, sampling, generator, stop_ids, method=name)
