@@ -115,7 +115,7 @@ def setup(tiny_targets):
 def test_bench_with_engine_peers_states_speedups_against_the_fastest_plain(setup, monkeypatch):
     t, d, prompts = setup
     stand_in(monkeypatch)
-    res = run_bench(t, d, prompts, parse_methods("llama.cpp-dflash"), max_new_tokens=10, progress=False, warmup=False)
+    res = run_bench(t, d, prompts, parse_methods("llama.cpp-dflash"), max_new_tokens=10, progress=False, warmup=False, predict=False)
     s = res["methods"]
     assert res["mismatches"] == [] and s["llama.cpp"]["ar_parting"] == {"equal": 2, "prompts": 2, "parts_at": {}}
     assert s["llama.cpp-dflash"]["predicted_tau"] == pytest.approx(s["llama.cpp-dflash"]["tau"])
@@ -134,7 +134,7 @@ def test_bench_with_engine_peers_states_speedups_against_the_fastest_plain(setup
 def test_bench_fails_an_engine_that_is_not_lossless_or_accepts_other_than_predicted(setup, monkeypatch):
     t, d, prompts = setup
     stand_in(monkeypatch, off=0.5, corrupt=True)
-    res = run_bench(t, d, prompts, parse_methods("vllm-dflash"), max_new_tokens=10, progress=False, warmup=False)
+    res = run_bench(t, d, prompts, parse_methods("vllm-dflash"), max_new_tokens=10, progress=False, warmup=False, predict=False)
     assert [(x["method"], x["against"]) for x in res["mismatches"]] == [("vllm-dflash", "vllm")] * 2
     assert [c["ok"] for c in res["tau_checks"]] == [False]
     md = bench_markdown(res)
@@ -151,7 +151,7 @@ def test_in_bf16_an_engines_own_parting_is_reported_not_failed(tiny_dirs, monkey
     d = new_drafter(t, num_layers=1, target_layer_ids=[1, 3], block_size=4).eval()
     prompts = [(x, t.chat_ids([{"role": "user", "content": x}])) for x in TEXTS]
     stand_in(monkeypatch, corrupt=True)
-    res = run_bench(t, d, prompts, parse_methods("llama.cpp-dflash"), max_new_tokens=8, progress=False, warmup=False)
+    res = run_bench(t, d, prompts, parse_methods("llama.cpp-dflash"), max_new_tokens=8, progress=False, warmup=False, predict=False)
     assert res["mismatches"] == [] and len(res["engine_divergences"]) == 2
     md = bench_markdown(res)
     assert "reported, not failed" in md and "0/2 (first parting 7)" in md

@@ -135,7 +135,7 @@ def test_bench_runs_every_turn_and_reports_per_category(tiny_targets, tmp_path):
     target = tiny_targets["llama"]
     suite = select_prompts(str(standard_set("spec-bench/question.jsonl")), per_category=1)
     prompts = [(it.id, it) for it in suite.items]
-    res = run_bench(target, None, prompts, ["ar", "ngram"], max_new_tokens=5, progress=False, warmup=False)
+    res = run_bench(target, None, prompts, ["ar", "ngram"], max_new_tokens=5, progress=False, warmup=False, predict=False)
     assert res["mismatches"] == [] and set(res["categories"]) == set(suite.categories())
     for r in res["runs"]:
         item = next(it for it in suite.items if it.id == r["prompt"])
@@ -153,7 +153,7 @@ def test_cli_bench_on_spec_bench_deepspec_and_sharegpt(tiny_dirs, tmp_path, caps
     from dflashkit.cli import main
 
     share = _write(tmp_path / "share.jsonl", SHAREGPT)
-    base = ["bench", "--target", str(tiny_dirs["llama"]), "--methods", "ar,ngram", "--max-new-tokens", "3",
+    base = ["bench", "--no-predict", "--target", str(tiny_dirs["llama"]), "--methods", "ar,ngram", "--max-new-tokens", "3",
             "--per-category", "1"]
     for path in (standard_set("spec-bench/question.jsonl"), standard_set("deepspec/mt-bench.jsonl"), share):
         out = tmp_path / path.stem
@@ -162,10 +162,13 @@ def test_cli_bench_on_spec_bench_deepspec_and_sharegpt(tiny_dirs, tmp_path, caps
         res = json.loads((out / "results.json").read_text())
         cats = load_prompts(path).categories()
         assert list(res["categories"]) == cats and "## Per category" in printed
+        assert res["cost_models"] == {}  # --no-predict: no engine samples, no cost models
         assert all(len(ids) <= 1 for ids in [[p for p in res["config"]["prompts"]
                                               if res["config"]["categories"][p] == c] for c in cats])
     assert main(base[:-2] + ["--per-category", "0", "--prompts", str(share)]) == 2
     assert "--per-category 0" in capsys.readouterr().err
+    assert main(base + ["--prompts", str(share), "--offline", str(tmp_path)]) == 2
+    assert "--offline and --no-predict" in capsys.readouterr().err
     assert main(["generate", "--target", str(tiny_dirs["llama"]), "--prompts", str(share), "--method", "ngram",
                  "--max-new-tokens", "3", "--json"]) == 0
     recs = json.loads(capsys.readouterr().out)

@@ -288,7 +288,7 @@ def test_bench_runs_plain_decoding_on_both_engines(tiny_targets, monkeypatch):
     t = tiny_targets["llama"]
     eager_decoders(monkeypatch)
     ids = [("a", prompt(t)), ("b", prompt(t)[:-3])]
-    res = bench.run_bench(t, None, ids, ["ar"], max_new_tokens=10, progress=False, warmup=False, engine="static")
+    res = bench.run_bench(t, None, ids, ["ar"], max_new_tokens=10, progress=False, warmup=False, predict=False, engine="static")
     assert list(res["methods"]) == ["ar", "ar@hf"]
     assert res["config"]["backends"] == {"ar": "static", "ar@hf": "hf"}
     s = res["methods"]["ar"]
@@ -296,7 +296,7 @@ def test_bench_runs_plain_decoding_on_both_engines(tiny_targets, monkeypatch):
     assert s["ar_parting"] == {"equal": 2, "prompts": 2, "parts_at": {}, "against": "ar@hf"}
     assert res["mismatches"] == [] and {r["backend"] for r in res["runs"]} == {"static", "hf"}
     # a second suite of the run (the demo's held-out one) can leave the reference rows out
-    res = bench.run_bench(t, None, ids, ["ar", "ngram"], max_new_tokens=10, progress=False, warmup=False,
+    res = bench.run_bench(t, None, ids, ["ar", "ngram"], max_new_tokens=10, progress=False, warmup=False, predict=False,
                           engine="static", references=False)
     assert res["config"]["backends"] == {"ar": "static", "ngram": "static"} and res["mismatches"] == []
 
@@ -372,7 +372,7 @@ def test_bench_holds_each_static_row_to_plain_decoding_on_its_own_engine(tiny_ta
         drafter = new_drafter(t, num_layers=1, block_size=4, target_layer_ids=[1, 2]).eval()
     eager_decoders(monkeypatch)
     methods = bench.parse_methods("ar,chain,hybrid-auto")
-    res = bench.run_bench(t, drafter, [("a", prompt(t))], methods, max_new_tokens=10, progress=False, warmup=False,
+    res = bench.run_bench(t, drafter, [("a", prompt(t))], methods, max_new_tokens=10, progress=False, warmup=False, predict=False,
                           engine="hf,static")
     assert res["config"]["backends"] == {"ar": "hf", "ar@static": "static", "chain": "hf", "chain@static": "static",
                                         "hybrid-auto": "hf", "hybrid-auto@static": "static"}
@@ -501,7 +501,7 @@ def test_a_wrong_static_step_fails_a_bf16_bench_with_the_position_named(tiny_dir
         return state["static"]
 
     monkeypatch.setattr(static, "decoder_for", built)
-    res = bench.run_bench(t, None, [("a", prompt(t))], ["ar"], max_new_tokens=12, progress=False, warmup=False,
+    res = bench.run_bench(t, None, [("a", prompt(t))], ["ar"], max_new_tokens=12, progress=False, warmup=False, predict=False,
                           engine="static")
     step = [x for x in res["mismatches"] if "logit_gap" in x]
     if not planted:

@@ -40,6 +40,8 @@ def register(sub) -> None:
     b.add_argument("--offline", metavar="[ENGINE=]RUN", action="append", help="an eval run of the drafter (best --anchors "
                    "walk on these prompts): bench predicts tokens/s from it too; ENGINE=RUN for that engine's rows alone "
                    "(an eval on its own answers: `data generate --engine`, docs/decoding.md); repeatable")
+    b.add_argument("--no-predict", action="store_true", help="measure only: no predicted column, so no engine "
+                   "samples between runs nor cost models (a few seconds a run on a CPU)")
     b.set_defaults(func=cmd_bench)
 
 
@@ -213,11 +215,13 @@ def cmd_bench(args) -> int:
     sampling = _check(args)
     methods = parse_methods(args.methods or DEFAULT_METHODS)
     prompts = _prompts(args)  # a bad prompt file fails before the target loads
+    if args.offline and args.no_predict:
+        raise DFlashError("--offline and --no-predict: the offline runs are read only to predict; drop one")
     offline = offline_runs(args.offline or [])  # a bad run folder fails before the target loads
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, sampling=sampling, engine=args.engine,
-                       log=lambda m: print(m, file=sys.stderr), offline=offline)
+                       log=lambda m: print(m, file=sys.stderr), offline=offline, predict=not args.no_predict)
     paths = write_bench(result, args.out)
     print(bench_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))
