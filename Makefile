@@ -15,7 +15,7 @@ UV := UV_FIND_LINKS="$(or $(UV_FIND_LINKS),$(PIP_FIND_LINKS))" $(BIN)/uv pip ins
 export PYTHONDONTWRITEBYTECODE :=
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-fast test-compiled test-engines test-engines-only engines lint install clean
+.PHONY: demo test test-fast test-e2e test-engines test-engines-only engines lint install clean
 
 $(STAMP):
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -38,19 +38,21 @@ demo: $(STAMP)
 # xdist_group); the real target is prepared once beforehand.
 test: $(STAMP)
 	$(BIN)/dflashkit target prepare smollm2-135m >/dev/null
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "not engines and not compiled" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "not engines and not e2e" $(PYTEST_ARGS)
 
-# The tests that compile the static program and the drafter with inductor (what users run, held to the eager steps
-# and to hf): about 3 min on 2 cores without inductor's cache, so apart from `make test`; CI runs both.
-test-compiled: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "compiled and not engines" $(PYTEST_ARGS)
+# The end-to-end tests (marked e2e): the static program and the drafter compiled by inductor (what users run, held
+# to the eager steps and to hf), the demo pipeline, the built wheel in a fresh venv, torchrun: about 4 min on 2 cores
+# without inductor's cache, so apart from `make test` (under 3 min on a 2-core float32-only CPU); CI runs both.
+test-e2e: $(STAMP)
+	$(BIN)/dflashkit target prepare smollm2-135m >/dev/null
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "e2e and not engines" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check dflashkit tests benchmarks
 
 # Skips the tests marked slow (the real SmolLM2 target, the demo, torchrun); `make test` runs everything.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "not slow and not engines and not compiled" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "not slow and not engines and not e2e" $(PYTEST_ARGS)
 
 # The engine peers (llama.cpp, vLLM), each installed once into ~/.cache/dflashkit/engines, then their tests:
 # llama.cpp builds in about 6 min on 2 quiet cores, vLLM installs in about 2 (docs/engines.md).

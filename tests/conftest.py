@@ -106,3 +106,32 @@ def pytest_collection_modifyitems(config, items):
         if "smollm2" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group(name="smollm2"))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: collection order otherwise
+
+
+# Every ISA level's kernels (and v3 with Zen's tuning planted, tests/test_static_decoder.py) built once, one after
+# another, by one process beside the workers: without it both workers met the same missing library at once, and
+# one built it while the other waited (7 s a level on 2 cores). A library already built is only checked.
+BUILD_LEVELS = """
+import sys
+from dflashkit import levels
+from dflashkit.decode import native
+for level in levels.runnable():
+    native.ensure_built(level)
+if levels.runs_here("v3"):
+    native.ensure_built("v3", "znver3")
+"""
+
+
+def pytest_configure(config):
+    import subprocess
+    import sys
+
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        return
+    config._dflashkit_builds = subprocess.Popen([sys.executable, "-c", BUILD_LEVELS])
+
+
+def pytest_unconfigure(config):
+    builds = getattr(config, "_dflashkit_builds", None)
+    if builds is not None:
+        builds.wait()

@@ -11,7 +11,7 @@ from dflashkit.demo import DemoConfig, run_demo
 from dflashkit.errors import DFlashError
 from helpers import stock_bf16
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="demo")]  # the whole pipeline, once: not in `make test-fast`
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.xdist_group(name="demo")]  # the whole pipeline: `make test-e2e`
 
 
 @pytest.fixture(scope="module")

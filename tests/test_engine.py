@@ -164,7 +164,7 @@ def test_a_new_build_of_our_kernels_is_timed_again(tiny_targets, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.compiled
+@pytest.mark.e2e
 @pytest.mark.xdist_group(name="compiled-static")
 def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets, native_kernels, tmp_path, monkeypatch):
     """The real probe on the compiled static step: timed once, written with the CPU named, then read back (no
@@ -188,7 +188,7 @@ def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets
 
 
 @pytest.mark.slow
-@pytest.mark.compiled
+@pytest.mark.e2e
 @pytest.mark.xdist_group(name="compiled-static")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_compiled_static_program_decodes_as_hf(tiny_dirs, dtype):
@@ -250,7 +250,7 @@ def test_a_narrower_level_is_one_setting_for_our_kernels_and_the_llama_cpp_peer(
             levels.choose("v3")  # in a process whose torch took its AVX-512 kernels
 
 
-@pytest.mark.compiled
+@pytest.mark.e2e
 @pytest.mark.xdist_group(name="compiled-static")
 def test_a_tree_verified_path_by_path_records_the_tokens_it_ran(tiny_dirs):
     """Issue 50: hf in bf16 verifies a branching tree one root-to-leaf path per batch row (row-invariant kernels), so
@@ -271,7 +271,7 @@ def test_a_tree_verified_path_by_path_records_the_tokens_it_ran(tiny_dirs):
 
 
 @pytest.mark.slow  # compiles (5 s with inductor's cache, 40 s without on 2 cores): dealt out early by conftest
-@pytest.mark.compiled
+@pytest.mark.e2e
 def test_the_compiled_drafter_drafts_as_the_eager_one_and_compiles_only_in_its_warm_up(tiny_targets):
     """What the static backend runs (decoder_for compiles the proposer's drafter): over a decode's calls (the
     prompt's, then one or several new positions) its logits equal the eager drafter's up to float rounding, and

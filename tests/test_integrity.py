@@ -347,10 +347,10 @@ def test_make_test_fast_skips_the_slow_tests():
     assert '-m "not slow' in fast
     full = make[make.index("\ntest:"):].split("\n\n")[0]
     assert "not slow" not in full
-    # the inductor-compiling tests run apart from `make test`, and CI runs them
-    assert "not compiled" in full and '-m "compiled' in make[make.index("\ntest-compiled:"):].split("\n\n")[0]
+    # the end-to-end tests run apart from `make test`, and CI runs them
+    assert "not e2e" in full and '-m "e2e' in make[make.index("\ntest-e2e:"):].split("\n\n")[0]
     ci = (TESTS.parent / ".ci" / "run").read_text().splitlines()
-    assert ci.index("make test") < ci.index("make test-compiled")
+    assert ci.index("make test") < ci.index("make test-e2e")
 
 
 # ---- 7. user-facing text ------------------------------------------------------------------------------------

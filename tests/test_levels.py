@@ -33,19 +33,15 @@ def kernel_bits(tmp_path, name: str, flags: list[str], compiler: str = "g++", ru
 
 
 @pytest.mark.skipif(not X86 or not shutil.which("g++"), reason="the x86 levels need an x86-64 CPU and g++")
-def test_the_kernel_core_gives_the_v3_bits_at_every_level_and_with_zens_tuning(tmp_path):
-    """The levels' own flags (levels.LEVELS, what the library builds with), v3 with -mtune=znver3 planted (GCC then
-    leaves single-chain loops unfused where -ffp-contract merely allows fusion): one set of bits, and within each
-    build every verify row equals the one-token step."""
-    builds = {"v3": list(levels.LEVELS["v3"].flags), "v3-znver3": ["-march=x86-64-v3", "-mtune=znver3"],
-              "portable": list(levels.LEVELS["portable"].flags)}
-    if levels.runs_here("v4"):
-        builds["v4"] = list(levels.LEVELS["v4"].flags)
-    with ThreadPoolExecutor(2) as pool:  # the compiles side by side, then each run
-        list(pool.map(lambda kv: subprocess.run(["g++", *CORE, *kv[1], "-o", str(tmp_path / kv[0])], check=True,
-                                                capture_output=True, timeout=300), builds.items()))
-    bits = {name: kernel_bits(tmp_path, name, flags) for name, flags in builds.items()}
-    assert all(b == bits["v3"] for b in bits.values()), [n for n, b in bits.items() if b != bits["v3"]]
+def test_the_kernel_core_builds_alone_and_with_zens_tuning_gives_the_same_bits(tmp_path):
+    """The kernel core without torch at v3's own flags (levels.LEVELS) and with -mtune=znver3 planted (GCC then leaves
+    single-chain loops unfused where -ffp-contract merely allows fusion): one set of bits, and within each build every
+    verify row equals the one-token step. (The other levels' builds are compared with v3's through torch:
+    tests/test_static_decoder.py.)"""
+    with ThreadPoolExecutor(2) as pool:  # the two compiles side by side
+        v3, zen = pool.map(lambda a: kernel_bits(tmp_path, *a), [("v3", list(levels.LEVELS["v3"].flags)),
+                                                                ("v3-znver3", ["-march=x86-64-v3", "-mtune=znver3"])])
+    assert v3 == zen
 
 
 AARCH64 = shutil.which("aarch64-linux-gnu-g++")

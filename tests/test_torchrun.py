@@ -17,7 +17,7 @@ from dflashkit.prompts import load_prompts
 from dflashkit.train.config import load_config
 from dflashkit.train.loop import train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 LAYERS = [1, 2, 3]
 
 WORKER = """

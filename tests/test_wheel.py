@@ -31,6 +31,7 @@ def test_config_list_show_and_cp(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_the_built_wheel_runs_a_reduced_demo_outside_the_repository(tmp_path, tiny_dirs):
     uv = Path(sys.executable).with_name("uv")
     subprocess.run([str(uv), "build", "--wheel", "--out-dir", str(tmp_path / "dist"), str(REPO)], check=True,

@@ -71,7 +71,6 @@ def _digest(path: Path) -> str:
 def _build(lib: Path, level: str, tune: str | None) -> None:
     """Compile to a temporary file, record its digest beside it, then rename both into place: a killed build leaves
     nothing a later run would load."""
-    lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
     os.close(fd)
     try:
@@ -113,12 +112,16 @@ def ensure_built(level: str, tune: str | None = None) -> Path:
     build wrote: a truncated library crashes the process that loads it, and one replaced by text fails to load."""
     if not levels.runs_here(level):
         raise DFlashError(f"native kernels: this CPU cannot run level {level}; use one of {', '.join(levels.runnable())}")
+    from filelock import FileLock
+
     lib = library_path(level, tune)
-    if lib.exists() and not _intact(lib):
-        print(f"native kernels: {lib} is damaged (not the file its build wrote); building it again", file=sys.stderr)
-        lib.unlink()
-    if not lib.exists():
-        _build(lib, level, tune)
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lib.with_suffix(".lock"))):  # a second process starting meanwhile waits for this build
+        if lib.exists() and not _intact(lib):
+            print(f"native kernels: {lib} is damaged (not the file its build wrote); building it again", file=sys.stderr)
+            lib.unlink()
+        if not lib.exists():
+            _build(lib, level, tune)
     return lib
 
 
