@@ -201,6 +201,38 @@ def peer_record(t, method: str, answer, prompt) -> dict:
     return run_record(run, 0, {"name": t.name, "path": str(t.path)}, "float32")
 
 
+def test_parity_refuses_two_targets_and_other_prompt_ids_and_passes_a_shorter_run(tmp_path):
+    """Issue 72: two targets' runs are refused by name (they part at token 0, or look equal by chance); a prompt asked
+    with other token ids is refused; a run that is a prefix of the other (another --max-new-tokens) passes as such."""
+    from dflashkit.evaluate.parity import run_parity
+    from dflashkit.report.requests import request_record, write_requests
+
+    def run(name, target="tiny-a", ids=(1, 2, 3), tokens=(5, 6, 7, 8)):
+        write_requests(tmp_path / f"{name}.jsonl", [request_record("p", 0, "ar", "dflashkit", "hf", list(tokens),
+                                                                   target=target, dtype="float32",
+                                                                   prompt_ids=[list(ids)])])
+        return tmp_path / f"{name}.jsonl"
+
+    with pytest.raises(DFlashError, match="RUN_A ran target tiny-a, RUN_B target tiny-b: parity compares runs of one "
+                                          "target"):
+        run_parity(run("a"), run("b", target="tiny-b"))
+    with pytest.raises(DFlashError, match="asked it with different token ids"):
+        run_parity(run("a"), run("c", ids=(1, 2, 4)))
+    res = run_parity(run("a"), run("d", tokens=(5, 6)))
+    assert res["ok"] and res["comparisons"]["ar"]["verdicts"] == {"prefix": 1}
+
+
+def test_mixed_dtypes_are_judged_at_the_looser_tolerance_whichever_comes_first():
+    """A gap within bf16's rounding but far past float32's: numerics for bf16 runs, logic for float32 ones, and for a
+    bf16 run against a float32 one in either order."""
+    def rec(toks, dtype):
+        return {"prompt": "p", "method": "m", "tokens": toks, "dtype": dtype, "engine": "dflashkit",
+                "top2": {"1": {"margin": 0.5, "logit": 10.0}}}
+    verdict = lambda x, y: parity([rec([1, 2, 3], x)], [rec([1, 9, 3], y)])["per_prompt"][0]["verdict"]
+    assert verdict("bfloat16", "bfloat16") == "numerics" and verdict("float32", "float32") == "logic"
+    assert verdict("float32", "bfloat16") == verdict("bfloat16", "float32") == "numerics"
+
+
 def test_one_schema_from_ar_chain_a_tree_llama_cpp_and_vllm(setup, bench):
     """The five sources write the same keys, each non-null field of the same type; what an engine does not report
     is null with the reason under `missing`, never a number it did not give."""

@@ -373,6 +373,29 @@ def test_bench_offline_takes_one_eval_per_engine_and_refuses_a_misnamed_one(tmp_
         offline_runs([f"hf={tmp_path / 'c'}"])
 
 
+def test_bench_offline_refuses_an_eval_of_another_target_drafter_or_block(tiny_targets, tmp_path):
+    """Issue 72: an eval of another target or drafter, or at another block size, priced bench rows without a word
+    (a chain 43% off); each is refused by name, and the eval of this drafter, target and block passes."""
+    from dflashkit.decode.cli import check_offline
+    from dflashkit.fileio import sha256_file
+
+    t, other = tiny_targets["llama"], tiny_targets["qwen3"]
+    save_drafter(new_drafter(t, num_layers=1, target_layer_ids=[1, 3], block_size=4), tmp_path / "d",
+                 target_identity=t.identity())
+    mine = sha256_file(tmp_path / "d" / "model.safetensors")
+    run = lambda target=t, sha=mine, block=4: {"": {"source": "offline eval runs/e (walk anchors, 9 blocks)",
+                                                    "target": target.identity(), "drafter": {"sha256": sha, "path": "x"},
+                                                    "settings": {"block_size": block}}}
+    check_offline(run(), t, str(tmp_path / "d"), 4)
+    with pytest.raises(DFlashError, match="offline eval runs/e was made with target .*; pass an eval run of the "
+                                          "bench's target"):
+        check_offline(run(target=other), t, str(tmp_path / "d"), 4)
+    with pytest.raises(DFlashError, match="evaluated another drafter"):
+        check_offline(run(sha="0" * 64), t, str(tmp_path / "d"), 4)
+    with pytest.raises(DFlashError, match="evaluated block size 8, bench runs 4"):
+        check_offline(run(block=8), t, str(tmp_path / "d"), 4)
+
+
 needs_llama = pytest.mark.skipif(find("llama.cpp") is None, reason="llama.cpp not installed: "
                                  "`dflashkit engines install llama.cpp`")
 needs_vllm = pytest.mark.skipif(find("vllm") is None, reason="vLLM not installed: `dflashkit engines install vllm`")

@@ -191,6 +191,27 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
     return runs
 
 
+def check_offline(offline: dict[str, dict], target, drafter_path: str | None, block_size: int | None) -> None:
+    """An offline eval prices bench rows only if it evaluated this target, this drafter and this block size: each
+    unlike run is refused by name (one of another target put a chain 43% off, without a word)."""
+    from pathlib import Path
+
+    from dflashkit.fileio import sha256_file
+    from dflashkit.targets.model import check_same_target
+
+    for res in offline.values():
+        where = res["source"].split(" (")[0]
+        check_same_target(res.get("target"), target.identity(), where, "pass an eval run of the bench's target")
+        weights = Path(drafter_path or "") / "model.safetensors"
+        ran = (res.get("drafter") or {}).get("sha256")
+        if drafter_path and weights.is_file() and ran and ran != sha256_file(weights):
+            raise DFlashError(f"{where} evaluated another drafter ({res['drafter'].get('path')}) than --drafter "
+                              f"{drafter_path}; pass an eval run of this drafter")
+        if block_size and res["settings"].get("block_size") not in (None, block_size):
+            raise DFlashError(f"{where} evaluated block size {res['settings']['block_size']}, bench runs "
+                              f"{block_size}; pass an eval run at the bench's block size (or --block-size)")
+
+
 def offline_run(folder: str, for_rows: str = "") -> dict:
     """An eval run's results.json, with where it came from (bench's offline prediction names it)."""
     from pathlib import Path
@@ -219,6 +240,7 @@ def cmd_bench(args) -> int:
         raise DFlashError("--offline and --no-predict: the offline runs are read only to predict; drop one")
     offline = offline_runs(args.offline or [])  # a bad run folder fails before the target loads
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
+    check_offline(offline, target, args.drafter, args.block_size or (drafter.config.block_size if drafter else None))
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, sampling=sampling, engine=args.engine,
                        log=lambda m: print(m, file=sys.stderr), offline=offline, predict=not args.no_predict)

@@ -10,7 +10,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.report.parity import VERDICTS, describe, parity
 from dflashkit.report.requests import FILE, read_requests
 
-PASS = ("equal", "numerics")  # verdicts a parity run accepts (exit 0); any other divergence exits 1
+PASS = ("equal", "prefix", "numerics")  # verdicts a parity run accepts (exit 0); any other divergence exits 1
 
 
 def load_records(path) -> list[dict]:
@@ -57,6 +57,15 @@ def same_prompts(ra: list[dict], rb: list[dict]) -> None:
                               "tokenizer or chat template); compare runs of the same target and prompts")
 
 
+def same_target(a: list[dict], b: list[dict]) -> None:
+    """Tokens compare only between runs of one target: two targets' runs are refused by name (their tokens would
+    part at token 0, or be equal by chance)."""
+    ta, tb = ({r["target"] for r in recs if r.get("target")} for recs in (a, b))
+    if ta and tb and ta != tb:
+        raise DFlashError(f"RUN_A ran target {', '.join(sorted(ta))}, RUN_B target {', '.join(sorted(tb))}: parity "
+                          "compares runs of one target; rerun one of them on the other's target")
+
+
 def tokenizer_for(records: list[dict], target: str | None = None):
     """decode(ids) -> text with the run's recorded target (its folder, or `target`, a registry name or folder);
     None where neither is here (the report then shows token ids)."""
@@ -85,6 +94,7 @@ def run_parity(path_a, path_b, method: str | None = None, against: str | None = 
     """Parity of two runs: {"runs", "tokenizer", "comparisons": {label: parity}, "ok"} (ok: every prompt equal or
     parted at a numerics near-tie)."""
     a, b = load_records(path_a), load_records(path_b)
+    same_target(a, b)
     decode = tokenizer_for(a + b, target)
     table = {}
     for x, y in pairs(a, b, method, against):
@@ -114,7 +124,7 @@ def parity_markdown(res: dict) -> str:
                 show = (lambda k: repr(c[f"{k}_text"])) if "a_text" in c else (lambda k: str(c[k]))
                 md += [f"  - before: {show('before')}", f"  - RUN_A: {show('a')}", f"  - RUN_B: {show('b')}"]
         md.append("")
-    md.append("Verdict: " + ("every prompt equal or parted at a numerics near-tie." if res["ok"] else
+    md.append("Verdict: " + ("every prompt equal, a prefix of the other or parted at a numerics near-tie." if res["ok"] else
                              "**a divergence that rounding does not explain** (or no logits recorded to tell)."))
     return "\n".join(md) + "\n"
 

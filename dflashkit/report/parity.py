@@ -67,13 +67,20 @@ def around(a: list[int], b: list[int], i: int, decode=None) -> dict:
     return part
 
 
+def looser(*dtypes: str | None) -> str | None:
+    """Of two runs' dtypes, the one whose rounding explains more: a bf16 run against a float32 one is judged at
+    bf16's tolerance whichever is named first."""
+    known = [d for d in dtypes if d]
+    return max(known, key=lambda d: EPS.get(d, EPS["float32"])) if known else None
+
+
 def compare_pair(ra: dict, rb: dict, decode=None) -> dict:
     a, b = ra["tokens"], rb["tokens"]
     i = first_divergence(a, b)
     m = margin_at((ra, rb), i) if i is not None else None
     across = ra.get("engine", "dflashkit") != rb.get("engine", "dflashkit")
     out = {"prompt": ra["prompt"], "a": ra["method"], "b": rb["method"], "equal": i is None, "index": i, "margin": m,
-           "lengths": [len(a), len(b)], "verdict": verdict(i, a, b, m, ra.get("dtype") or rb.get("dtype"), across)}
+           "lengths": [len(a), len(b)], "verdict": verdict(i, a, b, m, looser(ra.get("dtype"), rb.get("dtype")), across)}
     if i is not None:
         out["tokens"] = [a[i] if i < len(a) else None, b[i] if i < len(b) else None]
         out["context"] = around(a, b, i, decode)
@@ -111,7 +118,8 @@ def brief(p: dict) -> dict:
             "margin": first and first["margin"] and first["margin"]["margin"], "verdict": first and first["verdict"]}
 
 
-VERDICTS = ("equal: the same tokens; prefix: one stops where the other goes on; numerics: the target's top-2 margin "
+VERDICTS = ("equal: the same tokens; prefix: one stops where the other goes on with the same tokens (a shorter "
+            "--max-new-tokens, or an engine that leaves the stop token out); numerics: the target's top-2 margin "
             "there is within the dtype's rounding (between two engines, 1e-3 of the logit: a near-tie two kernels may "
             "break either way); logic: a clear margin (a loop committed a token the target does not choose); unknown: "
             "no logits recorded there.")
