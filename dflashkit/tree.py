@@ -265,24 +265,30 @@ def parse_tree_spec(spec: str) -> tuple[str, int]:
 
 ADDED_PRIOR = (1.0, 1.0)  # what the gate assumes the drafter adds before it has drafted: one token, worth one round
 ADDED_DECAY = 0.9  # per drafted round: a mean over about ten, not a moving average that two misses can shut
+# A drafter that does not pay is retried after RETRY idle rounds, then after twice as many each time it still does
+# not, up to RETRY_MOST: while off it costs at most one drafter call in RETRY_MOST + 1 rounds (a random drafter: 1
+# round in 10 drafting after a warm-up of about 30 rounds, tests/test_fallback.py)
+RETRY, RETRY_MOST = 8, 64
 
 
 class TreeDrafts:
     """What one round verifies: the drafter's DDTree (`budget` nodes), n-gram continuations as extra branches, or
-    both merged. With a cost curve the tree is cut to the nodes that maximize expected tokens per second (`budget`
-    is then the most the drafter offers), and when both proposers are there the drafter sits out rounds where what
-    it has been adding beyond the n-gram branch does not pay for its forward."""
+    both merged. With a cost curve (the -auto methods) the tree is cut to the nodes that maximize expected tokens
+    per second (`budget` is then the most the drafter offers), and the drafter sits out rounds where what it has
+    been adding in this request, beyond the n-gram branch if there is one, does not pay for its forward: such a round
+    is plain decoding (the root alone) or the n-gram branch alone."""
 
     def __init__(self, drafter=None, budget: int = 0, ngram=None, cost=None, draft_cost: float | None = None):
         self.drafter, self.budget, self.ngram, self.cost = drafter, budget, ngram, cost
         self.timed = draft_cost is None  # an offline replay prices the drafter's call (draft_cost), not times it
         self.layer_ids = drafter.layer_ids if drafter is not None else None
-        self.gated = drafter is not None and ngram is not None and cost is not None
+        self.gated = drafter is not None and cost is not None
         self.fixed = 0.0  # seconds a round costs besides the verify and draft forwards (running mean, set by the loop)
         self.path_cost = None  # set by the loop: the backend's cost of a tree verified one root-to-leaf path a row
         self.branches: list[tuple[list[int], int]] = []  # this round's verified n-gram proposals, matched lengths
         self.t_draft = draft_cost or 0.0  # running mean of one drafter forward
-        self.added: dict[int, list[float]] = {}  # n-gram confidence bucket -> [tokens added, weight, rounds idle]
+        # n-gram confidence bucket (0: no n-gram proposal) -> [tokens added, weight, rounds idle, idle rounds to retry]
+        self.added: dict[int, list[float]] = {}
         self.bucket, self.drafted, self.pending = 0, False, None
 
     def most_nodes(self) -> int:
@@ -329,14 +335,16 @@ class TreeDrafts:
 
     def _worth_drafting(self, found) -> bool:
         """Draft unless, at this n-gram confidence, the tokens the drafter has been adding do not pay for its
-        forward and a few more verified nodes, against the best n-gram prefix alone (what pruning would keep);
-        every eighth idle round drafts anyway to keep the estimate fresh."""
+        forward and a few more verified nodes, against the best n-gram prefix alone (what pruning would keep), or
+        the root alone; an idle drafter is retried after RETRY idle rounds, the wait doubling up to RETRY_MOST while
+        it keeps not paying, back to RETRY once it pays."""
         if not self.gated:
             return True
         q1 = max((qs[0] for _, _, qs in found), default=0.0)
         self.bucket = 0 if not found else 1 + int(4 * q1)
-        total, weight, idle = self.added.setdefault(self.bucket, list(ADDED_PRIOR) + [0])
-        if idle >= 8 or not self.t_draft:
+        stat = self.added.setdefault(self.bucket, [*ADDED_PRIOR, 0, RETRY])
+        total, weight, idle, wait = stat
+        if not self.t_draft:
             return True
         gain, n = 1.0, 1  # expected tokens and verified tokens of the best n-gram prefix (root included)
         for _, _, qs in found:
@@ -347,23 +355,28 @@ class TreeDrafts:
                     gain, n = g, depth + 1
         without = gain / (self.fixed + self.cost(n))
         with_ = (gain + total / weight) / (self.fixed + self.t_draft + self.cost(n + 4))
-        return with_ > without
+        if with_ > without:
+            stat[3] = RETRY
+            return True
+        if idle >= wait:  # a retry, to keep the estimate fresh; the next one waits longer
+            stat[3] = min(2 * wait, RETRY_MOST)
+            return True
+        return False
 
     def observe(self, new: list[int]) -> None:
         """Learn from the round (`new`: the accepted drafts): how much of each n-gram proposal the target accepted,
         what the drafter added beyond it, and the committed tokens for the next lookup."""
-        if self.ngram is None:
-            return
         best = 0
-        for cont, match in self.branches:
+        for cont, match in self.branches if self.ngram is not None else ():
             if cont:
                 depth = common_prefix(cont, new)
                 self.ngram.observe(match, len(cont), depth)
                 best = max(best, depth)
-        if self.gated:
+        if self.gated and self.bucket in self.added:
             stat = self.added[self.bucket]
             if self.drafted:  # a decayed mean over about the last ten drafted rounds of this bucket
-                stat[:] = [ADDED_DECAY * stat[0] + len(new) - best, ADDED_DECAY * stat[1] + 1, 0]
+                stat[:3] = [ADDED_DECAY * stat[0] + len(new) - best, ADDED_DECAY * stat[1] + 1, 0]
             else:
                 stat[2] += 1
-        self.ngram.extend(new)
+        if self.ngram is not None:
+            self.ngram.extend(new)

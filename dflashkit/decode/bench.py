@@ -189,6 +189,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     summary = summarize_methods(runs, methods, B)
     _annotate(summary, rows, started, judged,
               lambda m: predicted_tau(target, proposer, [r for r in runs if r["method"] == m]))
+    add_fallback(summary, runs, rows)
     # predicted beside measured (decode/predict.py): each row's own rounds, and `offline` ({engine: an eval}) given
     models = predict_bench(target, proposer, runs, rows, summary, state, offline, log, window) if predict else {}
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
@@ -246,6 +247,24 @@ def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -
             summary[label].update(backend=e, method_name=m)
     if judged["static_parting"]:
         summary[plain_row(rows, "static")]["ar_parting"] = judged["static_parting"]
+
+
+def add_fallback(summary: dict, runs: list[dict], rows: dict) -> None:
+    """Per speculative row: the share of its rounds that called the drafter (an -auto method's others fell back to
+    plain decoding or the n-gram branch) and its worst prompt against plain decoding on its own backend (decode
+    tokens/s), which an aggregate speedup hides."""
+    for label, (m, engine) in rows.items():
+        s, plain = summary.get(label), plain_row(rows, engine)
+        if s is None or kind_of(m) in ("ar", *PEERS, *ENGINE_METHODS) or is_engine(m):
+            continue
+        mine = [r for r in runs if r["method"] == label]
+        drafted = [d for r in mine for d in r.get("drafted") or ()]
+        s["drafted_share"] = sum(drafted) / len(drafted) if drafted else None
+        base = {r["prompt"]: measured_decode_tps([r]) for r in runs if r["method"] == plain}
+        ratios = {r["prompt"]: tps / base[r["prompt"]] for r in mine
+                  if (tps := measured_decode_tps([r])) and base.get(r["prompt"])}
+        worst = min(ratios, key=ratios.get, default=None)
+        s["worst_prompt"] = {"prompt": worst, "vs": plain, "ratio": ratios[worst]} if worst else None
 
 
 def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling, switched: bool, decoder=None):
@@ -410,10 +429,14 @@ def bench_markdown(result: dict) -> str:
     lines += cost_markdown(result.get("cost"))
     fastest = next(iter(result["methods"].values())).get("fastest_plain", "ar")
     headers = ["method", "tau", "tokens/s", "speedup vs ar", f"vs fastest plain ({fastest})", "vs hf-generate",
-               "vs prompt-lookup", "decode speedup", "ceiling", "ms/round draft", "verify", "other", "overhead"]
+               "vs prompt-lookup", "decode speedup", "worst prompt vs plain", "drafted rounds", "ceiling",
+               "ms/round draft", "verify", "other", "overhead"]
     cols = ("tau", "tokens_per_s", "speedup_vs_ar", "speedup_vs_fastest_plain", "speedup_vs_hf_generate",
-            "speedup_vs_prompt_lookup", "decode_speedup_vs_ar", "ceiling")
-    rows = [[m, *map(s.get, cols), *map((s["ms_per_round"] or {}).get, ("draft", "verify", "other")),
+            "speedup_vs_prompt_lookup", "decode_speedup_vs_ar")
+    pct = lambda x: None if x is None else f"{100 * x:.0f}%"
+    worst = lambda w: w and f"{w['ratio']:.2f}x ({w['prompt']})"
+    rows = [[m, *map(s.get, cols), worst(s.get("worst_prompt")), pct(s.get("drafted_share")), s.get("ceiling"),
+             *map((s["ms_per_round"] or {}).get, ("draft", "verify", "other")),
              None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"] for m, s in result["methods"].items()]
     lines += ["## Methods", "", markdown_table(headers, rows, digits=2), *engines_markdown(result),
               *predicted_markdown(result)]
@@ -422,8 +445,11 @@ def bench_markdown(result: dict) -> str:
               "prompt-lookup its `generate(prompt_lookup_num_tokens=...)`, both timed end to end. ngram: continuation "
               "of the text's own last 1-3 tokens, verified by our tree loop; hybrid-N: DDTree-N of the drafter plus the "
               "n-gram branch in one verify; -auto: the tree cut per round to the nodes that maximize expected tokens "
-              "per second under the cost curve. decode speedup excludes prefill; ceiling = tau * t_ar / (t_draft + "
-              "t_verify); overhead = time outside drafter and target forwards / decode time.", ""]
+              "per second under the cost curve, the drafter called only in rounds where what it has added in this "
+              "request pays for it (the others plain decoding or the n-gram branch; `drafted rounds`). decode speedup "
+              "excludes prefill; worst prompt vs plain: the lowest per-prompt decode tokens/s against plain decoding on "
+              "the same backend; ceiling = tau * t_ar / (t_draft + t_verify); overhead = time outside drafter and "
+              "target forwards / decode time.", ""]
     lines += category_markdown(result)
     if result.get("parity"):
         from dflashkit.report.parity import parity_markdown
