@@ -14,17 +14,21 @@ from pathlib import Path
 from dflashkit.errors import DFlashError
 
 DTYPES = ("bfloat16", "float32")
+FORMATS = ("zlab", "gguf", "transformers")
 
 
 def register(sub) -> None:
     """Adds `export` to `dflashkit drafter` (drafter/cli.py keeps its subcommands on the parser)."""
     e = sub.choices["drafter"].subcommands.add_parser(
-        "export", help="write a trained drafter as engines serve it: z-lab folder (vLLM, SGLang) or GGUF (llama.cpp)")
+        "export", help="write a trained drafter as engines serve it: z-lab folder (vLLM, SGLang), GGUF (llama.cpp) or "
+                       "transformers' own DFlash drafter")
     e.add_argument("--drafter", required=True, help="a drafter folder, a checkpoint, or a training run folder (its latest)")
-    e.add_argument("--out", required=True, help="output folder (zlab) or .gguf file (gguf)")
-    e.add_argument("--format", choices=["zlab", "gguf"], default="zlab",
+    e.add_argument("--out", required=True, help="output folder (zlab, transformers) or .gguf file (gguf)")
+    e.add_argument("--format", choices=FORMATS, default="zlab",
                    help="zlab: config.json + model.safetensors (vLLM, SGLang); gguf: llama.cpp's DFlash layout, "
-                        "through its own converter (needs `dflashkit engines install llama.cpp`)")
+                        "through its own converter (needs `dflashkit engines install llama.cpp`); transformers: a "
+                        "folder AutoModel.from_pretrained loads as transformers' DFlash drafter, for "
+                        "generate(..., assistant_model=drafter, speculation_type='dflash')")
     e.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (hub drafters: bfloat16)")
     e.add_argument("--target", help="the target (registry name or folder; default: the one the drafter was trained "
                                     "for). Its head gives the token map's rows and, for gguf, its tokenizer")
@@ -62,8 +66,8 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     from dflashkit.drafter.checkpoint import check_against_target, load_drafter, run_latest, save_drafter
     from dflashkit.targets.model import load_target
 
-    if fmt not in ("zlab", "gguf"):
-        raise DFlashError(f"--format {fmt!r}: use zlab or gguf")
+    if fmt not in FORMATS:
+        raise DFlashError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise DFlashError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     src, out = run_latest(src) or Path(src), Path(out)
@@ -72,7 +76,8 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     drafter = load_drafter(src)
     vocab = (drafter.contract or {}).get("draft_vocab")
     keep_map = bool(vocab) and not full_vocab
-    target = load_target(_target_ref(drafter, target_ref, src), device="cpu") if (fmt == "gguf" or keep_map or cache) else None
+    needs_target = fmt in ("gguf", "transformers") or keep_map or cache
+    target = load_target(_target_ref(drafter, target_ref, src), device="cpu") if needs_target else None
     if target is not None:
         check_against_target(drafter.config, target, str(src))
     if fmt == "zlab":
@@ -82,6 +87,9 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
         if written != (vocab if keep_map else None):
             raise DFlashError(f"{out}: the written token map ({len(written or [])} ids) is not the drafter's "
                               f"({len(vocab or []) if keep_map else 0}); the export is wrong, please report it")
+    elif fmt == "transformers":  # its head is the target's own: a draft vocabulary cannot travel (refused by name)
+        save_drafter(drafter, out, format="transformers", dtype=getattr(torch, dtype),
+                     lm_head=target.lm_head.weight if keep_map else None)
     else:
         from dflashkit.engines.install import require
         from dflashkit.engines.llamacpp import drafter_gguf
@@ -115,6 +123,9 @@ def _offline_tau(drafter, target, cache_path: str, num_prompts: int | None, expo
 def _lines(res: dict, has_vocab: bool, keep_map: bool) -> list[str]:
     v, t = res["vocabulary"], res["tau"]
     lines = [f"{res['path']}: {res['format']} ({res['dtype']}) from {res['source']}"]
+    if res["format"] == "transformers":
+        lines.append(f"use: drafter = AutoModel.from_pretrained({res['path']!r}); target.generate(ids, "
+                     "assistant_model=drafter, speculation_type='dflash') (docs/engines.md)")
     if not has_vocab:
         lines.append(f"vocabulary: the full {v['as_trained']} tokens, as trained")
     elif keep_map:

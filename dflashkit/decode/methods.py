@@ -6,8 +6,9 @@ import re
 
 AUTO_BUDGET = 32  # the most drafter nodes a cost-aware tree considers
 METHODS_HELP = ("ar, chain, ddtree, ddtree-N (budget N), ddtree-auto, ngram, hybrid, hybrid-N, hybrid-auto (each on "
-                "either backend: --engine), prompt-lookup, prompt-lookup-N (N lookup tokens), hf-generate, or the "
-                "engine peers (bench only) llama.cpp, llama.cpp-dflash, vllm, vllm-dflash")
+                "either backend: --engine), prompt-lookup, prompt-lookup-N (N lookup tokens), hf-generate, "
+                "transformers-dflash (transformers' own DFlash loop with the drafter), or the engine peers (bench "
+                "only) llama.cpp, llama.cpp-dflash, vllm, vllm-dflash")
 ENGINE_METHODS = ("llama.cpp", "llama.cpp-dflash", "vllm", "vllm-dflash")
 ENGINES = ("auto", "hf", "static")
 ENGINE_HELP = ("the backend our methods run on: hf (transformers' forward, every family), static (our compiled step, "
@@ -21,7 +22,8 @@ def parse_method(name: str) -> tuple[str, int | str | None]:
     """A method name -> (kind, N, 'auto' or None); see METHODS_HELP."""
     if name.strip() in ENGINE_METHODS:
         return name.strip(), None
-    m = re.fullmatch(r"(ar|chain|ddtree|ngram|hybrid|prompt-lookup|hf-generate)(?:-([0-9]+|auto))?", name.strip())
+    m = re.fullmatch(r"(ar|chain|ddtree|ngram|hybrid|prompt-lookup|hf-generate|transformers-dflash)(?:-([0-9]+|auto))?",
+                     name.strip())
     sized = {"ddtree": r"[0-9]+|auto", "hybrid": r"[0-9]+|auto", "prompt-lookup": r"[0-9]+"}
     engine = next((e for e in ENGINES if name.strip().endswith(f"-{e}")), None)
     if m is None and engine is not None:  # the old spelling of a method on a backend
@@ -35,8 +37,10 @@ def parse_method(name: str) -> tuple[str, int | str | None]:
 
 
 def needs_drafter(method: str) -> bool:
-    """chain, ddtree, hybrid and the -dflash engine peers run the drafter; ar, ngram and the other loops do not."""
-    return parse_method(method)[0] in ("chain", "ddtree", "hybrid", "llama.cpp-dflash", "vllm-dflash")
+    """chain, ddtree, hybrid, transformers' DFlash loop and the -dflash engine peers run the drafter; ar, ngram and
+    the other loops do not."""
+    return parse_method(method)[0] in ("chain", "ddtree", "hybrid", "llama.cpp-dflash", "vllm-dflash",
+                                       "transformers-dflash")
 
 
 DEFAULT_METHODS = "ar,chain,ddtree-8,ddtree-auto,ngram,hybrid-8,hybrid-auto,prompt-lookup,hf-generate"

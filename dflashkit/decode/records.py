@@ -8,7 +8,7 @@ from pathlib import Path
 from dflashkit.decode.methods import ENGINE_METHODS, parse_method
 from dflashkit.report.requests import request_record
 
-TRANSFORMERS = ("prompt-lookup", "hf-generate")  # transformers' own loops: timed end to end, no rounds
+TRANSFORMERS = ("prompt-lookup", "hf-generate", "transformers-dflash")  # transformers' own loops: timed end to end
 END_TO_END = "timed end to end by transformers' generate: no draft/verify split"
 
 
@@ -27,11 +27,12 @@ def run_record(run: dict, index: int, target: dict, dtype: str | None) -> dict:
     if label in ENGINE_METHODS:
         return _engine_record(run, index, common)
     t = run["times"]
-    if kind_of(label) in TRANSFORMERS:
-        why = {k: END_TO_END for k in ("draft_s", "verify_s", "prefill_s", "tokens_per_round", "rounds", "accepted",
-                                        "accepted_per_position", "tau")}
+    if kind_of(label) in TRANSFORMERS:  # timed end to end; its DFlash loop's rounds counted at the target's forwards
+        rounds = list(run["accepted"]) or None
+        why = {k: END_TO_END for k in ("draft_s", "verify_s", "prefill_s", *(() if rounds else (
+            "tokens_per_round", "rounds", "accepted", "accepted_per_position", "tau")))}
         return request_record(run["prompt"], index, label, "transformers", run.get("backend", "hf"), run["tokens"],
-                              times={"total": t["total"]}, missing=why, **common)
+                              tokens_per_round=rounds, times={"total": t["total"]}, missing=why, **common)
     return request_record(run["prompt"], index, label, "dflashkit", run.get("backend", "hf"), run["tokens"],
                           tokens_per_round=list(run["accepted"]), times=t, **common)
 

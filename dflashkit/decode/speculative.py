@@ -585,6 +585,33 @@ def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
     return Generation(f"prompt-lookup-{lookup_tokens}" if lookup_tokens else "hf-generate", tokens, [], timer.finish())
 
 
+def generate_transformers_dflash(target, proposer, prompt_ids: list[int], max_new_tokens: int = 256,
+                                 stop_ids=None) -> Generation:
+    """transformers' own DFlash loop, `generate(..., assistant_model=drafter, speculation_type="dflash")`, with our
+    drafter as transformers' drafter class (drafter/transformers_format.py): the loop an HF user tries first. Greedy;
+    timed end to end; each round's committed tokens read off the target's cache length at its forwards."""
+    from dflashkit.drafter.transformers_format import assistant
+
+    timer, helper = Timer(target.device), assistant(proposer.drafter, target)
+    stops = sorted(set(target.stop_token_ids if stop_ids is None else stop_ids))
+    pad = target.tokenizer.pad_token_id
+    ids = torch.tensor([prompt_ids], device=target.device)
+    cached = []  # the target cache's length as each of its forwards starts: the prefill, then one per round
+    hook = target.model.register_forward_pre_hook(lambda m, a, kw: cached.append(
+        kw["past_key_values"].get_seq_length() if kw.get("past_key_values") is not None else 0), with_kwargs=True)
+    try:
+        out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=helper,
+                                    speculation_type="dflash", max_new_tokens=max_new_tokens, do_sample=False,
+                                    top_k=None, top_p=None, temperature=None, eos_token_id=stops or None,
+                                    pad_token_id=pad if pad is not None else (stops[0] if stops else 0))
+    finally:
+        hook.remove()
+    tokens: list[int] = []
+    emit(tokens, out[0, len(prompt_ids):].tolist(), set(stops), max_new_tokens)
+    ends = cached[1:] + [out.shape[1] - 1]
+    return Generation("transformers-dflash", tokens, [b - a for a, b in zip(ends, ends[1:])], timer.finish())
+
+
 def new_lookup(method: str):
     """The n-gram lookup a method uses: plain `ngram` proposes one 10-token continuation (what transformers' prompt
     lookup does); cost-aware trees get longer continuations from two occurrences and keep what pays."""
@@ -620,11 +647,13 @@ def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Pro
     if proposer is not None:  # auto's probe builds the static decoder the run then uses
         state.setdefault("proposer", proposer)
     engine = resolve(engine, target, method, state, log)
+    if needs_drafter(method) and proposer is None:
+        raise ValueError(f"method {method!r} needs a drafter")
     if kind in ("prompt-lookup", "hf-generate"):
         return generate_hf(target, prompt_ids, max_new_tokens, sampling.temperature,
                            (n or 10) if kind == "prompt-lookup" else None, stop_ids)
-    if needs_drafter(method) and proposer is None:
-        raise ValueError(f"method {method!r} needs a drafter")
+    if kind == "transformers-dflash":
+        return generate_transformers_dflash(target, proposer, prompt_ids, max_new_tokens, stop_ids)
     name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
     if engine == "static" and kind not in ("ar", "chain") and n != "auto":  # refused before the decoder compiles
         from dflashkit.decode.static import TREE_WIDTHS

@@ -18,7 +18,7 @@ from dflashkit.targets.model import check_same_target
 
 CONTRACT_FILE = "dflashkit.json"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
-FORMATS = ("zlab", "dflashkit")
+FORMATS = ("zlab", "dflashkit", "transformers")
 
 
 def contract(drafter: DFlashDrafter, target_identity: dict | None = None, **extra) -> dict:
@@ -31,9 +31,10 @@ def contract(drafter: DFlashDrafter, target_identity: dict | None = None, **extr
 
 def save_drafter(drafter: DFlashDrafter, path, format: str = "dflashkit", target_identity: dict | None = None,
                  dtype: torch.dtype | None = None, lm_head: torch.Tensor | None = None, **contract_extra) -> Path:
-    """Write a drafter folder atomically. `zlab`: exactly what serving engines read; `dflashkit`: plus the contract.
-    `lm_head` (the target's head weight, zlab only): a drafter trained over a draft vocabulary keeps it as the
-    token map vLLM reads for DFlash (EAGLE-3's convention: `draft_vocab_size`, `d2t` offsets, the head's rows)."""
+    """Write a drafter folder atomically. `zlab`: exactly what serving engines read; `dflashkit`: plus the contract;
+    `transformers`: transformers' own DFlash drafter (drafter/transformers_format.py). `lm_head` (the target's head
+    weight, zlab only): a drafter trained over a draft vocabulary keeps it as the token map vLLM reads for DFlash
+    (EAGLE-3's convention: `draft_vocab_size`, `d2t` offsets, the head's rows)."""
     if format not in FORMATS:
         raise DFlashError(f"unknown drafter format {format!r}; use one of {', '.join(FORMATS)}")
     path = Path(path)
@@ -46,6 +47,12 @@ def save_drafter(drafter: DFlashDrafter, path, format: str = "dflashkit", target
         state["d2t"] = ids - torch.arange(len(ids))
         state["lm_head.weight"] = lm_head.detach()[ids.to(lm_head.device)].to(dtype or lm_head.dtype).contiguous().cpu()
         cfg["draft_vocab_size"] = len(ids)
+    if format == "transformers":
+        from dflashkit.drafter import transformers_format as tf
+
+        if why := tf.refusal(drafter.config, bool(vocab) and lm_head is not None):
+            raise DFlashError(f"transformers format: {why}")
+        cfg, state = tf.to_transformers(drafter, state, cfg["dtype"])
     with atomic_dir(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -74,7 +81,14 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     raw, state = _read_folder(path, cfg_file, weights)
+    from_tf = raw.get("model_type") == "muse_glimmer_assistant"
+    if from_tf:  # transformers' own DFlash drafter (drafter/transformers_format.py)
+        from dflashkit.drafter.transformers_format import from_transformers
+
+        raw, state = from_transformers(raw, state, str(cfg_file))
     cfg, report = _config_for_weights(raw, state, cfg_file, weights)
+    if from_tf:
+        report.insert(0, "Format: transformers' DFlash drafter (muse_glimmer_assistant), read as DFlash")
     con = json.loads((path / CONTRACT_FILE).read_text()) if (path / CONTRACT_FILE).is_file() else None
     vocab = token_map(raw, state, weights)
     if con:
