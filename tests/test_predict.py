@@ -193,6 +193,10 @@ def test_a_cost_file_missing_a_field_is_one_line_naming_the_file_field_and_fix(t
     path.write_text(json.dumps({**FIXED.to_dict(), "overhead_ms": {"chain": 1.0}}))
     with pytest.raises(DFlashError, match="'overhead_ms.ar' is missing"):
         load_model(path)
+    for other in ({**FIXED.to_dict(), "format": "dflashkit-cost-model/0"}, [1, 2]):  # issue 72: never checked
+        path.write_text(json.dumps(other))
+        with pytest.raises(DFlashError, match=r"field 'format' is .*not 'dflashkit-cost-model/1'.*--force"):
+            load_model(path)
     assert load_model(_written(tmp_path, FIXED)).forward(9) == pytest.approx(14.5)
 
 

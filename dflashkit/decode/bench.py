@@ -428,14 +428,14 @@ def bench_markdown(result: dict) -> str:
              + (f"; static kernels: {c['static_kernels']}" if c.get("static_kernels") else "") + ".", ""]
     lines += cost_markdown(result.get("cost"))
     fastest = next(iter(result["methods"].values())).get("fastest_plain", "ar")
-    headers = ["method", "tau", "tokens/s", "speedup vs ar", f"vs fastest plain ({fastest})", "vs hf-generate",
+    headers = ["method", "backend", "tau", "tokens/s", "speedup vs ar", f"vs fastest plain ({fastest})", "vs hf-generate",
                "vs prompt-lookup", "decode speedup", "worst prompt vs plain", "drafted rounds", "ceiling",
                "ms/round draft", "verify", "other", "overhead"]
     cols = ("tau", "tokens_per_s", "speedup_vs_ar", "speedup_vs_fastest_plain", "speedup_vs_hf_generate",
             "speedup_vs_prompt_lookup", "decode_speedup_vs_ar")
     pct = lambda x: None if x is None else f"{100 * x:.0f}%"
     worst = lambda w: w and f"{w['ratio']:.2f}x ({w['prompt']})"
-    rows = [[m, *map(s.get, cols), worst(s.get("worst_prompt")), pct(s.get("drafted_share")), s.get("ceiling"),
+    rows = [[m, s.get("backend") or "-", *map(s.get, cols), worst(s.get("worst_prompt")), pct(s.get("drafted_share")), s.get("ceiling"),
              *map((s["ms_per_round"] or {}).get, ("draft", "verify", "other")),
              None if s["overhead"] is None else f"{100 * s['overhead']:.1f}%"] for m, s in result["methods"].items()]
     lines += ["## Methods", "", markdown_table(headers, rows, digits=2), *engines_markdown(result),

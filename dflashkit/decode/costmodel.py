@@ -79,6 +79,9 @@ class CostModel:
                 raise DFlashError(f"{where}: field {name!r} is {obj[key]!r}, not a {kinds}; {FIX}")
             return obj[key]
 
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise DFlashError(f"{where}: field 'format' is {d.get('format') if isinstance(d, dict) else d!r}, not "
+                              f"{FORMAT!r} (another version's or another file); {FIX}")
         fwd = need(d, "forward", dict, "forward")
         ns, ms = need(fwd, "ns", list, "forward.ns"), need(fwd, "ms", list, "forward.ms")
         if not ns or len(ns) != len(ms) or ns != sorted(set(ns)):
