@@ -103,8 +103,8 @@ def main(argv=None) -> int:
         print("error: --dtype bfloat16 needs AVX-512 on a CPU (torch's attention refuses bf16 on its AVX2 kernels, "
               "as on a float32-only CPU or with --isa v3); use --dtype float32 or auto", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; completed work is saved and a rerun resumes", file=sys.stderr)
+    except KeyboardInterrupt:  # each command says what it kept (those that resume set args.on_interrupt)
+        print(getattr(args, "on_interrupt", None) or "interrupted", file=sys.stderr)
         return 130
     finally:
         if before is not None:  # an in-process caller (tests, notebooks) gets its own setting back

@@ -267,3 +267,39 @@ def test_eval_and_compare_per_category(tiny_targets, tmp_path):
     cmp = compare_runs(runs, out=tmp_path / "cmp")
     assert cmp["categories"] == ["gsm", "code"] and "## Per category: tau" in cmp["markdown"]
     assert "categories.png" in cmp["files"]
+
+
+def test_an_interrupted_bench_resumes_without_measuring_a_run_twice(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """Issue 72: bench wrote only at the end, so an interrupt lost every finished run (while the CLI said it was
+    saved). Now each run is appended as it ends: a rerun of the same command measures only the rest, and ends with
+    every run; other settings on the same --out are refused by name."""
+    from dflashkit.cli import main
+    from dflashkit.decode import bench
+
+    real, measured = bench._run, []
+
+    def counted(target, proposer, item, m, n, *a, **k):
+        if n == 10:  # the runs (the warm-up's are 8 tokens)
+            if len(measured) == stop_after[0]:
+                raise KeyboardInterrupt
+            measured.append(m)
+        return real(target, proposer, item, m, n, *a, **k)
+
+    monkeypatch.setattr(bench, "_run", counted)
+    out = tmp_path / "b"
+    argv = ["bench", "--no-predict", "--target", str(tiny_dirs["llama"]), "--methods", "ar,ngram", "--prompts",
+            "coding-10", "--num-prompts", "3", "--max-new-tokens", "10", "--out", str(out)]
+    stop_after = [4]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted; the finished runs are in {out / 'runs.jsonl'}: the same command resumes" in err
+    assert len((out / "runs.jsonl").read_text().splitlines()) == 1 + 4
+    assert main(argv[:-4] + ["--max-new-tokens", "9", "--out", str(out)]) == 2
+    assert "holds an interrupted bench of other settings (max_new_tokens differ)" in capsys.readouterr().err
+    stop_after[0] = None
+    assert main(argv) == 0
+    assert len(measured) == 6 and "resuming from" in capsys.readouterr().err  # 4 before, 2 after: none twice
+    res = json.loads((out / "results.json").read_text())
+    assert len(res["runs"]) == 6 and {(r["prompt"], r["method"]) for r in res["runs"]} == {
+        (p, m) for p in res["config"]["prompts"] for m in ("ar", "ngram")}
+    assert res["mismatches"] == [] and not (out / "runs.jsonl").exists()  # done: a rerun measures anew

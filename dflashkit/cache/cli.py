@@ -41,7 +41,8 @@ def register(sub) -> None:
     p.add_argument("--allow-final-layers", action="store_true", help="permit the last two decoder layers")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_threads_option(p)
-    p.set_defaults(func=cmd_extract)
+    p.set_defaults(func=cmd_extract, on_interrupt="interrupted; every finished prompt is in the cache folder, and the "
+                   "same command resumes from there")
 
     c = sub.add_parser("cache", help="list, inspect, verify and compare caches of target hidden states")
     csub = c.add_subparsers(dest="cache_command", required=True)

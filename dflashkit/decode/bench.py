@@ -5,6 +5,7 @@ equal plain decoding token for token; a mismatch fails loudly."""
 
 from __future__ import annotations
 
+import sys
 from contextlib import ExitStack, suppress
 from pathlib import Path
 
@@ -145,14 +146,17 @@ def check_static_step(target, decoder, runs: list[dict], label: str) -> list[dic
 def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]], methods: list[str],
               max_new_tokens: int = 128, block_size: int | None = None, sampling: Sampling = GREEDY,
               warmup: bool = True, progress: bool = True, cost: CostCurve | None = None, engine: str = "hf",
-              log=None, offline: dict | None = None, predict: bool = True, references: bool = True) -> dict:
+              log=None, offline: dict | None = None, predict: bool = True, references: bool = True,
+              journal=None) -> dict:
     """prompts: (id, prompt token ids or a PromptItem, whose user turns each follow the method's own answer to the
     one before). Returns {"config", "cost", "methods": {name: summary}, "categories": {category: {name: summary}},
     "runs", "mismatches", "divergences"}. `cost`: a curve measured earlier on this target (else measured here, about
     10 s on a CPU). `sampling` reaches every method whole (prompt i seeded sampling.seed + i) and is recorded.
     `engine`: the backend(s) our methods run on (auto, hf, static, or several joined by commas: one row per method
     and engine); every row records its engine, and each is held to plain decoding on its own engine. `references`:
-    also ar@hf beside static and ar-stock where kernels are switched (a run's second suite can leave them out)."""
+    also ar@hf beside static and ar-stock where kernels are switched (a run's second suite can leave them out).
+    `journal` (decode/journal.Journal): each finished run appended as it ends, and an interrupted bench's runs
+    taken from it instead of measured again."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
@@ -181,7 +185,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
                                                           peers.get(m), m.endswith("-dflash"))):
                     window[m].append(got)
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
-                                  progress, curve, peers, state, rows, sample)
+                                  progress, curve, peers, state, rows, sample, journal)
     started = {m: p.info for m, p in peers.items()}
     mismatches, divergences, judged = _judge(target, runs, rows, turns, sampling, switched, state.get("static"))
     B = proposer.block_size if proposer else None
@@ -289,14 +293,24 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
 
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve,
-                peers: dict, state: dict, rows: dict, sample=None) -> tuple[list[dict], dict]:
+                peers: dict, state: dict, rows: dict, sample=None, journal=None) -> tuple[list[dict], dict]:
     """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike),
     each run after `sample(method)` (its engine's cost, seconds before), under a progress bar (tqdm: it also prints
     where the output is not a terminal). Also returns plain decoding's turns per prompt: (prompt ids per turn, answer
-    lengths), what a divergence is explained from."""
+    lengths), what a divergence is explained from. With a `journal`, the runs it holds are not run again and each
+    new one is appended as it ends."""
     from tqdm import tqdm
 
-    runs, turns = [], {}
+    runs = journal.done() if journal is not None else []
+    if journal is not None:
+        journal.start(runs)
+        if runs:
+            print(f"bench: resuming from {journal.path}: {len(runs)} of {len(prompts) * len(methods)} runs done",
+                  file=sys.stderr)
+    finished, turns = {(r["prompt"], r["method"]) for r in runs}, {}
+    for r in runs:
+        if rows.get(r["method"], (r["method"],))[0] == "ar":
+            turns.setdefault(r["prompt"], {})[r["method"]] = (r["turn_prompts"], r["turns"])
 
     def run(m: str, i: int, pid: str, item, n: int) -> dict:
         if m in peers:  # an engine warms on a whole first conversation: its graphs, caches, allocator
@@ -315,10 +329,15 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
               mininterval=2.0) as bar:
         for i, (pid, item) in enumerate(prompts):
             for m in methods[i % len(methods):] + methods[: i % len(methods)]:
+                if (pid, m) in finished:
+                    bar.update()
+                    continue
                 bar.set_description(f"bench {pid} {m}")
                 if sample is not None:
                     sample(m)
                 runs.append(r := run(m, i, pid, item, max_new_tokens))
+                if journal is not None:
+                    journal.add(r)
                 bar.set_postfix_str(f"last {m}: {len(r['tokens']) / r['times']['total']:.1f} tok/s", refresh=False)
                 bar.update()
     return runs, turns

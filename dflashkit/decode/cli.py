@@ -229,6 +229,27 @@ def offline_run(folder: str, for_rows: str = "") -> dict:
     return res
 
 
+def bench_journal(args, target, methods: list[str], prompts: list, sampling):
+    """The journal of this bench's finished runs, `<out>/runs.jsonl`, keyed by what the runs depend on."""
+    from pathlib import Path
+
+    from dflashkit.decode.journal import Journal
+    from dflashkit.fileio import sha256_file
+
+    weights = Path(args.drafter or "") / "model.safetensors"
+    settings = {"target": target.identity(), "dtype": str(target.dtype), "methods": methods, "engine": args.engine,
+                "prompts": [pid for pid, _ in prompts], "max_new_tokens": args.max_new_tokens,
+                "block_size": args.block_size, "sampling": repr(sampling), "threads": torch_threads(),
+                "drafter": sha256_file(weights) if args.drafter and weights.is_file() else args.drafter}
+    return Journal(Path(args.out) / "runs.jsonl", settings)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def cmd_bench(args) -> int:
     from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench, write_bench
     from dflashkit.decode.methods import needs_drafter
@@ -241,10 +262,15 @@ def cmd_bench(args) -> int:
     offline = offline_runs(args.offline or [])  # a bad run folder fails before the target loads
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
     check_offline(offline, target, args.drafter, args.block_size or (drafter.config.block_size if drafter else None))
+    journal = bench_journal(args, target, methods, prompts, sampling)
+    args.on_interrupt = (f"interrupted; the finished runs are in {journal.path}: the same command resumes from there "
+                         "(another --out starts anew)")
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, sampling=sampling, engine=args.engine,
-                       log=lambda m: print(m, file=sys.stderr), offline=offline, predict=not args.no_predict)
+                       log=lambda m: print(m, file=sys.stderr), offline=offline, predict=not args.no_predict,
+                       journal=journal)
     paths = write_bench(result, args.out)
+    journal.finish()
     print(bench_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))
     if result["mismatches"]:  # a failed check, not a mistake of the user's: exit 1 (docs/design.md section 11)

@@ -298,7 +298,8 @@ def register(sub) -> None:
         p.add_argument("--" + name.replace("_", "-"), default=DemoConfig.__dataclass_fields__[name].default, **kwargs)
     p.add_argument("--fresh", action="store_true", help="discard every cached stage and start over")
     add_threads_option(p)
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, on_interrupt="interrupted; every finished stage is kept, and `make demo` resumes from "
+                   "the first unfinished one")
 
 
 def cmd_demo(args) -> int:

@@ -16,7 +16,8 @@ def register(sub) -> None:
     p.add_argument("--print-config", action="store_true", help="print every setting with its value and exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override settings, e.g. lr=3e-4 steps=100")
     add_threads_option(p)
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, on_interrupt="interrupted; the run folder holds its last checkpoint, and the same "
+                   "command resumes from it")
 
     d = sub.add_parser("data", help="training data: regenerate responses with the target")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -39,7 +40,8 @@ def register(sub) -> None:
                    help="what answers: hf (transformers, batched) or, one prompt at a time, what you serve on (static, "
                    "llama.cpp, vllm): in bf16 each writes its own text, and an eval on it predicts that engine")
     add_threads_option(g)
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, on_interrupt="interrupted; the answers finished so far are in --out, and the "
+                   "same command resumes from there")
 
 
 def cmd_train(args) -> int:

@@ -1,0 +1,64 @@
+"""A bench's finished runs, appended as each one ends, so an interrupted bench loses nothing it finished and the
+same command resumes it (a bench on a demo suite is 10-25 minutes on a 2-core CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from dflashkit.errors import DFlashError
+
+FORMAT = "dflashkit-bench-journal/1"
+
+
+class Journal:
+    """`path`: a JSONL file whose first line is the bench's settings, then one finished run a line. A rerun with
+    the same settings continues it; other settings are refused by name; a last line cut off by a kill is dropped
+    (that run had not finished)."""
+
+    def __init__(self, path, settings: dict):
+        self.path, self.settings = Path(path), json.loads(json.dumps(settings))
+
+    def done(self) -> list[dict]:
+        """The runs an earlier, interrupted bench of these settings finished (none where there was none)."""
+        if not self.path.is_file():
+            return []
+        lines = self.path.read_text().splitlines()
+        try:
+            head = json.loads(lines[0]) if lines else {}
+        except json.JSONDecodeError:
+            head = {}
+        if head.get("format") != FORMAT:
+            raise DFlashError(f"{self.path}: not a bench journal (its first line); delete it to start over")
+        differ = sorted(k for k in set(head["settings"]) | set(self.settings)
+                        if head["settings"].get(k) != self.settings.get(k))
+        if differ:
+            raise DFlashError(f"{self.path} holds an interrupted bench of other settings ({', '.join(differ)} "
+                              "differ); rerun it as it was to finish it, pass another --out, or delete the file to "
+                              "start over")
+        runs = []
+        for line in lines[1:]:
+            try:
+                runs.append(json.loads(line))
+            except json.JSONDecodeError:  # cut off mid-write: that run had not finished
+                break
+        return runs
+
+    def start(self, restored: list[dict]) -> None:
+        """Rewrite the file as the header and the restored runs (a cut-off last line goes)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(x) + "\n" for x in [{"format": FORMAT, "settings": self.settings},
+                                                              *restored]))
+        os.replace(tmp, self.path)
+
+    def add(self, run: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(run) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def finish(self) -> None:
+        """The results are written: a rerun measures anew."""
+        self.path.unlink(missing_ok=True)
