@@ -217,6 +217,29 @@ def test_the_compiled_static_program_decodes_as_hf(tiny_dirs, dtype):
     assert set(state["static"].compile_s) == {1, 32, 4, 8, 16, 24}
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_the_compiled_program_on_v3_with_zens_tuning_verifies_as_it_steps(tiny_dirs):
+    """Issue 68: the compiled step on a level other than this CPU's own, its kernels built with Zen 1-3's tuning
+    planted: a 4-token verify's rows are its one-token steps bit for bit, and chain decodes as plain decoding does."""
+    from dflashkit import levels
+    from dflashkit.decode.static import StaticBackend, StaticDecoder
+    from dflashkit.decode.speculative import generate_ar, generate_chain
+
+    if not levels.runs_here("v3"):
+        pytest.skip("x86-64-v3 needs an x86 CPU with AVX2 and FMA")
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="float32")
+    ids = prompt(t)
+    d = StaticDecoder(t, 256, kernels="native", layer_ids=[1, 2], verify_width=4, level="v3", tune="znver3")
+    d.prefill(ids[:-4])
+    rows, _ = d.verify(torch.tensor(ids[-4:]), len(ids) - 4)
+    steps = torch.stack([d.forward(ids[i:i + 1], i) for i in range(len(ids) - 4, len(ids))])
+    assert torch.equal(rows, steps)
+    _, oracle = oracle_for(t, ids, 30)
+    plain = generate_ar(StaticBackend(d), ids, 30).tokens
+    assert generate_chain(StaticBackend(d), oracle, ids, 30).tokens == plain
+
+
 def test_a_narrower_level_is_one_setting_for_our_kernels_and_the_llama_cpp_peer(monkeypatch, tmp_path):
     """Issues 53 and 68: `--isa v3` on a wider CPU builds our kernels for x86-64-v3, tells torch to take its AVX2
     kernels, gives llama.cpp a build of its own (GGML_NATIVE off, AVX-512 off, same source), keys the probes apart,
