@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dflashkit.demo import DemoConfig
-from dflashkit.demo.plan import (BENCH_START_S, BENCH_TOKEN, EVAL_TOKEN, MARGIN, MIN_MINUTES, MIN_PROMPTS,
+from dflashkit.demo.plan import (BENCH_START_S, BENCH_TOKEN, COMPILE_S, EVAL_TOKEN, MARGIN, MIN_MINUTES, MIN_PROMPTS,
                                  TRAIN_OVERHEAD_S, estimates, refit, size, timed)
 
 RATES = {"row_s": 0.004, "token_s": 0.05, "spent_s": 30.0}
@@ -23,6 +23,8 @@ def test_estimates_scale_each_stages_work_by_the_measured_step():
     assert est["cache"] == pytest.approx(10 * 256 * 0.004 * (96 / 10) ** 0.5)  # 10 rows cost more per row
     assert est["train"] == 15 * 60 + TRAIN_OVERHEAD_S
     assert est["eval"] == pytest.approx(10 * 256 * EVAL_TOKEN * 0.05)
+    first = estimates(RATES, {**WORK, "first_compile": True}, 360, 15)  # eval probes the engines: a compile
+    assert first["eval"] == pytest.approx(est["eval"] + COMPILE_S) and first["data"] == est["data"]
     assert est["bench"] == pytest.approx(BENCH_START_S + 20_000 * BENCH_TOKEN * 0.05)
     slow = estimates({**RATES, "row_s": 0.008, "token_s": 0.1}, WORK, 360, 15)
     assert all(slow[k] > est[k] for k in ("data", "cache", "eval", "bench")) and slow["train"] == est["train"]

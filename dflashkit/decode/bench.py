@@ -155,8 +155,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     `engine`: the backend(s) our methods run on (auto, hf, static, or several joined by commas: one row per method
     and engine); every row records its engine, and each is held to plain decoding on its own engine. `references`:
     also ar@hf beside static and ar-stock where kernels are switched (a run's second suite can leave them out).
-    `journal` (decode/journal.Journal): each finished run appended as it ends, and an interrupted bench's runs
-    taken from it instead of measured again."""
+    `journal` (decode/journal.py): the finished runs, appended as they end, an interrupted bench's not run again."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")

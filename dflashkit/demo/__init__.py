@@ -7,7 +7,6 @@
     eval     offline: trained vs untrained vs first checkpoint, stride and walk anchors
     bench    online speculative decoding against the live target, on the eval suite and a held-out one
     report   report.md / report.json from what the stages wrote
-
 A rerun skips every stage whose inputs and outputs are unchanged (stages.py); plan.py sizes the run to the budget.
 """
 
@@ -70,6 +69,7 @@ class Paths:
 def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     from rich.console import Console
 
+    from dflashkit.decode.engine import probe_path
     from dflashkit.demo import plan
     from dflashkit.demo.report import write_report
     from dflashkit.targets.model import pick_device
@@ -85,7 +85,7 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     recipe, suites = load_recipe(cfg), demo_suites(cfg)
     rates = plan.timed(cfg, p.root / "plan.json", target, target.chat_ids(suites.train.items[0].messages), seconds,
                        console)
-    work = stage_work(cfg, p, suites)
+    work = {**stage_work(cfg, p, suites), "first_compile": not probe_path(target)[0].is_file()}  # eval's probe compiles
     prompts, minutes, note = plan.size(cfg, rates, work, len(suites.train.items))
     console.print(f"plan: {note}")
     sized = replace(cfg, train_prompts=prompts, minutes=minutes)
@@ -298,8 +298,7 @@ def register(sub) -> None:
         p.add_argument("--" + name.replace("_", "-"), default=DemoConfig.__dataclass_fields__[name].default, **kwargs)
     p.add_argument("--fresh", action="store_true", help="discard every cached stage and start over")
     add_threads_option(p)
-    p.set_defaults(func=cmd_demo, on_interrupt="interrupted; every finished stage is kept, and `make demo` resumes from "
-                   "the first unfinished one")
+    p.set_defaults(func=cmd_demo, on_interrupt="interrupted; finished stages are kept, and a rerun resumes")
 
 
 def cmd_demo(args) -> int:

@@ -1,9 +1,8 @@
-"""The demo's training prompts and minutes, sized to `budget_minutes` on this machine (one CPU took 71 minutes where
-another took 35). The demo times what its stages repeat, a batched greedy step and a one-token forward, and scales
-each stage's work by them. When all does not fit, the prompts shrink by sqrt(f) (f: the share of data and training
-time that fits) and training gets the rest, since a CPU drafter is bound by its data first (benchmarks/results/
-cpu-2026-12-02-recipe-ablation.md); once data and cache have run, training gets what they left. The timing is kept
-in `<out>/plan.json`: a rerun with the same settings sizes the demo the same way and keeps what it built.
+"""The demo's training prompts and minutes, sized to `budget_minutes` on this machine: it times what its stages repeat
+(a batched greedy step, a one-token forward) and scales each stage's work by them. When all does not fit, the prompts
+shrink by sqrt(f) (f: the share of data and training time that fits) and training gets the rest (a CPU drafter is
+bound by its data first); once data and cache have run, training gets what they left. `<out>/plan.json` keeps the
+timing: a rerun with the same settings sizes the demo the same way and keeps what it built.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ MIN_PROMPTS, MIN_MINUTES = 64, 3.0  # below these the drafter learns too little 
 # seconds per token in one-token forwards, from the demo runs in benchmarks/results (2-core Xeon bf16, Zen 3
 # float32, Zen 4 bf16: eval 0.2-0.6, bench 0.4-0.8); bench also chooses its backend, compiles and starts peers
 EVAL_TOKEN, BENCH_TOKEN, BENCH_START_S, TRAIN_OVERHEAD_S = 0.4, 0.5, 200.0, 10.0
+COMPILE_S = 200.0  # the static decoder's first compile, in eval's engine probe where none is cached (design.md)
 
 
 @torch.no_grad()
@@ -63,7 +63,7 @@ def estimates(rates: dict, work: dict, prompts: int, minutes: float) -> dict[str
     return {"data": generation(prompts, work["train_tokens"], work["batch"]),
             "cache": generation(work["eval_prompts"], work["eval_tokens"], work["eval_prompts"]),
             "train": 60 * minutes + TRAIN_OVERHEAD_S,
-            "eval": work["eval_prompts"] * work["eval_tokens"] * EVAL_TOKEN * rates["token_s"],
+            "eval": work["eval_prompts"] * work["eval_tokens"] * EVAL_TOKEN * rates["token_s"] + COMPILE_S * work.get("first_compile", 0),
             "bench": BENCH_START_S + work["bench_tokens"] * BENCH_TOKEN * rates["token_s"]}
 
 
