@@ -391,6 +391,8 @@ def summarize_methods(runs: list[dict], methods: list[str], block_size: int | No
     for m in methods:
         if is_engine(m):  # counted by the engine itself, not per round by us
             out[m]["tau"] = engine_tau([r for r in runs if r["method"] == m]) if m.endswith("-dflash") else None
+        if kind_of(m) in PEERS:  # transformers' loops are timed end to end: no split of a round
+            out[m].update(ms_per_round=None, split=None, overhead=None)
     add_ratios(out)
     return out
 
