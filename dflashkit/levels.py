@@ -1,5 +1,5 @@
-"""ISA levels: the named instruction sets our kernels are built for, instead of `-march=native`, so the library a
-user's CPU runs is one any test machine can build and run (docs/design.md, "ISA levels").
+"""ISA levels: the named instruction sets our kernels are built for, instead of the host CPU's own -march, so the
+library a user's CPU runs is one any test machine can build and run (docs/design.md, "Threads and ISA levels").
 
 A level is chosen once per process: the CLI's `--isa` (or $DFLASHKIT_ISA, read by the CLI alone) calls `choose`;
 otherwise the widest level this CPU runs. `chosen()` is what library code asks."""

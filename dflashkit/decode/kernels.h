@@ -9,8 +9,8 @@
 // The rule the bits rest on: every accumulation is written as a fused multiply-add BY NAME (fma() below: an
 // intrinsic where the ISA has one, else __builtin_fmaf lane by lane) or as a separate multiply and add, and the
 // library is built with -ffp-contract=off, so no compiler heuristic decides it. (-ffp-contract=fast only permits
-// fusing; GCC's Zen 1-3 tuning, which -march=native brings there, left single-chain loops unfused, and a verify row
-// came out 1 ulp off the one-token step.) The same sums in the same order at every ISA level: AVX-512 (16 lanes),
+// fusing; GCC's Zen 1-3 tuning, which a build for the host CPU brings there, left single-chain loops unfused, and a
+// verify row came out 1 ulp off the one-token step.) The same sums in the same order at every ISA level: AVX-512 (16 lanes),
 // x86-64-v3 (8 lanes) and the portable path (GCC vector extensions, no intrinsics: aarch64 or any x86-64) give the
 // same bits.
 #pragma once
