@@ -45,7 +45,7 @@ def test_every_stage_writes_its_outputs(demo_run):
     text = (out / "report.md").read_text()
     assert "## Online speculative decoding on `coding-10`" in text and "## Held-out suite `complete-12`" in text
     # bench's own report: every method with tau and its speedups, against the fastest plain decoder too
-    assert "| method | tau | tokens/s | speedup vs ar | vs fastest plain (ar) |" in text
+    assert "| method | backend | tau | tokens/s | speedup vs ar | vs fastest plain (ar) |" in text
     assert "Lossless check: every output equals plain greedy decoding token for token." in text
     assert "threads, torch" in text and "## Training" in text and "position-1 accuracy (train, last steps)" in text
     bench = json.loads((out / "bench/results.json").read_text())
