@@ -191,3 +191,29 @@ def test_features_recorded_while_generating_equal_a_forward_over_the_result(tiny
         assert got.shape == ref.shape == (len(seq), 2 * t.hidden_size)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert seen == set(range(len(prompts)))
+
+
+def test_a_damaged_prepared_target_is_prepared_again_with_one_line(tmp_path, monkeypatch, capsys):
+    """Issue 72: a prepared folder whose weights were truncated or replaced, or whose marker is garbage, loaded as if
+    whole; now it is named in one line and prepared again (here stopped where the conversion would start)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflashkit.targets import registry
+    from dflashkit.targets.model import weights_hash
+
+    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
+    out = registry.prepared_dir("smollm2-135m")
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    save_file({"w": torch.arange(64.0)}, out / "model.safetensors")
+    (out / registry.MARKER).write_text(json.dumps({"name": "smollm2-135m", "weights": weights_hash(out)}))
+    monkeypatch.setattr(registry, "_locate_gguf", lambda spec: (_ for _ in ()).throw(DFlashError("converting")))
+    assert registry.prepare("smollm2-135m") == out and capsys.readouterr().err == ""  # whole: used as it is
+    for damage, why in ((lambda: save_file({"w": torch.zeros(64)}, out / "model.safetensors"), "its weights are not"),
+                        (lambda: (out / registry.MARKER).write_text("{garbage"), "dflashkit-target.json unreadable")):
+        damage()
+        with pytest.raises(DFlashError, match="converting"):
+            registry.prepare("smollm2-135m")
+        assert f"target smollm2-135m: {out} is damaged ({why}" in capsys.readouterr().err

