@@ -14,6 +14,7 @@ import pytest
 from dflashkit import levels
 from dflashkit.decode import native
 from dflashkit.errors import DFlashError
+from dflashkit.fileio import sha256_file
 
 HERE = Path(__file__).parent
 CORE = [str(HERE / "kernel_bits.cpp"), f"-I{native.HERE}", "-O3", "-ffp-contract=off", "-std=c++20", "-Wno-psabi"]
@@ -106,7 +107,7 @@ def test_a_damaged_library_is_built_again_and_a_whole_one_is_not(tmp_path, monke
         built.append(level)
         lib.parent.mkdir(parents=True, exist_ok=True)
         lib.write_bytes(b"\x7fELF library " * 100)
-        lib.with_suffix(".sha256").write_text(native._digest(lib))
+        lib.with_suffix(".sha256").write_text(sha256_file(lib))
 
     monkeypatch.setattr(native, "_build", fake_build)
     lib = native.ensure_built("portable")

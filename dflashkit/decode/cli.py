@@ -233,21 +233,17 @@ def bench_journal(args, target, methods: list[str], prompts: list, sampling):
     """The journal of this bench's finished runs, `<out>/runs.jsonl`, keyed by what the runs depend on."""
     from pathlib import Path
 
+    import torch
+
     from dflashkit.decode.journal import Journal
     from dflashkit.fileio import sha256_file
 
     weights = Path(args.drafter or "") / "model.safetensors"
     settings = {"target": target.identity(), "dtype": str(target.dtype), "methods": methods, "engine": args.engine,
                 "prompts": [pid for pid, _ in prompts], "max_new_tokens": args.max_new_tokens,
-                "block_size": args.block_size, "sampling": repr(sampling), "threads": torch_threads(),
+                "block_size": args.block_size, "sampling": repr(sampling), "threads": torch.get_num_threads(),
                 "drafter": sha256_file(weights) if args.drafter and weights.is_file() else args.drafter}
     return Journal(Path(args.out) / "runs.jsonl", settings)
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def cmd_bench(args) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from dflashkit import levels
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import home
+from dflashkit.fileio import home, sha256_file
 
 HERE = Path(__file__).parent
 SOURCE, CORE = HERE / "native.cpp", HERE / "kernels.h"
@@ -64,10 +64,6 @@ def compile_command(out, level: str | None = None, tune: str | None = None) -> l
             *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _build(lib: Path, level: str, tune: str | None) -> None:
     """Compile to a temporary file, record its digest beside it, then rename both into place: a killed build leaves
     nothing a later run would load."""
@@ -80,7 +76,7 @@ def _build(lib: Path, level: str, tune: str | None) -> None:
                               f"kernels='reduce' meanwhile. The compiler said:\n{res.stderr[-3000:]}")
         digest = lib.with_suffix(".sha256")
         digest_tmp = Path(tmp + ".sha256")
-        digest_tmp.write_text(_digest(Path(tmp)))
+        digest_tmp.write_text(sha256_file(Path(tmp)))
         os.replace(tmp, lib)
         os.replace(digest_tmp, digest)
     except OSError as e:
@@ -95,7 +91,7 @@ def _intact(lib: Path) -> bool:
     """The library is the file its build wrote (a truncated or replaced one would crash the process on load)."""
     digest = lib.with_suffix(".sha256")
     try:
-        return lib.is_file() and digest.read_text().strip() == _digest(lib)
+        return lib.is_file() and digest.read_text().strip() == sha256_file(lib)
     except OSError:
         return False
 

@@ -567,14 +567,19 @@ def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: i
 
 
 @torch.no_grad()
+def _stops_and_pad(target, stop_ids) -> tuple[list[int], int]:
+    """transformers' generate wants the stop ids and a pad id (the tokenizer's, else the first stop id)."""
+    stops = sorted(set(target.stop_token_ids if stop_ids is None else stop_ids))
+    pad = target.tokenizer.pad_token_id
+    return stops, pad if pad is not None else (stops[0] if stops else 0)
+
+
 def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
                 lookup_tokens: int | None = None, stop_ids=None) -> Generation:
     """transformers' own `generate`: greedy/sampled (the second baseline) or its prompt-lookup decoding (the peer a
     user would otherwise pick); end-to-end time only."""
     timer = Timer(target.device)
-    stops = sorted(set(target.stop_token_ids if stop_ids is None else stop_ids))
-    pad = target.tokenizer.pad_token_id
-    pad = pad if pad is not None else (stops[0] if stops else 0)
+    stops, pad = _stops_and_pad(target, stop_ids)
     sampling = dict(do_sample=temperature > 0, temperature=temperature or None, top_k=None, top_p=None,
                     prompt_lookup_num_tokens=lookup_tokens)
     ids = torch.tensor([prompt_ids], device=target.device)
@@ -593,8 +598,7 @@ def generate_transformers_dflash(target, proposer, prompt_ids: list[int], max_ne
     from dflashkit.drafter.transformers_format import assistant
 
     timer, helper = Timer(target.device), assistant(proposer.drafter, target)
-    stops = sorted(set(target.stop_token_ids if stop_ids is None else stop_ids))
-    pad = target.tokenizer.pad_token_id
+    stops, pad = _stops_and_pad(target, stop_ids)
     ids = torch.tensor([prompt_ids], device=target.device)
     cached = []  # the target cache's length as each of its forwards starts: the prefill, then one per round
     hook = target.model.register_forward_pre_hook(lambda m, a, kw: cached.append(
@@ -603,7 +607,7 @@ def generate_transformers_dflash(target, proposer, prompt_ids: list[int], max_ne
         out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=helper,
                                     speculation_type="dflash", max_new_tokens=max_new_tokens, do_sample=False,
                                     top_k=None, top_p=None, temperature=None, eos_token_id=stops or None,
-                                    pad_token_id=pad if pad is not None else (stops[0] if stops else 0))
+                                    pad_token_id=pad)
     finally:
         hook.remove()
     tokens: list[int] = []
