@@ -1,9 +1,12 @@
-"""benchmarks/README.md indexes every script and every result file, so a figure can always be traced to its run."""
+"""benchmarks/README.md indexes every script and every result file, so a figure can always be traced to its run, and
+benchmarks/results keeps only current results: a new result replaces the one it supersedes (git history keeps it)."""
 
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
+MAX_RESULT_FILES = 80
+MAX_RESULT_BYTES = 3_000_000
 
 
 def listed_names(text: str) -> set[str]:
@@ -26,6 +29,17 @@ def test_every_script_and_result_is_listed():
     assert not results - names, f"benchmarks/README.md does not list these results: {sorted(results - names)}"
     stale = {n for n in names if n.startswith("cpu-") and n.endswith((".md", ".json", ".png"))} - results
     assert not stale, f"benchmarks/README.md lists results that do not exist: {sorted(stale)}"
+
+
+def test_results_folder_stays_bounded():
+    files = [p for p in (ROOT / "results").rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    assert len(files) <= MAX_RESULT_FILES, (
+        f"benchmarks/results holds {len(files)} files, more than {MAX_RESULT_FILES}: "
+        "git rm the results a new one supersedes (benchmarks/README.md)")
+    assert size <= MAX_RESULT_BYTES, (
+        f"benchmarks/results holds {size / 1e6:.2f} MB, more than {MAX_RESULT_BYTES / 1e6:g} MB: "
+        "git rm the results a new one supersedes, or keep a large run's raw records out of the tree")
 
 
 def test_listed_names_expands_braces():
