@@ -138,7 +138,7 @@ def test_a_damaged_probe_answer_is_timed_again_with_one_line(tiny_targets, tmp_p
         assert said[0].startswith(f"engine auto: {path} is damaged (field ") and "timing the backends again" in said[0]
         assert found["plain"] == "static" and found["speculative"] == "hf" and json.loads(path.read_text()) == found
     said = []
-    assert engines.real_probe(t, {}, said.append) == found and "remove it to measure again" in said[-1]
+    assert engines.real_probe(t, {}, said.append) == found and "--reprobe measures again" in said[-1]
     path.unlink()
     monkeypatch.setattr(fileio, "write_json", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
     said = []
@@ -156,6 +156,93 @@ def test_a_new_build_of_our_kernels_is_timed_again(tiny_targets, monkeypatch):
     assert "kernels native-" in record["static"] and engines.probe_path(t)[0] == path
     monkeypatch.setattr(native, "library_path", lambda *a: path.with_name("native-v3-0123456789abcdef.so"))
     assert engines.probe_path(t)[0] != path
+
+
+def fake_backends(monkeypatch, home) -> list:
+    """auto's probe on timings given here (hf the faster), under $DFLASHKIT_HOME `home`: the list counts its runs."""
+    from types import SimpleNamespace
+
+    from dflashkit.decode import cost, static
+
+    calls = []
+    monkeypatch.setenv("DFLASHKIT_HOME", str(home))
+    monkeypatch.setattr(cost, "measure_cost_curve", lambda *a, **k: calls.append(1) or (lambda n: 0.001))
+    monkeypatch.setattr(static, "decoder_for", lambda *a, **k: SimpleNamespace(step_s={1: 0.005, 8: 0.03}))
+    return calls
+
+
+def test_a_probe_measured_under_load_says_so_and_is_timed_again(tiny_targets, tmp_path, monkeypatch):
+    """Issue 72: an answer timed while other work kept the CPUs busy was cached like any other. Now its load is
+    recorded, one line names the file and the fix, and the next run times it again (then reads a quiet one)."""
+    import os
+
+    calls, t, said = fake_backends(monkeypatch, tmp_path), tiny_targets["llama"], []
+    path, threads, cpus = engines.probe_path(t)[0], torch.get_num_threads(), len(engines._usable_cpus())
+    monkeypatch.setattr(os, "getloadavg", lambda: (cpus + 3.0, 1.0, 1.0))  # no /proc/stat here (conftest)
+    found = engines.real_probe(t, {}, said.append)
+    assert found["load"] == {"start": cpus + 3.0, "end": cpus + 3.0, "cpus": cpus, "threads": threads,
+                             "others": cpus + 3.0, "loaded": True} == json.loads(path.read_text())["load"]
+    assert said[-1] == (f"engine auto: the probe was measured under load (load {cpus + 3:.1f} on {cpus} CPUs, loaded: "
+                        f"other work kept {cpus + 3:.1f} busy beside {threads} threads of ours): {path} is marked "
+                        "loaded and measured again by the next run; or rerun with --reprobe when the machine is quiet")
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.25, 1.0, 1.0))
+    assert engines.real_probe(t, {}, said.append)["load"]["loaded"] is False and len(calls) == 2
+    assert said[-2].endswith(f"; {path} was measured under load")
+    engines.real_probe(t, {}, said.append)
+    assert len(calls) == 2 and said[-1].startswith(f"engine auto -> hf (probe {found['measured_at'][:10]}")
+    assert f"load 0.2 on {cpus} CPUs, on " in said[-1]
+
+
+def test_the_load_is_other_work_s_cpus_not_our_own(monkeypatch):
+    """/proc/stat's busy jiffies less this process tree's: our own threads (or the work just before, which the
+    load average still counts) never make a measurement loaded; other work that takes the CPUs ours need does."""
+    tree_jiffies = engines._tree_jiffies
+    monkeypatch.setattr(engines, "_usable_cpus", lambda: [0, 1])
+    for busy, ours, threads, others, loaded in ((200, 200, 2, 0.0, False), (200, 100, 1, 1.0, False),
+                                                (190, 95, 1, 0.95, False), (200, 100, 2, 1.0, True),
+                                                (200, 10, 1, 1.9, True)):
+        counters = iter([(1000, 5000), (1000 + busy, 5200)])  # 1 s of 2 CPUs: 200 jiffies
+        tree = iter([300, 300 + ours])
+        monkeypatch.setattr(engines, "_cpu_times", lambda cpus: next(counters))
+        monkeypatch.setattr(engines, "_tree_jiffies", lambda: next(tree))
+        load = engines.measured_load(engines.load_sample(), threads)
+        assert (load["others"], load["loaded"]) == (others, loaded), (busy, ours, threads)
+    assert tree_jiffies() > 0  # this process has run
+
+
+def test_an_old_probe_without_its_load_still_reads(tiny_targets, tmp_path, monkeypatch):
+    calls, t, said = fake_backends(monkeypatch, tmp_path), tiny_targets["llama"], []
+    path, record = engines.probe_path(t)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**record, "plain": "static", "speculative": "hf", "measured_at": "2026-12-01 10:00:00"}))
+    assert engines.real_probe(t, {}, said.append)["plain"] == "static" and calls == []
+    assert said == [f"engine auto -> plain on static, speculative on hf (probe 2026-12-01 10:00, load not recorded, on "
+                    f"{record['cpu']}; {path}; --reprobe measures again)"]
+
+
+def test_reprobe_measures_again_and_reports_say_when_and_under_what_load(tiny_dirs, tiny_targets, tmp_path,
+                                                                         monkeypatch, capsys):
+    """Issue 70: `--reprobe` on generate and bench times the backends again, replacing the cached answer; bench's
+    header names auto's choice, the probe's time and its load."""
+    from dflashkit.cli import main
+    from dflashkit.decode.bench import bench_markdown, run_bench
+
+    calls = fake_backends(monkeypatch, tmp_path)
+    monkeypatch.setattr(engines, "probe", engines.real_probe)
+    argv = ["generate", "--target", str(tiny_dirs["llama"]), "--prompt", "hi", "--method", "ar", "--max-new-tokens", "2"]
+    for flags, runs in (([], 1), ([], 1), (["--reprobe"], 2)):
+        assert main(argv + flags) == 0 and len(calls) == runs
+    assert "--reprobe measures again" in capsys.readouterr().err
+    t = tiny_targets["llama"]
+    bench = lambda **kw: run_bench(t, None, [("p", t.chat_ids([{"role": "user", "content": "hi"}]))], ["ar"],
+                                   max_new_tokens=2, progress=False, warmup=False, predict=False, engine="auto",
+                                   cost=CostCurve([1, 32], [0.01, 0.02]), **kw)
+    res = bench(reprobe=True)
+    assert len(calls) == 3 and res["config"]["backends"] == {"ar": "hf"}
+    when = json.loads(engines.probe_path(t)[0].read_text())["measured_at"][:16]
+    assert f"threads; engine auto -> hf (probe {when}, load 0.0 on " in bench_markdown(res)
+    bench()
+    assert len(calls) == 3
 
 
 # The static step of one geometry, layers and width is compiled once per process (static.compiled_step), so the tests
@@ -184,7 +271,7 @@ def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets
 
     monkeypatch.setattr(static, "decoder_for", None)  # a second measurement would fail here (probe imports it)
     assert engines.real_probe(t, {}, said.append) == found
-    assert said[-1].startswith(f"engine auto: plain on {found['plain']}") and str(files[0]) in said[-1]
+    assert said[-1].startswith("engine auto -> ") and str(files[0]) in said[-1]
 
 
 @pytest.mark.slow

@@ -246,6 +246,32 @@ def test_the_cache_is_reused_and_keyed(tiny_dirs, tiny_targets, home, monkeypatc
         cost_model("hf", t, new_proposer(t), measure=False)  # another drafter shape: not cached
 
 
+def test_a_model_measured_under_load_is_marked_and_measured_again(tiny_targets, home, monkeypatch, capsys):
+    """Issue 72: a cost model measured under contention (3x slow) was cached with no note of the load. Now the load
+    is recorded, one line on stderr names the file and the fix, and the next call measures again (but where it
+    may not measure, the loaded one serves); an old file without a load is read as it was."""
+    import os
+
+    calls = []
+    monkeypatch.setitem(cm.PROBES, "hf", lambda target, proposer, state, log=None: calls.append(1) or FIXED)
+    t = tiny_targets["llama"]
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 1.0, 1.0))  # no /proc/stat (conftest): the load average
+    busy = cost_model("hf", t)
+    err = capsys.readouterr().err.splitlines()
+    assert busy.record["load"]["loaded"] and json.loads(busy.path.read_text())["record"]["load"]["start"] == 64.0
+    assert len(err) == 1 and err[0].startswith("cost model: hf was measured under load (load 64.0 on ")
+    assert f"{busy.path} is marked loaded" in err[0] and "`dflashkit cost --force` when the machine is quiet" in err[0]
+    assert cost_model("hf", t, measure=False).record["load"]["loaded"] and len(calls) == 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 1.0, 1.0))
+    assert not cost_model("hf", t).record["load"]["loaded"] and len(calls) == 2
+    assert capsys.readouterr().err == ""
+    old = json.loads(busy.path.read_text())
+    del old["record"]["load"]
+    busy.path.write_text(json.dumps(old))
+    assert "load" not in cost_model("hf", t).record and len(calls) == 2
+    assert "(load not recorded)" in "".join(cm.cost_markdown(cost_model("hf", t)))
+
+
 def new_proposer(t, block_size=4):
     from dflashkit.decode.speculative import DFlashProposer
 

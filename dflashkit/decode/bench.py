@@ -14,7 +14,7 @@ import torch
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, tree_cost_curve
 from dflashkit.decode.costmodel import SAMPLED, forward_sample
-from dflashkit.decode.engine import resolve
+from dflashkit.decode.engine import probe_note, resolve
 from dflashkit.decode.methods import ENGINE_METHODS, ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
 from dflashkit.decode.native import cflags, instruction_set
 from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, differences, engine_tau,
@@ -147,7 +147,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
               max_new_tokens: int = 128, block_size: int | None = None, sampling: Sampling = GREEDY,
               warmup: bool = True, progress: bool = True, cost: CostCurve | None = None, engine: str = "hf",
               log=None, offline: dict | None = None, predict: bool = True, references: bool = True,
-              journal=None) -> dict:
+              journal=None, reprobe: bool = False) -> dict:
     """prompts: (id, prompt token ids or a PromptItem, whose user turns each follow the method's own answer to the
     one before). Returns {"config", "cost", "methods": {name: summary}, "categories": {category: {name: summary}},
     "runs", "mismatches", "divergences"}. `cost`: a curve measured earlier on this target (else measured here, about
@@ -166,8 +166,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         curve = cost or tree_cost_curve(target, proposer.block_size if proposer else 4, extra=(9,))
         costs = cost_report(target, curve)
     # per run: the static decoder (one for every method: tree widths when a tree method runs; auto's probe builds
-    # the one the run then uses) and auto's choice
-    state: dict = {"trees": any(kind_of(m) in TREE_KINDS for m in methods), "log": log, "proposer": proposer}
+    # the one the run then uses) and auto's choice, its probe timed again with `reprobe` (the cached answer replaced)
+    state: dict = {"trees": any(kind_of(m) in TREE_KINDS for m in methods), "log": log, "proposer": proposer, "reprobe": reprobe}
     rows = engine_rows(target, methods, parse_engines(engine), state, log, references)
     ours = [m for m in rows if not is_engine(m)]
     methods = ours + [m for m in methods if is_engine(m)]
@@ -210,6 +210,7 @@ def _config(target, drafter, B, methods, engine, rows, state, prompts, categorie
     return {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
             "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
             "engine": engine, "backends": {label: e for label, (m, e) in rows.items()},
+            "auto": state.get("auto") and probe_note(state["auto"]),
             "threads": torch.get_num_threads(), "static_kernels": _kernels_built_for(state.get("static")),
             "prompts": [p for p, _ in prompts], "categories": categories,
             "turns": {pid: len(next(iter(t.values()))[0]) for pid, t in turns.items()}, "max_new_tokens": max_new_tokens,
@@ -444,7 +445,8 @@ def bench_markdown(result: dict) -> str:
              f"{len(c['prompts'])} prompts, up to {c['max_new_tokens']} new tokens, "
              f"{c.get('sampling') or 'temperature ' + str(c['temperature'])}, seed {c.get('seed')}, "
              f"block size {c['block_size']}; methods run in rotated order per prompt after a warm-up; "
-             f"{c.get('threads')} threads; backends: " + ", ".join(f"{m} on {e}" for m, e in (c.get("backends") or {}).items())
+             f"{c.get('threads')} threads; " + (f"{c['auto']}; " if c.get("auto") else "")
+             + "backends: " + ", ".join(f"{m} on {e}" for m, e in (c.get("backends") or {}).items())
              + (f"; static kernels: {c['static_kernels']}" if c.get("static_kernels") else "") + ".", ""]
     lines += cost_markdown(result.get("cost"))
     fastest = next(iter(result["methods"].values())).get("fastest_plain", "ar")

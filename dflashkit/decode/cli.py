@@ -9,6 +9,8 @@ from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METH
 from dflashkit.errors import DFlashError
 from dflashkit.threads import add_threads_option
 
+REPROBE_HELP = "auto: time the backends again (a probe cached from a busy hour), replacing the cached answer"
+
 
 def register(sub) -> None:
     g = sub.add_parser("generate", help="decode (ar, chain, ddtree, ngram, hybrid, prompt-lookup); lossless")
@@ -19,6 +21,7 @@ def register(sub) -> None:
                      "ShareGPT, z-lab turns, Spec-Bench; several joined by commas)")
     g.add_argument("--method", default="chain", help=f"one of {METHODS_HELP} (default chain)")
     g.add_argument("--engine", default="auto", choices=ENGINES, help=f"{ENGINE_HELP}; default auto")
+    g.add_argument("--reprobe", action="store_true", help=REPROBE_HELP)
     g.add_argument("--budget", type=int, default=8,
                    help="drafter tree nodes per round for a bare ddtree or hybrid, root excluded (default 8)")
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -35,6 +38,7 @@ def register(sub) -> None:
     b.add_argument("--methods", default=None, help=f"comma list (default {DEFAULT_METHODS})")
     b.add_argument("--engine", default="auto", help=f"{ENGINE_HELP}; several joined by commas (hf,static) run each "
                    "method on each, rows on the second named METHOD@ENGINE; default auto")
+    b.add_argument("--reprobe", action="store_true", help=REPROBE_HELP)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
     b.add_argument("--offline", metavar="[ENGINE=]RUN", action="append", help="an eval run of the drafter (best --anchors "
@@ -139,7 +143,7 @@ def cmd_generate(args) -> int:
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
     log = lambda m: print(m, file=sys.stderr)
     # the static decoder (compiled on the first prompt; auto's probe builds it for the drafter) and auto's choice
-    state: dict = {"proposer": proposer}
+    state: dict = {"proposer": proposer, "reprobe": args.reprobe}
     engine = resolve(args.engine, target, args.method, state, log)
     with kernels_for(target):  # hf's -auto pruning needs the cost of the kernels decoding runs
         cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
@@ -264,7 +268,7 @@ def cmd_bench(args) -> int:
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, sampling=sampling, engine=args.engine,
                        log=lambda m: print(m, file=sys.stderr), offline=offline, predict=not args.no_predict,
-                       journal=journal)
+                       journal=journal, reprobe=args.reprobe)
     paths = write_bench(result, args.out)
     journal.finish()
     print(bench_markdown(result))

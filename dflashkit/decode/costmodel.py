@@ -146,27 +146,31 @@ def check_model_engine(engine: str) -> None:
 def cost_model(engine: str, target, proposer=None, state: dict | None = None, force: bool = False, log=None,
                measure: bool = True) -> CostModel:
     """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now (and cached)
-    where none is or with `force`; not `measure`: a missing one is an error naming the command that measures it.
+    where none is, with `force`, or where the cached one was measured under load (decode/engine.py, measured_load;
+    then a line says so); not `measure`: a missing one is an error naming the command that measures it.
     `state`: a run's state (decode/engine.py)."""
+    from dflashkit.decode.engine import load_sample, loaded, measured_load, say_loaded
     from dflashkit.fileio import home, write_json
 
     check_model_engine(engine)
     key, record = model_key(target, engine, proposer)
     path = home() / "cost-model" / f"{engine}-{key}.json"
-    if path.is_file() and not force:
-        model = load_model(path)
-    elif not measure:
+    model = load_model(path) if path.is_file() and not force else None
+    if model is not None and not (measure and loaded(model.record)):
+        return model
+    if not measure:
         raise DFlashError(f"no {engine} cost model cached for this machine, target, dtype and threads ({path}); measure "
                           f"it once: `dflashkit cost --target {target.name} --engine {engine}"
                           + (" --drafter DIR`" if proposer is not None else "`"))
-    else:
-        (log or (lambda m: None))(f"cost model: measuring {engine} on this machine (cached in {path})")
-        t0 = time.perf_counter()
-        model = PROBES[engine](target, proposer, {} if state is None else state, log)
-        model.record = {**record, "probe_s": round(time.perf_counter() - t0, 1),
-                        "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        write_json(path, model.to_dict())
-        model.path = path
+    (log or (lambda m: None))(f"cost model: measuring {engine} on this machine (cached in {path})"
+                              + (" again: it was measured under load" if model else ""))
+    t0, start = time.perf_counter(), load_sample()
+    model = PROBES[engine](target, proposer, {} if state is None else state, log)
+    model.record = {**record, "probe_s": round(time.perf_counter() - t0, 1),
+                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "load": measured_load(start, record["threads"])}
+    write_json(path, model.to_dict())
+    model.path = path
+    say_loaded(f"cost model: {engine}", path, model.record["load"], "or `dflashkit cost --force`", log)
     return model
 
 
@@ -335,6 +339,7 @@ def in_window(model: CostModel, samples: list[dict]) -> CostModel:
 
 
 def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> list[str]:
+    from dflashkit.decode.engine import load_note
     from dflashkit.report import fmt, markdown_table
 
     one = model.forward(1)
@@ -345,7 +350,8 @@ def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> l
             markdown_table(["n tokens", "ms", "ratio to n=1"], rows, digits=3),
             f"Drafter call: {fmt(model.draft_ms, 2)} ms; the loop's own work per round: "
             + ", ".join(f"{k} {fmt(v, 2)} ms" for k, v in model.overhead_ms.items())
-            + (f". Measured {r['measured']} in {r.get('probe_s')} s" if r.get("measured") else "")
+            + (f". Measured {r['measured']} in {r.get('probe_s')} s ({load_note(r.get('load'))})" if r.get("measured")
+               else "")
             + (f"; cached in {model.path}" if model.path else "") + ".", ""]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -20,6 +21,7 @@ from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, parse_me
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import sha256_json
 from dflashkit import levels
+from dflashkit.threads import _cpu_times, _usable_cpus
 
 BACKENDS = ("hf", "static")  # what a probe may answer
 
@@ -56,7 +58,7 @@ def resolve(engine: str, target, method: str, state: dict, log=None) -> str:
     if "auto" not in state:
         if (why := static_refusal(target)) is not None:
             _say(log, f"engine auto: hf ({why})")
-            state["auto"] = {"plain": "hf", "speculative": "hf"}
+            state["auto"] = {"plain": "hf", "speculative": "hf", "why": why}
         else:
             state["auto"] = probe(target, state, log)
     return state["auto"]["plain" if kind == "ar" else "speculative"]
@@ -110,29 +112,95 @@ def cached_probe(path: Path, log=None) -> dict | None:
     return None
 
 
+def load_sample() -> tuple:
+    """What measured_load compares against: the 1-minute load average, /proc/stat's busy and total jiffies of the
+    usable CPUs, and the jiffies this process and its descendants ran, now."""
+    return os.getloadavg()[0], _cpu_times(_usable_cpus()), _tree_jiffies()
+
+
+def _tree_jiffies() -> int:
+    """CPU jiffies of this process and its descendants, live or reaped (inductor's compile workers, llama-bench)."""
+    kids, cpu = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            f = stat.read_text().rsplit(")", 1)[1].split()
+            kids.setdefault(int(f[1]), []).append(pid := int(stat.parent.name))
+            cpu[pid] = sum(map(int, f[11:15]))  # utime, stime, cutime, cstime
+    todo, total = [os.getpid()], 0
+    while todo:
+        total += cpu.get(pid := todo.pop(), 0)
+        todo += kids.get(pid, [])
+    return total
+
+
+def measured_load(start: tuple, threads: int) -> dict:
+    """The machine's load over a measurement begun at `start` (load_sample) on `threads` threads: the 1-minute load
+    average at its start and end, the usable CPUs, and `others`, the CPUs other processes kept busy meanwhile
+    (/proc/stat's busy jiffies of the usable CPUs less those of this process and its descendants; where /proc has
+    nothing, the load average at the start). Loaded: `others` > usable CPUs - `threads` (at least 0) + 0.5, i.e.
+    other work took CPUs the measurement's threads needed (a cost model measured beside a benchmark on 2 CPUs ran
+    3x slow). Not the load average itself: it counts this process's own work before the measurement too (after a
+    bench's runs, about its threads), so every cost model measured there would be called loaded. A loaded answer
+    is cached marked so, used for the run, and measured again by the next run."""
+    (load0, (b0, t0), j0), cpus = start, len(_usable_cpus())
+    (b1, t1), j1 = _cpu_times(_usable_cpus()), _tree_jiffies()
+    others = max(0.0, cpus * (b1 - b0 - (j1 - j0)) / (t1 - t0) if t1 > t0 else load0)
+    return {"start": round(load0, 2), "end": round(os.getloadavg()[0], 2), "cpus": cpus, "threads": threads,
+            "others": round(others, 2), "loaded": others > max(0, cpus - threads) + 0.5}
+
+
+def loaded(record: dict) -> bool:
+    return bool((record.get("load") or {}).get("loaded"))
+
+
+def load_note(load: dict | None) -> str:
+    """'load 0.4 on 2 CPUs' (the load average at the start; other work's CPUs where it was loaded)."""
+    if not load:
+        return "load not recorded"
+    return (f"load {load['start']:.1f} on {load['cpus']} CPUs" + (f", loaded: other work kept {load['others']:.1f} "
+            f"busy beside {load['threads']} threads of ours" if load.get("loaded") else ""))
+
+
+def say_loaded(what: str, path, load: dict, fix: str, log=None) -> None:
+    if load["loaded"]:
+        _say(log, f"{what} was measured under load ({load_note(load)}): {path} is marked loaded and measured again "
+                  f"by the next run; {fix} when the machine is quiet")
+
+
+def probe_note(found: dict, more: str = "") -> str:
+    """A report's header: 'engine auto -> static (probe 2026-12-07 03:10, load 0.4 on 2 CPUs)'."""
+    pick = found["plain"] if found["plain"] == found["speculative"] else \
+        f"plain on {found['plain']}, speculative on {found['speculative']}"
+    why = found.get("why") or (f"probe {found.get('measured_at', '')[:16] or 'at an unrecorded time'}, "
+                               + load_note(found.get("load")))
+    return f"engine auto -> {pick} ({why}{more})"
+
+
 def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     """Time both backends on this machine (cached under $DFLASHKIT_HOME/engine-probe): the one-token step (what
-    plain decoding runs) and one-token + 8-node verify (what a speculative round spends on the target)."""
+    plain decoding runs) and one-token + 8-node verify (what a speculative round spends on the target). `state`'s
+    "reprobe" (--reprobe) times them again; so does an answer measured under load (measured_load)."""
     from dflashkit.decode.cost import measure_cost_curve
     from dflashkit.decode.static import decoder_for
     from dflashkit.fileio import write_json
     from dflashkit.targets.invariant import kernels_for
 
     path, record = probe_path(target)
-    if found := cached_probe(path, log):
-        when = f" at {found['measured_at']}" if "measured_at" in found else ""
-        _say(log, f"engine auto: plain on {found['plain']}, speculative on {found['speculative']} (measured on "
-                  f"{found['cpu']}{when}; {path}; remove it to measure again)")
+    found = None if state.get("reprobe") else cached_probe(path, log)
+    if found and not loaded(found):
+        _say(log, probe_note(found, f", on {found['cpu']}; {path}; --reprobe measures again"))
         return found
-    _say(log, "engine auto: timing the hf and static backends on this machine (once; cached)")
-    t0 = time.perf_counter()
+    _say(log, "engine auto: timing the hf and static backends on this machine (once; cached)"
+         + (f"; {path} was measured under load" if found else ""))
+    t0, start = time.perf_counter(), load_sample()
     with kernels_for(target):
         curve = measure_cost_curve(target, ns=(1, 8), repeats=repeats)
     d = decoder_for(target, state, 512, state.get("proposer"), trees=True, log=log)  # the run's own decoder
     hf, static = {"1": curve(1), "8": curve(8)}, {"1": d.step_s[1], "8": d.step_s[8]}
     pick = lambda k: "static" if sum(static[x] for x in k) < sum(hf[x] for x in k) else "hf"
     found = {**record, "hf_s": hf, "static_s": static, "plain": pick(("1",)), "speculative": pick(("1", "8")),
-             "probe_s": round(time.perf_counter() - t0, 1), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+             "probe_s": round(time.perf_counter() - t0, 1), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+             "load": measured_load(start, record["threads"])}
     try:
         write_json(path, found)
     except OSError as e:  # the answer is good for this run: say so and go on
@@ -140,6 +208,7 @@ def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     _say(log, f"engine auto: plain on {found['plain']} (one token: hf {1e3 * hf['1']:.1f} ms, static "
               f"{1e3 * static['1']:.1f}), speculative on {found['speculative']} (8-node verify: hf "
               f"{1e3 * hf['8']:.1f} ms, static {1e3 * static['8']:.1f})")
+    say_loaded("engine auto: the probe", path, found["load"], "or rerun with --reprobe", log)
     return found
 
 
