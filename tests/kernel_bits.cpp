@@ -2,6 +2,7 @@
 // for every ISA level this machine runs, with Zen's tuning planted, and for aarch64 (run under qemu-user), so the
 // builds' bits can be compared where the CPUs they stand for are absent.
 // Writes every output's float32 bits to argv[1]; prints one line per exactness check: "NAME equal" or "NAME differs".
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
@@ -68,6 +69,63 @@ static void linears(W (*cast)(float), const char* name) {
   }
 }
 
+// A quantized matrix [outs, k] in linear_quant's order (static.quant_order) with random scales and quants, and its
+// dequantized copy in panel order, each weight widened as GGUF's reference does (a multiply, for q4_1 then an add)
+template <typename Q>
+static void quantized(int64_t outs, int64_t k, std::vector<uint8_t>& packed, std::vector<float>& copy) {
+  const int64_t nb = k / 32, scales = Q::SCALES;
+  std::vector<float> dense(outs * k);
+  for (int64_t p = 0; p < outs / 16; ++p)
+    for (int64_t b = 0; b < nb; ++b) {
+      float sc[2][16];  // d, m: multiples of 2^-12 below 1/16, as a half holds them
+      for (int64_t s = 0; s < scales; ++s)
+        for (auto& x : sc[s]) x = std::round(uniform() * 256) / 4096;
+      const auto* bytes = reinterpret_cast<const uint8_t*>(sc);
+      for (int64_t s = 0; s < scales; ++s) packed.insert(packed.end(), bytes + 64 * s, bytes + 64 * (s + 1));
+      for (int64_t i = 0; i < Q::QUANTS; ++i) packed.push_back(static_cast<uint8_t>(uniform() * 128 + 128));
+      const uint8_t* q = packed.data() + packed.size() - Q::QUANTS;
+      for (int64_t j = 0; j < 32; ++j)
+        for (int64_t o = 0; o < 16; ++o) {
+          float w;
+          if constexpr (std::is_same_v<Q, K::q8_0>) {
+            w = static_cast<float>(static_cast<int8_t>(q[j * 16 + o])) * sc[0][o];
+          } else {
+            const int nib = j % 2 ? q[j / 2 * 16 + o] >> 4 : q[j / 2 * 16 + o] & 15;
+            w = std::is_same_v<Q, K::q4_0> ? sc[0][o] * static_cast<float>(nib - 8) : sc[0][o] * static_cast<float>(nib);
+            if constexpr (std::is_same_v<Q, K::q4_1>) w = w + sc[1][o];
+          }
+          dense[(p * 16 + o) * k + b * 32 + j] = w;
+        }
+    }
+  copy = panels(dense, outs, k, as_float);
+}
+
+// Each quantized format against the float32 kernel over its dequantized copy (bit for bit), and each row of a call
+// with many against that row alone
+template <typename Q>
+static void quantized_linears(const char* name) {
+  for (auto [k, outs] : {std::pair<int64_t, int64_t>{64, 48}, {576, 160}}) {
+    const int64_t rows = 7;
+    std::vector<uint8_t> packed;
+    std::vector<float> copy;
+    quantized<Q>(outs, k, packed, copy);
+    const auto x = randoms(rows * k);
+    std::vector<float> y(rows * outs), ref(rows * outs), one(outs);
+    const auto* w = reinterpret_cast<const Q*>(packed.data());
+    K::linear(x.data(), w, y.data(), rows, outs, k);
+    K::linear(x.data(), copy.data(), ref.data(), rows, outs, k);
+    keep(y);
+    char label[64];
+    std::snprintf(label, sizeof label, "linear-%s-%lld-dequantized", name, static_cast<long long>(k));
+    check(label, y.data(), ref.data(), rows * outs);
+    for (int64_t r = 0; r < rows; r += 3) {
+      K::linear(x.data() + r * k, w, one.data(), 1, outs, k);
+      std::snprintf(label, sizeof label, "linear-%s-%lld-row%lld", name, static_cast<long long>(k), static_cast<long long>(r));
+      check(label, one.data(), y.data() + r * outs, outs);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s OUT\n", argv[0]);
@@ -75,6 +133,9 @@ int main(int argc, char** argv) {
   }
   linears(as_float, "f32");
   linears(as_bf16, "bf16");
+  quantized_linears<K::q8_0>("q8_0");
+  quantized_linears<K::q4_0>("q4_0");
+  quantized_linears<K::q4_1>("q4_1");
   // attention: a verify of a 4-token chain at slots 20..23 against one-token steps at each position, where the
   // chain's earlier keys are committed slots; 6 query heads over 2 KV heads, head_dim 64 (batched scores) and 48
   for (int64_t hd : {64, 48}) {

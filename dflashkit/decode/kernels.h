@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -75,10 +76,8 @@ inline f32x8 fma(f32x8 a, f32x8 b, f32x8 c) {
 }
 
 template <typename V>
-inline V splat(float x) {
-  V v;
-  for (unsigned i = 0; i < sizeof(V) / sizeof(float); ++i) v[i] = x;
-  return v;
+inline V splat(float x) {  // x - 0 is x, every bit of it (a lane-by-lane fill went through the stack)
+  return x - V{};
 }
 
 template <typename V>
@@ -212,11 +211,125 @@ struct Ahead {
   }
 };
 
+// ---- GGUF's quantized weights, kept in their format and widened in registers (static.quant_order packs them).
+// Each matrix in blocks of 32 inputs, as the file has them, repacked per panel: for each panel (16 outputs) and each
+// block of 32 inputs, the 16 outputs' scales widened to float32 (d, then for q4_1 the mins m), then the quants
+// [32 inputs][16 outputs] (q8_0: int8; q4_0, q4_1: a byte per output and pair of inputs, the even input's in the
+// low nibble). A weight is widened to the float32 value GGUF's reference dequantizer gives (d * q, for q4_1 then + m,
+// each rounded; d * q is exact, a half's 11 bits by at most 8, so q4_1's is one fused multiply-add), and the sums
+// run the float32 chain: the outputs are the float32 kernel's over a dequantized copy, bit for bit.
+struct q8_0 { static constexpr int64_t SCALES = 1, QUANTS = 32 * PANEL; };
+struct q4_0 { static constexpr int64_t SCALES = 1, QUANTS = 16 * PANEL; };
+struct q4_1 { static constexpr int64_t SCALES = 2, QUANTS = 16 * PANEL; };
+template <typename W>
+constexpr bool quantized = std::is_same_v<W, q8_0> || std::is_same_v<W, q4_0> || std::is_same_v<W, q4_1>;
+template <typename Q>
+constexpr int64_t BLOCK_BYTES = Q::SCALES * PANEL * 4 + Q::QUANTS;  // one panel's block of 32 inputs
+
+// A panel's place in w: `p` panels of k inputs on (a quantized matrix counts bytes)
+template <typename W>
+inline const W* panel_at(const W* w, int64_t p, int64_t k) {
+  if constexpr (quantized<W>)
+    return reinterpret_cast<const W*>(reinterpret_cast<const uint8_t*>(w) + p * (k / 32) * BLOCK_BYTES<W>);
+  else
+    return w + p * PANEL * k;
+}
+
+template <typename W>
+inline int64_t panel_bytes(int64_t k) {
+  if constexpr (quantized<W>)
+    return k / 32 * BLOCK_BYTES<W>;
+  else
+    return PANEL * k * static_cast<int64_t>(sizeof(W));
+}
+
+typedef int8_t i8xv __attribute__((vector_size(VL)));
+typedef uint8_t u8xv __attribute__((vector_size(VL)));
+typedef int32_t i32xv __attribute__((vector_size(4 * VL)));
+
+// VL bytes widened to int32 lanes, unsigned or signed (an intrinsic where there is one: GCC's generic conversion
+// went byte by byte through general registers)
+template <bool SIGNED>
+inline i32xv widen_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<i32xv>(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<i32xv>(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+  if constexpr (SIGNED) {
+    i8xv v;
+    std::memcpy(&v, p, sizeof v);
+    return __builtin_convertvector(v, i32xv);
+  } else {
+    u8xv v;
+    std::memcpy(&v, p, sizeof v);
+    return __builtin_convertvector(v, i32xv);
+  }
+#endif
+}
+
+// Vector v of a panel's weights at inputs i and i + 1 (i even), widened: w0, w1
+template <typename Q>
+inline void widen2(const uint8_t* panel, int64_t i, int v, lvec& w0, lvec& w1) {
+  const uint8_t* b = panel + (i / 32) * BLOCK_BYTES<Q>;
+  const int64_t j = i % 32;
+  const lvec d = load<lvec>(reinterpret_cast<const float*>(b) + v * VL);
+  const uint8_t* q = b + Q::SCALES * PANEL * 4 + v * VL;
+  if constexpr (std::is_same_v<Q, q8_0>) {
+    w0 = __builtin_convertvector(widen_bytes<true>(q + j * PANEL), lvec) * d;
+    w1 = __builtin_convertvector(widen_bytes<true>(q + (j + 1) * PANEL), lvec) * d;
+  } else {
+    const i32xv pair = widen_bytes<false>(q + j / 2 * PANEL);
+    i32xv lo = pair & 15, hi = pair >> 4;
+    if constexpr (std::is_same_v<Q, q4_0>) {
+      w0 = d * __builtin_convertvector(lo - 8, lvec);
+      w1 = d * __builtin_convertvector(hi - 8, lvec);
+    } else {
+      const lvec m = load<lvec>(reinterpret_cast<const float*>(b) + PANEL + v * VL);
+      w0 = fma(d, __builtin_convertvector(lo, lvec), m);  // d * q is exact (11 by 4 bits): one rounding either way
+      w1 = fma(d, __builtin_convertvector(hi, lvec), m);
+    }
+  }
+}
+
+// panel_block over quantized weights: the same chain per output (inputs in order, one fused multiply-add each),
+// two inputs a step so that a byte of nibbles is read once
+template <int R, int NP, typename Q>
+inline void panel_block_quant(const float* __restrict x, int64_t k, const Q* w, float* __restrict y, int64_t outs,
+                              int64_t k0, int64_t k1, Ahead& ahead) {
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(w);
+  const int64_t pb = panel_bytes<Q>(k);
+  lvec acc[R][NP * PV] = {};
+  for (int64_t i = k0; i < k1; i += 2) {
+    ahead.step();
+    ahead.step();
+    lvec x0[R], x1[R];
+    for (int r = 0; r < R; ++r) x0[r] = splat<lvec>(x[r * k + i]), x1[r] = splat<lvec>(x[r * k + i + 1]);
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < PV; ++v) {
+        lvec w0, w1;
+        widen2<Q>(base + p * pb, i, v, w0, w1);
+        for (int r = 0; r < R; ++r) acc[r][p * PV + v] = fma(x1[r], w1, fma(x0[r], w0, acc[r][p * PV + v]));
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NP * PV; ++v) {
+      float* out = y + r * outs + v * VL;
+      const lvec sum = k0 ? load<lvec>(out) + acc[r][v] : acc[r][v];
+      std::memcpy(out, &sum, sizeof sum);
+    }
+}
+
 // R rows against NP panels over inputs [k0, k1): a chain of fused multiply-adds from zero, then added to the sums of
 // the inputs before (y) or, at k0 = 0, written there
 template <int R, int NP, typename W>
 inline void panel_block(const float* __restrict x, int64_t k, const W* __restrict w, float* __restrict y,
                         int64_t outs, int64_t k0, int64_t k1, Ahead& ahead) {
+  if constexpr (quantized<W>) {
+    return panel_block_quant<R, NP>(x, k, w, y, outs, k0, k1, ahead);
+  } else {
   lvec acc[R][NP * PV] = {};
   for (int64_t i = k0; i < k1; ++i) {
     ahead.step();
@@ -234,6 +347,7 @@ inline void panel_block(const float* __restrict x, int64_t k, const W* __restric
       const lvec sum = k0 ? load<lvec>(out) + acc[r][v] : acc[r][v];
       std::memcpy(out, &sum, sizeof sum);
     }
+  }
 }
 
 // n rows (1..R) as one block
@@ -270,27 +384,33 @@ void linear(const float* x, const W* w, float* y, int64_t rows, int64_t outs, in
     int64_t p = lo;
     Ahead none{nullptr, 0, 0};
     if (rows == 1)  // one token: each weight read once, NP1 panels' chains in flight
-      for (; p + NP1 <= hi; p += NP1)
+      for (; p + NP1 <= hi; p += NP1) {
+        // quantized panels are short streams (7 KB, q4_1 at 576 inputs): the next group's come to L2 meanwhile
+        const int64_t lines = quantized<W> && p + 2 * NP1 <= hi ? NP1 * panel_bytes<W>(k) / 64 : 0;
+        Ahead next{reinterpret_cast<const char*>(panel_at(w, p + NP1, k)), lines, (lines + k - 1) / k};
         for (int64_t k0 = 0; k0 < k; k0 += KC)
-          panel_block<1, NP1>(x, k, w + p * PANEL * k, y + p * PANEL, outs, k0, std::min(k, k0 + KC), none);
+          panel_block<1, NP1>(x, k, panel_at(w, p, k), y + p * PANEL, outs, k0, std::min(k, k0 + KC), next);
+      }
     else
       for (; p + NPB <= hi; p += NPB) {
-        const int64_t lines = p + 2 * NPB <= hi ? NPB * PANEL * k * static_cast<int64_t>(sizeof(W)) / 64 : 0;
-        rows_against_panels<NPB>(x, w + p * PANEL * k, y + p * PANEL, rows, outs, k, w + (p + NPB) * PANEL * k, lines);
+        const int64_t lines = p + 2 * NPB <= hi ? NPB * panel_bytes<W>(k) / 64 : 0;
+        rows_against_panels<NPB>(x, panel_at(w, p, k), y + p * PANEL, rows, outs, k, panel_at(w, p + NPB, k), lines);
       }
-    for (; p < hi; ++p) rows_against_panels<1>(x, w + p * PANEL * k, y + p * PANEL, rows, outs, k, w, 0);
+    for (; p < hi; ++p) rows_against_panels<1>(x, panel_at(w, p, k), y + p * PANEL, rows, outs, k, w, 0);
   });
-  const W* wr = w + panels * PANEL * k;  // the last outputs, [k][rest]: the same chain a lane runs, in scalars
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t o = 0; o < rest; ++o) {
-      float sum = 0.0f;
-      for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        float acc = 0.0f;
-        for (int64_t i = k0; i < std::min(k, k0 + KC); ++i) acc = __builtin_fmaf(x[r * k + i], to_float(wr[i * rest + o]), acc);
-        sum = k0 ? sum + acc : acc;
+  if constexpr (!quantized<W>) {  // (a quantized matrix has its outputs in 16s: the caller checks)
+    const W* wr = w + panels * PANEL * k;  // the last outputs, [k][rest]: the same chain a lane runs, in scalars
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < rest; ++o) {
+        float sum = 0.0f;
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+          float acc = 0.0f;
+          for (int64_t i = k0; i < std::min(k, k0 + KC); ++i) acc = __builtin_fmaf(x[r * k + i], to_float(wr[i * rest + o]), acc);
+          sum = k0 ? sum + acc : acc;
+        }
+        y[r * outs + panels * PANEL + o] = sum;
       }
-      y[r * outs + panels * PANEL + o] = sum;
-    }
+  }
 }
 
 // ---- attention ------------------------------------------------------------------------------------------------

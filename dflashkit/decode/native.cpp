@@ -42,6 +42,31 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+// x against a quantized matrix of `outs` outputs (format: 0 q8_0, 1 q4_0, 2 q4_1), packed by static.quant_order into
+// the bytes w
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t outs) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "dflashkit::linear_quant: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "dflashkit::linear_quant: w must be contiguous bytes");
+  const int64_t k = x.size(-1);
+  static constexpr int64_t block[] = {K::BLOCK_BYTES<K::q8_0>, K::BLOCK_BYTES<K::q4_0>, K::BLOCK_BYTES<K::q4_1>};
+  TORCH_CHECK(0 <= format && format < 3, "dflashkit::linear_quant: format ", format, " is not 0 (q8_0), 1 (q4_0) or "
+              "2 (q4_1)");
+  TORCH_CHECK(k % 32 == 0 && outs % 16 == 0 && w.numel() == outs / 16 * (k / 32) * block[format],
+              "dflashkit::linear_quant: ", w.numel(), " bytes are not a packed ", outs, "x", k, " matrix");
+  auto xc = x.contiguous();
+  const int64_t rows = xc.numel() / k;
+  auto sizes = x.sizes().vec();
+  sizes.back() = outs;
+  auto y = xc.new_empty(sizes);
+  const float* xd = xc.data_ptr<float>();
+  const uint8_t* wd = w.data_ptr<uint8_t>();
+  float* yd = y.data_ptr<float>();
+  if (format == 0) K::linear(xd, reinterpret_cast<const K::q8_0*>(wd), yd, rows, outs, k);
+  if (format == 1) K::linear(xd, reinterpret_cast<const K::q4_0*>(wd), yd, rows, outs, k);
+  if (format == 2) K::linear(xd, reinterpret_cast<const K::q4_1*>(wd), yd, rows, outs, k);
+  return y;
+}
+
 // q [1, heads, n, hd], k and v the cache [1, kv_heads, slots, hd] (float32), start [1]: the committed slots every
 // row sees, path [n, W]: each row's own slots after them, -1 past its depth -> [1, heads, n, hd]
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& start,
@@ -199,11 +224,13 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& w) {
 DFLASHKIT_LIBRARY(DFLASHKIT_OPS, m) {
   m.def("linear(Tensor x, Tensor w) -> Tensor");
   m.def("linear_tiles(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor w, int format, int outs) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor start, Tensor path) -> Tensor");
 }
 
 DFLASHKIT_LIBRARY_IMPL(DFLASHKIT_OPS, m) {
   m.impl("linear", &linear);
   m.impl("linear_tiles", &linear_tiles);
+  m.impl("linear_quant", &linear_quant);
   m.impl("attend", &attend);
 }

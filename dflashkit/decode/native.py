@@ -127,6 +127,7 @@ def _load(level: str, tune: str | None) -> str:
     ns = namespace(level, tune)
     for op in ("linear", "linear_tiles"):
         torch.library.register_fake(f"{ns}::{op}")(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]))
+    torch.library.register_fake(f"{ns}::linear_quant")(lambda x, w, f, outs: x.new_empty(*x.shape[:-1], outs))
 
     @torch.library.register_fake(f"{ns}::attend")
     def _(q, k, v, start, path):
@@ -136,5 +137,5 @@ def _load(level: str, tune: str | None) -> str:
 
 
 def ops(level: str | None = None, tune: str | None = None):
-    """The operators of a level's build (loaded on first use): `.linear`, `.linear_tiles`, `.attend`."""
+    """The operators of a level's build (loaded on first use): `.linear`, `.linear_tiles`, `.linear_quant`, `.attend`."""
     return getattr(torch.ops, load(level, tune))

@@ -13,6 +13,7 @@ import time
 import types
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -76,18 +77,36 @@ class Geometry(NamedTuple):
         return s + [("o", (self.hidden, self.q_size)), ("gu", (2 * self.inter, self.hidden)),
                     ("down", (self.hidden, self.inter))]
 
-    def layout(self) -> tuple[dict, int, dict, int]:
+    def layout(self, formats: tuple = ()) -> tuple[dict, int, dict, int]:
         """Offsets in the arena: one layer's {name: (offset, shape)}, the distance between layers, the final
-        norm's and head's, and the arena's size."""
+        norm's and head's, and the arena's size. Matrices in `formats` (quantized) live in the other arena."""
         def place(entries, off):
             out = {}
             for name, shape in entries:
-                out[name] = (off, shape)
-                off += -(-torch.Size(shape).numel() // ALIGN) * ALIGN
+                if name not in dict(formats):
+                    out[name] = (off, shape)
+                    off += -(-torch.Size(shape).numel() // ALIGN) * ALIGN
             return out, off
         layer, stride = place(self.slots(), 0)
         tail, end = place([("norm", (self.hidden,)), ("head", (self.vocab, self.hidden))], stride * self.layers)
         return layer, stride, tail, end
+
+    def matrices(self) -> dict[str, tuple[int, int]]:
+        """The step's matrices: name -> (outputs, inputs)."""
+        return {"qkv": (self.q_size + 2 * self.kv_size, self.hidden), "o": (self.hidden, self.q_size),
+                "gu": (2 * self.inter, self.hidden), "down": (self.hidden, self.inter), "head": (self.vocab, self.hidden)}
+
+    def quant_layout(self, formats: tuple) -> tuple[dict, int, int]:
+        """Byte offsets of the quantized matrices: {name: (offset, outs)} of layer 0 (and the head's), the distance
+        between layers, the arena's size."""
+        sizes = {n: (o // 16 * (k // 32) * BLOCK_BYTES[f], o) for n, f in formats for o, k in [self.matrices()[n]]}
+        offs, off = {}, 0
+        for name in [n for n, _ in formats if n != "head"]:
+            offs[name], off = (off, sizes[name][1]), off + -(-sizes[name][0] // ALIGN) * ALIGN
+        stride, end = off, off * self.layers
+        if "head" in sizes:
+            offs["head"], end = (end, sizes["head"][1]), end + sizes["head"][0]
+        return offs, stride, end
 
 
 def _view(arena, off, shape):
@@ -214,11 +233,71 @@ def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
     return raw[start: start + nbytes].view(dtype)
 
 
-def pack_weights(target, geo: Geometry, kernels: str = "mm") -> torch.Tensor:
+# quantized formats as linear_quant numbers them, and the bytes of a panel's block of 32 inputs (kernels.h)
+QUANT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+BLOCK_BYTES = {"q8_0": 64 + 512, "q4_0": 64 + 256, "q4_1": 128 + 256}
+GGUF_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # a block of 32 in the file: f16 scale (and min), quants
+
+
+def quant_order(fmt: str, raw: np.ndarray) -> np.ndarray:
+    """GGUF blocks [outs, k / 32 * bytes] in the order linear_quant reads them (kernels.h): per panel of 16 outputs
+    and block of 32 inputs, the scales widened to float32 (d, and m for q4_1), then the quants [32 inputs][16
+    outputs], a 4-bit pair of inputs a byte (the even input low)."""
+    outs = raw.shape[0]
+    blocks = raw.reshape(outs // 16, 16, -1, GGUF_BYTES[fmt])  # [panel, output, block, bytes]
+    scales = 2 if fmt == "q4_1" else 1
+    parts = [blocks[..., 2 * i: 2 * i + 2].copy().view(np.float16).astype(np.float32)[..., 0].transpose(0, 2, 1)
+             for i in range(scales)]  # each [panel, block, 16]
+    q = blocks[..., 2 * scales:]
+    if fmt != "q8_0":  # the file's nibbles: inputs 0-15 low, 16-31 high
+        q = np.concatenate([q & 15, q >> 4], -1)
+        q = q[..., 0::2] | (q[..., 1::2] << 4)  # pairs of inputs: the even one low
+    q = q.transpose(0, 2, 3, 1)  # [panel, block, inputs (or pairs), 16 outputs]
+    flat = [np.ascontiguousarray(x).reshape(*x.shape[:2], -1).view(np.uint8) for x in (*parts, q)]
+    return np.concatenate(flat, -1).reshape(-1)
+
+
+def formats_of(target) -> tuple:
+    """((matrix, format), ...) of a target whose matrices are quantized (targets/formats.py), () for float ones;
+    one format per matrix across the layers, and q, k, v (gate, up) alike, as the step concatenates them."""
+    blocks = getattr(target, "blocks", None)
+    if not blocks:
+        return ()
+    parts = {"qkv": ("q", "k", "v"), "o": ("o",), "gu": ("gate", "up"), "down": ("down",)}
+    out = {"head": {blocks["head"].format}}
+    for name, mats in parts.items():
+        out[name] = {blocks[f"{i}.{m}"].format for i in range(len(target.decoder.layers)) for m in mats}
+    mixed = {n: sorted(f) for n, f in out.items() if len(f) > 1}
+    if mixed:
+        raise DFlashError(f"target {target.name}: the static step reads each of qkv, o, gate+up, down and the head in "
+                          f"one format; these mix: {mixed} (use --weights float or q8_0)")
+    return tuple((n, f.pop()) for n, f in out.items() if n != "head") + (("head", out["head"].pop()),)
+
+
+def pack_quant(target, geo: Geometry, formats: tuple) -> torch.Tensor:
+    """The quantized matrices in linear_quant's order, one byte buffer (quant_layout; empty without any)."""
+    if not formats:
+        return torch.zeros(0, dtype=torch.uint8)
+    offs, stride, size = geo.quant_layout(formats)
+    arena = _empty_arena(size, torch.uint8, target.device)
+    parts = {"qkv": ("q", "k", "v"), "o": ("o",), "gu": ("gate", "up"), "down": ("down",)}
+    for i in range(geo.layers):
+        for name, (off, _) in offs.items():
+            if name != "head":
+                raw = np.concatenate([target.blocks[f"{i}.{m}"].raw for m in parts[name]])
+                packed = torch.from_numpy(quant_order(dict(formats)[name], raw))
+                arena[i * stride + off: i * stride + off + packed.numel()].copy_(packed)
+    if "head" in offs:
+        packed = torch.from_numpy(quant_order(dict(formats)["head"], target.blocks["head"].raw))
+        arena[offs["head"][0]: offs["head"][0] + packed.numel()].copy_(packed)
+    return arena
+
+
+def pack_weights(target, geo: Geometry, kernels: str = "mm", formats: tuple = ()) -> torch.Tensor:
     """The target's weights in the step's layout, one buffer (its own copy: q, k, v and gate, up are
     concatenated, so a step reads each layer's weights as four matrices; for our kernels each matrix in the order
-    they read it, tiles or panels)."""
-    layer, stride, tail, size = geo.layout()
+    they read it, tiles or panels). Matrices in `formats` are left to pack_quant."""
+    layer, stride, tail, size = geo.layout(formats)
     arena = _empty_arena(size, target.dtype, target.device)
     order = {"tiles": tile_order, "native": panel_order}.get(kernels)
 
@@ -228,7 +307,8 @@ def pack_weights(target, geo: Geometry, kernels: str = "mm") -> torch.Tensor:
         for name, (off, shape) in layer.items():
             put(i * stride + off, shape, lw[name])
     for name, w in (("norm", target.final_norm.weight), ("head", target.lm_head.weight)):
-        put(*tail[name], w)
+        if name in tail:
+            put(*tail[name], w)
     return arena
 
 
@@ -297,8 +377,8 @@ def cpu_kernels(target, geo: Geometry) -> str:
     return "tiles" if tiles_run_here() and target.dtype == torch.bfloat16 and tiles_fit(geo) else "native"
 
 
-def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geometry, kernels: str, ops: str | None,
-         layer_ids):
+def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geometry, kernels: str,
+         ops: str | None, layer_ids, formats: tuple = ()):
     """The Llama step as a pure function of its inputs, so that decoders of one geometry share its compile and
     dynamo guards a handful of tensors, not every weight: the packed weights, the embedding table, rope's
     (cos, sin), the caches `kv` (per-layer K and V lists, written in place), ids [n] at absolute positions pos [n],
@@ -306,8 +386,17 @@ def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geom
     layers' hidden states of all n rows [1, n, len(layer_ids) * H]). What a row attends to: with native kernels,
     slots 0..pos[0]-1 and then its `path` [n, W] (attend_native); else the first len(`span`) slots (span =
     0..S-1) up to its position. `ops`: the op namespace of our kernels' build (kernel_pair)."""
-    layout, stride, tail, _ = geo.layout()
+    layout, stride, tail, _ = geo.layout(formats)
+    qlayout, qstride, _ = geo.quant_layout(formats) if formats else ({}, 0, 0)
     linear, attend = kernel_pair(kernels, ops)
+
+    def lin(x, i, name, w):  # a float matrix from the arena, or a quantized one's bytes (layer i; -1: the head)
+        if name not in qlayout:
+            return linear(x, w[name])
+        off, outs = qlayout[name]
+        off += max(i, 0) * qstride
+        size = outs // 16 * (x.shape[-1] // 32) * BLOCK_BYTES[dict(formats)[name]]
+        return getattr(torch.ops, ops).linear_quant(x, quants[off: off + size], QUANT_CODES[dict(formats)[name]], outs)
     n, eps, nh, kvh, hd = ids.shape[0], geo.eps, geo.heads, geo.kv_heads, geo.head_dim
     x = F.embedding(ids, embed)[None].float()
     cos, sin = rope[0][pos][None, None], rope[1][pos][None, None]
@@ -316,7 +405,7 @@ def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geom
     captured = {}
     for i in range(geo.layers):
         w = {name: _view(arena, i * stride + off, shape) for name, (off, shape) in layout.items()}
-        qkv = linear(_rms(x, w["n1"], eps), w["qkv"])
+        qkv = lin(_rms(x, w["n1"], eps), i, "qkv", w)
         if geo.bias:
             qkv = qkv + w["qkv_bias"].float()
         q, k, v = qkv.split([geo.q_size, geo.kv_size, geo.kv_size], -1)
@@ -328,25 +417,25 @@ def step(arena, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geom
         kv[1][i].index_copy_(2, slots, v.view(1, n, kvh, hd).transpose(1, 2))
         o = attend(q, kv[0][i], kv[1][i], pos[:1], path) if kernels in BY_PATH else \
             attend(q, kv[0][i][:, :, :S], kv[1][i][:, :, :S], mask, kvh)
-        x = x + linear(o.transpose(1, 2).reshape(1, n, geo.q_size), w["o"])
-        g, u = linear(_rms(x, w["n2"], eps), w["gu"]).chunk(2, -1)
-        x = x + linear(ACTIVATIONS[geo.act](g) * u, w["down"])
+        x = x + lin(o.transpose(1, 2).reshape(1, n, geo.q_size), i, "o", w)
+        g, u = lin(_rms(x, w["n2"], eps), i, "gu", w).chunk(2, -1)
+        x = x + lin(ACTIVATIONS[geo.act](g) * u, i, "down", w)
         if layer_ids is not None and i in layer_ids:
             captured[i] = x
-    norm, head = (_view(arena, *tail[k]) for k in ("norm", "head"))
-    logits = linear(_rms(x.index_select(1, keep), norm, eps), head)[0]
+    ends = {k: _view(arena, *tail[k]) for k in tail}
+    logits = lin(_rms(x.index_select(1, keep), ends["norm"], eps), -1, "head", ends)[0]
     return (logits, torch.cat([captured[i] for i in layer_ids], -1)) if layer_ids is not None else logits
 
 
 @functools.cache
 def compiled_step(geo: Geometry, kernels: str, layer_ids: tuple | None, device_type: str = "cpu", width: int = 0,
-                  ops: str | None = None):
+                  ops: str | None = None, formats: tuple = ()):
     """`step` for one geometry and width, compiled on its first call. One per geometry and width in a process,
     shared by every decoder of it; each width is its own copy of the function (dynamo keeps 8 compiled entries per
     function), so a decoder rebuilt for a longer run adds one entry to each, and seven widths fit."""
     code = step.__code__.replace(co_name=f"step_{width}")  # its own code object: dynamo counts entries per code
     f = types.FunctionType(code, step.__globals__, f"step_{width}")
-    f.__kwdefaults__ = {"geo": geo, "kernels": kernels, "ops": ops, "layer_ids": layer_ids}
+    f.__kwdefaults__ = {"geo": geo, "kernels": kernels, "ops": ops, "layer_ids": layer_ids, "formats": formats}
     return torch.compile(f, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS[device_type])
 
 
@@ -390,7 +479,9 @@ class StaticDecoder:
             ops = native.load(level, tune)
         dev = target.device
         self.target, self.max_len, self.kernels, self.ops = target, max_len, kernels, ops
-        self.arena, self.embed = pack_weights(target, geo, kernels), target.embed_tokens.weight
+        self.formats = formats_of(target) if kernels == "native" else ()  # quantized: in their blocks (kernels.h)
+        self.arena, self.embed = pack_weights(target, geo, kernels, self.formats), target.embed_tokens.weight
+        self.quants = pack_quant(target, geo, self.formats)
         self.rope = tuple(t.to(dev) for t in rope_tables(target, max_len))
         # activations and KV in float32, only weights in the target's dtype: inductor keeps or skips a bf16 rounding
         # between ops as it fuses them, differently per width; with none, verify rows equal the one-token step's.
@@ -414,8 +505,9 @@ class StaticDecoder:
         if dev.type == "cuda":
             for t in [self.arena, *self.kv[0], *self.kv[1]]:
                 torch._dynamo.mark_static_address(t)
-        self.steps = {w: compiled_step(geo, k, f, dev.type, w, ops if k in BY_PATH else None) if compile else
-                      functools.partial(step, geo=geo, kernels=k, ops=ops if k in BY_PATH else None, layer_ids=f)
+        self.steps = {w: compiled_step(geo, k, f, dev.type, w, ops if k in BY_PATH else None, self.formats)
+                      if compile else functools.partial(step, geo=geo, kernels=k, ops=ops if k in BY_PATH else None,
+                                                        layer_ids=f, formats=self.formats)
                       for w, (k, f) in kinds.items()}
         self.compile_s, self.step_s = {}, {}  # seconds per width: the first call's; a step's median, by warm()
 
@@ -559,7 +651,7 @@ class StaticDecoder:
             torch._dynamo.mark_dynamic(span_slots, 0, min=2, max=self.max_len)
             # a prompt chunk attends by mask, or on our kernels (which read weights mm cannot) as a chain
             path = chain_path(pos) if self.kernels in BY_PATH else pos[:, None]
-        args = (self.arena, self.embed, self.rope, self.kv, ids, pos, slots, path, keep, span_slots)
+        args = (self.arena, self.quants, self.embed, self.rope, self.kv, ids, pos, slots, path, keep, span_slots)
         if width in self.compile_s:  # the hot path: nothing timed
             return self.steps[width](*args)
         t0 = time.perf_counter()

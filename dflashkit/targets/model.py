@@ -97,6 +97,7 @@ class Target:
         self._capture: dict[int, torch.Tensor] | None = None
         self._recording = False  # inside recording(): hooks append every forward's output instead of keeping one
         self._weights_hash: str | None = None
+        self.weights, self.blocks = "float", {}  # quantized matrices, by targets/formats.apply
         for i, layer in enumerate(self.layers):
             layer.register_forward_hook(self._hook(i))
 
@@ -361,9 +362,11 @@ def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
     raise DFlashError("the target has no mask token, no spare embedding row and no unused special token; pass a mask id explicitly")
 
 
-def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = "auto", dtype=None) -> Target:
-    """Load a registry target or a local Hugging Face folder, offline, frozen. A low-precision CPU target's
-    linear-attention layers step their cached multi-token calls (targets/invariant.py)."""
+def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = "auto", dtype=None,
+                weights: str = "float") -> Target:
+    """Load a registry target or a local Hugging Face folder, offline, frozen, in `weights` (targets/formats.py:
+    float, gguf, q8_0, q4_0, q4_1, or auto). A low-precision CPU target's linear-attention layers step their cached
+    multi-token calls (targets/invariant.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name, path = resolve(name_or_path)
@@ -379,4 +382,7 @@ def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = 
     check_loading_info(path, info)
     target = Target(model.to(dev), tokenizer, path, name)
     step_linear_attention(target.model)
+    from dflashkit.targets.formats import apply
+
+    apply(target, weights)
     return target

@@ -1,0 +1,155 @@
+"""Weight formats a target runs in: its float dtype, or GGUF's quantized blocks (q8_0, q4_0, q4_1), kept in their
+format for the static backend's kernels and dequantized into the target's own parameters for everything else, so
+that every backend, extraction and evaluation compute one model (docs/design.md, "Weight formats").
+
+`gguf` takes the blocks of the file a registry target was prepared from (the shipped file's own formats: the values
+are the prepared float32 copy's, so outputs do not change); `q8_0`, `q4_0`, `q4_1` quantize a float target with
+GGUF's reference quantizer (another model, as llama.cpp's `llama-quantize` makes it)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflashkit.errors import DFlashError
+
+QUANTS = ("q8_0", "q4_0", "q4_1")
+WEIGHTS = ("auto", "float", "gguf", *QUANTS)
+# the target's matrices the static step reads, by its names, and llama.cpp's for layer tensors
+MATRICES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
+            "down": "ffn_down"}
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """One matrix [outs, k] in GGUF blocks of 32 inputs: `raw` [outs, k / 32 * bytes a block], the file's bytes."""
+
+    format: str
+    raw: np.ndarray
+    k: int
+
+    @property
+    def outs(self) -> int:
+        return self.raw.shape[0]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 values GGUF's reference dequantizer gives (the prepared copy's, bit for bit)."""
+        from gguf import dequantize
+
+        return torch.from_numpy(dequantize(self.raw, _qtype(self.format)).reshape(self.outs, self.k).copy())
+
+
+def _qtype(fmt: str):
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType[fmt.upper()]
+
+
+def _modules(target) -> dict:
+    """name -> the nn.Linear whose weight the static step reads (`L.q` ... `L.down` for layer L, `head`)."""
+    out = {"head": target.lm_head}
+    for i, layer in enumerate(target.decoder.layers):
+        a, p = layer.self_attn, layer.mlp
+        for name, m in zip(MATRICES, (a.q_proj, a.k_proj, a.v_proj, a.o_proj, p.gate_proj, p.up_proj, p.down_proj)):
+            out[f"{i}.{name}"] = m
+    return out
+
+
+def resolve(weights: str, target) -> str:
+    """`auto`: the file's own formats for a float32 target prepared from a GGUF, else the target's float dtype."""
+    if weights not in WEIGHTS:
+        raise DFlashError(f"--weights {weights!r}: use one of {', '.join(WEIGHTS)}")
+    if weights == "auto":
+        return "gguf" if target.dtype == torch.float32 and gguf_source(target) is not None else "float"
+    return weights
+
+
+def gguf_source(target) -> Path | None:
+    """The GGUF file a registry target was prepared from (its marker says which, with its digest), or None."""
+    from dflashkit.targets.registry import MARKER
+
+    try:
+        rec = json.loads((Path(target.path) / MARKER).read_text())
+        path = Path(rec["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if path.is_file() else None
+
+
+def _unpermute(raw: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of llama.cpp's q/k back in Hugging Face's order (its converter interleaves each head's two rotary halves;
+    transformers' GGUF loader undoes it the same way)."""
+    half = raw.shape[0] // heads // 2
+    return raw.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(raw.shape)
+
+
+def read_gguf(path: Path, target) -> dict[str, Blocks]:
+    """The matrices of a Llama-type GGUF in their own formats, by the names _modules gives."""
+    from gguf import GGUFReader
+
+    cfg, tensors = target.config, {t.name: t for t in GGUFReader(path).tensors}
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    names = {"head": head} | {f"{i}.{m}": f"blk.{i}.{g}.weight" for i in range(len(target.decoder.layers))
+                              for m, g in MATRICES.items()}
+    out = {}
+    for name, gname in names.items():
+        t = tensors.get(gname)
+        if t is None:
+            raise DFlashError(f"{path}: no tensor {gname}; --weights gguf reads Llama-type files (use --weights float)")
+        fmt = t.tensor_type.name.lower()
+        if fmt not in QUANTS:
+            raise DFlashError(f"{path}: tensor {gname} is {t.tensor_type.name}; --weights gguf keeps {', '.join(QUANTS)} "
+                              "(use --weights float, or q8_0 to quantize the float copy)")
+        raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)
+        if name.endswith((".q", ".k")):
+            heads = cfg.num_attention_heads if name.endswith(".q") else cfg.num_key_value_heads
+            raw = _unpermute(raw, heads)
+        out[name] = Blocks(fmt, np.ascontiguousarray(raw), int(t.shape[0]))
+    return out
+
+
+def quantize(w: torch.Tensor, fmt: str) -> Blocks:
+    """w [outs, k] in GGUF's blocks by its reference quantizer."""
+    from gguf import quantize as gguf_quantize
+
+    if w.shape[1] % 32:
+        raise DFlashError(f"a matrix of {w.shape[1]} inputs does not divide into {fmt}'s blocks of 32; use --weights float")
+    return Blocks(fmt, gguf_quantize(w.detach().float().numpy(), _qtype(fmt)), int(w.shape[1]))
+
+
+def apply(target, weights: str) -> str:
+    """Put the target in `weights` (resolved; see resolve): its matrices' blocks in `target.blocks` for the static
+    backend, their dequantized values in its own parameters for every other reader. Returns the resolved name."""
+    weights = resolve(weights, target)
+    target.weights, target.blocks = weights, {}
+    if weights == "float":
+        return weights
+    if target.dtype != torch.float32:
+        raise DFlashError(f"--weights {weights}: quantized weights widen to float32; load the target in float32 "
+                          "(--dtype float32) or use --weights float")
+    if target.device.type != "cpu":
+        raise DFlashError(f"--weights {weights}: quantized weights run on a CPU; target {target.name} is on "
+                          f"{target.device} (use --weights float)")
+    modules = _modules(target)
+    if weights == "gguf":
+        source = gguf_source(target)
+        if source is None:
+            raise DFlashError(f"--weights gguf: target {target.name} was not prepared from a GGUF file; use --weights "
+                              f"float or one of {', '.join(QUANTS)}")
+        blocks = read_gguf(source, target)
+    else:
+        blocks = {name: quantize(m.weight, weights) for name, m in modules.items()}
+    with torch.no_grad():
+        for name, b in blocks.items():
+            w = modules[name].weight
+            if tuple(w.shape) != (b.outs, b.k):
+                raise DFlashError(f"--weights {weights}: {name} is {b.outs}x{b.k} in the GGUF, {tuple(w.shape)} in "
+                                  f"target {target.name}; prepare the target again (dflashkit target prepare --force)")
+            w.copy_(b.dequantized().to(w.dtype))
+    target.blocks = blocks
+    target._weights_hash = None  # the values changed: caches keyed by the weights must see it
+    return weights

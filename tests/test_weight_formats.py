@@ -1,0 +1,176 @@
+"""Weight formats (issue 69): GGUF's q8_0, q4_0 and q4_1 kept in their blocks for the static backend's kernels and
+widened in registers; the outputs are the float32 kernels' over the dequantized copy, bit for bit, on every ISA
+level; a GGUF target's file is read as its own blocks; what cannot run is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
+
+from dflashkit import levels
+from dflashkit.decode import native
+from dflashkit.decode.speculative import generate_ar, generate_tree
+from dflashkit.decode.static import StaticBackend, StaticDecoder, panel_order, quant_order
+from dflashkit.errors import DFlashError
+from dflashkit.targets import formats
+from dflashkit.targets.model import load_target
+from dflashkit.targets.registry import MARKER
+
+BUILDS = [pytest.param((lv, None), id=lv) for lv in levels.runnable()] + \
+    ([pytest.param(("v3", "znver3"), id="v3-znver3")] if levels.runs_here("v3") else [])
+CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+
+
+def dequantized(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """What GGUF's reference quantizer and dequantizer make of w: the test's own straightforward copy."""
+    q = GGMLQuantizationType[fmt.upper()]
+    return torch.from_numpy(dequantize(quantize(w.numpy(), q), q).reshape(w.shape).copy())
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("fmt", formats.QUANTS)
+def test_each_format_is_the_float_kernel_over_its_dequantized_copy(fmt, build):
+    """linear_quant over a matrix in GGUF's blocks against the float32 linear over their dequantized values: equal bit
+    for bit, every row of a call with 1..13 rows equal to that row alone (passes of 128 inputs: k = 576)."""
+    ops = native.ops(*build)
+    for outs, k in ((48, 64), (160, 576)):
+        w = torch.randn(outs, k) * 0.05
+        raw = quantize(w.numpy(), GGMLQuantizationType[fmt.upper()])
+        packed = torch.from_numpy(quant_order(fmt, raw))
+        x = torch.randn(13, k)
+        y = ops.linear_quant(x, packed, CODES[fmt], outs)
+        assert torch.equal(y, ops.linear(x, panel_order(dequantized(w, fmt)).contiguous()))
+        for n in (1, 2, 5, 12):
+            assert torch.equal(ops.linear_quant(x[:n], packed, CODES[fmt], outs), y[:n]), (fmt, n)
+
+
+def test_a_packed_matrix_of_the_wrong_size_or_format_is_refused():
+    ops = native.ops()
+    raw = quantize(np.ones((16, 64), np.float32), GGMLQuantizationType.Q8_0)
+    packed = torch.from_numpy(quant_order("q8_0", raw))
+    with pytest.raises(RuntimeError, match="not a packed 32x64 matrix"):
+        ops.linear_quant(torch.randn(1, 64), packed, 0, 32)
+    with pytest.raises(RuntimeError, match="format 3 is not"):
+        ops.linear_quant(torch.randn(1, 64), packed, 3, 16)
+
+
+@pytest.mark.parametrize("fmt", formats.QUANTS)
+def test_a_quantized_target_decodes_as_its_dequantized_float_copy(tiny_dirs, fmt):
+    """The whole step: a target in `fmt` (its blocks in the kernels) against the float32 target holding the same
+    values (its own parameters, dequantized): prompt, verify rows and one-token steps bit for bit; and each verify row
+    is the quantized step's own one-token step (what speculation's exactness rests on)."""
+    from test_static_decoder import prompt, verify_against_steps
+
+    q = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights=fmt)
+    f = load_target(tiny_dirs["llama"], device="cpu", dtype="float32")
+    with torch.no_grad():
+        for a, b in zip(q.model.parameters(), f.model.parameters()):
+            b.copy_(a)
+    dq = StaticDecoder(q, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    df = StaticDecoder(f, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    assert dict(dq.formats) == {n: fmt for n in ("qkv", "o", "gu", "down", "head")} and df.formats == ()
+    assert dq.arena.numel() < df.arena.numel() and dq.quants.numel() > 0
+    (lq, sq), (lf, sf) = verify_against_steps(dq, prompt(q)), verify_against_steps(df, prompt(f))
+    assert torch.equal(lq, lf) and torch.equal(sq, sf) and torch.equal(lq, sq)
+    hf = q.model(torch.tensor([prompt(q)])).logits[0, -1]  # every other reader sees the same values
+    torch.testing.assert_close(sq[-1], hf, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_speculation_on_a_quantized_target_is_its_plain_greedy_output(tiny_dirs, fmt):
+    """Trees on the quantized steps equal their own plain decoding, token for token, with an oracle drafter whose
+    planted mistakes the trees recover."""
+    from dflashkit.decode.speculative import tree_drafts
+    from helpers import Oracle
+    from test_static_decoder import prompt
+
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights=fmt)
+    ids, layers, B = prompt(t), [1, 2], 4
+    plain = generate_ar(StaticBackend(StaticDecoder(t, 128, compile=False)), ids, 40).tokens
+    d = StaticDecoder(t, 128, compile=False, layer_ids=layers, trees=True)
+    d.warm(timed=1)
+    oracle = Oracle(ids + plain + [0] * B, B, t.vocab_size, {len(ids) + k for k in (3, 8, 13)}, layers)
+    g = generate_tree(StaticBackend(d), tree_drafts("ddtree-8", oracle, cost=d.tree_cost), ids, 40, method="ddtree-8")
+    assert g.tokens == plain and max(g.accepted) >= B
+
+
+def write_gguf(target, path, types: dict[str, str]):
+    """The target's matrices as llama.cpp's converter writes them (q and k rows interleaved per head for its RoPE),
+    each in the format `types` names for it (by the llama.cpp tensor name's kind: 'attn_q', 'token_embd', ...)."""
+    cfg, w = target.config, GGUFWriter(str(path), "llama")
+
+    def permute(m, heads):
+        return m.reshape(heads, 2, m.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(m.shape)
+    tensors = {"token_embd.weight": target.embed_tokens.weight}
+    for i, layer in enumerate(target.decoder.layers):
+        a, p = layer.self_attn, layer.mlp
+        for kind, m in zip(formats.MATRICES.values(), (a.q_proj, a.k_proj, a.v_proj, a.o_proj, p.gate_proj,
+                                                       p.up_proj, p.down_proj)):
+            tensors[f"blk.{i}.{kind}.weight"] = m.weight
+    for name, t in tensors.items():
+        m = t.detach().float().numpy()
+        if ".attn_q." in name or ".attn_k." in name:
+            m = permute(m, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
+        kind = GGMLQuantizationType[types.get(name.split(".")[-2], "q8_0").upper()]
+        w.add_tensor(name, quantize(np.ascontiguousarray(m), kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def gguf_target(tiny_dirs, tmp_path, types: dict[str, str]):
+    """A copy of the tiny llama folder marked as prepared from a GGUF of its own weights."""
+    folder = tmp_path / "prepared"
+    shutil.copytree(tiny_dirs["llama"], folder)
+    source = tmp_path / "tiny.gguf"
+    write_gguf(load_target(folder, device="cpu", dtype="float32"), source, types)
+    (folder / MARKER).write_text(json.dumps({"name": "tiny", "source": str(source)}))
+    return folder
+
+
+def test_gguf_weights_are_the_files_own_blocks_in_the_targets_order(tiny_dirs, tmp_path):
+    """--weights gguf reads each matrix's blocks from the file the target was prepared from, q and k rows put back in
+    the order transformers loads them: the values are GGUF's dequantized ones of the target's own weights, and the
+    target holds them (auto picks gguf for such a float32 target; a float target stays float)."""
+    folder = gguf_target(tiny_dirs, tmp_path, {"attn_q": "q4_1", "attn_k": "q4_1", "attn_v": "q4_1"})
+    original = load_target(folder, device="cpu", dtype="float32")
+    t = load_target(folder, device="cpu", dtype="float32", weights="auto")
+    assert t.weights == "gguf" and t.blocks["0.q"].format == "q4_1" and t.blocks["0.o"].format == "q8_0"
+    a = original.decoder.layers[1].self_attn
+    for name, fmt, w in (("1.q", "q4_1", a.q_proj.weight), ("1.k", "q4_1", a.k_proj.weight),
+                         ("1.o", "q8_0", a.o_proj.weight), ("head", "q8_0", original.lm_head.weight)):
+        assert torch.equal(t.blocks[name].dequantized(), dequantized(w, fmt)), name
+    assert torch.equal(t.decoder.layers[1].self_attn.k_proj.weight, dequantized(a.k_proj.weight, "q4_1"))
+    assert load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights="auto").weights == "float"
+
+
+def test_what_the_formats_cannot_run_is_refused_by_name(tiny_dirs, tmp_path):
+    with pytest.raises(DFlashError, match="--weights gguf: target llama was not prepared from a GGUF file"):
+        load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights="gguf")
+    with pytest.raises(DFlashError, match="quantized weights widen to float32.*--dtype float32"):
+        load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16", weights="q8_0")
+    with pytest.raises(DFlashError, match="--weights 'q5_0': use one of auto, float, gguf, q8_0, q4_0, q4_1"):
+        load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights="q5_0")
+    folder = gguf_target(tiny_dirs, tmp_path, {"ffn_down": "f16"})
+    with pytest.raises(DFlashError, match=r"tensor blk.0.ffn_down.weight is F16; --weights gguf keeps q8_0"):
+        load_target(folder, device="cpu", dtype="float32", weights="gguf")
+    mixed = gguf_target(tiny_dirs, tmp_path / "mixed", {"attn_q": "q4_0"})  # q in q4_0, k and v in q8_0
+    t = load_target(mixed, device="cpu", dtype="float32", weights="gguf")
+    with pytest.raises(DFlashError, match=r"these mix: \{'qkv': \['q4_0', 'q8_0'\]\}"):
+        StaticDecoder(t, 128, kernels="native", compile=False)
+
+
+@pytest.mark.e2e
+def test_the_shipped_files_blocks_are_the_prepared_float32_copy(smollm2):
+    """The embedded default ships as Q4_1 (its head Q8_0): its blocks, read as they are, hold exactly the values of
+    the float32 copy `target prepare` wrote, so --weights gguf decodes the same model."""
+    t = load_target("smollm2-135m", device="cpu", dtype="float32", weights="gguf")
+    assert {b.format for b in t.blocks.values()} == {"q4_1", "q8_0"}
+    for name, m in formats._modules(smollm2).items():
+        assert torch.equal(t.blocks[name].dequantized(), m.weight), name
