@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
+from dflashkit.targets.formats import add_weights_option
 
 ENGINE_CHOICES = "auto, hf, static, llama.cpp or vllm"
 
@@ -29,6 +30,7 @@ def register(sub) -> None:
     c.add_argument("--device", default="auto")
     c.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
                    "float32 | bfloat16")
+    add_weights_option(c)
     c.add_argument("--out", default="runs/cost", help="folder for cost.json, cost.md and cost.png")
     c.add_argument("--json", action="store_true", help="print the cost models as JSON")
     c.add_argument("--force", action="store_true", help="measure again, replacing the cached model")
@@ -86,7 +88,7 @@ def cmd_cost(args) -> int:
     from dflashkit.targets.model import load_target
 
     names = engines_of(args.engine)  # a wrong name fails before the target loads
-    target = load_target(args.target, device=args.device, dtype=args.dtype)  # in the dtype decoding runs it
+    target = load_target(args.target, device=args.device, dtype=args.dtype, weights=args.weights)  # as decoding runs it
     models = models_for(names, target, args.drafter, force=args.force)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

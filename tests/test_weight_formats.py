@@ -167,6 +167,7 @@ def test_what_the_formats_cannot_run_is_refused_by_name(tiny_dirs, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_the_shipped_files_blocks_are_the_prepared_float32_copy(smollm2):
     """The embedded default ships as Q4_1 (its head Q8_0): its blocks, read as they are, hold exactly the values of
     the float32 copy `target prepare` wrote, so --weights gguf decodes the same model."""
@@ -174,3 +175,35 @@ def test_the_shipped_files_blocks_are_the_prepared_float32_copy(smollm2):
     assert {b.format for b in t.blocks.values()} == {"q4_1", "q8_0"}
     for name, m in formats._modules(smollm2).items():
         assert torch.equal(t.blocks[name].dequantized(), m.weight), name
+
+
+def test_a_quantized_target_is_another_target_to_caches_and_the_same_to_its_drafter(tiny_dirs):
+    """A cache extracted at q8_0 records it (its features are another model's) and is refused for the float target;
+    a GGUF target's own blocks are its float copy's values, so its identity is the float one's."""
+    from dflashkit.targets.model import check_same_target
+
+    f = load_target(tiny_dirs["llama"], device="cpu", dtype="float32")
+    q = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights="q8_0")
+    assert f.identity()["weights"] == "float" and q.identity()["weights"] == "q8_0"
+    with pytest.raises(DFlashError, match=r"made with target llama in q8_0 .* \(they differ in weights\)"):
+        check_same_target(q.identity(), f.identity(), "cache c", "extract it again")
+    check_same_target(f.identity(), {**q.identity(), "weights": None}, "drafter d", "")  # what load_drafter checks
+
+
+@pytest.mark.e2e
+def test_generate_and_bench_take_weights_and_say_which_ran(tiny_dirs, tmp_path, capsys):
+    """--weights on the CLI: the static backend (compiled, as users run it) decodes the quantized blocks, and bench's
+    header names them."""
+    from dflashkit.cli import main
+
+    base = ["--target", str(tiny_dirs["llama"]), "--dtype", "float32", "--weights", "q4_1", "--engine", "static",
+            "--max-new-tokens", "6", "--prompts", "coding-10", "--num-prompts", "1"]
+    assert main(["generate", *base, "--method", "ar", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["engine"] == "static"
+    assert main(["bench", *base, "--methods", "ar,ngram", "--no-predict", "--out", str(tmp_path / "b")]) == 0
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert res["config"]["weights"] == "q4_1: q4_1 (head q4_1), widened to float32" and res["mismatches"] == []
+    assert "weights q4_1: q4_1 (head q4_1), widened to float32" in (tmp_path / "b" / "report.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["generate", *base[:4], "--weights", "q5_0", "--prompt", "hi"])
+    assert "invalid choice: 'q5_0'" in capsys.readouterr().err

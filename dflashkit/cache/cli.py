@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from dflashkit.targets.cli import target_layers_arg
+from dflashkit.targets.formats import add_weights_option
 from dflashkit.threads import add_threads_option
 
 
@@ -31,6 +32,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on CUDA and on CPUs with native bf16 dot products, else float32), float32, "
                    "bfloat16, float16")
+    add_weights_option(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--linear-attention", default="auto", choices=["auto", "torch", "torch-recurrent", "fla"],
                    help="gated-delta-rule backend of hybrid targets (recorded in the manifest)")
@@ -75,7 +77,7 @@ def cmd_extract(args) -> int:
 
     suite = select_prompts(args.prompts, args.num_prompts, args.per_category)
     d = init_distributed(args.device)  # under torchrun: one GPU per rank (cuda:LOCAL_RANK), or the CPU
-    target = load_target(args.target, device=str(d.device), dtype=args.dtype)
+    target = load_target(args.target, device=str(d.device), dtype=args.dtype, weights=args.weights)
     extract(target, suite, args.out, layer_ids=args.target_layers, max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size, linear_attention=args.linear_attention, progress=not args.quiet,
             enable_thinking=args.thinking, completions_from=args.completions_from,

@@ -19,6 +19,7 @@ from dflashkit.decode.methods import ENGINE_METHODS, ENGINES, STATIC_KINDS, TREE
 from dflashkit.decode.native import cflags, instruction_set
 from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, differences, engine_tau,
                                    is_engine, plain_of, predicted_tau, EnginePeer)
+from dflashkit.targets.formats import describe as describe_weights
 from dflashkit.decode.predict import (measured_decode_tps, predict_bench, predicted_engine, predicted_markdown,
                                      predicted_plot)
 from dflashkit.decode.records import TRANSFORMERS as PEERS, kind_of, plain_row  # PEERS: transformers' own loops
@@ -208,7 +209,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
 def _config(target, drafter, B, methods, engine, rows, state, prompts, categories, turns, max_new_tokens,
             sampling: Sampling) -> dict:
     return {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
-            "dtype": str(target.dtype).removeprefix("torch."), "block_size": B, "methods": methods,
+            "dtype": str(target.dtype).removeprefix("torch."), "weights": describe_weights(target), "block_size": B,
+            "methods": methods,
             "engine": engine, "backends": {label: e for label, (m, e) in rows.items()},
             "auto": state.get("auto") and probe_note(state["auto"]),
             "threads": torch.get_num_threads(), "static_kernels": _kernels_built_for(state.get("static")),
@@ -439,9 +441,18 @@ def add_ratios(summary: dict) -> None:
                  ceiling=ratio((s["tau"] or 0) * (t_ar or 0), fwd))
 
 
+def bench_weights(c: dict) -> str:
+    """The header's note of quantized weights, and that llama.cpp's rows run the same ones."""
+    weights = f"; weights {c['weights']}" if "widened" in c.get("weights", "") else ""
+    if weights and any(m.startswith("llama.cpp") for m in c["methods"]):
+        weights += ", llama.cpp on the same weights" + (" (the file itself)" if c["weights"].startswith("gguf") else "")
+    return weights
+
+
 def bench_markdown(result: dict) -> str:
     c = result["config"]
-    lines = [f"# Decoding benchmark: {c['target']} on {c['device']} ({c['dtype']})", "",
+    weights = bench_weights(c)
+    lines = [f"# Decoding benchmark: {c['target']} on {c['device']} ({c['dtype']}{weights})", "",
              f"{len(c['prompts'])} prompts, up to {c['max_new_tokens']} new tokens, "
              f"{c.get('sampling') or 'temperature ' + str(c['temperature'])}, seed {c.get('seed')}, "
              f"block size {c['block_size']}; methods run in rotated order per prompt after a warm-up; "

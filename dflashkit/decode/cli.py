@@ -7,6 +7,7 @@ import sys
 
 from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METHODS_HELP
 from dflashkit.errors import DFlashError
+from dflashkit.targets.formats import add_weights_option
 from dflashkit.threads import add_threads_option
 
 REPROBE_HELP = "auto: time the backends again (a probe cached from a busy hour), replacing the cached answer"
@@ -73,6 +74,7 @@ def _common(p) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
                    "float32 | bfloat16")
+    add_weights_option(p)
     add_threads_option(p)
 
 
@@ -96,7 +98,7 @@ def _check(args):
 def _load(args, need_drafter: bool):
     from dflashkit.targets.model import load_target
 
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    target = load_target(args.target, device=args.device, dtype=args.dtype, weights=args.weights)
     drafter = None
     if args.drafter:
         from dflashkit.drafter.checkpoint import load_drafter

@@ -35,6 +35,7 @@ class DemoConfig:
     target: str = "smollm2-135m"
     device: str = "auto"
     dtype: str = "auto"  # float32 forces the float32 path on a bf16 CPU (to measure what an AVX2-only CPU sees)
+    weights: str = "auto"  # auto: the shipped GGUF's own blocks (Q4_1), widened to float32 (targets/formats.py)
     minutes: float = 15.0  # training time box, before the budget fits it
     budget_minutes: float | None = 40.0  # the whole demo on this machine (plan.py); None or 0: the sizes as given
     recipe: str = RECIPE  # the training settings (a `dflashkit train --config` file)
@@ -60,10 +61,9 @@ class Paths:
     """Where each stage writes, under the demo's out folder."""
 
     def __init__(self, root: Path, eval_suite: str):
-        self.root, self.data, self.eval_cache = root, root / "cache" / "train", root / "cache" / eval_suite
-        self.train, self.drafters = root / "train", root / "drafters"
+        self.root, self.data, self.eval_cache, self.train = root, root / "cache" / "train", root / "cache" / eval_suite, root / "train"
+        self.drafters, self.eval, self.bench, self.holdout = root / "drafters", root / "eval", root / "bench", root / "bench-holdout"
         self.first, self.untrained = self.drafters / "first-checkpoint", self.drafters / "untrained"
-        self.eval, self.bench, self.holdout = root / "eval", root / "bench", root / "bench-holdout"
 
 
 def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
@@ -94,8 +94,8 @@ def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
         runner.run(stage)
     took = {s: runner.timings[s]["seconds"] for s in ("data", "cache")}
     sized = replace(sized, minutes=plan.refit(cfg, rates, runner.estimates, took))
-    note += f"; after data and cache took {sum(took.values()):.0f} s, training gets {sized.minutes:g} minutes"
     console.print(f"plan: training gets {sized.minutes:g} minutes")
+    note += f"; after data and cache took {sum(took.values()):.0f} s, training gets {sized.minutes:g} minutes"
     runner.estimates = plan.estimates(rates, work, prompts, sized.minutes)
     for stage in declare_stages(sized, p, target, recipe, device)[2:]:
         runner.run(stage)
@@ -178,7 +178,8 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
 
 def numeric_settings(target) -> dict:
     """What changes a stage's numbers besides its inputs ("kernels", eager since 2026-12-05, keeps older caches)."""
-    return {"dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device), "kernels": "eager"}
+    return {"dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device), "kernels": "eager",
+            **({"weights": target.weights} if target.weights != "float" else {})}
 
 
 def load_demo_target(cfg: DemoConfig):
@@ -189,7 +190,7 @@ def load_demo_target(cfg: DemoConfig):
     t0 = time.time()
     if cfg.target in REGISTRY:
         prepare(cfg.target)
-    return load_target(cfg.target, device=cfg.device, dtype=cfg.dtype), time.time() - t0
+    return load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights), time.time() - t0
 
 
 def load_recipe(cfg: DemoConfig, overrides: dict | None = None):
@@ -278,6 +279,7 @@ OPTIONS = {
     "budget_minutes": {"type": float, "help": "size training data and time to fit the demo here (0: as given)"},
     "device": {"help": "auto (CUDA when present) | cpu | cuda"},
     "dtype": {"help": "auto (bf16 on CUDA and on CPUs with native bf16, else float32) | float32 | bfloat16"},
+    "weights": {"help": "auto (the shipped GGUF's own blocks, widened to float32) | float | gguf | q8_0 | q4_0 | q4_1"},
     "target": {"help": "the target model"}, "recipe": {"help": "training settings file or shipped name"},
     "out": {"help": "where the demo writes"},
     "train_prompts": {"type": int, "help": "train-mix prompts nearest the eval suite's topic (0: all 664)"},

@@ -13,8 +13,7 @@ from dflashkit.report import markdown_table
 DRAFTERS, ANCHORS = ("trained", "first-checkpoint", "untrained"), ("stride", "walk")
 
 
-def load(path: Path) -> dict:
-    """A stage's JSON output, {} when the stage has not written it (a corrupt file is a clear error)."""
+def load(path: Path) -> dict:  # a stage's JSON output, {} when the stage has not written it (a corrupt one: an error)
     return read_json(path, fix="rerun `dflashkit demo` to rebuild it") if path.is_file() else {}
 
 
@@ -38,8 +37,7 @@ def bench_section(root: Path, folder: str, title: str) -> list[str]:
 
     head, _, body = bench_markdown(load(root / folder / "results.json")).partition("\n")
     body = re.sub(r"^##", "###", body, flags=re.M).replace("](", f"]({folder}/")
-    plots = {"speedup": "speedup"}  # (bench's own report links its predicted.png)
-    images = [f"![{alt}]({folder}/{name}.png)" for name, alt in plots.items() if (root / folder / f"{name}.png").is_file()]
+    images = [f"![speedup]({folder}/speedup.png)"] if (root / folder / "speedup.png").is_file() else []  # (and bench's own)
     return [f"## {title}", "", f"{head.lstrip('# ')}.", body, *images, ""]
 
 
@@ -50,10 +48,8 @@ def offline_table(offline: dict) -> str:
 
 
 def timings_table(timings: dict) -> str:
-    rows = []
-    for name, t in timings.items():
-        ratio = t["seconds"] / t["estimate_s"] if t.get("estimate_s") else None
-        rows.append([name, t["seconds"], t.get("estimate_s"), ratio, t["skipped"], " / ".join(map(str, t["settings"].values()))])
+    rows = [[name, t["seconds"], t.get("estimate_s"), t["seconds"] / t["estimate_s"] if t.get("estimate_s") else None,
+             t["skipped"], " / ".join(map(str, t["settings"].values()))] for name, t in timings.items()]
     return markdown_table(["stage", "seconds", "estimated s", "actual / estimate", "skipped", "built with"], rows)
 
 
@@ -61,6 +57,7 @@ def write_report(root: Path, cfg, target, timings: dict, plan: str) -> dict:
     """report.md and report.json; returns the lines for the console."""
     from dflashkit.decode.engine import machine_key
     from dflashkit.targets.invariant import describe_kernels
+    from dflashkit.targets.formats import describe
     from dflashkit.targets.model import dtype_reason
 
     m = machine_key(target)[1]
@@ -70,7 +67,8 @@ def write_report(root: Path, cfg, target, timings: dict, plan: str) -> dict:
     lines = ["# dflashkit demo report", "",
              f"Target `{cfg.target}` on `{target.device}`, {m['cpu'] or 'unknown CPU'} ({', '.join(m['flags']) or '-'}), "
              f"{m['threads']} threads, torch {m['torch']}; eval suite `{cfg.eval_suite}`.", "",
-             f"Numerics: dtype {dtype_reason(target.dtype, target.device, cfg.dtype)}. Decoding kernels: "
+             f"Numerics: dtype {dtype_reason(target.dtype, target.device, cfg.dtype)}; weights "
+             f"{describe(target)}. Decoding kernels: "
              f"{describe_kernels(target.model)}.", "", f"Plan: {plan}.", "",
              "## Offline evaluation (eval cache, temperature 0)", "",
              "ddtree-4/ddtree-8 = DDTree node-budget trees budget:4/8 (the paper's tree, docs/design.md section 5).", "",

@@ -96,7 +96,8 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
     if target is not None:
         check_against_target(cfg, target, str(cfg_file))
         if con and con.get("target") and same_target:
-            check_same_target(con["target"], target.identity(), f"drafter {path} (its {CONTRACT_FILE})",
+            # the same weights in another format (a quantized target as served) keep the drafter's target
+            check_same_target(con["target"], {**target.identity(), "weights": None}, f"drafter {path} (its {CONTRACT_FILE})",
                               "use it with the target it was trained for, or train a drafter for this target "
                               "(a warm start from it: same_target=False)")
         if not cfg.vocab_size:

@@ -23,7 +23,7 @@ from dflashkit.engines.install import LlamaCpp, engines_home, require
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_path, sha256_json
 
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "q8_0": "q8_0"}
 
 
 @dataclass
@@ -62,7 +62,18 @@ def convert(engine: LlamaCpp, hf_dir: Path, dtype: str, out: Path, target_dir: P
 
 
 def target_gguf(engine: LlamaCpp, target, dtype: str) -> Path:
-    """The target's weights as a GGUF in `dtype`, cached by the target's identity (same weights, same file)."""
+    """The target's weights as llama.cpp runs them, in the format ours run: a GGUF target's own file (--weights gguf:
+    the very file, e.g. the default's Q4_1), q8_0 by llama.cpp's converter (the same reference quantizer as ours),
+    else converted in `dtype`; cached by the target's identity (same weights, same file)."""
+    from dflashkit.targets.formats import gguf_source
+
+    weights = getattr(target, "weights", "float")
+    if weights == "gguf":
+        return gguf_source(target.path)
+    if weights in ("q4_0", "q4_1"):
+        raise DFlashError(f"llama.cpp beside --weights {weights}: its converter writes q8_0 only (a 4-bit file needs "
+                          "llama-quantize); bench a GGUF target's own file (--weights gguf) or q8_0")
+    dtype = weights if weights == "q8_0" else dtype
     key = sha256_json(target.identity())[:16]
     return convert(engine, Path(target.path), dtype, gguf_dir() / f"{target.name}-{key}-{GGUF_TYPES[dtype]}.gguf")
 

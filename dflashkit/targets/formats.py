@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from dflashkit.errors import DFlashError
+
+if TYPE_CHECKING:  # torch loads with a target, not with the CLI's parser
+    import torch
 
 QUANTS = ("q8_0", "q4_0", "q4_1")
 WEIGHTS = ("auto", "float", "gguf", *QUANTS)
@@ -38,9 +41,17 @@ class Blocks:
 
     def dequantized(self) -> torch.Tensor:
         """The float32 values GGUF's reference dequantizer gives (the prepared copy's, bit for bit)."""
+        import torch
         from gguf import dequantize
 
         return torch.from_numpy(dequantize(self.raw, _qtype(self.format)).reshape(self.outs, self.k).copy())
+
+
+def add_weights_option(p) -> None:
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="the target's weight format: float (its --dtype), gguf (a GGUF target's own blocks, e.g. the "
+                   "default's Q4_1: the same values as its float32 copy), q8_0 | q4_0 | q4_1 (quantized here, as "
+                   "llama-quantize does: another model); auto = gguf for a GGUF target on a CPU, else float")
 
 
 def _qtype(fmt: str):
@@ -64,16 +75,16 @@ def resolve(weights: str, target) -> str:
     if weights not in WEIGHTS:
         raise DFlashError(f"--weights {weights!r}: use one of {', '.join(WEIGHTS)}")
     if weights == "auto":
-        return "gguf" if target.dtype == torch.float32 and gguf_source(target) is not None else "float"
+        return "gguf" if str(target.dtype) == "torch.float32" and gguf_source(target.path) is not None else "float"
     return weights
 
 
-def gguf_source(target) -> Path | None:
-    """The GGUF file a registry target was prepared from (its marker says which, with its digest), or None."""
+def gguf_source(folder) -> Path | None:
+    """The GGUF file a prepared target folder was prepared from (its marker says which), or None."""
     from dflashkit.targets.registry import MARKER
 
     try:
-        rec = json.loads((Path(target.path) / MARKER).read_text())
+        rec = json.loads((Path(folder) / MARKER).read_text())
         path = Path(rec["source"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -124,6 +135,8 @@ def quantize(w: torch.Tensor, fmt: str) -> Blocks:
 def apply(target, weights: str) -> str:
     """Put the target in `weights` (resolved; see resolve): its matrices' blocks in `target.blocks` for the static
     backend, their dequantized values in its own parameters for every other reader. Returns the resolved name."""
+    import torch
+
     weights = resolve(weights, target)
     target.weights, target.blocks = weights, {}
     if weights == "float":
@@ -136,7 +149,7 @@ def apply(target, weights: str) -> str:
                           f"{target.device} (use --weights float)")
     modules = _modules(target)
     if weights == "gguf":
-        source = gguf_source(target)
+        source = gguf_source(target.path)
         if source is None:
             raise DFlashError(f"--weights gguf: target {target.name} was not prepared from a GGUF file; use --weights "
                               f"float or one of {', '.join(QUANTS)}")
@@ -151,5 +164,13 @@ def apply(target, weights: str) -> str:
                                   f"target {target.name}; prepare the target again (dflashkit target prepare --force)")
             w.copy_(b.dequantized().to(w.dtype))
     target.blocks = blocks
-    target._weights_hash = None  # the values changed: caches keyed by the weights must see it
     return weights
+
+
+def describe(target) -> str:
+    """For reports: the weights a target runs in."""
+    if not target.blocks:
+        return f"{str(target.dtype).removeprefix('torch.')} (float)"
+    kinds = sorted({b.format for b in target.blocks.values()})
+    head = target.blocks["head"].format
+    return f"{target.weights}: {'/'.join(kinds)} (head {head}), widened to float32"

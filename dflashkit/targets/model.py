@@ -129,7 +129,8 @@ class Target:
         cfg = json.loads((self.path / "config.json").read_text())
         if self._weights_hash is None:
             self._weights_hash = weights_hash(self.path) or state_dict_hash(self.model)
-        return {"name": self.name, "path": str(self.path.resolve()), "weights_hash": self._weights_hash,
+        quant = self.weights if self.weights in ("q8_0", "q4_0", "q4_1") else "float"  # gguf: the float copy's values
+        return {"name": self.name, "path": str(self.path.resolve()), "weights_hash": self._weights_hash, "weights": quant,
                 "config_hash": sha256_json(cfg)[:16], "architecture": self.architecture, "num_layers": self.num_layers,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "mask_token_id": self.mask_token_id}
 
@@ -226,7 +227,7 @@ class Target:
 
 # ---- identity: the weights, not only the config ---------------------------------------------------------
 
-IDENTITY_KEYS = ("weights_hash", "config_hash", "architecture", "num_layers", "hidden_size", "vocab_size")
+IDENTITY_KEYS = ("weights_hash", "weights", "config_hash", "architecture", "num_layers", "hidden_size", "vocab_size")
 
 
 def weight_files(path) -> list[Path]:
@@ -280,7 +281,8 @@ def state_dict_hash(model) -> str:
 def describe_identity(ident: dict | None) -> str:
     ident = ident or {}
     where = f", {ident['path']}" if ident.get("path") else ""
-    return (f"{ident.get('name')} (weights {ident.get('weights_hash') or 'not recorded'}, "
+    fmt = f" in {ident['weights']}" if ident.get("weights") not in (None, "float") else ""
+    return (f"{ident.get('name')}{fmt} (weights {ident.get('weights_hash') or 'not recorded'}, "
             f"config {ident.get('config_hash')}{where})")
 
 
@@ -369,9 +371,13 @@ def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = 
     multi-token calls (targets/invariant.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflashkit.targets.formats import apply, gguf_source
+
     name, path = resolve(name_or_path)
     dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
+    # a GGUF target's own blocks widen to float32 (faster than bf16 copies, and the file's values): auto's dtype then
+    gguf = weights == "auto" and dtype in (None, "auto") and dev.type == "cpu" and gguf_source(path) is not None
+    dt = torch.float32 if gguf else pick_dtype(dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         # a VL checkpoint (Qwen3.5 and its MoE) loads as its text model: transformers maps model.language_model.* on
@@ -382,7 +388,5 @@ def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = 
     check_loading_info(path, info)
     target = Target(model.to(dev), tokenizer, path, name)
     step_linear_attention(target.model)
-    from dflashkit.targets.formats import apply
-
     apply(target, weights)
     return target
