@@ -269,6 +269,10 @@ ADDED_DECAY = 0.9  # per drafted round: a mean over about ten, not a moving aver
 # not, up to RETRY_MOST: while off it costs at most one drafter call in RETRY_MOST + 1 rounds (a random drafter: 1
 # round in 10 drafting after a warm-up of about 30 rounds, tests/test_fallback.py)
 RETRY, RETRY_MOST = 8, 64
+# the cut's calibration: per depth, what the kept nodes promised (their summed probabilities: P(reaching it)) against
+# what the target accepted, decayed over about the last 20 drafted rounds, from a prior of PRIOR rounds that kept
+# their promises
+CALIBRATION_DECAY, CALIBRATION_PRIOR = 0.95, 2.0
 
 
 class TreeDrafts:
@@ -290,6 +294,8 @@ class TreeDrafts:
         # n-gram confidence bucket (0: no n-gram proposal) -> [tokens added, weight, rounds idle, idle rounds to retry]
         self.added: dict[int, list[float]] = {}
         self.bucket, self.drafted, self.pending = 0, False, None
+        self.calibration: list[list[float]] = []  # per depth: [accepted, promised] (decayed sums)
+        self.promised: list[float] = []  # this round's kept nodes' probabilities, summed per depth
 
     def most_nodes(self) -> int:
         """The widest tree this proposer can build (root included): the drafter's budget plus each n-gram branch."""
@@ -327,11 +333,23 @@ class TreeDrafts:
             for node, q in zip(nodes, qs):
                 probs[node] = 1 - (1 - probs[node]) * (1 - q)  # independent proposers agreeing on a token
         self.branches = [(cont, match) for cont, match, _ in found]
-        if self.cost is not None:
-            tree = prune_by_cost(tree, probs, self.cost, self.fixed + self.drafted * self.t_draft, self.path_cost)
+        if self.cost is not None:  # the cut, on probabilities scaled by what the drafter's promises achieved
+            order, gains, tokens = cut_candidates(tree, self.calibrated(tree, probs) if self.gated else probs)
+            kept = order[:best_cut(gains, tokens, self.cost, self.fixed + self.drafted * self.t_draft, self.path_cost)]
+            depths = tree.depths.tolist()
+            self.promised = [min(1.0, sum(probs[i] for i in kept if depths[i] == d)) for d in range(1, 1 + max(
+                (depths[i] for i in kept), default=0))] if self.drafted else []
+            tree = subtree(tree, kept)
             # what survived of each branch is what the target gets to test
             self.branches = [(cont[: len(accepted_path(tree, cont))], match) for cont, match in self.branches]
         return tree
+
+    def calibrated(self, tree: Tree, probs: list[float]) -> list[float]:
+        """Node probabilities scaled per depth by accepted / promised in this run (1 before anything is seen): a
+        drafter that promises more than the target accepts gets smaller cuts, one that undersells itself larger."""
+        scale = [(a + CALIBRATION_PRIOR) / (p + CALIBRATION_PRIOR) for a, p in self.calibration]
+        return [min(1.0, q * (scale[d - 1] if 0 < d <= len(scale) else 1.0))
+                for q, d in zip(probs, tree.depths.tolist())]
 
     def _worth_drafting(self, found) -> bool:
         """Draft unless, at this n-gram confidence, the tokens the drafter has been adding do not pay for its
@@ -372,6 +390,12 @@ class TreeDrafts:
                 depth = common_prefix(cont, new)
                 self.ngram.observe(match, len(cont), depth)
                 best = max(best, depth)
+        for d, promised in enumerate(self.promised, start=1):  # the drafted round's promises against the target
+            if len(self.calibration) < d:
+                self.calibration.append([0.0, 0.0])
+            c = self.calibration[d - 1]
+            c[:] = [CALIBRATION_DECAY * c[0] + (len(new) >= d), CALIBRATION_DECAY * c[1] + promised]
+        self.promised = []
         if self.gated and self.bucket in self.added:
             stat = self.added[self.bucket]
             if self.drafted:  # a decayed mean over about the last ten drafted rounds of this bucket

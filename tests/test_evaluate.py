@@ -327,6 +327,8 @@ def test_cheating_drafter_scores_everything_and_random_drafter_near_zero(tiny_ta
             assert r["trees"] == {"budget:4": min(4, n), "budget:8": min(7, n), "paths:3": min(7, n), "width:3": min(7, n)}
         full = [r for r in recs if r["n_labels"] == B - 1]
         assert aggregate(full, B, TREES)["streak"] == B - 1
+        assert all(len(r["predicted"]) == B - 1 and r["predicted"] == sorted(r["predicted"], reverse=True)
+                   and 0 < r["predicted"][-1] <= r["predicted"][0] <= 1 for r in recs)  # P(streak >= k) as promised
     # the untrained drafter, on the same blocks, is at chance
     recs = evaluate_sequence(real, head, t.embed_tokens, tokens, feats, 20, trees=TREES)
     agg = aggregate(recs, B, TREES)
@@ -350,6 +352,10 @@ def test_aggregate_hand_checked():
     assert a["acc_conditional"][:3] == pytest.approx([3 / 4, 2 / 3, 1 / 2])  # P(k | streak >= k-1)
     assert a["acc_conditional"][3] == pytest.approx(1.0)
     assert a["histogram_counts"] == [1, 1, 1, 0, 0, 0, 0, 1] and sum(a["histogram"]) == pytest.approx(1)
+    assert a["acc_predicted"] == [None] * 7  # blocks scored before calibration was recorded
+    blocks = [{**b, "predicted": [0.9 ** (k + 1) for k in range(7)]} for b in blocks]
+    a = aggregate(blocks, B, ["budget:4"])  # the drafter promised 0.9, 0.81, ... at every block: its calibration
+    assert a["acc_predicted"][:2] == pytest.approx([0.9, 0.81]) and a["acc_cumulative"][0] == pytest.approx(3 / 4)
     assert a["budget:4"] == pytest.approx((3 + 1 + 4 + 2) / 4) and a["expected"]["budget:4"] == 1.0
     assert a["budget_curve_paths"]["8"] == pytest.approx(8 + (2 + 0 + 7 + 1) / 4)
 

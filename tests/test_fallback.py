@@ -67,3 +67,32 @@ def test_bench_reports_the_share_of_drafted_rounds_and_the_worst_prompt(tiny_tar
     assert "worst_prompt" not in res["methods"]["ar"]
     md = bench_markdown(res)
     assert "| worst prompt vs plain | drafted rounds |" in md and f"{100 * auto['drafted_share']:.0f}%" in md
+
+
+def test_the_cut_trusts_the_drafters_probabilities_as_far_as_the_target_bore_them_out():
+    """Calibration, counted: a drafter that promised 0.9 and 0.8 at depths 1 and 2 for twenty rounds the target
+    accepted nothing of has its probabilities scaled down there, and the cost-aware cut then keeps fewer nodes; one
+    that undersold itself is scaled up, never past 1; before any round, its own probabilities."""
+    from types import SimpleNamespace
+
+    from dflashkit.tree import Tree, best_cut, cut_candidates
+    from dflashkit.tree import TreeDrafts
+
+    tree = Tree(torch.tensor([5, 6, 7, 8]), torch.tensor([0, 1, 2, 1]), torch.tensor([-1, 0, 1, 0]),
+                torch.zeros(4))
+    probs = [1.0, 0.9, 0.8, 0.05]
+    cost = CostCurve([1, 5], [0.01, 0.03])  # a verify of n tokens: 0.01 s + 0.005 s a token past the first
+    td = TreeDrafts(SimpleNamespace(layer_ids=None), budget=3, cost=cost)
+    assert td.calibrated(tree, probs) == probs
+    kept = lambda p: best_cut(*cut_candidates(tree, p)[1:], cost)  # noqa: E731
+    for _ in range(20):
+        td.promised = [0.95, 0.8]
+        td.observe([])
+    low = td.calibrated(tree, probs)
+    assert low[1] < 0.3 * probs[1] and low[2] < 0.3 * probs[2] and low[0] == 1.0
+    assert kept(low) < kept(probs)
+    for _ in range(40):
+        td.promised = [0.3, 0.2]
+        td.observe([9, 9])
+    high = td.calibrated(tree, probs)
+    assert high[1] == 1.0 and probs[2] < high[2] <= 1.0

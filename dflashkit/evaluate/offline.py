@@ -101,7 +101,10 @@ def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None
             out_trees[spec] = selector_curve[k]
         else:
             out_trees[spec] = int(width_streak(logits, label_index, k))
+    chain = [lp[0] for lp in lp] if lp and lp[0] else []  # the greedy draft's log-prob at each position
+    predicted = torch.tensor(chain, dtype=torch.float64).cumsum(0).exp().tolist()  # its P(streak >= k), as drafted
     return {"n_labels": n_labels, "streak": int(hit.long().cumprod(0).sum()), "matches": hit[:n_labels].int().tolist(),
+            "predicted": [round(x, 5) for x in predicted],
             "trees": out_trees, "expected": out_expected, "curve": {str(b): curve[b] for b in CURVE_BUDGETS},
             "curve_expected": {str(b): expected[b] for b in CURVE_BUDGETS},  # and a verify one path per row's tokens:
             "curve_paths": {str(b): path_tokens(subtree(tree, range(min(b + 1, len(tree))))) for b in CURVE_BUDGETS},
@@ -269,21 +272,24 @@ def _mean(xs):
 
 def aggregate(blocks: list[dict], block_size: int, trees) -> dict:
     """Block-weighted means. acc_cumulative[k-1] = P(streak >= k) and acc_conditional[k-1] =
-    P(match at k | streak >= k-1), both over blocks that have a label at position k."""
+    P(match at k | streak >= k-1), both over blocks that have a label at position k; acc_predicted[k-1]: what the
+    drafter's own probabilities promised for P(streak >= k) (its calibration: predicted against achieved)."""
     L = block_size - 1
     trees = parse_trees(trees)
     n = len(blocks)
-    cum, cond = [], []
+    cum, cond, pred = [], [], []
     for k in range(1, L + 1):
         have = [b for b in blocks if b["n_labels"] >= k]
         cum.append(_mean(b["streak"] >= k for b in have))
+        pred.append(_mean(b["predicted"][k - 1] for b in have if len(b.get("predicted", ())) >= k))
         cond.append(_mean(b["matches"][k - 1] for b in have if b["streak"] >= k - 1))
     counts = [sum(1 for b in blocks if b["streak"] == s) for s in range(L + 1)]
     streak = _mean(b["streak"] for b in blocks)
     return {"blocks": n, "streak": streak, "tau": None if streak is None else streak + 1,
             "pos1_acc": cum[0] if L else None, **{t: _mean(b["trees"][t] for b in blocks) for t in trees},
             "expected": {t: _mean(b["expected"][t] for b in blocks) for t in trees if t.startswith("budget:")},
-            "acc_cumulative": cum, "acc_conditional": cond, "histogram": [c / n for c in counts] if n else [],
+            "acc_cumulative": cum, "acc_conditional": cond, "acc_predicted": pred,
+            "histogram": [c / n for c in counts] if n else [],
             "histogram_counts": counts,
             "budget_curve": {str(b): _mean(x["curve"][str(b)] for x in blocks) for b in CURVE_BUDGETS},
             "budget_curve_expected": {str(b): _mean(x["curve_expected"][str(b)] for x in blocks) for b in CURVE_BUDGETS},

@@ -65,6 +65,8 @@ def overall_lines(result: dict) -> list[str]:
                      f"vs {_f(o['tau'])} as trained over {s['draft_vocab']} tokens (`drafter export` keeps the map)")
     lines.append("per-position acc (cumulative P(streak>=k)): " + " ".join(_f(v) for v in o["acc_cumulative"]))
     lines.append("per-position acc (conditional P(k | k-1)):  " + " ".join(_f(v) for v in o["acc_conditional"]))
+    if o.get("acc_predicted"):
+        lines.append("calibration (drafter-predicted P(streak>=k)): " + " ".join(_f(v) for v in o["acc_predicted"]))
     lines.append("streak histogram: " + " ".join(f"{k}:{v:.0%}" for k, v in enumerate(o["histogram"]) if v))
     lines.append("DDTree budget curve (mean accepted depth / drafter-expected): " + " ".join(
         f"{b}:{_f(o['budget_curve'][b])}/{_f(o['budget_curve_expected'][b])}" for b in o["budget_curve"]))
@@ -100,8 +102,11 @@ def summary_markdown(result: dict, header: list[str], plots: bool = True) -> str
     if sf := result.get("shortfall"):
         md.append(f"\n**Partial: {sf['present']} of {sf['requested']} requested prompts** (missing: {', '.join(sf['missing'])}).")
     md += ["", "## Per-position accuracy", "",
-           markdown_table(["position", "cumulative P(streak>=k)", "conditional P(k given k-1)"],
-                          [[k + 1, c, d] for k, (c, d) in enumerate(zip(o["acc_cumulative"], o["acc_conditional"]))]),
+           markdown_table(["position", "cumulative P(streak>=k)", "drafter-predicted (calibration)",
+                           "conditional P(k given k-1)"],
+                          [[k + 1, c, pr, d] for k, (c, pr, d) in enumerate(zip(
+                              o["acc_cumulative"], o.get("acc_predicted") or [None] * len(o["acc_cumulative"]),
+                              o["acc_conditional"]))]),
            "## DDTree budget curve", "",
            markdown_table(["budget", "accepted depth", "drafter-expected"],
                           [[b, o["budget_curve"][b], o["budget_curve_expected"][b]] for b in o["budget_curve"]]),
