@@ -157,6 +157,8 @@ def test_what_the_formats_cannot_run_is_refused_by_name(tiny_dirs, tmp_path):
         load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16", weights="q8_0")
     with pytest.raises(DFlashError, match="--weights 'q5_0': use one of auto, float, gguf, q8_0, q4_0, q4_1"):
         load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights="q5_0")
+    with pytest.raises(DFlashError, match=r"--weights q8_0: target qwen3_5 \(qwen3_5_text\) is not a dense Llama-type"):
+        load_target(tiny_dirs["qwen3_5"], device="cpu", dtype="float32", weights="q8_0")
     folder = gguf_target(tiny_dirs, tmp_path, {"ffn_down": "f16"})
     with pytest.raises(DFlashError, match=r"tensor blk.0.ffn_down.weight is F16; --weights gguf keeps q8_0"):
         load_target(folder, device="cpu", dtype="float32", weights="gguf")

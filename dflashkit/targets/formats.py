@@ -147,7 +147,12 @@ def apply(target, weights: str) -> str:
     if target.device.type != "cpu":
         raise DFlashError(f"--weights {weights}: quantized weights run on a CPU; target {target.name} is on "
                           f"{target.device} (use --weights float)")
-    modules = _modules(target)
+    try:
+        modules = _modules(target)
+    except AttributeError as e:  # not q/k/v/o and gate/up/down projections in every layer
+        raise DFlashError(f"--weights {weights}: target {target.name} ({getattr(target.config, 'model_type', '?')}) "
+                          "is not a dense Llama-type model, the layout quantized weights are read in; use --weights "
+                          "float") from e
     if weights == "gguf":
         source = gguf_source(target.path)
         if source is None:
