@@ -36,16 +36,17 @@ def dequantized(w: torch.Tensor, fmt: str) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", formats.QUANTS)
 def test_each_format_is_the_float_kernel_over_its_dequantized_copy(fmt, build):
     """linear_quant over a matrix in GGUF's blocks against the float32 linear over their dequantized values: equal bit
-    for bit, every row of a call with 1..13 rows equal to that row alone (passes of 128 inputs: k = 576)."""
+    for bit, and each row of a call equal to that row alone, from 1 row (widened in registers) to 30 (widened once a
+    pass for two blocks of rows or more), over passes of 128 inputs (k = 576)."""
     ops = native.ops(*build)
     for outs, k in ((48, 64), (160, 576)):
         w = torch.randn(outs, k) * 0.05
         raw = quantize(w.numpy(), GGMLQuantizationType[fmt.upper()])
         packed = torch.from_numpy(quant_order(fmt, raw))
-        x = torch.randn(13, k)
+        x = torch.randn(30, k)
         y = ops.linear_quant(x, packed, CODES[fmt], outs)
         assert torch.equal(y, ops.linear(x, panel_order(dequantized(w, fmt)).contiguous()))
-        for n in (1, 2, 5, 12):
+        for n in (1, 2, 5, 12, 24, 29):
             assert torch.equal(ops.linear_quant(x[:n], packed, CODES[fmt], outs), y[:n]), (fmt, n)
 
 

@@ -375,6 +375,42 @@ inline void rows_against_panels(const float* x, const W* w, float* y, int64_t ro
     }
 }
 
+// Rows against NP quantized panels (a verify of at least two blocks of rows): each pass of KC inputs is widened once
+// into float panels (in L1), then every block of rows runs the float32 panel_block over them, the float kernel's own
+// sums over the dequantized values; the widening is paid once a pass, not once a block (3 rows on v3). Fewer rows
+// widen in registers (panel_block_quant): the stores and reloads cost more than they save there (2-core Zen 5)
+template <int NP, typename Q>
+inline void rows_against_widened(const float* x, const Q* w, float* y, int64_t rows, int64_t outs, int64_t k) {
+  thread_local std::vector<float> wide;  // panel p's input i at p * PANEL * k + i * PANEL: the float panels' order
+  wide.resize(NP * PANEL * k);
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(w);
+  const int64_t blocks = (rows + RB - 1) / RB;
+  Ahead none{nullptr, 0, 0};
+  for (int64_t k0 = 0; k0 < k; k0 += KC) {
+    const int64_t k1 = std::min(k, k0 + KC);
+    for (int p = 0; p < NP; ++p)
+      for (int64_t i = k0; i < k1; i += 2)
+        for (int v = 0; v < PV; ++v) {
+          lvec w0, w1;
+          widen2<Q>(base + p * panel_bytes<Q>(k), i, v, w0, w1);
+          std::memcpy(&wide[p * PANEL * k + i * PANEL + v * VL], &w0, sizeof w0);
+          std::memcpy(&wide[p * PANEL * k + (i + 1) * PANEL + v * VL], &w1, sizeof w1);
+        }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r = rows * b / blocks, n = rows * (b + 1) / blocks - r;
+      rows_block<RB, NP>(n, x + r * k, k, static_cast<const float*>(wide.data()), y + r * outs, outs, k0, k1, none);
+    }
+  }
+}
+
+template <int NP, typename W>
+inline void rows_against(const float* x, const W* w, float* y, int64_t rows, int64_t outs, int64_t k, const W* next,
+                         int64_t lines) {
+  if constexpr (quantized<W>)
+    if (rows >= 2 * RB) return rows_against_widened<NP>(x, w, y, rows, outs, k);
+  rows_against_panels<NP>(x, w, y, rows, outs, k, next, lines);
+}
+
 // x [rows, k] against w [outs, k] in panel order -> y [rows, outs]
 template <typename W>
 void linear(const float* x, const W* w, float* y, int64_t rows, int64_t outs, int64_t k) {
@@ -394,9 +430,9 @@ void linear(const float* x, const W* w, float* y, int64_t rows, int64_t outs, in
     else
       for (; p + NPB <= hi; p += NPB) {
         const int64_t lines = p + 2 * NPB <= hi ? NPB * panel_bytes<W>(k) / 64 : 0;
-        rows_against_panels<NPB>(x, panel_at(w, p, k), y + p * PANEL, rows, outs, k, panel_at(w, p + NPB, k), lines);
+        rows_against<NPB>(x, panel_at(w, p, k), y + p * PANEL, rows, outs, k, panel_at(w, p + NPB, k), lines);
       }
-    for (; p < hi; ++p) rows_against_panels<1>(x, panel_at(w, p, k), y + p * PANEL, rows, outs, k, w, 0);
+    for (; p < hi; ++p) rows_against<1>(x, panel_at(w, p, k), y + p * PANEL, rows, outs, k, w, 0);
   });
   if constexpr (!quantized<W>) {  // (a quantized matrix has its outputs in 16s: the caller checks)
     const W* wr = w + panels * PANEL * k;  // the last outputs, [k][rest]: the same chain a lane runs, in scalars
