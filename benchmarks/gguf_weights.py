@@ -78,7 +78,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = [bench(*run.split(":"), args) for run in args.runs.split(",")]
     md = [f"# The shipped GGUF's own weights: ours (static backend) vs llama.cpp on the same weights, {args.prompts}, "
-          f"{args.new} new tokens", "", f"Machine: {cpu_name()}; {rows[0]['threads']} threads; float32 math; drafter "
+          f"{args.new} new tokens", "", f"Machine: {cpu_name()}; float32 math; drafter "
           f"{args.drafter}.", "", *table(rows, args.method), "",
           "gguf = the file's own blocks (the same values as the float32 copy `target prepare` writes, so the same "
           "outputs); q8_0 = quantized from that copy by GGUF's reference quantizer (llama.cpp's converter for its row): "
