@@ -294,7 +294,8 @@ class TreeDrafts:
         # n-gram confidence bucket (0: no n-gram proposal) -> [tokens added, weight, rounds idle, idle rounds to retry]
         self.added: dict[int, list[float]] = {}
         self.bucket, self.drafted, self.pending = 0, False, None
-        self.calibration: list[list[float]] = []  # per depth: [accepted, promised] (decayed sums)
+        # per kind of round (drafted, or the n-gram branch alone), per depth: [accepted, promised] (decayed sums)
+        self.calibration: dict[bool, list[list[float]]] = {True: [], False: []}
         self.promised: list[float] = []  # this round's kept nodes' probabilities, summed per depth
 
     def most_nodes(self) -> int:
@@ -338,16 +339,17 @@ class TreeDrafts:
             kept = order[:best_cut(gains, tokens, self.cost, self.fixed + self.drafted * self.t_draft, self.path_cost)]
             depths = tree.depths.tolist()
             self.promised = [min(1.0, sum(probs[i] for i in kept if depths[i] == d)) for d in range(1, 1 + max(
-                (depths[i] for i in kept), default=0))] if self.drafted else []
+                (depths[i] for i in kept), default=0))] if self.gated else []
             tree = subtree(tree, kept)
             # what survived of each branch is what the target gets to test
             self.branches = [(cont[: len(accepted_path(tree, cont))], match) for cont, match in self.branches]
         return tree
 
     def calibrated(self, tree: Tree, probs: list[float]) -> list[float]:
-        """Node probabilities scaled per depth by accepted / promised in this run (1 before anything is seen): a
-        drafter that promises more than the target accepts gets smaller cuts, one that undersells itself larger."""
-        scale = [(a + CALIBRATION_PRIOR) / (p + CALIBRATION_PRIOR) for a, p in self.calibration]
+        """Node probabilities scaled per depth by accepted / promised in this run's rounds of this kind (drafted, or
+        the n-gram branch alone; 1 before anything is seen): proposals that promise more than the target accepts get
+        smaller cuts, down to plain decoding; ones that undersell themselves larger."""
+        scale = [(a + CALIBRATION_PRIOR) / (p + CALIBRATION_PRIOR) for a, p in self.calibration[self.drafted]]
         return [min(1.0, q * (scale[d - 1] if 0 < d <= len(scale) else 1.0))
                 for q, d in zip(probs, tree.depths.tolist())]
 
@@ -390,10 +392,11 @@ class TreeDrafts:
                 depth = common_prefix(cont, new)
                 self.ngram.observe(match, len(cont), depth)
                 best = max(best, depth)
-        for d, promised in enumerate(self.promised, start=1):  # the drafted round's promises against the target
-            if len(self.calibration) < d:
-                self.calibration.append([0.0, 0.0])
-            c = self.calibration[d - 1]
+        table = self.calibration[self.drafted]
+        for d, promised in enumerate(self.promised, start=1):  # the round's promises against the target
+            if len(table) < d:
+                table.append([0.0, 0.0])
+            c = table[d - 1]
             c[:] = [CALIBRATION_DECAY * c[0] + (len(new) >= d), CALIBRATION_DECAY * c[1] + promised]
         self.promised = []
         if self.gated and self.bucket in self.added:

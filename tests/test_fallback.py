@@ -85,6 +85,7 @@ def test_the_cut_trusts_the_drafters_probabilities_as_far_as_the_target_bore_the
     td = TreeDrafts(SimpleNamespace(layer_ids=None), budget=3, cost=cost)
     assert td.calibrated(tree, probs) == probs
     kept = lambda p: best_cut(*cut_candidates(tree, p)[1:], cost)  # noqa: E731
+    td.drafted = True
     for _ in range(20):
         td.promised = [0.95, 0.8]
         td.observe([])
@@ -96,3 +97,5 @@ def test_the_cut_trusts_the_drafters_probabilities_as_far_as_the_target_bore_the
         td.observe([9, 9])
     high = td.calibrated(tree, probs)
     assert high[1] == 1.0 and probs[2] < high[2] <= 1.0
+    td.drafted = False  # rounds of the n-gram branch alone keep their own account
+    assert td.calibrated(tree, probs) == probs
