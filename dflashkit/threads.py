@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dflashkit.errors import DFlashError
 
-def _usable_cpus() -> list[int]:
+def usable_cpus() -> list[int]:
     try:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -19,7 +19,7 @@ def _usable_cpus() -> list[int]:
 
 def physical_cores() -> int:
     """Physical cores among the CPUs this process may run on (hyper-threads counted once)."""
-    cpus = _usable_cpus()
+    cpus = usable_cpus()
     topology = "/sys/devices/system/cpu/cpu{}/topology/thread_siblings_list"
     try:
         cores = {Path(topology.format(c)).read_text().strip() for c in cpus}
@@ -28,7 +28,7 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def _cpu_times(cpus: list[int]) -> tuple[int, int]:
+def cpu_times(cpus: list[int]) -> tuple[int, int]:
     """(busy, total) jiffies summed over `cpus` from /proc/stat; (0, 0) where there is none."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
@@ -46,10 +46,10 @@ def _cpu_times(cpus: list[int]) -> tuple[int, int]:
 
 def busy_cores(sample_s: float = 0.2) -> int:
     """Cores that other work kept busy over the last `sample_s` (this process sleeps meanwhile), rounded."""
-    cpus = _usable_cpus()
-    b0, t0 = _cpu_times(cpus)
+    cpus = usable_cpus()
+    b0, t0 = cpu_times(cpus)
     time.sleep(sample_s)
-    b1, t1 = _cpu_times(cpus)
+    b1, t1 = cpu_times(cpus)
     return round(len(cpus) * (b1 - b0) / (t1 - t0)) if t1 > t0 else 0
 
 
@@ -69,7 +69,7 @@ def default_threads() -> int:
 
 def load_warning(threads: int, sample_s: float = 0.2) -> str | None:
     """One line when other work keeps cores busy that these threads would compete for, else None."""
-    busy, cores = busy_cores(sample_s), len(_usable_cpus())
+    busy, cores = busy_cores(sample_s), len(usable_cpus())
     if busy == 0 or threads + busy <= cores:
         return None
     return (f"threads: {threads}, while other work keeps {busy} of {cores} CPUs busy: each side may run many times "
@@ -98,9 +98,9 @@ def apply_threads(args_or_n=None) -> int:
         n = default_threads() if under_torchrun() else min(default_threads(), torch.get_num_threads())
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise DFlashError(f"--threads {n!r}: use a positive number of threads")
-    if n > MOST * len(_usable_cpus()):
-        raise DFlashError(f"--threads {n}: this process may use {len(_usable_cpus())} CPUs; use at most "
-                          f"{MOST * len(_usable_cpus())} (the default is the physical cores, {default_threads()})")
+    if n > MOST * len(usable_cpus()):
+        raise DFlashError(f"--threads {n}: this process may use {len(usable_cpus())} CPUs; use at most "
+                          f"{MOST * len(usable_cpus())} (the default is the physical cores, {default_threads()})")
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

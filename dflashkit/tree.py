@@ -144,8 +144,13 @@ def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, 
     row (each row a copy of the target KV: dearer than a flat forward over as many tokens). The best of the
     len(tree) prefix-closed candidates (cut_candidates) is exact for the flattened cost, greedy for paths (how near
     the best: docs/design.md section 5)."""
+    return subtree(tree, best_nodes(tree, probs, cost, fixed, path_cost))
+
+
+def best_nodes(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, path_cost=None) -> list[int]:
+    """The nodes prune_by_cost keeps (root excluded)."""
     order, gains, tokens = cut_candidates(tree, probs)
-    return subtree(tree, order[:best_cut(gains, tokens, cost, fixed, path_cost)])
+    return order[:best_cut(gains, tokens, cost, fixed, path_cost)]
 
 
 def draft_tree(logits: Tensor, budget: int, anchor: Tensor, to_tokens) -> Tree:
@@ -335,8 +340,8 @@ class TreeDrafts:
                 probs[node] = 1 - (1 - probs[node]) * (1 - q)  # independent proposers agreeing on a token
         self.branches = [(cont, match) for cont, match, _ in found]
         if self.cost is not None:  # the cut, on probabilities scaled by what the drafter's promises achieved
-            order, gains, tokens = cut_candidates(tree, self.calibrated(tree, probs) if self.gated else probs)
-            kept = order[:best_cut(gains, tokens, self.cost, self.fixed + self.drafted * self.t_draft, self.path_cost)]
+            kept = best_nodes(tree, self.calibrated(tree, probs) if self.gated else probs, self.cost,
+                              self.fixed + self.drafted * self.t_draft, self.path_cost)
             depths = tree.depths.tolist()
             self.promised = [min(1.0, sum(probs[i] for i in kept if depths[i] == d)) for d in range(1, 1 + max(
                 (depths[i] for i in kept), default=0))] if self.gated else []

@@ -38,7 +38,7 @@ def auto_engine_is_hf(monkeypatch):
     quiet to every measurement (engine.measured_load): no /proc/stat counters, a load average of 0."""
     from dflashkit.decode import engine
 
-    monkeypatch.setattr(engine, "_cpu_times", lambda cpus: (0, 0))
+    monkeypatch.setattr(engine, "cpu_times", lambda cpus: (0, 0))
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     real = engine.probe
     monkeypatch.setattr(engine, "probe", lambda target, state, log=None, **kw: {"plain": "hf", "speculative": "hf"})

@@ -177,7 +177,7 @@ def test_a_probe_measured_under_load_says_so_and_is_timed_again(tiny_targets, tm
     import os
 
     calls, t, said = fake_backends(monkeypatch, tmp_path), tiny_targets["llama"], []
-    path, threads, cpus = engines.probe_path(t)[0], torch.get_num_threads(), len(engines._usable_cpus())
+    path, threads, cpus = engines.probe_path(t)[0], torch.get_num_threads(), len(engines.usable_cpus())
     monkeypatch.setattr(os, "getloadavg", lambda: (cpus + 3.0, 1.0, 1.0))  # no /proc/stat here (conftest)
     found = engines.real_probe(t, {}, said.append)
     assert found["load"] == {"start": cpus + 3.0, "end": cpus + 3.0, "cpus": cpus, "threads": threads,
@@ -197,13 +197,13 @@ def test_the_load_is_other_work_s_cpus_not_our_own(monkeypatch):
     """/proc/stat's busy jiffies less this process tree's: our own threads (or the work just before, which the
     load average still counts) never make a measurement loaded; other work that takes the CPUs ours need does."""
     tree_jiffies = engines._tree_jiffies
-    monkeypatch.setattr(engines, "_usable_cpus", lambda: [0, 1])
+    monkeypatch.setattr(engines, "usable_cpus", lambda: [0, 1])
     for busy, ours, threads, others, loaded in ((200, 200, 2, 0.0, False), (200, 100, 1, 1.0, False),
                                                 (190, 95, 1, 0.95, False), (200, 100, 2, 1.0, True),
                                                 (200, 10, 1, 1.9, True)):
         counters = iter([(1000, 5000), (1000 + busy, 5200)])  # 1 s of 2 CPUs: 200 jiffies
         tree = iter([300, 300 + ours])
-        monkeypatch.setattr(engines, "_cpu_times", lambda cpus: next(counters))
+        monkeypatch.setattr(engines, "cpu_times", lambda cpus: next(counters))
         monkeypatch.setattr(engines, "_tree_jiffies", lambda: next(tree))
         load = engines.measured_load(engines.load_sample(), threads)
         assert (load["others"], load["loaded"]) == (others, loaded), (busy, ours, threads)

@@ -243,7 +243,7 @@ def test_default_threads(monkeypatch):
     from dflashkit import threads
 
     monkeypatch.setattr(threads, "physical_cores", lambda: 8)
-    monkeypatch.setattr(threads, "_usable_cpus", lambda: list(range(8)))
+    monkeypatch.setattr(threads, "usable_cpus", lambda: list(range(8)))
     for var in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(threads, "busy_cores", lambda s: 2)
@@ -302,7 +302,7 @@ def test_threads_beyond_what_the_cpus_can_run_are_refused_in_one_line(monkeypatc
     """Issue 72: --threads 100000 ended in "can't start new thread" and a segfault; 4096 ran at 0.4 tok/s."""
     from dflashkit import threads
 
-    monkeypatch.setattr(threads, "_usable_cpus", lambda: [0, 1])
+    monkeypatch.setattr(threads, "usable_cpus", lambda: [0, 1])
     monkeypatch.setattr(threads, "physical_cores", lambda: 2)
     before = torch.get_num_threads()
     assert threads.apply_threads(8) == 8

@@ -21,7 +21,7 @@ from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, parse_me
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import sha256_json
 from dflashkit import levels
-from dflashkit.threads import _cpu_times, _usable_cpus
+from dflashkit.threads import cpu_times, usable_cpus
 
 BACKENDS = ("hf", "static")  # what a probe may answer
 
@@ -115,7 +115,7 @@ def cached_probe(path: Path, log=None) -> dict | None:
 def load_sample() -> tuple:
     """What measured_load compares against: the 1-minute load average, /proc/stat's busy and total jiffies of the
     usable CPUs, and the jiffies this process and its descendants ran, now."""
-    return os.getloadavg()[0], _cpu_times(_usable_cpus()), _tree_jiffies()
+    return os.getloadavg()[0], cpu_times(usable_cpus()), _tree_jiffies()
 
 
 def _tree_jiffies() -> int:
@@ -142,8 +142,8 @@ def measured_load(start: tuple, threads: int) -> dict:
     3x slow). Not the load average itself: it counts this process's own work before the measurement too (after a
     bench's runs, about its threads), so every cost model measured there would be called loaded. A loaded answer
     is cached marked so, used for the run, and measured again by the next run."""
-    (load0, (b0, t0), j0), cpus = start, len(_usable_cpus())
-    (b1, t1), j1 = _cpu_times(_usable_cpus()), _tree_jiffies()
+    (load0, (b0, t0), j0), cpus = start, len(usable_cpus())
+    (b1, t1), j1 = cpu_times(usable_cpus()), _tree_jiffies()
     others = max(0.0, cpus * (b1 - b0 - (j1 - j0)) / (t1 - t0) if t1 > t0 else load0)
     return {"start": round(load0, 2), "end": round(os.getloadavg()[0], 2), "cpus": cpus, "threads": threads,
             "others": round(others, 2), "loaded": others > max(0, cpus - threads) + 0.5}

@@ -80,10 +80,12 @@ class Geometry(NamedTuple):
     def layout(self, formats: tuple = ()) -> tuple[dict, int, dict, int]:
         """Offsets in the arena: one layer's {name: (offset, shape)}, the distance between layers, the final
         norm's and head's, and the arena's size. Matrices in `formats` (quantized) live in the other arena."""
+        quantized = dict(formats)
+
         def place(entries, off):
             out = {}
             for name, shape in entries:
-                if name not in dict(formats):
+                if name not in quantized:
                     out[name] = (off, shape)
                     off += -(-torch.Size(shape).numel() // ALIGN) * ALIGN
             return out, off
@@ -97,15 +99,15 @@ class Geometry(NamedTuple):
                 "gu": (2 * self.inter, self.hidden), "down": (self.hidden, self.inter), "head": (self.vocab, self.hidden)}
 
     def quant_layout(self, formats: tuple) -> tuple[dict, int, int]:
-        """Byte offsets of the quantized matrices: {name: (offset, outs)} of layer 0 (and the head's), the distance
-        between layers, the arena's size."""
+        """Where the quantized matrices lie in their arena: {name: (byte offset, outs, bytes)} of layer 0 (and the
+        head's), the distance between layers, the arena's size."""
         sizes = {n: (o // 16 * (k // 32) * BLOCK_BYTES[f], o) for n, f in formats for o, k in [self.matrices()[n]]}
         offs, off = {}, 0
         for name in [n for n, _ in formats if n != "head"]:
-            offs[name], off = (off, sizes[name][1]), off + -(-sizes[name][0] // ALIGN) * ALIGN
+            offs[name], off = (off, sizes[name][1], sizes[name][0]), off + -(-sizes[name][0] // ALIGN) * ALIGN
         stride, end = off, off * self.layers
         if "head" in sizes:
-            offs["head"], end = (end, sizes["head"][1]), end + sizes["head"][0]
+            offs["head"], end = (end, sizes["head"][1], sizes["head"][0]), end + sizes["head"][0]
         return offs, stride, end
 
 
@@ -257,15 +259,18 @@ def quant_order(fmt: str, raw: np.ndarray) -> np.ndarray:
     return np.concatenate(flat, -1).reshape(-1)
 
 
+# the step's fused matrices and the target's matrices (targets/formats.py names) each concatenates
+FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gu": ("gate", "up"), "down": ("down",)}
+
+
 def formats_of(target) -> tuple:
     """((matrix, format), ...) of a target whose matrices are quantized (targets/formats.py), () for float ones;
     one format per matrix across the layers, and q, k, v (gate, up) alike, as the step concatenates them."""
     blocks = getattr(target, "blocks", None)
     if not blocks:
         return ()
-    parts = {"qkv": ("q", "k", "v"), "o": ("o",), "gu": ("gate", "up"), "down": ("down",)}
     out = {"head": {blocks["head"].format}}
-    for name, mats in parts.items():
+    for name, mats in FUSED.items():
         out[name] = {blocks[f"{i}.{m}"].format for i in range(len(target.decoder.layers)) for m in mats}
     mixed = {n: sorted(f) for n, f in out.items() if len(f) > 1}
     if mixed:
@@ -280,11 +285,10 @@ def pack_quant(target, geo: Geometry, formats: tuple) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.uint8)
     offs, stride, size = geo.quant_layout(formats)
     arena = _empty_arena(size, torch.uint8, target.device)
-    parts = {"qkv": ("q", "k", "v"), "o": ("o",), "gu": ("gate", "up"), "down": ("down",)}
     for i in range(geo.layers):
-        for name, (off, _) in offs.items():
+        for name, (off, _, _) in offs.items():
             if name != "head":
-                raw = np.concatenate([target.blocks[f"{i}.{m}"].raw for m in parts[name]])
+                raw = np.concatenate([target.blocks[f"{i}.{m}"].raw for m in FUSED[name]])
                 packed = torch.from_numpy(quant_order(dict(formats)[name], raw))
                 arena[i * stride + off: i * stride + off + packed.numel()].copy_(packed)
     if "head" in offs:
@@ -390,13 +394,14 @@ def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, g
     qlayout, qstride, _ = geo.quant_layout(formats) if formats else ({}, 0, 0)
     linear, attend = kernel_pair(kernels, ops)
 
+    kinds = dict(formats)
+
     def lin(x, i, name, w):  # a float matrix from the arena, or a quantized one's bytes (layer i; -1: the head)
         if name not in qlayout:
             return linear(x, w[name])
-        off, outs = qlayout[name]
+        off, outs, size = qlayout[name]
         off += max(i, 0) * qstride
-        size = outs // 16 * (x.shape[-1] // 32) * BLOCK_BYTES[dict(formats)[name]]
-        return getattr(torch.ops, ops).linear_quant(x, quants[off: off + size], QUANT_CODES[dict(formats)[name]], outs)
+        return getattr(torch.ops, ops).linear_quant(x, quants[off: off + size], QUANT_CODES[kinds[name]], outs)
     n, eps, nh, kvh, hd = ids.shape[0], geo.eps, geo.heads, geo.kv_heads, geo.head_dim
     x = F.embedding(ids, embed)[None].float()
     cos, sin = rope[0][pos][None, None], rope[1][pos][None, None]

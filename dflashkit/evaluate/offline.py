@@ -101,7 +101,7 @@ def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None
             out_trees[spec] = selector_curve[k]
         else:
             out_trees[spec] = int(width_streak(logits, label_index, k))
-    chain = [lp[0] for lp in lp] if lp and lp[0] else []  # the greedy draft's log-prob at each position
+    chain = [row[0] for row in lp] if lp and lp[0] else []  # the greedy draft's log-prob at each position
     predicted = torch.tensor(chain, dtype=torch.float64).cumsum(0).exp().tolist()  # its P(streak >= k), as drafted
     return {"n_labels": n_labels, "streak": int(hit.long().cumprod(0).sum()), "matches": hit[:n_labels].int().tolist(),
             "predicted": [round(x, 5) for x in predicted],

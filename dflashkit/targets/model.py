@@ -19,6 +19,7 @@ import torch
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import home, read_json, sha256_file, sha256_json, write_json
+from dflashkit.targets.formats import QUANTS, apply, gguf_source
 from dflashkit.targets.invariant import step_linear_attention
 from dflashkit.targets.registry import resolve
 from dflashkit import levels
@@ -129,7 +130,7 @@ class Target:
         cfg = json.loads((self.path / "config.json").read_text())
         if self._weights_hash is None:
             self._weights_hash = weights_hash(self.path) or state_dict_hash(self.model)
-        quant = self.weights if self.weights in ("q8_0", "q4_0", "q4_1") else "float"  # gguf: the float copy's values
+        quant = self.weights if self.weights in QUANTS else "float"  # gguf: the float copy's values
         return {"name": self.name, "path": str(self.path.resolve()), "weights_hash": self._weights_hash, "weights": quant,
                 "config_hash": sha256_json(cfg)[:16], "architecture": self.architecture, "num_layers": self.num_layers,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "mask_token_id": self.mask_token_id}
@@ -370,8 +371,6 @@ def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = 
     float, gguf, q8_0, q4_0, q4_1, or auto). A low-precision CPU target's linear-attention layers step their cached
     multi-token calls (targets/invariant.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflashkit.targets.formats import apply, gguf_source
 
     name, path = resolve(name_or_path)
     dev = pick_device(device)
