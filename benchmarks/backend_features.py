@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 from common import cpu_name, write_results
-from dflashkit.decode.speculative import DFlashProposer, HfBackend
+from dflashkit.decode.speculative import DFlashProposer
+from dflashkit.decode.hf import HfBackend
+from dflashkit.decode.session import DecodeSession
 from dflashkit.decode.static import StaticBackend, decoder_for
 from dflashkit.drafter.checkpoint import load_drafter
 from dflashkit.report import markdown_table
@@ -73,7 +75,7 @@ def main() -> int:
     reference = load_target(res["config"]["target"], device="cpu", dtype="float32")
     drafter = load_drafter(args.drafter, target=target, device=target.device, dtype=target.dtype)
     proposer = DFlashProposer(target, drafter)
-    decoder = decoder_for(target, {"trees": True}, 2048, proposer, trees=True)
+    decoder = decoder_for(DecodeSession(target, trees=True), 2048, proposer, trees=True)
     layers = len(proposer.layer_ids)
     errors, taus = {b: [] for b in TEXTS}, {(text, b): [] for text in TEXTS for b in TEXTS}
     for text, rows in runs.items():

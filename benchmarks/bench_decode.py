@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench, write_bench
+from dflashkit.measure.bench import bench_markdown, parse_methods, run_bench, write_bench
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.prompts import load_prompts
 from dflashkit.targets.model import load_target

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from common import cpu_name  # noqa: E402
 from dflashkit.cache import open_cache  # noqa: E402
-from dflashkit.decode.bench import parse_methods, run_bench  # noqa: E402
+from dflashkit.measure.bench import parse_methods, run_bench  # noqa: E402
 from dflashkit.decode.sampling import Sampling  # noqa: E402
 from dflashkit.decode.speculative import DFlashProposer, generate  # noqa: E402
 from dflashkit.demo import DemoConfig, Paths, declare_stages, load_demo_target, load_recipe  # noqa: E402

@@ -234,20 +234,22 @@ class OracleProposer:
 
 
 def check_decode(target, S, device) -> list[dict]:
-    from dflashkit.decode.speculative import DFlashProposer, generate_ar, generate_chain, generate_ddtree
+    from dflashkit.decode.hf import HfBackend
+    from dflashkit.decode.speculative import DFlashProposer, generate_ar, generate_chain, generate_tree
     from dflashkit.drafter.checkpoint import new_drafter
+    from dflashkit.tree import TreeDrafts
 
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, target.vocab_size, (S["prompt_len"],), generator=g).tolist()
     N = S["new_tokens"]
     drafter = new_drafter(target, num_layers=S["num_layers"], block_size=S["block_size"]).to(device, target.dtype).eval()
-    generate_ar(target, prompt, 4)  # warm-up
-    ar = generate_ar(target, prompt, N)
+    generate_ar(HfBackend(target), prompt, 4)  # warm-up
+    ar = generate_ar(HfBackend(target), prompt, N)
     oracle = OracleProposer(DFlashProposer(target, drafter), prompt + ar.tokens, target.vocab_size)
     rows = []
     for name, run in (("ar", lambda: ar),
-                      ("chain", lambda: generate_chain(target, oracle, prompt, N)),
-                      (f"ddtree-{S['budget']}", lambda: generate_ddtree(target, oracle, prompt, S["budget"], N))):
+                      ("chain", lambda: generate_chain(HfBackend(target), oracle, prompt, N)),
+                      (f"ddtree-{S['budget']}", lambda: generate_tree(HfBackend(target), TreeDrafts(oracle, S["budget"]), prompt, N))):
         gen = run()
         rounds = max(1, gen.rounds)
         diff = [i for i, (a, b) in enumerate(zip(gen.tokens, ar.tokens)) if a != b]
@@ -261,6 +263,7 @@ def check_decode(target, S, device) -> list[dict]:
 
 
 def check_static(target, S, device, smoke: bool) -> dict:
+    from dflashkit.decode.hf import HfBackend
     from dflashkit.decode.speculative import generate_ar
     from dflashkit.decode.static import StaticBackend, StaticDecoder, geometry_of
     from dflashkit.errors import DFlashError
@@ -275,7 +278,7 @@ def check_static(target, S, device, smoke: bool) -> dict:
     d = StaticDecoder(target, 512, compile=not smoke)
     d.warm(timed=1)
     generate_ar(StaticBackend(d), prompt, 4)
-    gen, ar = generate_ar(StaticBackend(d), prompt, N), generate_ar(target, prompt, N)
+    gen, ar = generate_ar(StaticBackend(d), prompt, N), generate_ar(HfBackend(target), prompt, N)
     diff = [i for i, (a, b) in enumerate(zip(gen.tokens, ar.tokens)) if a != b]
     return {"target": target.name, "method": "ar", "engine": "static", "kernels": d.kernels, "compile_s": sum(d.compile_s.values()),
             "ms_per_token": 1e3 * d.step_s[1], "tokens_per_s": len(gen.tokens) / max(1e-9, gen.times["total"]),

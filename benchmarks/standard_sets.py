@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from common import cpu_name  # noqa: E402
-from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench, write_bench  # noqa: E402
+from dflashkit.measure.bench import bench_markdown, parse_methods, run_bench, write_bench  # noqa: E402
 from dflashkit.drafter.checkpoint import load_drafter  # noqa: E402
 from dflashkit.fileio import write_text  # noqa: E402
 from dflashkit.prompts import select_prompts  # noqa: E402

@@ -15,7 +15,7 @@ from dflashkit.errors import DFlashError
 # The stages a user walks through, in order; each module defines register(subparsers). export (`drafter export`)
 # needs engines and evaluate, above the drafter stage; prediction (`cost`, `eval --engine`) joins evaluate and decode.
 STAGES = ["dflashkit.targets.cli", "dflashkit.drafter.cli", "dflashkit.export", "dflashkit.cache.cli",
-          "dflashkit.evaluate.cli", "dflashkit.prediction", "dflashkit.decode.cli", "dflashkit.engines.cli",
+          "dflashkit.evaluate.cli", "dflashkit.prediction", "dflashkit.measure.cli", "dflashkit.engines.cli",
           "dflashkit.train.cli", "dflashkit.configs.cli", "dflashkit.demo"]
 
 # The only process state dflashkit sets (docs/design.md section 12): targets load from local folders,

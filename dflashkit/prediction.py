@@ -2,7 +2,7 @@
 acceptance priced on that engine's cost model: predicted tokens/s and speedup before serving).
 
 It sits above the stages because it joins two siblings: evaluate (the offline acceptance) and decode (the cost
-models and the formula, decode/costmodel.py and decode/predict.py).
+models and the formula, measure/costmodel.py and measure/predict.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def register(sub) -> None:
     c.add_argument("--target", default="smollm2-135m", help="registry name or local Hugging Face folder")
     c.add_argument("--drafter", help="drafter folder: its call is priced too (needed to predict speculative methods)")
     c.add_argument("--engine", default="auto", help=f"{ENGINE_CHOICES}, several joined by commas; auto: the backend "
-                   "speculative decoding picks here (decode/engine.py)")
+                   "speculative decoding picks here (measure/probe.py)")
     c.add_argument("--device", default="auto")
     c.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
                    "float32 | bfloat16")
@@ -48,7 +48,7 @@ def _log(message: str) -> None:
 
 
 def engines_of(spec: str) -> list[str]:
-    from dflashkit.decode.costmodel import check_model_engine
+    from dflashkit.measure.costmodel import check_model_engine
 
     names = [e.strip() for e in spec.split(",") if e.strip()]
     for name in names:
@@ -62,28 +62,29 @@ def engines_of(spec: str) -> list[str]:
 def models_for(names: list[str], target, drafter_ref=None, force: bool = False) -> list:
     """The cost model of each engine named (auto made concrete for the drafter's methods, or plain decoding), the
     drafter's call priced where one is given."""
-    from dflashkit.decode.costmodel import cost_model
-    from dflashkit.decode.engine import resolve
+    from dflashkit.measure.costmodel import cost_model
+    from dflashkit.decode.backends import resolve
+    from dflashkit.measure.probe import new_session
     from dflashkit.decode.speculative import DFlashProposer
     from dflashkit.drafter.checkpoint import load_drafter
 
     proposer = DFlashProposer(target, load_drafter(drafter_ref, target=target, device=target.device,
                                                    dtype=target.dtype)) if drafter_ref else None
-    state: dict = {"proposer": proposer, "trees": True}
+    session = new_session(target, proposer, log=_log, trees=True)
     method = "chain" if proposer else "ar"
-    concrete = [resolve("auto", target, method, state, _log) if n == "auto" else n for n in names]
-    return [cost_model(e, target, proposer, state, force=force, log=_log) for e in dict.fromkeys(concrete)]
+    concrete = [resolve(session, "auto", method) if n == "auto" else n for n in names]
+    return [cost_model(e, target, proposer, session, force=force, log=_log) for e in dict.fromkeys(concrete)]
 
 
 def replays_for(models: list) -> dict:
-    """hybrid-auto as the offline walk replays it at each engine's prices (decode/predict.py, hybrid_replay)."""
-    from dflashkit.decode.predict import hybrid_replay
+    """hybrid-auto as the offline walk replays it at each engine's prices (measure/predict.py, hybrid_replay)."""
+    from dflashkit.measure.predict import hybrid_replay
 
     return {m.engine: hybrid_replay(m) for m in models}
 
 
 def cmd_cost(args) -> int:
-    from dflashkit.decode.costmodel import cost_markdown, cost_plot
+    from dflashkit.measure.costmodel import cost_markdown, cost_plot
     from dflashkit.fileio import write_json, write_text
     from dflashkit.targets.model import load_target
 
@@ -121,7 +122,7 @@ def cmd_eval(args) -> int:
 
 
 def predict_eval(result: dict, models: list) -> list[str]:
-    from dflashkit.decode.predict import offline_acceptance, predict_offline, prediction_markdown
+    from dflashkit.measure.predict import offline_acceptance, predict_offline, prediction_markdown
 
     settings = result["settings"]  # eval loads the target in the dtype decoding picks (auto), as the models price it
     source = (f"offline eval ({settings['anchors']} anchors, {result['overall']['blocks']} blocks, "

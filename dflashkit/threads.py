@@ -77,7 +77,7 @@ def load_warning(threads: int, sample_s: float = 0.2) -> str | None:
             f"{default_threads()})")
 
 
-MOST = 4  # threads per usable CPU: more only oversubscribe (4096 ran at 0.4 tok/s; 100000 could not start)
+MOST = 4  # threads per usable CPU: more only oversubscribe (thousands crawl or cannot start)
 
 
 def add_threads_option(parser) -> None:

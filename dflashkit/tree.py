@@ -28,6 +28,11 @@ class Tree:
         return cls(torch.tensor(tokens), torch.tensor(depths), torch.tensor(parents),
                    torch.tensor(log_probs, dtype=torch.float32))
 
+    @classmethod
+    def chain(cls, tokens: Tensor) -> Tree:
+        n = len(tokens)
+        return cls(tokens.cpu(), torch.arange(n), torch.arange(-1, n - 1), torch.zeros(n))
+
     def __len__(self) -> int:
         return self.tokens.numel()
 
@@ -287,13 +292,15 @@ class TreeDrafts:
     been adding in this request, beyond the n-gram branch if there is one, does not pay for its forward: such a round
     is plain decoding (the root alone) or the n-gram branch alone."""
 
-    def __init__(self, drafter=None, budget: int = 0, ngram=None, cost=None, draft_cost: float | None = None):
+    def __init__(self, drafter=None, budget: int = 0, ngram=None, cost=None, draft_cost: float | None = None,
+                 path_cost=None, fixed: float = 0.0):
         self.drafter, self.budget, self.ngram, self.cost = drafter, budget, ngram, cost
         self.timed = draft_cost is None  # an offline replay prices the drafter's call (draft_cost), not times it
         self.layer_ids = drafter.layer_ids if drafter is not None else None
         self.gated = drafter is not None and cost is not None
-        self.fixed = 0.0  # seconds a round costs besides the verify and draft forwards (running mean, set by the loop)
-        self.path_cost = None  # set by the loop: the backend's cost of a tree verified one root-to-leaf path a row
+        self.fixed = fixed  # seconds a round costs besides the verify and draft forwards (running mean: round_took)
+        self.path_cost = path_cost  # the backend's cost of a tree verified one root-to-leaf path a row, where it does
+        self.timed_rounds = 0
         self.branches: list[tuple[list[int], int]] = []  # this round's verified n-gram proposals, matched lengths
         self.t_draft = draft_cost or 0.0  # running mean of one drafter forward
         # n-gram confidence bucket (0: no n-gram proposal) -> [tokens added, weight, rounds idle, idle rounds to retry]
@@ -307,6 +314,11 @@ class TreeDrafts:
         """The widest tree this proposer can build (root included): the drafter's budget plus each n-gram branch."""
         n = self.ngram
         return 1 + self.budget + (n.max_tokens * getattr(n, "branches", 1) if n is not None else 0)
+
+    def round_took(self, seconds: float) -> None:
+        """A round's own work besides its forwards (the loop times it): `fixed`, a running mean from the first."""
+        self.fixed = seconds if not self.timed_rounds else 0.9 * self.fixed + 0.1 * seconds
+        self.timed_rounds += 1
 
     def reset(self, prompt_ids) -> None:
         self.pending = None

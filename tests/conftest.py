@@ -35,14 +35,14 @@ def float32_by_default(monkeypatch, request):
 def auto_engine_is_hf(monkeypatch):
     """`--engine auto` (the CLI's default) times both backends once per machine, compiling the static step: tests
     get hf from it unless they test the probe itself (tests/test_engine.py calls the real one). The machine is
-    quiet to every measurement (engine.measured_load): no /proc/stat counters, a load average of 0."""
-    from dflashkit.decode import engine
+    quiet to every measurement (probe.measured_load): no /proc/stat counters, a load average of 0."""
+    from dflashkit.measure import probe
 
-    monkeypatch.setattr(engine, "cpu_times", lambda cpus: (0, 0))
+    monkeypatch.setattr(probe, "cpu_times", lambda cpus: (0, 0))
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    real = engine.probe
-    monkeypatch.setattr(engine, "probe", lambda target, state, log=None, **kw: {"plain": "hf", "speculative": "hf"})
-    monkeypatch.setattr(engine, "real_probe", real, raising=False)
+    real = probe.probe
+    monkeypatch.setattr(probe, "probe", lambda session, **kw: {"plain": "hf", "speculative": "hf"})
+    monkeypatch.setattr(probe, "real_probe", real, raising=False)
 
 
 @pytest.fixture(scope="session")

@@ -68,15 +68,15 @@ def eager_decoders(monkeypatch, length: int = 160):
 
     real = static.StaticDecoder
 
-    def eager(target, state, n, proposer=None, log=None, trees=False):
-        d = state.get("static")
+    def eager(session, n, proposer=None, trees=False):
+        target, d = session.target, session.static
         other = proposer is not None and d is not None and (d.layer_ids, d.verify_width) != (
             proposer.layer_ids, proposer.block_size)
         n += 32  # room for the last verify, as decoder_for leaves
         if d is None or trees and not d.trees or other or d.max_len < n:
             drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids,
                                                     "verify_width": proposer.block_size}
-            d = state["static"] = real(target, max(length, n), compile=False, trees=trees, **drafting)
+            d = session.static = real(target, max(length, n), compile=False, trees=trees, **drafting)
             d.warm(timed=1)
         return d
 

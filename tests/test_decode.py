@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dflashkit.decode.bench import check_lossless, parse_methods, run_bench, write_bench
+from dflashkit.measure.bench import check_lossless, parse_methods, run_bench, write_bench
 from dflashkit.decode.sampling import Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate
 from dflashkit.drafter.checkpoint import new_drafter, save_drafter
@@ -239,7 +239,7 @@ def test_bench_reports_and_flags_mismatches(tiny_targets, drafters, tmp_path, mo
                                       "predicted.png"}
     assert json.loads((tmp_path / "bench" / "results.json").read_text())["config"]["methods"] == methods
     # a speculative output that differs from plain decoding is a loud failure
-    import dflashkit.decode.bench as bench
+    import dflashkit.measure.bench as bench
 
     real = bench.generate
 
@@ -353,7 +353,7 @@ def test_rounding_divergences_are_reported_and_large_gaps_fail(tiny_targets, mon
     """The lossless check where the kernels give no exactness (CUDA bf16), run on CPU with an injected flip: a token
     whose logit gap to plain decoding's the dtype's rounding explains is a reported divergence, not a failure; a
     large gap still fails, and neither message calls a rounding flip a bug."""
-    import dflashkit.decode.bench as bench
+    import dflashkit.measure.bench as bench
 
     target = tiny_targets["qwen3"]
     prompts = [(TEXTS[0], target.chat_ids([{"role": "user", "content": TEXTS[0]}]))]
@@ -421,7 +421,7 @@ def test_compact_kv_keeps_the_accepted_slots_in_order_and_copies_only_what_moves
     down in path order; a path that is already in place (a chain, or the root alone) equals the same result."""
     from types import SimpleNamespace
 
-    from dflashkit.decode.speculative import compact_kv
+    from dflashkit.decode.hf import compact_kv
 
     g = torch.Generator().manual_seed(0)
     start = 5

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflashkit.decode import engine as engines
+from dflashkit.decode.backends import resolve
+from dflashkit.decode.session import DecodeSession
+from dflashkit.measure import probe as engines
+from dflashkit.measure.probe import new_session
 from dflashkit.decode.cost import CostCurve
 from dflashkit.decode.methods import parse_method
 from dflashkit.decode.speculative import generate
@@ -45,13 +48,13 @@ def test_every_method_name_runs_through_generate_on_each_backend(tiny_targets, m
     t = tiny_targets["llama"]
     ids = prompt(t)
     plain, oracle = oracle_for(t, ids, 24)
-    state = {"trees": True}
+    session = DecodeSession(t, trees=True)
     for method in METHODS:
         if backend == "static" and method in TRANSFORMERS_LOOPS:
             with pytest.raises(DFlashError, match=f"method '{method}' is transformers' own loop.*--engine hf"):
-                generate(t, ids, method, oracle, max_new_tokens=24, engine=backend, state=state)
+                generate(t, ids, method, oracle, max_new_tokens=24, engine=backend, session=session)
             continue
-        g = generate(t, ids, method, oracle, max_new_tokens=24, engine=backend, state=state,
+        g = generate(t, ids, method, oracle, max_new_tokens=24, engine=backend, session=session,
                      cost=CostCurve([1, 32], [0.01, 0.02]))
         assert g.tokens == plain, method
         assert g.engine == ("hf" if method in TRANSFORMERS_LOOPS else backend), method
@@ -62,7 +65,7 @@ def test_an_old_static_name_says_how_to_spell_it_now():
                                                                    "--engine static"), ("chain-hf", "--method chain --engine hf")):
         with pytest.raises(ValueError, match=re.escape(f"the backend is its own option now; use {new}")):
             parse_method(old)
-    source = (Path(engines.__file__).parent / "methods.py").read_text()
+    source = (Path(resolve.__code__.co_filename).parent / "methods.py").read_text()
     assert "-static" not in source  # one vocabulary: no method name carries a backend
 
 
@@ -70,18 +73,18 @@ def test_an_old_static_name_says_how_to_spell_it_now():
 def test_the_static_backend_verifies_every_node_a_tree_method_builds(tiny_targets, monkeypatch, method, most):
     """The nodes verified per round, counted at the backend: the budget asked (+ the root, + the n-gram branch),
     on static as on hf. The old decoder verified at most 8 (its widest compiled width) and dropped the rest."""
-    from dflashkit.decode import speculative, static
+    from dflashkit.decode import hf, static
 
     eager_decoders(monkeypatch)
     t = tiny_targets["llama"]
     ids = prompt(t) * 2  # repeated text: the n-gram lookup finds continuations
     _, oracle = oracle_for(t, ids, 30)
     seen = {"hf": [], "static": []}
-    for name, cls in (("hf", speculative.HfBackend), ("static", static.StaticBackend)):
+    for name, cls in (("hf", hf.HfBackend), ("static", static.StaticBackend)):
         real = cls.verify
         monkeypatch.setattr(cls, "verify", lambda self, tokens, tree=None, real=real, name=name:
                             seen[name].append(len(tokens)) or real(self, tokens, tree))
-    out = {e: generate(t, ids, method, oracle, max_new_tokens=30, engine=e, state={}).tokens for e in seen}
+    out = {e: generate(t, ids, method, oracle, max_new_tokens=30, engine=e).tokens for e in seen}
     assert out["hf"] == out["static"]
     assert max(seen["static"]) == max(seen["hf"]) and max(seen["static"]) <= most
     if method.startswith("ddtree"):
@@ -91,15 +94,15 @@ def test_the_static_backend_verifies_every_node_a_tree_method_builds(tiny_target
 def test_auto_runs_hf_where_static_refuses_the_target_and_says_why(tmp_path):
     t = load_target(make_tiny_target("gpt_oss", tmp_path / "g"), device="cpu", dtype="float32")
     said = []
-    assert engines.resolve("auto", t, "hybrid-auto", {}, said.append) == "hf"
+    assert resolve(new_session(t, log=said.append), "auto", "hybrid-auto") == "hf"
     assert said == [f"engine auto: hf (target {t.name}: config.json field model_type = 'gpt_oss': only dense-attention "
                     "Llama-type targets (llama, qwen2, qwen3, mistral) run in the static step; use --engine hf for "
                     "this target)"]
     with pytest.raises(DFlashError, match="model_type = 'gpt_oss'"):
-        engines.resolve("static", t, "ar", {})
-    assert engines.resolve("auto", t, "prompt-lookup", {}) == "hf"
+        resolve(new_session(t), "static", "ar")
+    assert resolve(new_session(t), "auto", "prompt-lookup") == "hf"
     with pytest.raises(DFlashError, match="--engine 'fast': use one of auto, hf, static"):
-        engines.resolve("fast", t, "ar", {})
+        resolve(new_session(t), "fast", "ar")
 
 
 def test_auto_runs_hf_where_the_kernels_cannot_be_built_and_says_why(tiny_targets, monkeypatch):
@@ -109,11 +112,11 @@ def test_auto_runs_hf_where_the_kernels_cannot_be_built_and_says_why(tiny_target
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     said = []
-    assert engines.resolve("auto", tiny_targets["llama"], "chain", {}, said.append) == "hf"
+    assert resolve(new_session(tiny_targets["llama"], log=said.append), "auto", "chain") == "hf"
     assert said == ["engine auto: hf (no C++ compiler (c++) here to build the static backend's kernels: install g++, "
                     "or use --engine hf)"]
     with pytest.raises(DFlashError, match="no C..? compiler"):
-        engines.resolve("static", tiny_targets["llama"], "ar", {})
+        resolve(new_session(tiny_targets["llama"]), "static", "ar")
 
 
 def test_a_damaged_probe_answer_is_timed_again_with_one_line(tiny_targets, tmp_path, monkeypatch):
@@ -134,15 +137,15 @@ def test_a_damaged_probe_answer_is_timed_again_with_one_line(tiny_targets, tmp_p
     for damage in ("garbage", "{}", "", '{"plain": "gpu", "speculative": "hf", "cpu": "x"}', "[1, 2]"):
         path.write_text(damage)
         said = []
-        found = engines.real_probe(t, {}, said.append)
+        found = engines.real_probe(new_session(t, log=said.append))
         assert said[0].startswith(f"engine auto: {path} is damaged (field ") and "timing the backends again" in said[0]
         assert found["plain"] == "static" and found["speculative"] == "hf" and json.loads(path.read_text()) == found
     said = []
-    assert engines.real_probe(t, {}, said.append) == found and "--reprobe measures again" in said[-1]
+    assert engines.real_probe(new_session(t, log=said.append)) == found and "--reprobe measures again" in said[-1]
     path.unlink()
     monkeypatch.setattr(fileio, "write_json", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
     said = []
-    assert engines.real_probe(t, {}, said.append)["plain"] == "static"
+    assert engines.real_probe(new_session(t, log=said.append))["plain"] == "static"
     assert said[-2] == f"engine auto: could not cache the answer in {path} (Permission denied); the next run times again"
 
 
@@ -179,16 +182,16 @@ def test_a_probe_measured_under_load_says_so_and_is_timed_again(tiny_targets, tm
     calls, t, said = fake_backends(monkeypatch, tmp_path), tiny_targets["llama"], []
     path, threads, cpus = engines.probe_path(t)[0], torch.get_num_threads(), len(engines.usable_cpus())
     monkeypatch.setattr(os, "getloadavg", lambda: (cpus + 3.0, 1.0, 1.0))  # no /proc/stat here (conftest)
-    found = engines.real_probe(t, {}, said.append)
+    found = engines.real_probe(new_session(t, log=said.append))
     assert found["load"] == {"start": cpus + 3.0, "end": cpus + 3.0, "cpus": cpus, "threads": threads,
                              "others": cpus + 3.0, "loaded": True} == json.loads(path.read_text())["load"]
     assert said[-1] == (f"engine auto: the probe was measured under load (load {cpus + 3:.1f} on {cpus} CPUs, loaded: "
                         f"other work kept {cpus + 3:.1f} busy beside {threads} threads of ours): {path} is marked "
                         "loaded and measured again by the next run; or rerun with --reprobe when the machine is quiet")
     monkeypatch.setattr(os, "getloadavg", lambda: (0.25, 1.0, 1.0))
-    assert engines.real_probe(t, {}, said.append)["load"]["loaded"] is False and len(calls) == 2
+    assert engines.real_probe(new_session(t, log=said.append))["load"]["loaded"] is False and len(calls) == 2
     assert said[-2].endswith(f"; {path} was measured under load")
-    engines.real_probe(t, {}, said.append)
+    engines.real_probe(new_session(t, log=said.append))
     assert len(calls) == 2 and said[-1].startswith(f"engine auto -> hf (probe {found['measured_at'][:10]}")
     assert f"load 0.2 on {cpus} CPUs, on " in said[-1]
 
@@ -215,7 +218,7 @@ def test_an_old_probe_without_its_load_still_reads(tiny_targets, tmp_path, monke
     path, record = engines.probe_path(t)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({**record, "plain": "static", "speculative": "hf", "measured_at": "2026-12-01 10:00:00"}))
-    assert engines.real_probe(t, {}, said.append)["plain"] == "static" and calls == []
+    assert engines.real_probe(new_session(t, log=said.append))["plain"] == "static" and calls == []
     assert said == [f"engine auto -> plain on static, speculative on hf (probe 2026-12-01 10:00, load not recorded, on "
                     f"{record['cpu']}; {path}; --reprobe measures again)"]
 
@@ -225,7 +228,7 @@ def test_reprobe_measures_again_and_reports_say_when_and_under_what_load(tiny_di
     """Issue 70: `--reprobe` on generate and bench times the backends again, replacing the cached answer; bench's
     header names auto's choice, the probe's time and its load."""
     from dflashkit.cli import main
-    from dflashkit.decode.bench import bench_markdown, run_bench
+    from dflashkit.measure.bench import bench_markdown, run_bench
 
     calls = fake_backends(monkeypatch, tmp_path)
     monkeypatch.setattr(engines, "probe", engines.real_probe)
@@ -259,8 +262,8 @@ def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets
     monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
     t = tiny_targets["llama"]
     said = []
-    state = {"proposer": Oracle([], 4, t.vocab_size, layer_ids=[1, 2])}  # as bench's: the run's drafter, if any
-    found = engines.real_probe(t, state, said.append, repeats=3)
+    proposer = Oracle([], 4, t.vocab_size, layer_ids=[1, 2])  # as bench's: the run's drafter, if any
+    found = engines.real_probe(new_session(t, proposer, log=said.append), repeats=3)
     files = list((tmp_path / "engine-probe").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text()) == found
     for kind, widths in (("plain", ("1",)), ("speculative", ("1", "8"))):
@@ -270,7 +273,7 @@ def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets
     from dflashkit.decode import static
 
     monkeypatch.setattr(static, "decoder_for", None)  # a second measurement would fail here (probe imports it)
-    assert engines.real_probe(t, {}, said.append) == found
+    assert engines.real_probe(new_session(t, log=said.append)) == found
     assert said[-1].startswith("engine auto -> ") and str(files[0]) in said[-1]
 
 
@@ -289,19 +292,20 @@ def test_the_compiled_static_program_decodes_as_hf(tiny_dirs, dtype):
     t = load_target(tiny_dirs["llama"], device="cpu", dtype=dtype)
     ids = prompt(t)
     _, oracle = oracle_for(t, ids, 40)
-    state = {"static": StaticDecoder(t, 2048, layer_ids=[1, 2], verify_width=4, trees=True)}
-    state["static"].warm(timed=1)
-    assert state["static"].kernels == static.cpu_kernels(t, static.geometry_of(t))
-    plain = generate(t, ids, "ar", max_new_tokens=40, engine="static", state=state).tokens
+    session = DecodeSession(t, static=StaticDecoder(t, 2048, layer_ids=[1, 2], verify_width=4, trees=True))
+    session.static.warm(timed=1)
+    assert session.static.kernels == static.cpu_kernels(t, static.geometry_of(t))
+    plain = generate(t, ids, "ar", max_new_tokens=40, engine="static", session=session).tokens
     if dtype == "float32":
         assert plain == generate(t, ids, "ar", max_new_tokens=40).tokens
     else:
-        eager = {"static": StaticDecoder(t, 2048, layer_ids=[1, 2], verify_width=4, trees=True, compile=False)}
-        assert plain == generate(t, ids, "ar", max_new_tokens=40, engine="static", state=eager).tokens
+        eager = DecodeSession(t, static=StaticDecoder(t, 2048, layer_ids=[1, 2], verify_width=4, trees=True,
+                                                      compile=False))
+        assert plain == generate(t, ids, "ar", max_new_tokens=40, engine="static", session=eager).tokens
     for method in ("chain", "ddtree-8", "hybrid-auto", "ngram"):
-        g = generate(t, ids, method, oracle, max_new_tokens=40, engine="static", state=state)
+        g = generate(t, ids, method, oracle, max_new_tokens=40, engine="static", session=session)
         assert g.tokens == plain and g.engine == "static", method
-    assert set(state["static"].compile_s) == {1, 32, 4, 8, 16, 24}
+    assert set(session.static.compile_s) == {1, 32, 4, 8, 16, 24}
 
 
 @pytest.mark.slow
@@ -383,15 +387,21 @@ def test_a_tree_verified_path_by_path_records_the_tokens_it_ran(tiny_dirs):
 @pytest.mark.slow  # compiles (5 s with inductor's cache, 40 s without on 2 cores): dealt out early by conftest
 @pytest.mark.e2e
 def test_the_compiled_drafter_drafts_as_the_eager_one_and_compiles_only_in_its_warm_up(tiny_targets):
-    """What the static backend runs (decoder_for compiles the proposer's drafter): over a decode's calls (the
-    prompt's, then one or several new positions) its logits equal the eager drafter's up to float rounding, and
-    after compile()'s warm-up no call compiles again (a recompile each round would cost more than it saves)."""
+    """What the static backend runs (decoder_for compiles the proposer's drafter, its session calls it): over a
+    decode's calls (the prompt's, then one or several new positions) its logits equal the eager drafter's up to
+    float rounding, and after compiled()'s warm-up no call compiles again (a recompile each round would cost more
+    than it saves). Outside the static backend's session the proposer drafts eager (issue 70: hf rows did not)."""
+    from contextlib import ExitStack
+
     from dflashkit.decode.speculative import DFlashProposer
     from helpers import drafter_and_prompts
 
     t, d, _ = drafter_and_prompts(tiny_targets["llama"])
     eager, compiled = DFlashProposer(t, d), DFlashProposer(t, d)
-    compiled.compile()
+    call = compiled.compiled()
+    assert compiled.call is d and compiled.compiled() is call
+    stack = ExitStack()
+    stack.enter_context(compiled.calling(call))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(1, 80, d.fc.weight.shape[1], generator=g)
@@ -403,4 +413,6 @@ def test_the_compiled_drafter_drafts_as_the_eager_one_and_compiles_only_in_its_w
         want, got = (p.propose(new, torch.tensor([5 + n]), start + n) for p in (eager, compiled))
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         start += n
-    assert compiled.call is not d and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert compiled.call is call and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    stack.close()
+    assert compiled.call is d

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import dflashkit.decode.peers as peers
-from dflashkit.decode.bench import PLAIN, bench_markdown, parse_methods, run_bench
+import dflashkit.measure.peers as peers
+from dflashkit.measure.bench import PLAIN, bench_markdown, parse_methods, run_bench
 from dflashkit.decode.speculative import DFlashProposer, generate
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.engines.install import find, require
@@ -104,7 +104,7 @@ def stand_in(monkeypatch, **kw):
     def start(method, target, drafter, block_size, ctx, workdir):
         yield StandIn(target, DFlashProposer(target, drafter, block_size) if method.endswith("-dflash") else None, **kw)
 
-    monkeypatch.setattr(peers, "_start", start)
+    monkeypatch.setattr(peers, "start_engine", start)
 
 
 @pytest.fixture(scope="module")

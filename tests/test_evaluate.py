@@ -236,6 +236,7 @@ def test_walk_reproduces_online_chain_decoding(t64, kind):
 @pytest.mark.parametrize("kind", ["oracle", "random"])
 def test_walk_reproduces_dflashkit_decode_chain(t64, kind):
     """The same against the project's online loop (target KV, drafter context KV, verify features)."""
+    from dflashkit.decode.hf import HfBackend
     from dflashkit.decode.speculative import DFlashProposer, generate_chain
 
     prompt = t64.chat_ids([{"role": "user", "content": "class LRU:"}])
@@ -244,7 +245,7 @@ def test_walk_reproduces_dflashkit_decode_chain(t64, kind):
         d = CopyLabelDrafter(drafter_for(t64).config, t64.lm_head.weight, ref, {p for p in range(len(ref)) if p % 6 == 2})
     else:
         d = drafter_for(t64, seed=4)
-    gen = generate_chain(t64, DFlashProposer(t64, d), prompt, max_new_tokens=40, stop_ids=[])
+    gen = generate_chain(HfBackend(t64), DFlashProposer(t64, d), prompt, max_new_tokens=40, stop_ids=[])
     tokens = torch.tensor(prompt + gen.tokens)
     head = DraftHead.for_drafter(t64, d)
     recs = evaluate_sequence(d, head, t64.embed_tokens, tokens, features(t64, tokens), len(prompt), anchors="walk")
@@ -258,7 +259,8 @@ def test_walk_reproduces_dflashkit_decode_chain(t64, kind):
 def test_hybrid_walk_reproduces_dflashkit_decode_hybrid(t64, kind):
     """Issue 50: hybrid-b replayed offline on the greedy answer (drafter tree + n-gram branch per round) accepts
     what the online loop accepts, round for round, over trees of the same nodes and path tokens."""
-    from dflashkit.decode.speculative import DFlashProposer, HfBackend, generate
+    from dflashkit.decode.speculative import DFlashProposer, generate
+    from dflashkit.decode.hf import HfBackend
 
     prompt = t64.chat_ids([{"role": "user", "content": "class LRU:"}])
     ref = greedy(t64, prompt, 50)
@@ -282,14 +284,17 @@ def test_hybrid_auto_replayed_at_an_engines_prices_is_what_the_loop_does(t64, ki
     the loop's clock is fixed here (a drafter call 1/256 s, nothing else), so both price a round alike."""
     import itertools
 
+    import dflashkit.decode.session as session
     import dflashkit.decode.speculative as speculative
     import dflashkit.tree as tree
     from dflashkit.decode.cost import CostCurve
-    from dflashkit.decode.speculative import DFlashProposer, HfBackend, generate, new_lookup
+    from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
+    from dflashkit.decode.hf import HfBackend
 
     clock = itertools.count()
     monkeypatch.setattr(tree, "perf_counter", lambda: next(clock) / 256)  # one tick per drafter call
-    monkeypatch.setattr(speculative, "perf_counter", lambda: 0.0)  # the loop's own work: none
+    for module in (speculative, session):  # the loop's own work and its timer: none
+        monkeypatch.setattr(module, "perf_counter", lambda: 0.0)
     cost = CostCurve([1, 4, 8, 16, 48], [0.010, 0.011, 0.013, 0.020, 0.060])
     prompt = t64.chat_ids([{"role": "user", "content": "class LRU:"}])
     ref = greedy(t64, prompt, 70)

@@ -55,7 +55,7 @@ def test_a_drafter_that_pays_keeps_drafting(tiny_targets):
 def test_bench_reports_the_share_of_drafted_rounds_and_the_worst_prompt(tiny_targets):
     """Each speculative row states how many rounds called the drafter and its worst prompt against plain decoding on
     its own backend (an aggregate speedup hides one prompt made slower)."""
-    from dflashkit.decode.bench import bench_markdown, run_bench
+    from dflashkit.measure.bench import bench_markdown, run_bench
 
     t = tiny_targets["llama"]
     prompts = [(p, t.chat_ids([{"role": "user", "content": p}])) for p in ("def add(a, b):", "sort a list")]

@@ -130,7 +130,7 @@ def test_second_turn_is_asked_after_the_targets_own_answer(tiny_targets):
 
 @pytest.mark.slow  # a whole bench or compare folder, figures included
 def test_bench_runs_every_turn_and_reports_per_category(tiny_targets, tmp_path):
-    from dflashkit.decode.bench import bench_markdown, run_bench, write_bench
+    from dflashkit.measure.bench import bench_markdown, run_bench, write_bench
 
     target = tiny_targets["llama"]
     suite = select_prompts(str(standard_set("spec-bench/question.jsonl")), per_category=1)
@@ -274,7 +274,7 @@ def test_an_interrupted_bench_resumes_without_measuring_a_run_twice(tiny_dirs, t
     saved). Now each run is appended as it ends: a rerun of the same command measures only the rest, and ends with
     every run; other settings on the same --out are refused by name."""
     from dflashkit.cli import main
-    from dflashkit.decode import bench
+    from dflashkit.measure import bench
 
     real, measured = bench._run, []
 

@@ -20,7 +20,7 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DFlashError
 from dflashkit.prompts import load_prompts
-from dflashkit.targets import model as target_model
+from dflashkit.targets import model as target_model, registry
 from tiny_targets import make_tiny_target
 from dflashkit.targets.model import load_target
 
@@ -78,23 +78,23 @@ def test_identity_covers_the_weights_and_a_cache_of_one_is_refused_for_the_other
 
 def test_weights_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(target_model, "MEMO_MIN_BYTES", 0)  # memoise even the tiny fixture's weights
+    monkeypatch.setattr(registry, "MEMO_MIN_BYTES", 0)  # memoise even the tiny fixture's weights
     folder = make_tiny_target("llama", tmp_path / "t")
-    first = target_model.weights_hash(folder)
+    first = registry.weights_hash(folder)
     assert list((tmp_path / "home" / "weight-hashes").glob("*.json"))
 
     def no_read(path, *a, **k):
         raise AssertionError(f"{path} was hashed again")
 
-    monkeypatch.setattr(target_model, "sha256_file", no_read)
-    assert target_model.weights_hash(folder) == first  # a second call reads no weights
+    monkeypatch.setattr(registry, "sha256_file", no_read)
+    assert registry.weights_hash(folder) == first  # a second call reads no weights
     # a changed file (size or mtime) is hashed again
     monkeypatch.undo()
     monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(target_model, "MEMO_MIN_BYTES", 0)
+    monkeypatch.setattr(registry, "MEMO_MIN_BYTES", 0)
     _copy_with_one_weight_changed(folder, tmp_path / "u")
     shutil.copy2(tmp_path / "u" / "model.safetensors", folder / "model.safetensors")
-    assert target_model.weights_hash(folder) != first
+    assert registry.weights_hash(folder) != first
 
 
 def test_a_small_file_rewritten_within_one_timestamp_tick_gets_a_new_identity(tmp_path, monkeypatch):
@@ -391,7 +391,7 @@ def test_an_output_path_under_a_file_fails_before_any_work_in_one_line(tmp_path,
 
 
 def test_a_bench_that_cannot_write_at_the_end_keeps_its_results(tmp_path, capsys):
-    from dflashkit.decode.bench import write_bench
+    from dflashkit.measure.bench import write_bench
 
     (tmp_path / "file").write_text("x")
     result = {"config": {"target": "t"}, "methods": {}, "runs": []}

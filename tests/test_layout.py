@@ -17,10 +17,11 @@ LAYERS = {
     "drafter": 4, "distributed": 4,  # distributed picks the device the way targets does
     "cache": 5, "engines": 5,  # engines export drafters in the formats llama.cpp and vLLM read
     "evaluate": 6, "decode": 6,
-    "train": 7,  # evaluates held-out checkpoints while it trains
-    "demo": 8, "cli": 8, "__init__": 8, "export": 8, "prediction": 8,
+    "measure": 7,  # measures decoding (bench, cost models, peers, auto's probe): above it, never imported by it
+    "train": 8,  # evaluates held-out checkpoints while it trains; `data generate` answers with measure's peers
+    "demo": 9, "cli": 9, "__init__": 9, "export": 9, "prediction": 9,
 }
-TOP = 8
+TOP = 9
 
 
 def stage_of(path: Path) -> str:
@@ -57,6 +58,60 @@ def test_no_stage_imports_a_higher_layer_or_a_sibling_stage():
             if dep != own and LAYERS[dep] >= LAYERS[own] and LAYERS[own] < TOP:
                 bad.append(f"{path.relative_to(ROOT)} imports dflashkit.{dep}")
     assert not bad, "\n".join(bad)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """dflashkit modules a module imports, at any depth, as dotted names ('dflashkit.decode.static')."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}  # `from dflashkit.decode import native`
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m.startswith("dflashkit.")}
+
+
+def module_cycles() -> list[list[str]]:
+    """Import circles between the modules of one package (function-level imports count: they are edges too)."""
+    modules = {".".join(("dflashkit",) + p.relative_to(ROOT).with_suffix("").parts): p for p in ROOT.rglob("*.py")
+               if p.name != "__init__.py"}
+    package = lambda m: m.rsplit(".", 1)[0]
+    edges = {m: {d for d in imported_modules(p) if d in modules and d != m and package(d) == package(m)}
+             for m, p in modules.items()}
+    cycles, done = [], set()
+
+    def visit(m, trail):
+        if m in trail:
+            cycles.append(trail[trail.index(m):] + [m])
+            return
+        if m in done:
+            return
+        for d in sorted(edges[m]):
+            visit(d, trail + [m])
+        done.add(m)
+
+    for m in sorted(edges):
+        visit(m, [])
+    return cycles
+
+
+def test_no_import_circle_between_the_modules_of_a_package():
+    """Issue 70: decode/ was a seven-module import circle; the modules of a package form layers too, so a new
+    back-edge between two of them fails here."""
+    assert not module_cycles(), "\n".join(" -> ".join(c) for c in module_cycles())
+
+
+def test_a_planted_back_edge_is_a_circle(monkeypatch):
+    real = imported_modules
+    plant = lambda path: real(path) | ({"dflashkit.decode.speculative"} if path.name == "static.py" else set())
+    monkeypatch.setitem(globals(), "imported_modules", plant)
+    assert any("dflashkit.decode.static" in c for c in module_cycles())
+
+
+def test_decoding_imports_nothing_that_measures_it():
+    for path in (ROOT / "decode").rglob("*.py"):
+        assert not {m for m in imported_modules(path) if m.startswith("dflashkit.measure")}, path
 
 
 def test_decode_does_not_import_evaluate():

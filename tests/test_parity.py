@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from dflashkit.decode.bench import run_bench, write_bench
-from dflashkit.decode.peers import EnginePeer
-from dflashkit.decode.records import run_record
+from dflashkit.measure.bench import run_bench, write_bench
+from dflashkit.measure.peers import EnginePeer
+from dflashkit.measure.records import run_record
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.engines.install import find
 from dflashkit.errors import DFlashError
@@ -66,7 +66,7 @@ def test_a_planted_divergence_in_bench_is_reported_at_its_index_with_the_margin(
     """chain's answers get one token flipped at index 3: bench's parity names token 3 on every prompt, with the
     target's top-2 margin there (a clear one on a random float32 target: a logic divergence), while the lossless
     check fails as before; the methods left alone are equal."""
-    import dflashkit.decode.bench as bench
+    import dflashkit.measure.bench as bench
 
     t, d, prompts = setup
     real = bench.generate
@@ -194,7 +194,7 @@ class Recorded:
 
 def peer_record(t, method: str, answer, prompt) -> dict:
     """The record a bench writes for an engine peer's run: EnginePeer.run over the engine's answer, then the same
-    conversion as every run (decode/records.py)."""
+    conversion as every run (measure/records.py)."""
     peer = EnginePeer(method, t, None, 4, 10)
     peer.engine = Recorded(answer)
     run = peer.run(*prompt)

@@ -14,10 +14,10 @@ import statistics
 import pytest
 import torch
 
-import dflashkit.decode.costmodel as cm
+import dflashkit.measure.costmodel as cm
 from dflashkit.cli import main
-from dflashkit.decode.costmodel import CostModel, cost_model, load_model
-from dflashkit.decode.predict import offline_acceptance, predict_offline, predict_rounds
+from dflashkit.measure.costmodel import CostModel, cost_model, load_model
+from dflashkit.measure.predict import offline_acceptance, predict_offline, predict_rounds
 from dflashkit.drafter.checkpoint import new_drafter, save_drafter
 from dflashkit.engines.install import find
 from dflashkit.errors import DFlashError
@@ -345,7 +345,7 @@ def test_the_cost_command_writes_a_table_and_a_plot(evaluated, home, tiny_dirs, 
 
 
 def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(evaluated, tiny_targets, home):
-    from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench
+    from dflashkit.measure.bench import bench_markdown, parse_methods, run_bench
     from dflashkit.drafter.checkpoint import load_drafter
     from dflashkit.decode.speculative import DFlashProposer
     from dflashkit.fileio import read_json, write_json
@@ -387,7 +387,7 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
 
 
 def test_bench_offline_takes_one_eval_per_engine_and_refuses_a_misnamed_one(tmp_path):
-    from dflashkit.decode.cli import offline_runs
+    from dflashkit.measure.cli import offline_runs
     from dflashkit.fileio import write_json
 
     for name in ("a", "b"):
@@ -406,7 +406,7 @@ def test_bench_offline_takes_one_eval_per_engine_and_refuses_a_misnamed_one(tmp_
 def test_bench_offline_refuses_an_eval_of_another_target_drafter_or_block(tiny_targets, tmp_path):
     """Issue 72: an eval of another target or drafter, or at another block size, priced bench rows without a word
     (a chain 43% off); each is refused by name, and the eval of this drafter, target and block passes."""
-    from dflashkit.decode.cli import check_offline
+    from dflashkit.measure.cli import check_offline
     from dflashkit.fileio import sha256_file
 
     t, other = tiny_targets["llama"], tiny_targets["qwen3"]
@@ -438,8 +438,8 @@ def test_data_generate_answers_on_llama_cpp(smollm2, tmp_path):
     """`data generate --engine llama.cpp`: every completion is the llama.cpp server's own greedy answer (a fresh
     server asked again answers the same), and the header says which engine wrote them."""
     from dflashkit.cache.sequences import generate_sequences, read_sequences
-    from dflashkit.decode.engine import plain_answers
-    from dflashkit.decode.peers import EnginePeer
+    from dflashkit.measure.peers import plain_answers
+    from dflashkit.measure.peers import EnginePeer
     from dflashkit.prompts import load_prompts
 
     out = tmp_path / "seqs.jsonl"
@@ -471,7 +471,7 @@ def test_the_vllm_probe_measures_its_rounds(smollm2):
 
 
 def test_predicted_against_measured_is_plotted_for_the_rows_that_have_both(tmp_path):
-    from dflashkit.decode.predict import predicted_plot, predicted_points
+    from dflashkit.measure.predict import predicted_plot, predicted_points
 
     result = {"config": {"target": "t", "dtype": "float32"}, "methods": {
         "ar": {"predicted": {"measured_decode_tokens_per_s": 40.0, "online": {"tokens_per_s": 39.0},

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dflashkit.decode.cost import CostCurve
-from dflashkit.decode.speculative import DFlashProposer, crop_kv, generate, new_target_kv, verify_mask
+from dflashkit.decode.speculative import DFlashProposer, generate
+from dflashkit.decode.hf import crop_kv, new_target_kv, verify_mask
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.errors import DFlashError
 from families import greedy_reference

@@ -11,7 +11,9 @@ from dflashkit.decode.cost import CostCurve, measure_cost_curve
 from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.ngram import NgramLookup
 from dflashkit.decode.sampling import Sampling
-from dflashkit.decode.speculative import TreeDrafts, generate, generate_tree
+from dflashkit.decode.hf import HfBackend
+from dflashkit.decode.speculative import generate, generate_tree
+from dflashkit.tree import TreeDrafts
 from torch.overrides import _get_current_function_mode_stack
 
 from dflashkit.targets.invariant import RowInvariantKernels, invariant_linear, invariant_sdpa, kernels_for
@@ -206,7 +208,7 @@ def _block_vs_one_by_one(model, cfg) -> int:
     """How many of 24 tokens get different logits verified in one block than decoded one at a time."""
     from transformers import DynamicCache
 
-    from dflashkit.decode.speculative import crop_kv
+    from dflashkit.decode.hf import crop_kv
 
     ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     differ = 0
@@ -369,7 +371,7 @@ def test_kernel_switch_is_scoped_extract_decode_extract_bit_for_bit(bf16_llama, 
 def test_tree_drafts_without_any_proposer_is_plain_decoding(tiny_targets):
     t = tiny_targets["qwen3"]
     ids = t.chat_ids([{"role": "user", "content": "x"}])
-    g = generate_tree(t, TreeDrafts(), ids, max_new_tokens=6)
+    g = generate_tree(HfBackend(t), TreeDrafts(), ids, max_new_tokens=6)
     assert g.tokens == greedy_reference(t, ids, 6) and g.accepted == [1] * 5
 
 
@@ -473,7 +475,7 @@ def test_stepwise_linear_attention_is_what_one_token_steps_compute(bf16_hybrid):
     what one-token calls return (the prefill, with no state yet, keeps the chunked path)."""
     from transformers import DynamicCache
 
-    from dflashkit.decode.speculative import load_linear_states, save_linear_states
+    from dflashkit.decode.hf import load_linear_states, save_linear_states
     from dflashkit.targets.invariant import _is_linear_attention, stepwise_forward
 
     t = bf16_hybrid
@@ -495,7 +497,7 @@ def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, mo
     """bf16 on a CPU: `ar` (the token reference) and our methods run the row-invariant kernels, while ar-stock,
     prompt lookup and transformers' generate run the model's own; speedups are against the faster of ar and
     ar-stock, and both ar timings are in the results. In float32 nothing differs and no ar-stock is added."""
-    from dflashkit.decode import bench
+    from dflashkit.measure import bench
 
     t = bf16_llama
     prompts = [("p", t.chat_ids([{"role": "user", "content": REPEATING[0]}]))]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflashkit.decode import bench
+from dflashkit.measure import bench
+from dflashkit.decode.session import DecodeSession
 from dflashkit.decode.speculative import generate, generate_ar, generate_chain, generate_tree
 from dflashkit.decode import native, static
 from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_native, attend_reduce, StaticBackend,
@@ -472,10 +473,11 @@ def test_a_tree_wider_than_the_static_backend_verifies_is_refused_not_cut(tiny_t
     from helpers import Oracle
 
     t = tiny_targets["llama"]
-    state = {"static": StaticDecoder(t, 160, compile=False, layer_ids=[1, 2], verify_width=4, trees=True)}
+    session = DecodeSession(t, static=StaticDecoder(t, 160, compile=False, layer_ids=[1, 2], verify_width=4, trees=True))
     with pytest.raises(DFlashError, match=r"ddtree-32: its trees reach 33 nodes, past the static backend's widest "
                                           r"verify \(24\).*--engine hf"):
-        generate(t, prompt(t), "ddtree-32", Oracle([1] * 64, 4, t.vocab_size, (), [1, 2]), engine="static", state=state)
+        generate(t, prompt(t), "ddtree-32", Oracle([1] * 64, 4, t.vocab_size, (), [1, 2]), engine="static",
+                 session=session)
     d = StaticDecoder(t, 64, compile=False)
     with pytest.raises(DFlashError, match="built without tree widths; build it with trees=True"):
         generate_tree(StaticBackend(d), tree_drafts("ngram", None), prompt(t), 20, method="ngram")
@@ -491,14 +493,14 @@ def test_a_wrong_static_step_fails_a_bf16_bench_with_the_position_named(tiny_dir
     t = load_target(tiny_dirs["llama"], device="cpu", dtype="bfloat16")
     real = StaticDecoder
 
-    def built(target, state, n, proposer=None, log=None, trees=False):
-        if "static" not in state:
-            d = state["static"] = real(target, 256, compile=False)
+    def built(session, n, proposer=None, trees=False):
+        if session.static is None:
+            d = session.static = real(session.target, 256, compile=False)
             if planted:
-                layer, stride, _, _ = static.geometry_of(target).layout()
+                layer, stride, _, _ = static.geometry_of(session.target).layout()
                 off, shape = layer["o"]
                 d.arena[stride + off: stride + off + shape[0] * shape[1]] *= 1.01  # layer 1's o_proj
-        return state["static"]
+        return session.static
 
     monkeypatch.setattr(static, "decoder_for", built)
     res = bench.run_bench(t, None, [("a", prompt(t))], ["ar"], max_new_tokens=12, progress=False, warmup=False, predict=False,
@@ -517,7 +519,7 @@ def test_data_generate_answers_on_the_static_backend_and_a_cache_names_it(tiny_t
     answers names the backend that wrote them."""
     from dflashkit.cache import extract, open_cache
     from dflashkit.cache.sequences import generate_sequences, read_sequences
-    from dflashkit.decode.engine import plain_answers
+    from dflashkit.measure.peers import plain_answers
     from dflashkit.prompts import load_prompts
     from dflashkit.targets import generation
 

@@ -132,7 +132,6 @@ def test_smollm2_prepare_reuses_and_conversion_matches_gguf(smollm2, monkeypatch
     from gguf.quants import dequantize
     from safetensors.torch import load_file
 
-    from dflashkit.targets import model as target_model
 
     def never(*a, **k):
         raise AssertionError("a prepared target was located, hashed or converted again")
@@ -162,10 +161,10 @@ def test_smollm2_prepare_reuses_and_conversion_matches_gguf(smollm2, monkeypatch
     text = smollm2.decode(a[0, ids.shape[1]:])
     assert a.shape[1] - ids.shape[1] == 12 and "def add" in text, text  # greedy: "```python\ndef add_two_numbers(num1"
     # the identity covers the 540 MB of weights, hashed once and remembered: later calls cost milliseconds
-    from dflashkit.targets.model import weights_hash
+    from dflashkit.targets.registry import weights_hash
 
     assert smollm2.identity()["weights_hash"]
-    monkeypatch.setattr(target_model, "sha256_file", never)  # remembered: the 540 MB are not read again
+    monkeypatch.setattr(registry, "sha256_file", never)  # remembered: the 540 MB are not read again
     assert weights_hash(path) == smollm2.identity()["weights_hash"]
 
 
@@ -201,7 +200,7 @@ def test_a_damaged_prepared_target_is_prepared_again_with_one_line(tmp_path, mon
     from safetensors.torch import save_file
 
     from dflashkit.targets import registry
-    from dflashkit.targets.model import weights_hash
+    from dflashkit.targets.registry import weights_hash
 
     monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
     out = registry.prepared_dir("smollm2-135m")

@@ -96,8 +96,8 @@ def test_what_the_format_cannot_carry_is_refused_by_name(tiny_targets, tmp_path)
 def test_bench_runs_transformers_dflash_beside_our_chain_and_checks_its_tokens(exported):
     """The bench peer: transformers' DFlash loop with our drafter, its tokens held to greedy like every row, its
     tokens per target forward recorded as tau (here equal to our chain's: the same drafter, the same rounds)."""
-    from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench
-    from dflashkit.decode.records import run_record
+    from dflashkit.measure.bench import bench_markdown, parse_methods, run_bench
+    from dflashkit.measure.records import run_record
 
     t, d, _, _ = exported
     prompts = [(p, t.chat_ids([{"role": "user", "content": p}])) for p in ("def add(a, b):", "sort a list")]

@@ -419,7 +419,7 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
 
 def _bar(total: int, desc: str, enabled: bool):
     # smoothing 0: rate and ETA from the whole run so far; a batch finishes its prompts at one instant, and the
-    # default moving average then read 32 prompts in 51 s as 51 s per prompt (an ETA of an hour for two minutes)
+    # default moving average then read a batch's time as each prompt's (an ETA far beyond the real one)
     return tqdm(total=total, desc=desc, unit="prompt", disable=not enabled, dynamic_ncols=True, smoothing=0)
 
 

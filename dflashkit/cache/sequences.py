@@ -88,7 +88,7 @@ def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_si
     appended to `out` batch by batch; a rerun skips the turns done. Turn k is asked after the target's own answers
     to the turns before it (round by round), so no answer of the file reaches the data unless
     `use_file_responses` (then the file's answers are the completions, and the header says so). `answered_by`: (the
-    backend's name, answer(...)) where another than transformers' batches answers (decode/engine.plain_answers)."""
+    backend's name, answer(...)) where another than transformers' batches answers (measure/peers.plain_answers)."""
     from tqdm import tqdm
 
     from dflashkit.prompts import PromptSuite, load_prompts

@@ -1,5 +1,5 @@
-"""Online speculative decoding against the live target (chain, DDTree, n-gram, hybrid trees), the target's cost
-curve, and the speed benchmark.
+"""Online speculative decoding against the live target (chain, DDTree, n-gram, hybrid trees) over two backends (hf,
+static), and the target's cost curve; measuring it (bench, cost models, auto's probe) is dflashkit.measure.
 
 Names load lazily so that the CLI's parser does not import torch.
 """
@@ -12,9 +12,11 @@ _EXPORTS = {
     **{name: "dflashkit.decode.cost" for name in ("CostCurve", "measure_cost_curve")},
     "NgramLookup": "dflashkit.ngram", "parse_method": "dflashkit.decode.methods",
     "Sampling": "dflashkit.decode.sampling",
+    **{name: "dflashkit.decode.session" for name in ("Backend", "DecodeSession", "Generation")},
+    "TreeDrafts": "dflashkit.tree",
     **{name: "dflashkit.decode.speculative" for name in (
-        "DFlashProposer", "Generation", "Proposer", "TreeDrafts", "generate", "generate_ar", "generate_chain",
-        "generate_ddtree", "generate_hf", "generate_tree", "tree_drafts")},
+        "DFlashProposer", "Proposer", "generate", "generate_ar", "generate_chain", "generate_hf", "generate_tree",
+        "tree_drafts")},
 }
 __all__ = list(_EXPORTS)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dflashkit.decode.speculative import Generation
+from dflashkit.decode.session import Generation
 
 
 @dataclass

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflashkit.decode.speculative import HfBackend, Timer, crop_kv, new_target_kv, verify_tree_by_paths
+from dflashkit.decode.hf import HfBackend, crop_kv, new_target_kv, verify_tree_by_paths
+from dflashkit.decode.session import Timer
 from dflashkit.tree import Tree
 
 DEFAULT_NS = (1, 2, 4, 8, 16, 32)

@@ -152,7 +152,7 @@ inline float halve(f32x16 v) {
 #else
 // ---- x86-64-v3 and the portable path: 8 lanes a register. The same 64 lanes are eight chains of 8: chain b lane
 // j is lane 8b + j of the 64, the memory order of v4's four chains of 16, and the tree below is v4's tree.
-// (Written with 16-lane vectors, GCC kept the accumulators on the stack on AVX2: 12 GB/s against 28.)
+// (Written with 16-lane vectors, GCC kept the accumulators on the stack on AVX2, far slower.)
 typedef f32x8 lvec;
 constexpr int CHAINS = 8, VL = 8;
 
@@ -378,7 +378,7 @@ inline void rows_against_panels(const float* x, const W* w, float* y, int64_t ro
 // Rows against NP quantized panels (a verify of at least two blocks of rows): each pass of KC inputs is widened once
 // into float panels (in L1), then every block of rows runs the float32 panel_block over them, the float kernel's own
 // sums over the dequantized values; the widening is paid once a pass, not once a block (3 rows on v3). Fewer rows
-// widen in registers (panel_block_quant): the stores and reloads cost more than they save there (2-core Zen 5)
+// widen in registers (panel_block_quant): the stores and reloads cost more than they save there
 template <int NP, typename Q>
 inline void rows_against_widened(const float* x, const Q* w, float* y, int64_t rows, int64_t outs, int64_t k) {
   thread_local std::vector<float> wide;  // panel p's input i at p * PANEL * k + i * PANEL: the float panels' order

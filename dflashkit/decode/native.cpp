@@ -31,7 +31,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   const int64_t k = w.size(1), outs = w.size(0), rows = xc.numel() / k;
   auto sizes = x.sizes().vec();
   sizes.back() = outs;
-  auto y = xc.new_empty(sizes);  // (new_empty: at::empty's header alone cost 4 s of every build)
+  auto y = xc.new_empty(sizes);  // (new_empty: at::empty's header slows every build)
   if (w.scalar_type() == at::kBFloat16)
     K::linear(xc.data_ptr<float>(), reinterpret_cast<const K::bf16*>(w.data_ptr<c10::BFloat16>()),
               y.data_ptr<float>(), rows, outs, k);
@@ -131,7 +131,7 @@ void split_rows(const float* x, int64_t rows, int64_t k, std::vector<uint16_t>& 
 }
 
 // Two blocks of 16 outputs at a time share x's tiles; the weights' next tiles are prefetched 4 steps of k ahead
-// (a tile load from memory waits on its lines: 5 -> 10 GB/s a core on a 2-core Sapphire Rapids VM)
+// (a tile load from memory waits on its lines: prefetching raises the bandwidth a core reads)
 constexpr int64_t AHEAD = 4;
 
 template <int OB>

@@ -4,73 +4,21 @@ detail"). The drafter enters through a small `Proposer` interface, so tests can 
 
 from __future__ import annotations
 
-import contextlib
-from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Protocol
 
 import torch
 
+from dflashkit.decode.backends import open_backend, resolve
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
-from dflashkit.ngram import NgramLookup
 from dflashkit.decode.sampling import GREEDY, Sampling
+from dflashkit.decode.session import Backend, DecodeSession, Generation, Timer
 from dflashkit.drafter.head import FEW_ROWS, DraftHead, few_rows_linear
 from dflashkit.drafter.model import block_ids, mix_greedy
 from dflashkit.errors import DFlashError
-from dflashkit.targets.invariant import kernels_for, needs_invariant
-from dflashkit.tree import Tree, TreeDrafts, attention_mask, draft_tree, path_tokens, rooted, walk
-
-# ---- results and timing ---------------------------------------------------------------------------------
-
-@dataclass
-class Generation:
-    method: str
-    tokens: list[int]  # new tokens, cut exactly where plain decoding stops (stop token kept, or max_new_tokens)
-    accepted: list[int]  # per round: accepted drafts + 1 (the bonus), as verified, before any cut
-    times: dict[str, float] = field(default_factory=dict)  # seconds: prefill, draft, verify, other, total
-    engine: str = "hf"  # the backend that ran it: hf (transformers' forward) or static (our compiled step)
-    widths: list[int] = field(default_factory=list)  # per round: tokens the target verified (root included)
-    drafted: list[bool] = field(default_factory=list)  # per round: whether the drafter ran (the cost model prices both)
-
-    @property
-    def rounds(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def tau(self) -> float:
-        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
-
-
-class Timer:
-    """Wall time per named section; synchronizes CUDA so asynchronous kernels land in the right section.
-    The loops time only forwards: prefill and verify (target), draft (drafter); `other` is the rest of the
-    round (sampling, tree building, masks, target KV cropping, bookkeeping)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.times: dict[str, float] = defaultdict(float)
-        self.t0 = perf_counter()
-
-    @contextmanager
-    def __call__(self, name: str):
-        if self.cuda:
-            torch.cuda.synchronize()
-        t = perf_counter()
-        yield
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.times[name] += perf_counter() - t
-
-    def finish(self) -> dict[str, float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-        out = {k: self.times.get(k, 0.0) for k in ("prefill", "draft", "verify")}
-        out["total"] = perf_counter() - self.t0
-        out["other"] = max(0.0, out["total"] - out["prefill"] - out["draft"] - out["verify"])
-        return out
-
+from dflashkit.ngram import NgramLookup
+from dflashkit.tree import Tree, TreeDrafts, draft_tree, rooted, walk
 
 # ---- the drafter, behind a small interface ----------------------------------------------------------------
 
@@ -106,26 +54,35 @@ class DFlashProposer:
         self.slot0, self.mask_id = slot0, drafter.config.mask_token_id  # slot0: see block_ids (always "seed" in use)
         block_ids(torch.zeros((), dtype=torch.long), self.block_size, self.mask_id, slot0)  # checks the name now
         self.dtype = drafter.fc.weight.dtype
-        self.context_kv, self.call, self.fresh = None, drafter, True
+        self.context_kv, self.call, self.fresh, self._compiled = None, drafter, True, None
 
     @torch.no_grad()
-    def compile(self) -> None:
-        """The drafter's call compiled, as the static backend's step is (decode/static.decoder_for asks): its ~370
-        small ops cost more than its products (the demo drafter, 2-core Xeon: 4.4 -> 2.6 ms a call). Compiled now
-        for the calls a round makes (one, several or, after rounds without a draft, many new positions; a prompt's
-        first call stays eager); drafts equal the eager ones up to float rounding, and the verify keeps decoding
-        exact either way."""
-        if self.call is not self.drafter:
-            return
-        self.call = torch.compile(self.drafter, dynamic=True)
+    def compiled(self):
+        """The drafter's call compiled, for the static backend alone (it runs it in its session, `calling`): its
+        ~370 small ops cost more than its products. Warmed now for the calls a round makes (one, several or, after
+        rounds without a draft, many new positions; a prompt's first call stays eager); drafts equal the eager ones
+        up to float rounding, and the verify keeps decoding exact either way."""
+        if self._compiled is not None:
+            return self._compiled
+        call = self._compiled = torch.compile(self.drafter, dynamic=True)
         kv, width, dev = self.drafter.new_context_kv(), self.drafter.fc.weight.shape[1], self.drafter.fc.weight.device
         block = torch.zeros(1, self.block_size, self.drafter.config.hidden_size, dtype=self.dtype, device=dev)
         start = 0
         for n in (7, 1, 2, 3, FEW_ROWS + 6):  # first sizes that no later size or stride equals (dynamo guards on it)
             pos = torch.arange(start, start + n + self.block_size, device=dev)[None]  # context, then the block
-            (self.call if start else self.drafter)(torch.zeros(1, n, width, dtype=self.dtype, device=dev), block, pos,
-                                                   past_key_values=kv, linear=few_rows_linear)
+            (call if start else self.drafter)(torch.zeros(1, n, width, dtype=self.dtype, device=dev), block, pos,
+                                              past_key_values=kv, linear=few_rows_linear)
             start += n
+        return call
+
+    @contextmanager
+    def calling(self, call):
+        """The drafter called through `call` while the context is (a backend's own compiled call)."""
+        was, self.call = self.call, call
+        try:
+            yield
+        finally:
+            self.call = was
 
     def reset(self, prompt_ids) -> None:
         self.context_kv, self.fresh = self.drafter.new_context_kv(), True
@@ -241,242 +198,55 @@ def emit(out: list[int], new: list[int], stops: set[int], max_new_tokens: int) -
     return False
 
 
-def sliding_layers(target) -> list[int]:
-    """The target's sliding-window attention layers, as transformers' DynamicCache reads them from the config."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    return [i for i, kind in enumerate(get_layer_types_and_kwargs(target.config)[0]) if kind == "sliding_attention"]
-
-
-def new_target_kv(target):
-    """The target KV (a transformers DynamicCache) for an online loop, every attention layer keeping every position
-    so that crop_kv and compact_kv can cut a rejected draft off.
-
-    transformers' own sliding-window layer keeps only the last window - 1 positions and a length counter, which no
-    crop can restore; here each is a full DynamicLayer instead, still marked sliding (masking_utils sizes the
-    sliding mask on the first layer marked so). That is exact: transformers masks a sliding layer by absolute
-    position (key > query - window, sliding_window_overlay) from the offsets the cache layer reports, 0 and its
-    length for a full layer, so the layer attends to the same keys; the older ones are kept but masked. Chunked
-    attention and layers that mix linear attention with a window are still refused."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-    kv = DynamicCache(config=target.config)
-    for i in sliding_layers(target):
-        if type(kv.layers[i]) is DynamicSlidingWindowLayer:
-            kv.layers[i] = DynamicLayer()
-            kv.layers[i].is_sliding = True
-    left = [i for i, layer in enumerate(kv.layers) if getattr(layer, "is_sliding", False) and type(layer) is not DynamicLayer]
-    if left:
-        raise DFlashError(
-            f"target {target.name} ({target.config.model_type}) has chunked or hybrid windowed attention on layers "
-            f"{left} ({', '.join(sorted({type(kv.layers[i]).__name__ for i in left}))}): online speculative decoding "
-            "cannot roll their caches back, so the online loops (ar, chain, DDTree) refuse it; offline extraction and "
-            "evaluation still work, and online decoding of a copy of the target whose config.json layer_types has "
-            "full_attention (hybrid for hybrid_sliding) there is exact for prompts plus outputs shorter than the window"
-        )
-    return kv
-
-
-def verify_mask(target, tree: Tree, start: int, window: int | None = None):
-    """The tree verify's attention mask. transformers hands a custom 4D mask to every layer as it is, so the
-    sliding-window layers of a target with a `window` get their own, cut to it: one mask per layer type where the
-    model reads one per type (config.layer_types: gpt-oss, Gemma, Qwen2/3), else the one windowed mask that the
-    model builds for all of its layers itself (no layer_types: Mistral, Phi-3)."""
-    full = attention_mask(tree, start, target.dtype, target.device)
-    if window is None:
-        return full
-    windowed = attention_mask(tree, start, target.dtype, target.device, window)
-    types = getattr(target.config, "layer_types", None)
-    if types is None:
-        return windowed
-    return {kind: windowed if kind == "sliding_attention" else full for kind in set(types)}
-
-
-def _attention_layers(kv):
-    return [layer for layer in kv.layers if getattr(layer, "keys", None) is not None]
-
-
-def _linear_layers(kv):
-    return [layer for layer in kv.layers if hasattr(layer, "recurrent_states")]
-
-
-def crop_kv(kv, length: int) -> None:
-    """Keep the first `length` positions of every attention layer (linear-attention states are restored instead),
-    and batch row 0 only (a hybrid tree verify expands the target KV to one row per path)."""
-    for layer in _attention_layers(kv):
-        layer.keys, layer.values = layer.keys[:1, :, :length], layer.values[:1, :, :length]
-
-
-def compact_kv(kv, start: int, keep: torch.Tensor) -> None:
-    """Keep positions < start plus the tree slots start + keep (the accepted path, in order): the kept slots
-    move down to start..start+len(keep)-1, then the rest is cropped off. Slots already in place (a path that is
-    the tree's first nodes: every chain, and every round that accepts no draft) are not copied: 60 small copies
-    cost 2-3 ms of a 70 ms round on a CPU."""
-    order = keep.tolist()
-    moved = next((i for i, slot in enumerate(order) if slot != i), len(order))
-    if moved < len(order):
-        src = start + keep[moved:]
-        for layer in _attention_layers(kv):
-            for t in (layer.keys, layer.values):
-                t[:, :, start + moved : start + len(order)] = t.index_select(2, src)
-    crop_kv(kv, start + len(order))
-
-
-def _cloned(states: dict) -> dict:
-    return {i: None if s is None else s.clone() for i, s in states.items()}
-
-
-def save_linear_states(kv) -> list:
-    """Clones of every linear-attention layer's conv and recurrent states (they are updated in place)."""
-    return [(_cloned(layer.conv_states), _cloned(layer.recurrent_states), dict(layer.has_previous_state))
-            for layer in _linear_layers(kv)]
-
-
-def load_linear_states(kv, saved) -> None:
-    for layer, (conv, rec, prev) in zip(_linear_layers(kv), saved):
-        layer.conv_states, layer.recurrent_states, layer.has_previous_state = _cloned(conv), _cloned(rec), dict(prev)
-
-
-def rerun(target, kv, saved, tokens: torch.Tensor, start: int, layer_ids):
-    """Hybrid commit: roll the target KV back to `start` and run the accepted tokens [n] again. Returns features."""
-    crop_kv(kv, start)
-    load_linear_states(kv, saved)
-    pos = (start + torch.arange(len(tokens), device=tokens.device))[None]
-    return target.forward(tokens[None], layer_ids=layer_ids, past_key_values=kv, position_ids=pos,
-                          compute_logits=False).features
-
-
 @contextmanager
-def _prefilled(backend, prompt_ids: list[int], layer_ids, max_new_tokens: int, sampling: Sampling, generator, stop_ids):
-    """Every loop starts here: the backend (a target runs on the reference one) with a timer it times its own
-    re-runs on, in its session, after the prefill. Yields (backend, features, the first new token [1], the new
-    tokens, whether they are done, put(new) -> done: emit into them)."""
-    b = backend if hasattr(backend, "verify") else HfBackend(backend)
-    b.timer, stops, tokens = Timer(b.target.device), set(b.target.stop_token_ids if stop_ids is None else stop_ids), []
-    with b.session():
-        with b.timer("prefill"):
+def _prefilled(b: Backend, prompt_ids: list[int], layer_ids, max_new_tokens: int, sampling: Sampling, generator,
+               stop_ids):
+    """Every loop starts here: the backend in its session, with a timer it times its own re-runs on, after the
+    prefill. Yields (timer, features, the first new token [1], the new tokens, whether they are done, put(new) ->
+    done: emit into them)."""
+    timer, stops, tokens = Timer(b.target.device), set(b.target.stop_token_ids if stop_ids is None else stop_ids), []
+    with b.session(timer):
+        with timer("prefill"):
             logits, feats = b.prefill(prompt_ids, layer_ids)
         first = choose(logits, sampling.temperature, generator)  # not yet run
         put = lambda new: emit(tokens, new, stops, max_new_tokens)
-        yield b, feats, first, tokens, put(first.tolist()), put
-
-
-class HfBackend:
-    """The reference backend: transformers' own forward over a DynamicCache, every family. The verbs every loop
-    is written over (the static backend, decode/static.py, has the same): `prefill`, `verify` a chain (tree None)
-    or a flat tree at the next position, `commit` the accepted nodes (their features for the drafter), `cost` of
-    a verify of n tokens and `widest` (None: any). Hybrid targets re-run their accepted tokens (a recurrent state
-    cannot be cropped); branching trees on hybrids and under row-invariant bf16 kernels go one path per row.
-    `stock`: the model's own kernels even in low precision (bench's ar-stock, the fair speed baseline)."""
-
-    engine = "hf"
-    widest = None
-
-    def __init__(self, target, cost=None, stock: bool = False):
-        self.target, self.cost, self.stock = target, cost, stock
-        self.invariant = not stock and needs_invariant(target.model)
-        self.window = target.config.sliding_window if sliding_layers(target) else None  # once: 0.3-0.8 ms a call
-        self.by_paths = self.invariant or target.is_hybrid  # how a branching tree is verified (the cost model reads it)
-        # what -auto cuts a tree verified one path a row on: the curve's own of such verifies where it has one
-        self.path_cost = (getattr(cost, "paths", None) or cost) if cost is not None and self.by_paths else None
-        self.timer = None
-
-    def session(self):  # what one generation runs under: nothing (the kernels go around each target forward)
-        return contextlib.nullcontext()
-
-    def kernels(self):
-        """What every target forward of this backend runs under: row-invariant kernels in bf16 on a CPU (else plain
-        and speculative decoding part ways on rounding, see targets/invariant.py), never the drafter's calls."""
-        return kernels_for(self.target, self.stock)
-
-    def prefill(self, ids: list[int], layer_ids):
-        self.kv, self.layer_ids, self.start = new_target_kv(self.target), layer_ids, len(ids)
-        with self.kernels():
-            out = self.target.forward(torch.tensor([ids], device=self.target.device), layer_ids=layer_ids,
-                                      past_key_values=self.kv, logits_to_keep=1)
-        return out.logits[0, -1:], out.features
-
-    def verify(self, tokens: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
-        """Logits [n, V] after each of `tokens` [n] placed from the next position on: a chain (tree None), or the
-        nodes of `tree` (position start + depth, each seeing its ancestors)."""
-        t, kv, start, dev = self.target, self.kv, self.start, self.target.device
-        self.tree, self.tokens = tree, tokens
-        self.saved = save_linear_states(kv) if t.is_hybrid else None
-        branching = tree is not None and int(tree.depths.max()) < len(tree) - 1
-        self.paths = branching and (self.saved is not None or self.invariant)
-        with self.kernels():
-            if self.paths:
-                logits, self.out, self.row_of = verify_tree_by_paths(t, kv, tree, start, self.layer_ids)
-                return logits
-            pos = start + (torch.arange(len(tokens)) if tree is None or not branching else tree.depths)
-            mask = verify_mask(t, tree, start, self.window) if branching else None  # a chain: the causal mask
-            self.out = t.forward(tokens[None].to(dev), layer_ids=self.layer_ids, past_key_values=kv,
-                                 position_ids=pos[None].to(dev), attention_mask=mask)
-        return self.out.logits[0]
-
-    def commit(self, keep: list[int]):
-        """Keep the verified nodes `keep` (root first, in depth order) in the target KV, at the positions plain
-        decoding would have written; returns their features [1, len(keep), F] (None without layer ids)."""
-        kv, start, n, out = self.kv, self.start, len(self.tokens), self.out
-        self.start += len(keep)
-        idx = torch.tensor(keep, device=self.target.device)
-        if self.saved is not None:  # a recurrent state: restore it and re-run the accepted tokens
-            if len(keep) == n and self.tree is None:
-                return out.features
-            with self.timer("verify") if self.timer is not None else contextlib.nullcontext(), self.kernels():
-                return rerun(self.target, kv, self.saved, self.tokens.to(idx.device)[idx], start, self.layer_ids)
-        if self.paths:  # the accepted path is a prefix of its last node's row: keep that row only
-            r = int(self.row_of[keep[-1]])
-            for layer in _attention_layers(kv):
-                layer.keys, layer.values = layer.keys[r : r + 1], layer.values[r : r + 1]
-            crop_kv(kv, start + len(keep))
-            return out.features[r : r + 1, : len(keep)] if self.layer_ids is not None else None
-        if len(keep) < n:
-            compact_kv(kv, start, idx)
-        return out.features[:, idx] if self.layer_ids is not None else None
-
-
-def chain_tree(tokens: torch.Tensor) -> Tree:
-    n = len(tokens)
-    return Tree(tokens.cpu(), torch.arange(n), torch.arange(-1, n - 1), torch.zeros(n))
+        yield timer, feats, first, tokens, put(first.tolist()), put
 
 
 # ---- the loops, each written once over a backend -----------------------------------------------------------
 
 @torch.no_grad()
-def generate_ar(backend, prompt_ids: list[int], max_new_tokens: int = 256, sampling: Sampling = GREEDY,
+def generate_ar(b: Backend, prompt_ids: list[int], max_new_tokens: int = 256, sampling: Sampling = GREEDY,
                 generator: torch.Generator | None = None, stop_ids=None) -> Generation:
-    """Plain decoding, one target forward per token: the baseline every speedup is measured against. `backend`: a
-    target (the reference backend) or a backend."""
+    """Plain decoding, one target forward per token: the baseline every speedup is measured against."""
     temperature, accepted = sampling.temperature, []
-    with _prefilled(backend, prompt_ids, None, max_new_tokens, sampling, generator, stop_ids) as (
-            b, _, token, tokens, done, put):
+    with _prefilled(b, prompt_ids, None, max_new_tokens, sampling, generator, stop_ids) as (
+            timer, _, token, tokens, done, put):
         while not done:
-            with b.timer("verify"):
+            with timer("verify"):
                 logits = b.verify(token)
             b.commit([0])
             token = choose(logits, temperature, generator)
             accepted.append(1)
             done = put(token.tolist())
-    return Generation("ar", tokens, accepted, b.timer.finish(), b.engine, [1] * len(accepted), [False] * len(accepted))
+    return Generation("ar", tokens, accepted, timer.finish(), b.engine, [1] * len(accepted), [False] * len(accepted))
 
 
 @torch.no_grad()
-def generate_chain(backend, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
+def generate_chain(b: Backend, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                    sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
     """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
     per round. At T>0, the sampling's acceptance picks the rule (see draft_block); both keep the target's
     distribution."""
     temperature, accepted = sampling.temperature, []
-    with _prefilled(backend, prompt_ids, proposer.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (
-            b, feats, bonus, tokens, done, put):
+    with _prefilled(b, prompt_ids, proposer.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (
+            timer, feats, bonus, tokens, done, put):
         proposer.reset(prompt_ids)
         while not done:
-            with b.timer("draft"):
+            with timer("draft"):
                 drafts, q = draft_block(proposer, feats, bonus, b.start, sampling, generator)
             block = torch.cat([bonus, drafts])  # [B]: the bonus, then B-1 drafts
-            with b.timer("verify"):
+            with timer("verify"):
                 logits = b.verify(block)
             if q is None:
                 posterior = choose(logits, temperature, generator)  # [B]: target's token after block[:i+1]
@@ -487,42 +257,12 @@ def generate_chain(backend, proposer: Proposer, prompt_ids: list[int], max_new_t
             feats = b.commit(list(range(a + 1)))
             accepted.append(a + 1)
             done = put(block[1 : a + 1].tolist() + bonus.tolist())
-    return Generation("chain", tokens, accepted, b.timer.finish(), b.engine, [proposer.block_size] * len(accepted),
+    return Generation("chain", tokens, accepted, timer.finish(), b.engine, [proposer.block_size] * len(accepted),
                       [True] * len(accepted))
 
 
-def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
-    """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence at a time) and
-    for branching trees under row-invariant bf16 kernels (a flattened tree interleaves masked keys with visible
-    ones, which changes the order of the softmax and value sums and so the rounding; a path keeps every row's keys
-    exactly as plain decoding sees them). Returns (logits at every node [n, V], the forward's output, the row of
-    every node [n]). The target KV comes back expanded; the caller restores or crops it."""
-    parents, depths = tree.parents.tolist(), tree.depths.tolist()
-    has_child = set(p for p in parents if p >= 0)
-    rows = []
-    for leaf in [i for i in range(len(tree)) if i not in has_child]:
-        row = [leaf]
-        while parents[row[-1]] >= 0:
-            row.append(parents[row[-1]])
-        rows.append(row[::-1])
-    width = max(len(r) for r in rows)
-    grid = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows])  # node index per slot; right padding
-    row_of = torch.zeros(len(tree), dtype=torch.long)
-    for r, row in enumerate(rows):
-        row_of[row] = r
-    n, dev = len(rows), target.device
-    for layer in _attention_layers(kv):
-        layer.keys, layer.values = layer.keys.expand(n, -1, -1, -1), layer.values.expand(n, -1, -1, -1)
-    rows_of = lambda states: {i: None if s is None else s.repeat(n, *[1] * (s.dim() - 1)) for i, s in states.items()}
-    for layer in _linear_layers(kv):
-        layer.conv_states, layer.recurrent_states = rows_of(layer.conv_states), rows_of(layer.recurrent_states)
-    pos = (start + torch.arange(width, device=dev)).expand(n, -1)
-    out = target.forward(tree.tokens[grid].to(dev), past_key_values=kv, position_ids=pos, layer_ids=layer_ids)
-    return out.logits[row_of.to(dev), torch.tensor(depths, device=dev)], out, row_of
-
-
 @torch.no_grad()
-def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_tokens: int = 256,
+def generate_tree(b: Backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_tokens: int = 256,
                   sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None,
                   method: str = "tree") -> Generation:
     """Tree verification (docs/design.md section 5): whatever tree the round proposes (DDTree nodes, an n-gram branch,
@@ -531,9 +271,8 @@ def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_to
     target's own choice, whatever the sampling's acceptance rule (that one is the chain's). A tree wider than the
     backend verifies is refused, never cut."""
     temperature, accepted, widths, drafted = sampling.temperature, [], [], []
-    with _prefilled(backend, prompt_ids, drafts.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (
-            b, feats, bonus, tokens, done, put):
-        timer, drafts.path_cost = b.timer, b.path_cost
+    with _prefilled(b, prompt_ids, drafts.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (
+            timer, feats, bonus, tokens, done, put):
         drafts.reset(prompt_ids)
         while not done:
             t_round, t_verify, t_draft = perf_counter(), timer.times["verify"], timer.times["draft"]
@@ -544,7 +283,7 @@ def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_to
                                   f"verify ({b.widest} nodes); use a smaller budget or --engine hf")
             with timer("verify"):
                 node_logits = b.verify(tree.tokens, tree)
-            widths.append(path_tokens(tree) if getattr(b, "paths", False) else len(tree))  # what the cost model prices
+            widths.append(b.verified_tokens(tree))  # what the cost model prices
             choice = choose(node_logits, temperature, generator)  # [n]: the target's token after each node
             path = walk(tree, choice.tolist())
             keep = [0] + path  # root (the bonus) + accepted nodes
@@ -555,15 +294,8 @@ def generate_tree(backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_to
             drafts.observe(new)
             done = put(new + bonus.tolist())
             spent = perf_counter() - t_round - (timer.times["verify"] - t_verify) - (timer.times["draft"] - t_draft)
-            drafts.fixed = spent if len(accepted) == 1 else 0.9 * drafts.fixed + 0.1 * spent
+            drafts.round_took(spent)
     return Generation(method, tokens, accepted, timer.finish(), b.engine, widths, drafted)
-
-
-def generate_ddtree(target, proposer: Proposer, prompt_ids: list[int], budget: int = 8, max_new_tokens: int = 256,
-                    sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
-    """DDTree (docs/design.md section 5): the `budget` most probable drafts of one drafter pass, verified in one forward."""
-    return generate_tree(target, TreeDrafts(proposer, budget), prompt_ids, max_new_tokens, sampling, generator,
-                         stop_ids, method=f"ddtree-{budget}")
 
 
 @torch.no_grad()
@@ -622,9 +354,11 @@ def new_lookup(method: str):
     return NgramLookup(max_tokens=16, branches=2) if parse_method(method)[1] == "auto" else NgramLookup()
 
 
-def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=None, ngram=None) -> TreeDrafts:
+def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=None, ngram=None,
+                path_cost=None) -> TreeDrafts:
     """The round proposer of a tree method: ddtree[-N|-auto], ngram, hybrid[-N|-auto]. `ngram` may be a shared
-    NgramLookup (its acceptance statistics then carry over between prompts); `cost` is required for -auto."""
+    NgramLookup (its acceptance statistics then carry over between prompts); `cost` is required for -auto, and
+    `path_cost` prices a tree its backend verifies one path a row."""
     kind, n = parse_method(method)
     auto = n == "auto"
     if auto and cost is None:
@@ -632,25 +366,22 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
     lookup = (ngram or new_lookup(method)) if kind in ("ngram", "hybrid") else None
     drafter = proposer if kind in ("ddtree", "hybrid") else None
     size = AUTO_BUDGET if auto else (n or budget)
-    return TreeDrafts(drafter, size if drafter is not None else 0, lookup, cost if auto else None)
+    return TreeDrafts(drafter, size if drafter is not None else 0, lookup, cost if auto else None,
+                      path_cost=path_cost)
 
 
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
              max_new_tokens: int = 256, sampling: Sampling = GREEDY, generator=None, stop_ids=None, cost=None,
-             ngram=None, engine: str = "hf", state: dict | None = None, log=None) -> Generation:
-    """One entry point for every method name of `parse_method`, on the backend `engine` (hf, static or auto,
-    decode/engine.py; the Generation records which ran). `budget` applies to a bare 'ddtree' or 'hybrid'; the
-    sampling's acceptance is the chain's rule at T>0 (trees accept a node iff it is the target's own sample), and
-    transformers' loops take its temperature only. `state`: what a run keeps across calls (the static decoder,
-    auto's choice); without it a static call builds its decoder anew. `cost`: hf's cost curve for -auto trees (the
-    static backend reads its own step times)."""
-    from dflashkit.decode.engine import open_backend, resolve
-
+             ngram=None, engine: str = "hf", session: DecodeSession | None = None) -> Generation:
+    """One entry point for every method name of `parse_method`, on the backend `engine` (hf, hf-stock, static, or
+    auto where the session has a probe: decode/backends.py; the Generation records which ran). `budget` applies to
+    a bare 'ddtree' or 'hybrid'; the sampling's acceptance is the chain's rule at T>0 (trees accept a node iff it is
+    the target's own sample), and transformers' loops take its temperature only. `session`: what a run keeps across
+    calls (the static decoder, auto's answer); without one a static call builds its decoder anew. `cost`: hf's cost
+    curve for -auto trees (the static backend reads its own step times)."""
     kind, n = parse_method(method)
-    state = {} if state is None else state
-    if proposer is not None:  # auto's probe builds the static decoder the run then uses
-        state.setdefault("proposer", proposer)
-    engine = resolve(engine, target, method, state, log)
+    session = session or DecodeSession(target, proposer)
+    engine = resolve(session, engine, method)
     if needs_drafter(method) and proposer is None:
         raise ValueError(f"method {method!r} needs a drafter")
     if kind in ("prompt-lookup", "hf-generate"):
@@ -665,11 +396,11 @@ def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Pro
         if (most := tree_drafts(method, proposer, budget, None, ngram).most_nodes()) > TREE_WIDTHS[-1]:
             raise DFlashError(f"method {name}: its trees reach {most} nodes, past the static backend's widest verify "
                               f"({TREE_WIDTHS[-1]}); use a smaller budget, its -auto variant or --engine hf")
-    backend = open_backend(engine, target, method, state, len(prompt_ids) + max_new_tokens,
-                           proposer if kind != "ar" or engine == "static" else None, cost, log)
+    backend = open_backend(session, engine, method, len(prompt_ids) + max_new_tokens,
+                           proposer if kind != "ar" or engine == "static" else None, cost)
     if kind == "ar":
         return generate_ar(backend, prompt_ids, max_new_tokens, sampling, generator, stop_ids)
     if kind == "chain":
         return generate_chain(backend, proposer, prompt_ids, max_new_tokens, sampling, generator, stop_ids)
-    drafts = tree_drafts(method, proposer, budget, backend.cost, ngram)
+    drafts = tree_drafts(method, proposer, budget, backend.cost, ngram, backend.path_cost)
     return generate_tree(backend, drafts, prompt_ids, max_new_tokens, sampling, generator, stop_ids, method=name)

@@ -11,7 +11,7 @@ import functools
 import gc
 import time
 import types
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -25,8 +25,8 @@ PREFILL = WIDTHS[-1]
 # 10-token branch, a hybrid-8 tree with its branch (19 nodes); a wider tree is refused by name, never cut. Each width
 # compiles as its own function, so dynamo's 8 entries a function bound lengths, not widths
 TREE_WIDTHS = (4, 8, 16, 24)
-# inductor's C++ wrapper calls the step's kernels without Python between them: 12.9 -> 10.8 ms a token (SmolLM2,
-# bf16, 2-core Zen 5); passed per compile, so nothing outside this decoder changes
+# inductor's C++ wrapper calls the step's kernels without Python between them (a faster token); passed per
+# compile, so nothing outside this decoder changes
 # On CUDA, CUDA graphs (gpt-fast's reduce-overhead): one replay a step; the KV and weights are marked static
 # addresses so that their in-place writes do not keep the step out of a graph
 COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True}, "cuda": {"triton.cudagraphs": True}}
@@ -220,7 +220,7 @@ def panel_order(w: torch.Tensor) -> torch.Tensor:
 
 def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
     """An untouched buffer; on a Linux CPU the kernel is first asked to back it with 2 MiB pages (madvise): a step
-    streams every weight once, and on 4 KiB pages the TLB misses cost 6-12% of it (2-core Zen 5, side by side).
+    streams every weight once, and on 4 KiB pages the TLB misses cost a measurable share of it.
     Where the hint is refused, 4 KiB pages: same numbers, a little slower."""
     nbytes = numel * dtype.itemsize
     if device.type != "cpu":
@@ -328,7 +328,7 @@ def _rope(x, cos, sin):
 def attend_reduce(q, k, v, mask, kvh):
     """Softmax attention written out over the whole static cache (grouped heads, float32), its two products
     as reductions like the linears: a query's output then does not depend on how many share the step, and
-    compiled it fuses into a few kernels (SDPA's CPU kernel costs 0.6 ms a layer on a 1024-slot cache)."""
+    compiled it fuses into a few kernels (SDPA's CPU kernel is slow on a long static cache)."""
     (_, nh, n, hd), g = q.shape, q.shape[1] // kvh
     qg = q.reshape(1, kvh, g * n, 1, hd)
     s = (qg * k[:, :, None]).sum(-1) * hd ** -0.5  # [1, kvh, g*n, L]
@@ -339,7 +339,7 @@ def attend_reduce(q, k, v, mask, kvh):
 
 def attend_mm(q, k, v, mask, kvh):
     """The same attention with its products as batched matrix products: for a prompt's 32-token chunk, where the
-    reductions cost 0.64 ms a layer (half the chunk's time, SmolLM2 on a 2-core Zen 5)."""
+    reductions would cost a large share of the chunk's time."""
     (_, nh, n, hd), g = q.shape, q.shape[1] // kvh
     s = (q.reshape(1, kvh, g * n, hd) @ k.transpose(-1, -2)) * hd ** -0.5
     s = s.view(1, kvh, g, n, -1).masked_fill(~mask, float("-inf"))
@@ -631,7 +631,7 @@ class StaticDecoder:
         """Median seconds of a verify width's step with up to `depth` slots before it (fewer where the run's length
         leaves no room; native attention reads the slots in use, so the cost model times a realistic context); no
         prompt chunks. Writes slots from there on. The widths take turns, so that a shared host's drift falls on all
-        alike (one after another, a 2-core Xeon once timed 16 rows below one)."""
+        alike (timed one after another, a wider width can time below a narrower one)."""
         depth = max(0, min(depth, self.max_len - 2 * max(self.steps)))
         args = {w: self._probe_args(w, depth) for w in self.steps if w != PREFILL and timed}
         times = {w: [] for w in args}
@@ -645,10 +645,10 @@ class StaticDecoder:
 
     def _call(self, width: int, ids, pos, keep, span: int | None = None, slots=None, path=None):
         """One step of `width` tokens. A prompt's chunk attends to the slots up to its last position, that length
-        compiled symbolic (a 100-token prompt: 150 instead of 199 ms, 512 slots); the decode and verify steps read
-        the whole cache (reduce kernels; a symbolic length made the one-token step 12% slower, 2-core Zen 5) or the
-        slots in use (native). `span`: the slots a prompt chunk reads (its last position + 1); `slots`: where the
-        rows' K and V go (default their positions); `path`: what native attention reads after pos[0]."""
+        compiled symbolic (a short prompt then reads only its slots); the decode and verify steps read the whole
+        cache (reduce kernels; a symbolic length made the one-token step slower) or the slots in use (native).
+        `span`: the slots a prompt chunk reads (its last position + 1); `slots`: where the rows' K and V go (default
+        their positions); `path`: what native attention reads after pos[0]."""
         slots = pos.clone() if slots is None else slots  # never the same tensor as pos: dynamo guards on aliasing
         span_slots = self.full_span
         if width == PREFILL:
@@ -665,28 +665,38 @@ class StaticDecoder:
         return out
 
 
-def decoder_for(target, state: dict, length: int, proposer=None, log=None, trees: bool = False) -> StaticDecoder:
-    """`state`'s decoder for `target` (with `proposer`'s layers and block, and tree widths once a method needs
-    them, so plain, chain and tree decoding share one set of steps), compiled before it is returned (no answer's
-    time includes it), rebuilt when a turn needs more slots: `length` (prompt + new tokens) plus room for the last
-    verify, rounded up to 512, or 2048 on native kernels, which read only the slots in use (fewer rebuilds: each
-    adds dynamo an entry per width, and it keeps 8 a function). `log(message)` hears of a compile."""
-    log = log or (lambda message: None)
+@runtime_checkable
+class Compilable(Protocol):
+    """A proposer whose drafter the static backend compiles and runs as its own (decode/speculative.DFlashProposer)."""
+
+    def compiled(self): ...
+
+    def calling(self, call): ...
+
+
+def decoder_for(session, length: int, proposer=None, trees: bool = False) -> StaticDecoder:
+    """The session's decoder (decode/session.py) for its target (with `proposer`'s layers and block, and tree
+    widths once a method needs them, so plain, chain and tree decoding share one set of steps), compiled before it
+    is returned (no answer's time includes it), rebuilt when a turn needs more slots: `length` (prompt + new
+    tokens) plus room for the last verify, rounded up to 512, or 2048 on native kernels, which read only the slots
+    in use (fewer rebuilds: each adds dynamo an entry per width, and it keeps 8 a function). The proposer's drafter
+    is compiled with it, as this backend's own call (StaticBackend runs it)."""
+    target, log = session.target, session.log or (lambda message: None)
     length += max(proposer.block_size if proposer is not None else 0, TREE_WIDTHS[-1] if trees else 0)
-    d = state.get("static")
+    d = session.static
     other_drafter = proposer is not None and (d is not None and (d.layer_ids != proposer.layer_ids
                                                                   or d.verify_width != proposer.block_size))
     if d is None or d.max_len < length or trees and not d.trees or other_drafter:
         trees = trees or (d is not None and d.trees)
         drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids, "verify_width": proposer.block_size}
         unit = 2048 if target.device.type == "cpu" else 512  # native kernels on a CPU
-        d = state["static"] = StaticDecoder(target, max(unit, -(-length // unit) * unit), trees=trees, **drafting)
+        d = session.static = StaticDecoder(target, max(unit, -(-length // unit) * unit), trees=trees, **drafting)
         log(f"compiling the static decoder for {d.max_len} positions (about 1.5 min the first time on 2 cores "
             "with native kernels, 3 without; seconds once inductor's cache holds it)")
         d.warm()
         t0 = time.perf_counter()
-        if hasattr(proposer, "compile"):  # its drafter's call too (a test's oracle proposer has none)
-            proposer.compile()
+        if isinstance(proposer, Compilable):  # a test's oracle proposer has no drafter to compile
+            proposer.compiled()
         log(f"compiled in {sum(d.compile_s.values()) + time.perf_counter() - t0:.0f} s")
     return d
 
@@ -694,8 +704,8 @@ def decoder_for(target, state: dict, length: int, proposer=None, log=None, trees
 @contextlib.contextmanager
 def collector_paused():
     """Python's cyclic garbage collector off for one decode loop, then back as it was (also on an error). A loaded
-    target and tokenizer are ~500k tracked objects: collections a step's allocations trigger cost 5-6% of a 12 ms
-    step (SmolLM2, 2-core Zen 5, vs gc on, frozen and off), and the loop makes no cyclic garbage worth collecting."""
+    target and tokenizer are ~500k tracked objects: collections a step's allocations trigger cost a visible share
+    of a step, and the loop makes no cyclic garbage worth collecting."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -705,20 +715,27 @@ def collector_paused():
 
 
 class StaticBackend:
-    """Our compiled step as a backend of decode/speculative.py's loops (HfBackend's verbs): a chain of the verify
-    width, or any tree up to the widest compiled width, in one step whose rows are the one-token step's; `commit`
-    moves the accepted path's KV where plain decoding writes it. Rejected slots are overwritten by the next write."""
+    """Our compiled step as a backend of decode/speculative.py's loops (decode/session.Backend): a chain of the
+    verify width, or any tree up to the widest compiled width, in one step whose rows are the one-token step's;
+    `commit` moves the accepted path's KV where plain decoding writes it. Rejected slots are overwritten by the next
+    write. In its session the proposer drafts through the drafter call compiled with the decoder."""
 
     engine = "static"
     path_cost = None  # trees are verified flat
-    timer = None
 
-    def __init__(self, decoder: StaticDecoder):
-        self.d, self.target = decoder, decoder.target
+    def __init__(self, decoder: StaticDecoder, proposer=None):
+        self.d, self.target, self.proposer = decoder, decoder.target, proposer
         self.widest, self.cost = max(decoder.tree_widths, default=decoder.verify_width or 1), decoder.tree_cost
 
-    def session(self):
-        return collector_paused()
+    def session(self, timer):
+        stack = contextlib.ExitStack()
+        stack.enter_context(collector_paused())
+        if isinstance(self.proposer, Compilable):
+            stack.enter_context(self.proposer.calling(self.proposer.compiled()))
+        return stack
+
+    def verified_tokens(self, tree) -> int:
+        return len(tree)
 
     def prefill(self, ids: list[int], layer_ids):
         d = self.d
@@ -741,9 +758,9 @@ class StaticBackend:
             raise DFlashError(f"static decoder built for block {d.verify_width}; the drafter needs block {n}"
                               if tree is None else "static decoder: built without tree widths; build it with trees=True")
         if tree is None:  # a chain of another width runs as a tree
-            from dflashkit.decode.speculative import chain_tree
+            from dflashkit.tree import Tree
 
-            tree = self.tree = chain_tree(tokens)
+            tree = self.tree = Tree.chain(tokens)
         logits, self.feats = d.verify_tree(tree, self.start)
         return logits
 

@@ -41,7 +41,7 @@ class DemoConfig:
     recipe: str = RECIPE  # the training settings (a `dflashkit train --config` file)
     train_prompts: int | None = 360  # of the built-in train-mix suite, the ones nearest the eval suite
     train_max_new_tokens: int = 192
-    gen_batch_size: int = 96  # 1.42x the answer tokens/s of 32 (cpu-2026-12-02-bfloat16-generation-batch.md)
+    gen_batch_size: int = 96  # one weight read serves more rows than at 32
     eval_suite: str = "coding-10"
     eval_prompts: int | None = None
     eval_max_new_tokens: int = 256
@@ -49,7 +49,7 @@ class DemoConfig:
     bench_max_new_tokens: int = 256  # at 128 the answers repeat less: n-gram tau 1.76 against 2.24 at 256
     bench_methods: str = "ar,ngram,ddtree-8,hybrid-auto,prompt-lookup"  # bench adds ar-stock where kernels differ
     plain_peers: str = "auto"  # auto: llama.cpp beside ours on the eval suite, when installed | none
-    engine: str = "auto"  # the backend our methods run on (decode/engine.py): auto picks the faster here
+    engine: str = "auto"  # the backend our methods run on (measure/probe.py): auto picks the faster here
     holdout_suite: str = "complete-12"  # another style, never trained on or selected with: does the speedup hold?
     holdout_methods: str = "ar,ngram,hybrid-auto"  # the eval suite's bench has the baselines and peers
     holdout_max_new_tokens: int = 128  # a function body
@@ -69,7 +69,7 @@ class Paths:
 def run_demo(cfg: DemoConfig, fresh: bool = False) -> dict:
     from rich.console import Console
 
-    from dflashkit.decode.engine import probe_path
+    from dflashkit.measure.probe import probe_path
     from dflashkit.demo import plan
     from dflashkit.demo.report import write_report
     from dflashkit.targets.model import pick_device
@@ -135,7 +135,7 @@ def bench_runs(cfg: DemoConfig, p: Paths, s: Suites) -> list[tuple]:
 
 def stage_work(cfg: DemoConfig, p: Paths, s: Suites) -> dict:
     """What the stages repeat, for plan.estimates (on the eval suite bench adds ar-stock or ar@hf, references)."""
-    from dflashkit.decode.bench import parse_methods
+    from dflashkit.measure.bench import parse_methods
 
     runs = bench_runs(cfg, p, s)
     return {"batch": cfg.gen_batch_size, "train_tokens": cfg.train_max_new_tokens, "eval_prompts": len(s.eval.items),
@@ -148,7 +148,7 @@ def declare_stages(cfg: DemoConfig, p: Paths, target, recipe, device) -> list[St
     every one carries its identity and numerics: a resumed demo in another dtype or on other kernels rebuilds."""
     from dflashkit.cache import extract
     from dflashkit.cache.store import content_digest
-    from dflashkit.decode.costmodel import engine_version
+    from dflashkit.measure.costmodel import engine_version
     from dflashkit.train.loop import feature_layers
 
     def cache_stage(name, suite, out, tokens, batch):
@@ -254,7 +254,7 @@ def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
 
 def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
     """Online decoding of each (suite, methods, max new tokens, out folder), one cost curve measured for all."""
-    from dflashkit.decode.bench import parse_methods, run_bench, write_bench
+    from dflashkit.measure.bench import parse_methods, run_bench, write_bench
     from dflashkit.decode.cost import CostCurve
     from dflashkit.drafter.checkpoint import load_drafter
 

@@ -17,8 +17,8 @@ from dflashkit.fileio import read_json, sha256_json, write_json
 
 MARGIN = 0.9  # plan for 90% of the budget: the estimates are good to about 25% per stage
 MIN_PROMPTS, MIN_MINUTES = 64, 3.0  # below these the drafter learns too little to show anything
-# seconds per token in one-token forwards, from the demo runs in benchmarks/results (2-core Xeon bf16, Zen 3
-# float32, Zen 4 bf16: eval 0.2-0.6, bench 0.4-0.8); bench also chooses its backend, compiles and starts peers
+# seconds per token in one-token forwards, from the demo runs in benchmarks/results (docs/design.md section 10,
+# measurement notes); bench also chooses its backend, compiles and starts peers
 EVAL_TOKEN, BENCH_TOKEN, BENCH_START_S, TRAIN_OVERHEAD_S = 0.4, 0.5, 200.0, 10.0
 COMPILE_S = 200.0  # the static decoder's first compile, in eval's engine probe where none is cached (design.md)
 

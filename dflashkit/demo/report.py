@@ -19,7 +19,7 @@ def load(path: Path) -> dict:  # a stage's JSON output, {} when the stage has no
 
 def headline(bench: dict, suite: str) -> str:
     """One line of a bench for the console: our fastest method against plain decoding, and lossless or not."""
-    from dflashkit.decode.bench import PEERS, PLAIN
+    from dflashkit.measure.bench import PEERS, PLAIN
 
     ours = {m: s for m, s in bench.get("methods", {}).items() if m not in PLAIN and not m.startswith(PEERS)}
     if not ours:
@@ -31,9 +31,9 @@ def headline(bench: dict, suite: str) -> str:
 
 
 def bench_section(root: Path, folder: str, title: str) -> list[str]:
-    """bench's own report of one suite (decode/bench.py) under `title`: its headings one level down, its images
+    """bench's own report of one suite (measure/bench.py) under `title`: its headings one level down, its images
     linked from the demo's folder."""
-    from dflashkit.decode.bench import bench_markdown
+    from dflashkit.measure.bench import bench_markdown
 
     head, _, body = bench_markdown(load(root / folder / "results.json")).partition("\n")
     body = re.sub(r"^##", "###", body, flags=re.M).replace("](", f"]({folder}/")
@@ -55,7 +55,7 @@ def timings_table(timings: dict) -> str:
 
 def write_report(root: Path, cfg, target, timings: dict, plan: str) -> dict:
     """report.md and report.json; returns the lines for the console."""
-    from dflashkit.decode.engine import machine_key
+    from dflashkit.measure.probe import machine_key
     from dflashkit.targets.invariant import describe_kernels
     from dflashkit.targets.formats import describe
     from dflashkit.targets.model import dtype_reason

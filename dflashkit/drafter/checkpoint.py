@@ -39,23 +39,23 @@ def save_drafter(drafter: DFlashDrafter, path, format: str = "dflashkit", target
         raise DFlashError(f"unknown drafter format {format!r}; use one of {', '.join(FORMATS)}")
     path = Path(path)
     cfg = drafter.config.to_zlab()
-    state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
-    cfg["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab")
     if format == "zlab" and vocab and lm_head is not None:
         ids = torch.tensor(vocab, dtype=torch.long)
-        state["d2t"] = ids - torch.arange(len(ids))
-        state["lm_head.weight"] = lm_head.detach()[ids.to(lm_head.device)].to(dtype or lm_head.dtype).contiguous().cpu()
+        tensors["d2t"] = ids - torch.arange(len(ids))
+        tensors["lm_head.weight"] = lm_head.detach()[ids.to(lm_head.device)].to(dtype or lm_head.dtype).contiguous().cpu()
         cfg["draft_vocab_size"] = len(ids)
     if format == "transformers":
         from dflashkit.drafter import transformers_format as tf
 
         if why := tf.refusal(drafter.config, bool(vocab) and lm_head is not None):
             raise DFlashError(f"transformers format: {why}")
-        cfg, state = tf.to_transformers(drafter, state, cfg["dtype"])
+        cfg, tensors = tf.to_transformers(drafter, tensors, cfg["dtype"])
     with atomic_dir(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         if format == "dflashkit":
             write_json(tmp / CONTRACT_FILE, contract(drafter, target_identity, **contract_extra))
     return path
@@ -80,17 +80,17 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
     another target is refused; same_target=False accepts it (a warm start)."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
-    raw, state = _read_folder(path, cfg_file, weights)
+    raw, tensors = _read_folder(path, cfg_file, weights)
     from_tf = raw.get("model_type") == "muse_glimmer_assistant"
     if from_tf:  # transformers' own DFlash drafter (drafter/transformers_format.py)
         from dflashkit.drafter.transformers_format import from_transformers
 
-        raw, state = from_transformers(raw, state, str(cfg_file))
-    cfg, report = _config_for_weights(raw, state, cfg_file, weights)
+        raw, tensors = from_transformers(raw, tensors, str(cfg_file))
+    cfg, report = _config_for_weights(raw, tensors, cfg_file, weights)
     if from_tf:
         report.insert(0, "Format: transformers' DFlash drafter (muse_glimmer_assistant), read as DFlash")
     con = json.loads((path / CONTRACT_FILE).read_text()) if (path / CONTRACT_FILE).is_file() else None
-    vocab = token_map(raw, state, weights)
+    vocab = token_map(raw, tensors, weights)
     if con:
         check_contract(con, cfg, path / CONTRACT_FILE)
     if target is not None:
@@ -103,7 +103,7 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
         if not cfg.vocab_size:
             cfg.vocab_size = target.vocab_size
     drafter = DFlashDrafter(cfg)
-    report.append(_load_tensors(drafter, state, weights, allow_missing, allow_skipped))
+    report.append(_load_tensors(drafter, tensors, weights, allow_missing, allow_skipped))
     if vocab is not None:
         report.append(f"Draft vocabulary: {len(vocab)} tokens (the export's token map d2t)")
         if not (con or {}).get("draft_vocab"):
@@ -124,13 +124,13 @@ def check_contract(con: dict, cfg: DrafterConfig, source: Path) -> None:
                           "token in slot 0 (mask only in slots 1..B-1); retrain with block_slot0 'seed'")
 
 
-def token_map(raw: dict, state: dict, weights: Path) -> list[int] | None:
-    """The draft vocabulary of an export that keeps one (`d2t` offsets + `draft_vocab_size`), taken out of `state`;
+def token_map(raw: dict, tensors: dict, weights: Path) -> list[int] | None:
+    """The draft vocabulary of an export that keeps one (`d2t` offsets + `draft_vocab_size`), taken out of `tensors`;
     its `lm_head.weight` is the target head's rows and is dropped (the drafter reads the target's own head)."""
-    if "d2t" not in state:
+    if "d2t" not in tensors:
         return None
-    d2t = state.pop("d2t").long()
-    state.pop("lm_head.weight", None)
+    d2t = tensors.pop("d2t").long()
+    tensors.pop("lm_head.weight", None)
     vocab = (d2t + torch.arange(len(d2t))).tolist()
     if raw.get("draft_vocab_size") not in (None, len(vocab)):
         raise DFlashError(f"{weights}: d2t maps {len(vocab)} tokens but config.json says draft_vocab_size "
@@ -148,20 +148,20 @@ def _read_folder(path: Path, cfg_file: Path, weights: Path) -> tuple[dict, dict]
             raise DFlashError(f"{f}: missing; a drafter folder holds config.json and model.safetensors")
     raw = read_json(cfg_file)
     try:
-        state = load_file(weights)
+        tensors = load_file(weights)
     except Exception as e:  # safetensors raises several types for truncated or corrupt files
         raise DFlashError(f"{weights}: cannot read ({e}); the file is truncated or corrupt") from e
     for name in CODEBOOKS:  # dflash 0.1.0's module names (nn.Embedding); released checkpoints use the bare ones
-        if name + ".weight" in state:
-            state[name] = state.pop(name + ".weight")
-    return raw, state
+        if name + ".weight" in tensors:
+            tensors[name] = tensors.pop(name + ".weight")
+    return raw, tensors
 
 
-def _config_for_weights(raw: dict, state: dict, cfg_file: Path, weights: Path) -> tuple[DrafterConfig, list[str]]:
+def _config_for_weights(raw: dict, tensors: dict, cfg_file: Path, weights: Path) -> tuple[DrafterConfig, list[str]]:
     """The config, checked against what the tensors imply (fc width, codebook rows)."""
-    if "fc.weight" not in state:
+    if "fc.weight" not in tensors:
         raise DFlashError(f"{weights}: no fc.weight tensor; this is not a DFlash drafter")
-    hidden, fc_in = raw.get("hidden_size"), state["fc.weight"].shape[1]
+    hidden, fc_in = raw.get("hidden_size"), tensors["fc.weight"].shape[1]
     if not hidden or fc_in % hidden:
         raise DFlashError(f"{weights}: fc.weight input width {fc_in} is not a multiple of config hidden_size {hidden}")
     k = fc_in // hidden
@@ -172,8 +172,8 @@ def _config_for_weights(raw: dict, state: dict, cfg_file: Path, weights: Path) -
         raise DFlashError(f"{cfg_file}: dflash_config.target_layer_ids has {cfg.num_features} layers "
                           f"{cfg.target_layer_ids} but fc.weight expects {k} ({fc_in} = {k} x {hidden}); fix "
                           f"target_layer_ids to list {k} layer ids")
-    if cfg.arch == "dflash2" and not cfg.vocab_size and CODEBOOKS[0] in state:
-        cfg.vocab_size = state[CODEBOOKS[0]].shape[0]
+    if cfg.arch == "dflash2" and not cfg.vocab_size and CODEBOOKS[0] in tensors:
+        cfg.vocab_size = tensors[CODEBOOKS[0]].shape[0]
     report.append(f"Architecture: {ARCH_CLASS[cfg.arch]} ({describe(cfg)})")
     return cfg, report
 
@@ -196,10 +196,10 @@ def describe(cfg: DrafterConfig) -> str:
     return out
 
 
-def _load_tensors(drafter: DFlashDrafter, state: dict, weights: Path, allow_missing: bool, allow_skipped: bool) -> str:
+def _load_tensors(drafter: DFlashDrafter, tensors: dict, weights: Path, allow_missing: bool, allow_skipped: bool) -> str:
     expected = drafter.state_dict()
-    skipped = sorted(set(state) - set(expected))
-    missing = sorted(set(expected) - set(state))
+    skipped = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
     if skipped and not allow_skipped:
         hint = (" (they are DFlash2 tensors: the config's architectures should be DFlash2DraftModel)"
                 if any("_conv." in n or n.startswith("candidate_selector.") for n in skipped) else "")
@@ -211,13 +211,13 @@ def _load_tensors(drafter: DFlashDrafter, state: dict, weights: Path, allow_miss
         raise DFlashError(f"{weights}: missing tensors {missing[:6]}{'...' if len(missing) > 6 else ''}; "
                           "the checkpoint is incomplete (allow_missing initialises them randomly)")
     for name in expected:
-        if name in state:
-            t = state[name]
+        if name in tensors:
+            t = tensors[name]
             if t.shape != expected[name].shape:
                 raise DFlashError(f"{weights}: {name} has shape {list(t.shape)}, config.json implies {list(expected[name].shape)}")
             if not torch.isfinite(t.float()).all():
                 raise DFlashError(f"{weights}: {name} contains NaN or Inf values; the checkpoint is corrupt (diverged training?)")
-    drafter.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+    drafter.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
     line = f"Loaded {len(expected) - len(missing)} tensors"
     if skipped:
         line += (f", SKIPPED {len(skipped)} (allow_skipped: the model run is the {ARCH_CLASS[drafter.config.arch]} "

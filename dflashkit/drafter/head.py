@@ -18,10 +18,9 @@ FEW_ROWS = 24  # at most this many rows, a decoding product on a CPU runs as wei
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, but a CPU call of a few rows computes weight @ x.T: ATen's x @ weight.T repacks the weight on every
-    call, which costs 2-2.5x when the weight is not in cache, as when the drafter runs right after a target forward
-    (benchmarks/results/cpu-2026-12-02-drafter-forward.md). The proposer passes it as the drafter's `linear` in
-    decoding; training and offline evaluation keep F.linear, so their figures do not depend on how many blocks
-    share a call."""
+    call, which costs a multiple when the weight is not in cache, as when the drafter runs right after a target
+    forward. The proposer passes it as the drafter's `linear` in decoding; training and offline evaluation keep
+    F.linear, so their figures do not depend on how many blocks share a call."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows > FEW_ROWS or rows == 0 or x.device.type != "cpu":
         return F.linear(x, weight, bias)

@@ -36,8 +36,8 @@ def refusal(config, draft_vocab: bool) -> str | None:
     return None
 
 
-def to_transformers(drafter, state: dict, dtype: str) -> tuple[dict, dict]:
-    """(config.json, tensors) of transformers' DFlash drafter for `drafter` (its state dict `state`)."""
+def to_transformers(drafter, tensors: dict, dtype: str) -> tuple[dict, dict]:
+    """(config.json, tensors) of transformers' DFlash drafter for `drafter` (its state dict `tensors`)."""
     c = drafter.config
     config = {
         "architectures": [CLASS], "model_type": MODEL_TYPE, "hidden_size": c.hidden_size,
@@ -51,7 +51,7 @@ def to_transformers(drafter, state: dict, dtype: str) -> tuple[dict, dict]:
         "target_layer_ids": list(c.target_layer_ids), "num_target_layers": c.num_target_layers,
         "vocab_size": c.vocab_size, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "dtype": dtype,
     }
-    return config, {RENAMES.get(k, k): v for k, v in state.items()}
+    return config, {RENAMES.get(k, k): v for k, v in tensors.items()}
 
 
 def assistant(drafter, target):
@@ -63,14 +63,14 @@ def assistant(drafter, target):
 
     if why := refusal(drafter.config, bool((getattr(drafter, "contract", None) or {}).get("draft_vocab"))):
         raise DFlashError(f"transformers-dflash: {why}")
-    config, state = to_transformers(drafter, drafter.state_dict(), str(target.dtype).removeprefix("torch."))
+    config, tensors = to_transformers(drafter, drafter.state_dict(), str(target.dtype).removeprefix("torch."))
     model = AutoModel.from_config(AutoConfig.for_model(**config), dtype=target.dtype)
-    model.load_state_dict({k: v.to(target.dtype) for k, v in state.items()}, strict=True)
+    model.load_state_dict({k: v.to(target.dtype) for k, v in tensors.items()}, strict=True)
     _ASSISTANTS[drafter] = made = model.to(target.device).eval().requires_grad_(False)
     return made
 
 
-def from_transformers(raw: dict, state: dict, source: str) -> tuple[dict, dict]:
+def from_transformers(raw: dict, tensors: dict, source: str) -> tuple[dict, dict]:
     """A transformers DFlash drafter folder's (config, tensors) as the z-lab config and tensor names load_drafter
     reads."""
     missing = [k for k in ("block_size", "mask_token_id", "target_layer_ids") if raw.get(k) is None]
@@ -88,4 +88,4 @@ def from_transformers(raw: dict, state: dict, source: str) -> tuple[dict, dict]:
     zlab.setdefault("num_target_layers", max(raw["target_layer_ids"]) + 3)
     if "sliding_attention" not in (raw.get("layer_types") or ["sliding_attention"]):
         zlab["sliding_window"] = None  # written only because the field must be an int there
-    return zlab, {back.get(k, k): v for k, v in state.items()}
+    return zlab, {back.get(k, k): v for k, v in tensors.items()}

@@ -238,8 +238,8 @@ def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, 
     tokens, price = tokens.to(p.device).long(), price or {}
     replayed = SimpleNamespace(to_tokens=head.to_tokens, layer_ids=None, logits=None, reset=lambda ids: None,
                                propose=lambda *_: replayed.logits)  # the drafter as TreeDrafts calls it: the walk's
-    drafts = TreeDrafts(replayed, budget, lookup or NgramLookup(), price.get("cost"), price.get("draft"))
-    drafts.fixed, drafts.path_cost = price.get("fixed", 0.0), price.get("path_cost")
+    drafts = TreeDrafts(replayed, budget, lookup or NgramLookup(), price.get("cost"), price.get("draft"),
+                        price.get("path_cost"), price.get("fixed", 0.0))
     drafts.reset(ids[:prompt_len])
 
     def score(h, a):

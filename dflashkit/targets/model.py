@@ -11,17 +11,17 @@ import hashlib
 import json
 import os
 import re
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import home, read_json, sha256_file, sha256_json, write_json
+from dflashkit.fileio import sha256_json
 from dflashkit.targets.formats import QUANTS, apply, gguf_source
 from dflashkit.targets.invariant import step_linear_attention
-from dflashkit.targets.registry import resolve
+from dflashkit.targets.registry import resolve, weights_hash
 from dflashkit import levels
 
 
@@ -35,8 +35,8 @@ def pick_device(device: str = "auto") -> torch.device:
 
 def cpu_has_bf16_matmul() -> bool:
     """Native bf16 dot products (Zen 4, Sapphire Rapids and later). With them a bf16 forward is faster than float32
-    and nearly flat in the tokens it verifies (SmolLM2, 2 cores: 9 tokens cost 1.2x one token, 1.6x in float32);
-    without them bf16 is emulated and a 16-token forward costs 7x. Only level v4 has them (`--isa v3` has none, whatever
+    and nearly flat in the tokens it verifies; without them bf16 is emulated and a many-token forward costs many
+    times one token's. Only level v4 has them (`--isa v3` has none, whatever
     this CPU has: dflashkit/levels.py)."""
     return levels.native_bf16()
 
@@ -229,45 +229,6 @@ class Target:
 # ---- identity: the weights, not only the config ---------------------------------------------------------
 
 IDENTITY_KEYS = ("weights_hash", "weights", "config_hash", "architecture", "num_layers", "hidden_size", "vocab_size")
-
-
-def weight_files(path) -> list[Path]:
-    """The files transformers loads the weights from: the safetensors files, else the torch pickles."""
-    path = Path(path)
-    found = sorted(path.glob("*.safetensors"))
-    return found or sorted(p for pat in ("*.bin", "*.pt", "*.pth") for p in path.glob(pat))
-
-
-MEMO_MIN_BYTES = 64 << 20  # smaller files are always hashed: they are cheap, and can be rewritten within one tick
-
-
-def weights_hash(path) -> str | None:
-    """Content hash (16 hex) of a folder's weight files; None when it has none.
-
-    Each large file's sha256 is remembered under $DFLASHKIT_HOME/weight-hashes by (name, size, mtime, ctime,
-    inode), so only a new or changed file is read again (SmolLM2's 540 MB: about a second once, milliseconds
-    afterwards). A same-size rewrite inside one timestamp tick keeps all of these, which only a file written
-    that fast can do: files under MEMO_MIN_BYTES are therefore hashed every time."""
-    path = Path(path)
-    files = weight_files(path)
-    if not files:
-        return None
-    memo_path = home() / "weight-hashes" / f"{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]}.json"
-    memo = {}
-    with suppress(DFlashError, OSError):  # an unreadable memo only costs the hashes again
-        memo = read_json(memo_path) if memo_path.is_file() else {}
-    known = memo.get("files", {}) if isinstance(memo, dict) and memo.get("folder") == str(path.resolve()) else {}
-    entries = {}
-    for f in files:
-        st = f.stat()
-        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
-        e = known.get(f.name)
-        remembered = isinstance(e, dict) and e.get("sha256") and all(e.get(k) == v for k, v in stamp.items())
-        entries[f.name] = e if remembered and st.st_size >= MEMO_MIN_BYTES else {**stamp, "sha256": sha256_file(f)}
-    if entries != known:
-        with suppress(OSError):  # a read-only home only costs the hash again next time
-            write_json(memo_path, {"folder": str(path.resolve()), "files": entries})
-    return sha256_json({name: e["sha256"] for name, e in entries.items()})[:16]
 
 
 def state_dict_hash(model) -> str:

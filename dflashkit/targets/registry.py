@@ -6,15 +6,17 @@ every later load take a second instead of de-quantising 272 tensors.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import sys
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import atomic_dir, home, sha256_file, write_json
+from dflashkit.fileio import atomic_dir, home, read_json, sha256_file, sha256_json, write_json
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,6 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflashkit.targets.model import weights_hash
 
     with atomic_dir(out) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -91,7 +92,6 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
 def damage(out: Path) -> str | None:
     """What is wrong with a prepared folder, or None: its marker unreadable, config.json gone, or weights that are not
     the ones it was prepared with (a truncated or replaced file; hashed once, then remembered by size and times)."""
-    from dflashkit.targets.model import weights_hash
 
     try:
         rec = json.loads((out / MARKER).read_text())
@@ -116,3 +116,42 @@ def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
     if not (path / "config.json").is_file():
         raise DFlashError(f"{path}: no config.json; a target must be a Hugging Face model folder (config.json + weights)")
     return path.name, path
+
+
+def weight_files(path) -> list[Path]:
+    """The files transformers loads the weights from: the safetensors files, else the torch pickles."""
+    path = Path(path)
+    found = sorted(path.glob("*.safetensors"))
+    return found or sorted(p for pat in ("*.bin", "*.pt", "*.pth") for p in path.glob(pat))
+
+
+MEMO_MIN_BYTES = 64 << 20  # smaller files are always hashed: they are cheap, and can be rewritten within one tick
+
+
+def weights_hash(path) -> str | None:
+    """Content hash (16 hex) of a folder's weight files; None when it has none.
+
+    Each large file's sha256 is remembered under $DFLASHKIT_HOME/weight-hashes by (name, size, mtime, ctime,
+    inode), so only a new or changed file is read again (SmolLM2's 540 MB: about a second once, milliseconds
+    afterwards). A same-size rewrite inside one timestamp tick keeps all of these, which only a file written
+    that fast can do: files under MEMO_MIN_BYTES are therefore hashed every time."""
+    path = Path(path)
+    files = weight_files(path)
+    if not files:
+        return None
+    memo_path = home() / "weight-hashes" / f"{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]}.json"
+    memo = {}
+    with suppress(DFlashError, OSError):  # an unreadable memo only costs the hashes again
+        memo = read_json(memo_path) if memo_path.is_file() else {}
+    known = memo.get("files", {}) if isinstance(memo, dict) and memo.get("folder") == str(path.resolve()) else {}
+    entries = {}
+    for f in files:
+        st = f.stat()
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+        e = known.get(f.name)
+        remembered = isinstance(e, dict) and e.get("sha256") and all(e.get(k) == v for k, v in stamp.items())
+        entries[f.name] = e if remembered and st.st_size >= MEMO_MIN_BYTES else {**stamp, "sha256": sha256_file(f)}
+    if entries != known:
+        with suppress(OSError):  # a read-only home only costs the hash again next time
+            write_json(memo_path, {"folder": str(path.resolve()), "files": entries})
+    return sha256_json({name: e["sha256"] for name, e in entries.items()})[:16]

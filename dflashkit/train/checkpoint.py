@@ -43,16 +43,16 @@ def latest_checkpoint(run) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(run, drafter, state: dict, contract_extra: dict, keep_last: int, finished: bool,
+def save_checkpoint(run, drafter, resume: dict, contract_extra: dict, keep_last: int, finished: bool,
                     reason: str) -> Path:
     """Write checkpoints/step-N atomically (drafter folder + train_state.pt), point latest.json at it, prune."""
     run = Path(run)
-    path = run / "checkpoints" / f"step-{state['step']:08d}"
+    path = run / "checkpoints" / f"step-{resume['step']:08d}"
     with atomic_dir(path) as tmp:
-        save_drafter(drafter, tmp, format="dflashkit", **contract_extra, trained_steps=state["step"],
+        save_drafter(drafter, tmp, format="dflashkit", **contract_extra, trained_steps=resume["step"],
                      finished=finished, stop_reason=reason)
-        torch.save(state, tmp / STATE_FILE)
-    write_json(run / RUN_POINTER, {"step": state["step"], "checkpoint": str(path.relative_to(run)),
+        torch.save(resume, tmp / STATE_FILE)
+    write_json(run / RUN_POINTER, {"step": resume["step"], "checkpoint": str(path.relative_to(run)),
                                      "finished": finished, "reason": reason})
     for old in step_dirs(run)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)

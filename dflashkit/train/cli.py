@@ -61,7 +61,7 @@ def cmd_train(args) -> int:
 
 def cmd_generate(args) -> int:
     from dflashkit.cache.sequences import generate_sequences, read_sequences
-    from dflashkit.decode.engine import plain_answers
+    from dflashkit.measure.peers import plain_answers
     from dflashkit.errors import DFlashError
     from dflashkit.prompts import select_prompts
     from dflashkit.targets.model import load_target

@@ -168,14 +168,14 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
                             layer_ids=layer_ids) if cfg.eval_cache else None
 
     ckpt = latest_checkpoint(cfg.out) if cfg.resume else None
-    state = load_train_state(ckpt) if ckpt else None
-    vocab = state["draft_vocab"] if state else draft_vocabulary(cfg.draft_vocab, [source.seqs[i] for i in pool], target)
+    resume = load_train_state(ckpt) if ckpt else None
+    vocab = resume["draft_vocab"] if resume else draft_vocabulary(cfg.draft_vocab, [source.seqs[i] for i in pool], target)
     gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
-    drafter, mask_id = initial_drafter(cfg, target, init, layer_ids, resuming=bool(state), master=d.master)
+    drafter, mask_id = initial_drafter(cfg, target, init, layer_ids, resuming=bool(resume), master=d.master)
     identity = target.identity()
     contract = resume_contract(drafter, cfg.loss, cfg.draft_vocab, gamma, identity)
-    if state:
-        check_resume_contract(state["contract"], contract, ckpt)
+    if resume:
+        check_resume_contract(resume["contract"], contract, ckpt)
     drafter = drafter.to(d.device, torch.float32).train()
     model = wrap(drafter, cfg, d)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
@@ -186,8 +186,8 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
             extra=dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab,
                        train_config=cfg.to_dict()),
             compute_dtype=pick_dtype(cfg.dtype, d.device))  # master weights and loss: float32
-    if state:
-        restore(r, ckpt, state)
+    if resume:
+        restore(r, ckpt, resume)
     return r
 
 
@@ -226,17 +226,17 @@ def feature_layers(cfg: TrainConfig, target, init) -> list[int]:
         raise DFlashError(f"train config target_layer_ids: {e}") from e
 
 
-def restore(r: Run, ckpt: Path, state: dict) -> None:
+def restore(r: Run, ckpt: Path, resume: dict) -> None:
     """Continue a run: weights, optimiser, RNG, step, training time and best-so-far from its latest checkpoint."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     weights = {f"drafter.{k}": v for k, v in load_file(ckpt / "model.safetensors").items()}
-    set_state_dict(r.model, r.opt, model_state_dict=weights, optim_state_dict=state["optimizer"],
+    set_state_dict(r.model, r.opt, model_state_dict=weights, optim_state_dict=resume["optimizer"],
                    options=StateDictOptions(full_state_dict=True))
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    r.start, r.elapsed_before, r.best, r.resumed_from = state["step"], state["elapsed_s"], state.get("best"), ckpt
+    torch.set_rng_state(resume["rng"]["torch"])
+    random.setstate(resume["rng"]["python"])
+    r.start, r.elapsed_before, r.best, r.resumed_from = resume["step"], resume["elapsed_s"], resume.get("best"), ckpt
 
 
 def describe(r: Run) -> None:
@@ -471,11 +471,11 @@ def save(r: Run, step: int, clock: Clock, finished: bool, reason: str) -> Path |
     msd, osd = full_state(r.model, r.opt)
     path = None
     if r.d.master:
-        state = {"step": step, "epoch": step // r.steps_per_epoch, "position": step % r.steps_per_epoch,
-                 "optimizer": osd, "contract": r.contract, "draft_vocab": r.vocab, "config": r.cfg.to_dict(),
-                 "elapsed_s": clock.elapsed(), "best": r.best,
-                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-        path = save_checkpoint(r.out, plain_drafter(r.drafter.config, msd, r.vocab), state, r.extra, r.cfg.keep_last,
+        resume = {"step": step, "epoch": step // r.steps_per_epoch, "position": step % r.steps_per_epoch,
+                  "optimizer": osd, "contract": r.contract, "draft_vocab": r.vocab, "config": r.cfg.to_dict(),
+                  "elapsed_s": clock.elapsed(), "best": r.best,
+                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        path = save_checkpoint(r.out, plain_drafter(r.drafter.config, msd, r.vocab), resume, r.extra, r.cfg.keep_last,
                                finished, reason)
     barrier(r.d)
     return path
@@ -509,10 +509,10 @@ def full_state(model, optimizer=None):
     return get_state_dict(model, optimizer, options=opts)
 
 
-def plain_drafter(drafter_cfg, model_state: dict, vocab):
+def plain_drafter(drafter_cfg, weights: dict, vocab):
     """A standalone CPU copy of the drafter from a full state dict (for saving and evaluation)."""
     copy = DFlashDrafter(drafter_cfg)
-    copy.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()})
+    copy.load_state_dict({k.removeprefix("drafter."): v for k, v in weights.items()})
     copy.contract = {"draft_vocab": vocab}
     return copy.float().eval()
 

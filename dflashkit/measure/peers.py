@@ -10,6 +10,7 @@ itself, against our chain's tau on the same drafter.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from contextlib import ExitStack
@@ -20,7 +21,8 @@ import torch
 from dflashkit.decode.conversation import decode_conversation
 from dflashkit.decode.methods import ENGINE_METHODS
 from dflashkit.decode.sampling import GREEDY
-from dflashkit.decode.speculative import Generation, draft_block
+from dflashkit.decode.session import Generation
+from dflashkit.decode.speculative import draft_block
 from dflashkit.drafter.config import engine_block
 from dflashkit.errors import DFlashError
 from dflashkit.tree import common_prefix
@@ -36,12 +38,12 @@ def plain_of(method: str) -> str:
     return method.removesuffix("-dflash")
 
 
-def _context_length(target) -> int:
+def context_length(target) -> int:
     """Room for every turn of a conversation (prompts and answers); 4,096 or the target's own limit."""
     return min(4096, int(getattr(target.config, "max_position_embeddings", None) or 4096))
 
 
-def _start(method: str, target, drafter, block_size: int, ctx: int, workdir: Path):
+def start_engine(method: str, target, drafter, block_size: int, ctx: int, workdir: Path):
     """The engine of `method`, not yet entered; the drafter exported as that engine reads it."""
     from dflashkit.drafter.checkpoint import save_drafter
     from dflashkit.engines.install import require
@@ -67,13 +69,13 @@ def _start(method: str, target, drafter, block_size: int, ctx: int, workdir: Pat
 
 class EnginePeer:
     """One engine method, started on entry (its load timed apart) and held open through the bench, so that the
-    host's drift hits ours and the engine alike (on a noisy 2-core host llama.cpp alone measured 88-117 tok/s from
-    one run to the next)."""
+    host's drift hits ours and the engine alike (on a noisy host an engine's speed alone varies from one run to the
+    next)."""
 
     def __init__(self, method: str, target, drafter, block_size: int, max_new_tokens: int):
         self.method, self.target, self.max_new_tokens = method, target, max_new_tokens
         self.drafter, self.block_size = drafter, block_size
-        self.ctx, self.stops = _context_length(target), set(target.stop_token_ids)
+        self.ctx, self.stops = context_length(target), set(target.stop_token_ids)
         self.fresh()
 
     def fresh(self) -> None:  # a conversation's own counters: the engine's drafts and what it reported per position
@@ -84,7 +86,7 @@ class EnginePeer:
         with ExitStack() as stack:  # a failed start removes its work folder; a started one keeps both to __exit__
             work = stack.enter_context(tempfile.TemporaryDirectory(prefix="dflashkit-peer-"))
             t0 = time.perf_counter()
-            self.engine = stack.enter_context(_start(self.method, self.target, self.drafter, self.block_size,
+            self.engine = stack.enter_context(start_engine(self.method, self.target, self.drafter, self.block_size,
                                                       self.ctx, Path(work)))
             self.info = {"start_s": time.perf_counter() - t0, "context": self.ctx}
             if self.method.endswith("-dflash"):  # which count the engine was given (docs/design.md section 14)
@@ -209,3 +211,21 @@ def check_tau(summary: dict) -> list[dict]:
             out.append({"method": m, "engine_tau": s["tau"], "predicted_tau": ours, "chain_tau": chain, "gap": gap,
                         "ok": abs(gap) <= TAU_TOLERANCE})
     return out
+
+
+@contextlib.contextmanager
+def plain_answers(target, engine: str, max_new_tokens: int, log=None):
+    """(the backend, answer(prompt ids, max new tokens) -> (index, greedy completion)...) for `data generate --engine`:
+    our plain decoding on static or an engine peer's (its server up while the context is), one prompt at a time; None
+    for hf (transformers' batches write its text faster). In bf16 each writes its own text (near-ties)."""
+    from dflashkit.decode.backends import resolve
+    from dflashkit.decode.speculative import generate
+    from dflashkit.measure.probe import new_session
+
+    if engine in ENGINE_METHODS:
+        with EnginePeer(engine, target, None, 0, max_new_tokens) as peer:
+            yield engine, lambda ids, n, **_: ((i, peer.one(p).tokens) for i, p in enumerate(ids))
+        return
+    name = resolve(session := new_session(target, log=log), engine, "ar")
+    yield None if name == "hf" else (name, lambda ids, n, **_: (
+        (i, generate(target, p, "ar", max_new_tokens=n, engine=name, session=session).tokens) for i, p in enumerate(ids)))

@@ -1,67 +1,43 @@
-"""Which backend runs a method (`--engine auto|hf|static`): `hf`, transformers' own forward (the reference, every
-family), or `static`, our compiled step (decode/static.py: Llama-type targets). Methods are written once over
-either (decode/speculative.py). Which one is faster depends on the CPU (on a bf16 Xeon static was 1.6x hf, on a
-float32-only Zen 3 0.9x), so `auto` measures both on this machine once (a one-token step and an 8-node verify,
-about 10 s, plus the static step's compile) and caches the answer per CPU, target, dtype and threads; where static
-refuses a target, auto says why and runs hf."""
+"""`--engine auto`'s answer, measured: both backends timed on this machine once (a one-token step and an 8-node
+verify, plus the static step's compile), cached per CPU, target, dtype and threads with the load it was measured
+under; and that load, sampled the same way for every measurement of ours (cost models too)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, parse_method
-from dflashkit.errors import DFlashError
+from dflashkit import __version__, levels
+from dflashkit.decode.session import DecodeSession
+from dflashkit.engines.install import LLAMA_CPP_BUILD, VLLM_VERSION
 from dflashkit.fileio import sha256_json
-from dflashkit import levels
 from dflashkit.threads import cpu_times, usable_cpus
 
 BACKENDS = ("hf", "static")  # what a probe may answer
 
 
-def static_refusal(target) -> str | None:
-    """Why the static backend cannot run `target` (its message names the config field), or None."""
-    from dflashkit.decode.static import geometry_of
+def engine_version(engine: str) -> str:
+    """What a re-measure is due on: our own code and torch for the backends (the static one's C++ kernels by their
+    library, which names their source, flags and CPU), the build for a peer."""
+    if engine == "llama.cpp":
+        return f"llama.cpp build {LLAMA_CPP_BUILD}" + (f" (level {levels.chosen()})" if levels.narrower() else "")
+    if engine == "vllm":
+        return f"vllm {VLLM_VERSION}"
+    import torch
+    import transformers
 
-    if target.device.type != "cpu":
-        return f"target {target.name} is on {target.device}: the static backend's trees run on CPU kernels"
-    if shutil.which("c++") is None:
-        return "no C++ compiler (c++) here to build the static backend's kernels: install g++, or use --engine hf"
-    try:
-        geometry_of(target)
-    except DFlashError as e:
-        return str(e)
-    return None
+    version = f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
+    if engine == "static":
+        from dflashkit.decode.native import library_path
 
-
-def resolve(engine: str, target, method: str, state: dict, log=None) -> str:
-    """`engine` for `method` on `target`, with `auto` made concrete (cached in `state` for the run)."""
-    kind = parse_method(method)[0]
-    if engine not in ENGINES:
-        raise DFlashError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
-    if engine == "static" and kind not in STATIC_KINDS:
-        raise DFlashError(f"method {method!r} is transformers' own loop (or an engine peer): it runs on --engine hf; "
-                          f"the static backend runs {', '.join(STATIC_KINDS)}")
-    if engine != "auto":
-        if engine == "static" and (why := static_refusal(target)):
-            raise DFlashError(why)
-        return engine
-    if kind not in STATIC_KINDS:
-        return "hf"
-    if "auto" not in state:
-        if (why := static_refusal(target)) is not None:
-            _say(log, f"engine auto: hf ({why})")
-            state["auto"] = {"plain": "hf", "speculative": "hf", "why": why}
-        else:
-            state["auto"] = probe(target, state, log)
-    return state["auto"]["plain" if kind == "ar" else "speculative"]
+        version += f", kernels {library_path().stem}"
+    return version
 
 
 def _say(log, message: str) -> None:
@@ -85,7 +61,6 @@ def machine_key(target) -> tuple[str, dict]:
 def probe_path(target):
     """Where auto's answer for `target` here is cached, and what it depends on: the machine and these kernels (a
     new build of ours, whose library names its source, flags and CPU, is timed again)."""
-    from dflashkit.decode.costmodel import engine_version
     from dflashkit.fileio import home
 
     record = {**machine_key(target)[1], "static": engine_version("static")}
@@ -138,8 +113,8 @@ def measured_load(start: tuple, threads: int) -> dict:
     average at its start and end, the usable CPUs, and `others`, the CPUs other processes kept busy meanwhile
     (/proc/stat's busy jiffies of the usable CPUs less those of this process and its descendants; where /proc has
     nothing, the load average at the start). Loaded: `others` > usable CPUs - `threads` (at least 0) + 0.5, i.e.
-    other work took CPUs the measurement's threads needed (a cost model measured beside a benchmark on 2 CPUs ran
-    3x slow). Not the load average itself: it counts this process's own work before the measurement too (after a
+    other work took CPUs the measurement's threads needed (a cost model measured beside a benchmark ran
+    several times slow). Not the load average itself: it counts this process's own work before the measurement too (after a
     bench's runs, about its threads), so every cost model measured there would be called loaded. A loaded answer
     is cached marked so, used for the run, and measured again by the next run."""
     (load0, (b0, t0), j0), cpus = start, len(usable_cpus())
@@ -176,17 +151,18 @@ def probe_note(found: dict, more: str = "") -> str:
     return f"engine auto -> {pick} ({why}{more})"
 
 
-def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
-    """Time both backends on this machine (cached under $DFLASHKIT_HOME/engine-probe): the one-token step (what
-    plain decoding runs) and one-token + 8-node verify (what a speculative round spends on the target). `state`'s
-    "reprobe" (--reprobe) times them again; so does an answer measured under load (measured_load)."""
+def probe(session: DecodeSession, repeats: int = 9) -> dict:
+    """Time both backends on this machine (cached under the dflashkit home's engine-probe): the one-token step (what
+    plain decoding runs) and one-token + 8-node verify (what a speculative round spends on the target). The
+    session's `reprobe` (--reprobe) times them again; so does an answer measured under load (measured_load)."""
     from dflashkit.decode.cost import measure_cost_curve
     from dflashkit.decode.static import decoder_for
     from dflashkit.fileio import write_json
     from dflashkit.targets.invariant import kernels_for
 
+    target, log = session.target, session.log
     path, record = probe_path(target)
-    found = None if state.get("reprobe") else cached_probe(path, log)
+    found = None if session.reprobe else cached_probe(path, log)
     if found and not loaded(found):
         _say(log, probe_note(found, f", on {found['cpu']}; {path}; --reprobe measures again"))
         return found
@@ -195,7 +171,7 @@ def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     t0, start = time.perf_counter(), load_sample()
     with kernels_for(target):
         curve = measure_cost_curve(target, ns=(1, 8), repeats=repeats)
-    d = decoder_for(target, state, 512, state.get("proposer"), trees=True, log=log)  # the run's own decoder
+    d = decoder_for(session, 512, session.proposer, trees=True)  # the run's own decoder
     hf, static = {"1": curve(1), "8": curve(8)}, {"1": d.step_s[1], "8": d.step_s[8]}
     pick = lambda k: "static" if sum(static[x] for x in k) < sum(hf[x] for x in k) else "hf"
     found = {**record, "hf_s": hf, "static_s": static, "plain": pick(("1",)), "speculative": pick(("1", "8")),
@@ -212,32 +188,7 @@ def probe(target, state: dict, log=None, repeats: int = 9) -> dict:
     return found
 
 
-def open_backend(engine: str, target, method: str, state: dict, length: int, proposer=None, cost=None, log=None):
-    """The backend that runs `method` (engine already resolved): a fresh HfBackend, or `state`'s static decoder
-    (built, or rebuilt longer, for `length` positions, the drafter's layers and block, and tree widths)."""
-    from dflashkit.decode.speculative import HfBackend
-
-    if engine == "hf":
-        return HfBackend(target, cost)
-    from dflashkit.decode.static import StaticBackend, decoder_for
-
-    trees = parse_method(method)[0] in TREE_KINDS or state.get("trees", False)
-    return StaticBackend(decoder_for(target, state, length, proposer, log=log, trees=trees))
-
-
-@contextlib.contextmanager
-def plain_answers(target, engine: str, max_new_tokens: int, log=None):
-    """(the backend, answer(prompt ids, max new tokens) -> (index, greedy completion)...) for `data generate --engine`:
-    our plain decoding on static or an engine peer's (its server up while the context is), one prompt at a time; None
-    for hf (transformers' batches write its text faster). In bf16 each writes its own text (near-ties)."""
-    from dflashkit.decode.methods import ENGINE_METHODS
-    from dflashkit.decode.peers import EnginePeer
-    from dflashkit.decode.speculative import generate
-
-    if engine in ENGINE_METHODS:
-        with EnginePeer(engine, target, None, 0, max_new_tokens) as peer:
-            yield engine, lambda ids, n, **_: ((i, peer.one(p).tokens) for i, p in enumerate(ids))
-        return
-    name = resolve(engine, target, "ar", state := {}, log)
-    yield None if name == "hf" else (name, lambda ids, n, **_: (
-        (i, generate(target, p, "ar", max_new_tokens=n, engine=name, state=state).tokens) for i, p in enumerate(ids)))
+def new_session(target, proposer=None, reprobe: bool = False, log=None, trees: bool = False) -> DecodeSession:
+    """A run's decode session whose `--engine auto` is answered by `probe` (looked up at call time: tests replace
+    it)."""
+    return DecodeSession(target, proposer, trees=trees, reprobe=reprobe, log=log, probe=lambda s: probe(s))

@@ -127,9 +127,10 @@ def cmd_generate(args) -> int:
 
     from dflashkit.decode.conversation import decode_conversation
     from dflashkit.decode.cost import tree_cost_curve
-    from dflashkit.decode.engine import resolve
+    from dflashkit.decode.backends import resolve
+    from dflashkit.measure.probe import new_session
     from dflashkit.decode.methods import needs_drafter, parse_method
-    from dflashkit.decode.records import generation_record
+    from dflashkit.measure.records import generation_record
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
     from dflashkit.report.requests import write_requests
     from dflashkit.rng import seeded
@@ -145,8 +146,8 @@ def cmd_generate(args) -> int:
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
     log = lambda m: print(m, file=sys.stderr)
     # the static decoder (compiled on the first prompt; auto's probe builds it for the drafter) and auto's choice
-    state: dict = {"proposer": proposer, "reprobe": args.reprobe}
-    engine = resolve(args.engine, target, args.method, state, log)
+    session = new_session(target, proposer, args.reprobe, log)
+    engine = resolve(session, args.engine, args.method)
     with kernels_for(target):  # hf's -auto pruning needs the cost of the kernels decoding runs
         cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
@@ -156,8 +157,7 @@ def cmd_generate(args) -> int:
 
         def one(ids):  # one turn
             return generate(target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
-                            sampling=sampling, generator=gen, cost=cost, ngram=ngram, engine=engine, state=state,
-                            log=log)
+                            sampling=sampling, generator=gen, cost=cost, ngram=ngram, engine=engine, session=session)
 
         with seeded(sampling.seed + i, target.device):  # transformers' loops sample from the global generator
             c = decode_conversation(target, item, one)
@@ -182,7 +182,7 @@ def cmd_generate(args) -> int:
 
 def offline_runs(args: list[str]) -> dict[str, dict]:
     """{engine, or "" for every engine: an eval run's results} of `--offline [ENGINE=]RUN` (each given once)."""
-    from dflashkit.decode.costmodel import MODEL_ENGINES
+    from dflashkit.measure.costmodel import MODEL_ENGINES
 
     runs: dict[str, dict] = {}
     for arg in args:
@@ -241,7 +241,7 @@ def bench_journal(args, target, methods: list[str], prompts: list, sampling):
 
     import torch
 
-    from dflashkit.decode.journal import Journal
+    from dflashkit.measure.journal import Journal
     from dflashkit.fileio import sha256_file
 
     weights = Path(args.drafter or "") / "model.safetensors"
@@ -253,7 +253,7 @@ def bench_journal(args, target, methods: list[str], prompts: list, sampling):
 
 
 def cmd_bench(args) -> int:
-    from dflashkit.decode.bench import bench_markdown, parse_methods, run_bench, write_bench
+    from dflashkit.measure.bench import bench_markdown, parse_methods, run_bench, write_bench
     from dflashkit.decode.methods import needs_drafter
 
     sampling = _check(args)

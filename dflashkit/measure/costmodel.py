@@ -1,6 +1,6 @@
 """A cost model per engine (issue 50), so that an offline acceptance prices a drafter before it is served: a target
 forward over n = 1..64 tokens, one drafter call and the loop's own work per round, probed once and cached per machine
-and engine (docs/design.md, "The cost model in detail"); decode/predict.py turns it into tokens per second."""
+and engine (docs/design.md, "The cost model in detail"); measure/predict.py turns it into tokens per second."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dflashkit import __version__
-from dflashkit.engines.install import LLAMA_CPP_BUILD, VLLM_VERSION
 from dflashkit.errors import DFlashError
-from dflashkit import levels
+from dflashkit.measure.probe import engine_version, new_session
 
 PROBE_NS = (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)  # chain blocks 4/8/16, DDTree-b verifies b+1
 MODEL_ENGINES = ("hf", "static", "llama.cpp", "vllm")
@@ -25,8 +23,8 @@ FIX = "delete the file to measure again (`dflashkit cost ... --force`)"
 PROBE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
 PROBE_TOKENS, PEER_TOKENS = 48, 256  # our loops' probe decode; an engine peer's (peer_round_ms)
 # tokens of context before a timed forward: about a bench answer's mean (a ~50-token prompt and half of 256 new
-# tokens). At 400 the static step priced SmolLM2's one-token step 12% above its cost at 100 (attention reads the KV
-# in use), and the demo's plain decoding was predicted 17% slow (2-core Xeon, bf16)
+# tokens). A much longer context overprices the one-token step (attention reads the KV in use), and with it plain
+# decoding
 DEPTH = 200
 
 
@@ -101,24 +99,6 @@ def load_model(path) -> CostModel:
     return model
 
 
-def engine_version(engine: str) -> str:
-    """What a re-measure is due on: our own code and torch for the backends (the static one's C++ kernels by their
-    library, which names their source, flags and CPU), the build for a peer."""
-    if engine == "llama.cpp":
-        return f"llama.cpp build {LLAMA_CPP_BUILD}" + (f" (level {levels.chosen()})" if levels.narrower() else "")
-    if engine == "vllm":
-        return f"vllm {VLLM_VERSION}"
-    import torch
-    import transformers
-
-    version = f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
-    if engine == "static":
-        from dflashkit.decode.native import library_path
-
-        version += f", kernels {library_path().stem}"
-    return version
-
-
 def drafter_shape(proposer) -> dict | None:
     """What a drafter call's price depends on: its geometry and block, not its weights."""
     if proposer is None or not hasattr(proposer, "drafter"):
@@ -130,7 +110,7 @@ def drafter_shape(proposer) -> dict | None:
 
 
 def model_key(target, engine: str, proposer=None) -> tuple[str, dict]:
-    from dflashkit.decode.engine import machine_key
+    from dflashkit.measure.probe import machine_key
     from dflashkit.fileio import sha256_json
 
     record = {**machine_key(target)[1], "engine": engine, "engine_version": engine_version(engine),
@@ -143,13 +123,13 @@ def check_model_engine(engine: str) -> None:
         raise DFlashError(f"--engine {engine!r}: no cost model for it; use one of auto, {', '.join(MODEL_ENGINES)}")
 
 
-def cost_model(engine: str, target, proposer=None, state: dict | None = None, force: bool = False, log=None,
+def cost_model(engine: str, target, proposer=None, session=None, force: bool = False, log=None,
                measure: bool = True) -> CostModel:
     """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now (and cached)
-    where none is, with `force`, or where the cached one was measured under load (decode/engine.py, measured_load;
+    where none is, with `force`, or where the cached one was measured under load (measure/probe.py, measured_load;
     then a line says so); not `measure`: a missing one is an error naming the command that measures it.
-    `state`: a run's state (decode/engine.py)."""
-    from dflashkit.decode.engine import load_sample, loaded, measured_load, say_loaded
+    `session`: the run's decode session (decode/session.py)."""
+    from dflashkit.measure.probe import load_sample, loaded, measured_load, say_loaded
     from dflashkit.fileio import home, write_json
 
     check_model_engine(engine)
@@ -165,7 +145,7 @@ def cost_model(engine: str, target, proposer=None, state: dict | None = None, fo
     (log or (lambda m: None))(f"cost model: measuring {engine} on this machine (cached in {path})"
                               + (" again: it was measured under load" if model else ""))
     t0, start = time.perf_counter(), load_sample()
-    model = PROBES[engine](target, proposer, {} if state is None else state, log)
+    model = PROBES[engine](target, proposer, session or new_session(target, proposer, log=log), log)
     model.record = {**record, "probe_s": round(time.perf_counter() - t0, 1),
                     "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "load": measured_load(start, record["threads"])}
     write_json(path, model.to_dict())
@@ -174,7 +154,7 @@ def cost_model(engine: str, target, proposer=None, state: dict | None = None, fo
     return model
 
 
-def probe_loops(target, proposer, engine: str, state: dict) -> tuple[float | None, dict]:
+def probe_loops(target, proposer, engine: str, session) -> tuple[float | None, dict]:
     """(ms of one drafter call, {loop: ms per round of its own work}) from a short decode of each loop on `engine`."""
     from dflashkit.decode.speculative import generate
 
@@ -183,7 +163,7 @@ def probe_loops(target, proposer, engine: str, state: dict) -> tuple[float | Non
     draft, overhead = None, {}
     for loop, method in loops.items():
         for n in (8, PROBE_TOKENS):  # the first warms the loop's shapes
-            g = generate(target, ids, method, proposer, max_new_tokens=n, engine=engine, state=state)
+            g = generate(target, ids, method, proposer, max_new_tokens=n, engine=engine, session=session)
         rounds = max(1, g.rounds)
         overhead[loop] = 1000 * g.times["other"] / rounds
         if loop == "chain":
@@ -193,8 +173,8 @@ def probe_loops(target, proposer, engine: str, state: dict) -> tuple[float | Non
 
 def hf_curves(target, proposer, repeats: int) -> tuple[dict, dict | None]:
     """ms of transformers' forward over n tokens after DEPTH ({n: ms}) and, where branching trees go one path a row,
-    of such verifies over 1..16 paths of the drafter's block (they cost 15-40% more than a flat forward over as many
-    tokens: SmolLM2, bf16, Xeon), under the kernels decoding runs (low-precision CPU targets switch)."""
+    of such verifies over 1..16 paths of the drafter's block (they cost more than a flat forward over as many
+    tokens), under the kernels decoding runs (low-precision CPU targets switch)."""
     from dflashkit.decode.cost import tree_cost_curve
     from dflashkit.targets.invariant import kernels_for
 
@@ -209,20 +189,20 @@ def static_widths(decoder, timed: int) -> dict[int, float]:
     return {w: 1000 * t for w, t in sorted(decoder.time_widths(depth=DEPTH, timed=timed).items())}
 
 
-def probe_hf(target, proposer, state: dict, log=None) -> CostModel:
-    (forward, paths), (draft, overhead) = hf_curves(target, proposer, 5), probe_loops(target, proposer, "hf", state)
+def probe_hf(target, proposer, session, log=None) -> CostModel:
+    (forward, paths), (draft, overhead) = hf_curves(target, proposer, 5), probe_loops(target, proposer, "hf", session)
     return CostModel("hf", list(forward), list(forward.values()), draft, overhead,
                      paths=paths and {"ns": list(paths), "ms": list(paths.values())})
 
 
-def probe_static(target, proposer, state: dict, log=None) -> CostModel:
-    from dflashkit.decode.engine import static_refusal
+def probe_static(target, proposer, session, log=None) -> CostModel:
+    from dflashkit.decode.backends import static_refusal
     from dflashkit.decode.static import decoder_for
 
     if why := static_refusal(target):
         raise DFlashError(why)
-    times = static_widths(decoder_for(target, state, 512, proposer, log=log, trees=True), 7)
-    draft, overhead = probe_loops(target, proposer, "static", state)
+    times = static_widths(decoder_for(session, 512, proposer, trees=True), 7)
+    draft, overhead = probe_loops(target, proposer, "static", session)
     return CostModel("static", list(times), list(times.values()), draft, overhead, rounding="up")
 
 
@@ -246,14 +226,14 @@ def llama_bench_curve(target, repeats: int = 5) -> tuple[list[int], list[float]]
 
 
 def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
-    """ms per round of an engine peer started for the probe (engine_round_ms; a llama.cpp-dflash round: 34.8 ms
-    over 48 tokens, 40.0 over 174)."""
+    """ms per round of an engine peer started for the probe (engine_round_ms; a round costs more at a longer
+    context)."""
     import tempfile
 
-    from dflashkit.decode.peers import _context_length, _start
+    from dflashkit.measure.peers import context_length, start_engine
 
     with tempfile.TemporaryDirectory(prefix="dflashkit-cost-") as work:
-        with _start(method, target, drafter, block_size, _context_length(target), Path(work)) as engine:
+        with start_engine(method, target, drafter, block_size, context_length(target), Path(work)) as engine:
             engine.complete(target.chat_ids([{"role": "user", "content": PROBE_PROMPT}]), 8,
                             set(target.stop_token_ids))  # warm-up
             return engine_round_ms(engine, target, drafter is not None)
@@ -268,7 +248,7 @@ def engine_round_ms(engine, target, speculative: bool) -> float:
     return 1000 * (full.seconds - one.seconds) / max(1, rounds)
 
 
-def probe_llama_cpp(target, proposer, state: dict, log=None) -> CostModel:
+def probe_llama_cpp(target, proposer, session, log=None) -> CostModel:
     """The forward curve from llama-bench; the loop's work per token is the server's plain round less its
     one-token forward; the drafter's call, its speculative round less the verify and that work."""
     ns, ms = llama_bench_curve(target)
@@ -281,7 +261,7 @@ def probe_llama_cpp(target, proposer, state: dict, log=None) -> CostModel:
     return model
 
 
-def probe_vllm(target, proposer, state: dict, log=None) -> CostModel:
+def probe_vllm(target, proposer, session, log=None) -> CostModel:
     """vLLM's forward is not reachable apart from its loop: its plain round stands for forward(1) and, with a
     drafter, its speculative round for forward(B) (drafter and loop included, so both are 0 here)."""
     ns, ms = [1], [peer_round_ms("vllm", target, None, 0)]
@@ -295,14 +275,13 @@ PROBES = {"hf": probe_hf, "static": probe_static, "llama.cpp": probe_llama_cpp, 
 SAMPLED = ("hf", "static", "llama.cpp")  # vLLM's forward is its loop: no quick sample
 
 
-def forward_sample(engine: str, target, proposer, state: dict, peer=None, speculative: bool = False) -> dict | None:
-    """One quick sample of `engine`'s cost, taken seconds before a bench's run: a shared host drifts 10-40% within
-    minutes (2-core Zen 4: static's step 7.8 then 12.5 ms a minute apart), and a probe of seconds read that as the
-    prediction's error. Our backends: the forward per n (ms; {"forward": {n: ms}, "paths": hf's verifies one path a
-    row}); a llama.cpp `peer`: its own round on the probe prompt ({"rounds": {"ar" or "chain": ms}}: a
-    llama.cpp-dflash round ran 26.5 ms where a probe two hours before had priced 24.0)."""
+def forward_sample(engine: str, target, proposer, session, peer=None, speculative: bool = False) -> dict | None:
+    """One quick sample of `engine`'s cost, taken seconds before a bench's run: a shared host drifts within minutes,
+    and a probe of seconds read that as the prediction's error. Our backends: the forward per n (ms; {"forward":
+    {n: ms}, "paths": hf's verifies one path a row}); a llama.cpp `peer`: its own round on the probe prompt
+    ({"rounds": {"ar" or "chain": ms}}: an older probe's price drifts too)."""
     if engine == "static":
-        return {"forward": static_widths(state["static"], 3) if state.get("static") else {}}
+        return {"forward": static_widths(session.static, 3) if session.static is not None else {}}
     if engine == "hf":
         return dict(zip(("forward", "paths"), hf_curves(target, proposer, 1)))
     if engine == "llama.cpp" and peer is not None:
@@ -339,7 +318,7 @@ def in_window(model: CostModel, samples: list[dict]) -> CostModel:
 
 
 def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> list[str]:
-    from dflashkit.decode.engine import load_note
+    from dflashkit.measure.probe import load_note
     from dflashkit.report import fmt, markdown_table
 
     one = model.forward(1)

@@ -1,5 +1,5 @@
 """A bench's finished runs, appended as each one ends, so an interrupted bench loses nothing it finished and the
-same command resumes it (a bench on a demo suite is 10-25 minutes on a 2-core CPU)."""
+same command resumes it (a bench on a demo suite takes many minutes on a small CPU)."""
 
 from __future__ import annotations
 

@@ -13,18 +13,20 @@ import torch
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.decode.cost import CostCurve, cost_report, tree_cost_curve
-from dflashkit.decode.costmodel import SAMPLED, forward_sample
-from dflashkit.decode.engine import probe_note, resolve
+from dflashkit.measure.costmodel import SAMPLED, forward_sample
+from dflashkit.decode.backends import resolve
+from dflashkit.measure.probe import new_session, probe_note
 from dflashkit.decode.methods import ENGINE_METHODS, ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
 from dflashkit.decode.native import cflags, instruction_set
-from dflashkit.decode.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, differences, engine_tau,
+from dflashkit.measure.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, differences, engine_tau,
                                    is_engine, plain_of, predicted_tau, EnginePeer)
 from dflashkit.targets.formats import describe as describe_weights
-from dflashkit.decode.predict import (measured_decode_tps, predict_bench, predicted_engine, predicted_markdown,
+from dflashkit.measure.predict import (measured_decode_tps, predict_bench, predicted_engine, predicted_markdown,
                                      predicted_plot)
-from dflashkit.decode.records import TRANSFORMERS as PEERS, kind_of, plain_row  # PEERS: transformers' own loops
+from dflashkit.measure.records import TRANSFORMERS as PEERS, kind_of, plain_row  # PEERS: transformers' own loops
 from dflashkit.decode.sampling import GREEDY, Sampling
-from dflashkit.decode.speculative import DFlashProposer, HfBackend, generate, generate_ar, new_lookup
+from dflashkit.decode.speculative import DFlashProposer, generate, generate_ar, new_lookup
+from dflashkit.decode.hf import HfBackend
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
@@ -44,7 +46,7 @@ def parse_engines(spec: str) -> list[str]:
     return engines
 
 
-def engine_rows(target, methods: list[str], engines: list[str], state: dict, log=None,
+def engine_rows(session, methods: list[str], engines: list[str],
                 references: bool = True) -> dict[str, tuple[str, str]]:
     """label -> (method, engine) for every row of the run: each of our methods on each engine asked (auto made
     concrete; the first engine's rows keep the plain name, the others' get '@engine'), transformers' loops and the
@@ -56,7 +58,7 @@ def engine_rows(target, methods: list[str], engines: list[str], state: dict, log
             rows[m] = (m, "hf" if not is_engine(m) else m)
             continue
         for i, e in enumerate(engines):
-            concrete = resolve(e, target, m, state, log)
+            concrete = resolve(session, e, m)
             if (m, concrete) not in rows.values():
                 rows[m if i == 0 else f"{m}@{e}"] = (m, concrete)
     ar_engine, used = rows["ar"][1], {e for m, e in rows.values() if e in ("hf", "static")}
@@ -82,18 +84,18 @@ def parse_methods(spec: str) -> list[str]:
     return ["ar"] + [m for m in names if m != "ar"]
 
 
-def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed: int, cost, state, rows):
+def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed: int, cost, session, rows):
     """One conversation (every turn, conversation.py) of row `label`; the baselines (ar-stock, transformers' loops)
     on the model's own kernels, ours on the kernels that keep them exact, on the row's engine."""
     method, engine = rows.get(label, (label, "hf"))
     gen = torch.Generator(device=target.device).manual_seed(seed)
-    ngram = state.setdefault(("ngram", label), new_lookup(method)) if kind_of(method) in ("ngram", "hybrid") else None
+    ngram = session.lookups.setdefault(label, new_lookup(method)) if kind_of(method) in ("ngram", "hybrid") else None
 
     def one(ids):  # a fresh context per turn: a conversation calls this once per user turn
         if method == STOCK_AR:  # the reference backend on the model's own kernels
             return generate_ar(HfBackend(target, stock=True), ids, max_new_tokens, sampling, gen)
         return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen,
-                        cost=cost, ngram=ngram, engine=engine, state=state, log=state.get("log"))
+                        cost=cost, ngram=ngram, engine=engine, session=session)
     with seeded(seed, target.device):  # transformers' generate samples from the global generator
         return decode_conversation(target, item, one)
 
@@ -103,7 +105,7 @@ def _engine_parting(target, runs: list[dict], rows: dict, turns: dict, decoder=N
     parting at a near-tie within the dtype's rounding is reported and a wider one fails, and the static step's own
     logits are held to a float32 forward (check_static_step), which sees a wrong step that tokens would pass as
     rounding. Returns (failures, reported partings, {equal, prompts, parts_at}). (An early parting is no sign of a
-    bug in bf16: on a 2-core Zen 4, hf's own bf16 logits tied exactly at tokens 6 and 7 of two coding-10 answers.)"""
+    bug in bf16: hf's own bf16 logits can tie exactly within an answer's first tokens.)"""
     hf, st = plain_row(rows, "hf"), plain_row(rows, "static")
     if hf is None or st is None:
         return [], [], {}
@@ -151,12 +153,12 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
               journal=None, reprobe: bool = False) -> dict:
     """prompts: (id, prompt token ids or a PromptItem, whose user turns each follow the method's own answer to the
     one before). Returns {"config", "cost", "methods": {name: summary}, "categories": {category: {name: summary}},
-    "runs", "mismatches", "divergences"}. `cost`: a curve measured earlier on this target (else measured here, about
-    10 s on a CPU). `sampling` reaches every method whole (prompt i seeded sampling.seed + i) and is recorded.
+    "runs", "mismatches", "divergences"}. `cost`: a curve measured earlier on this target (else measured here).
+    `sampling` reaches every method whole (prompt i seeded sampling.seed + i) and is recorded.
     `engine`: the backend(s) our methods run on (auto, hf, static, or several joined by commas: one row per method
     and engine); every row records its engine, and each is held to plain decoding on its own engine. `references`:
     also ar@hf beside static and ar-stock where kernels are switched (a run's second suite can leave them out).
-    `journal` (decode/journal.py): the finished runs, appended as they end, an interrupted bench's not run again."""
+    `journal` (measure/journal.py): the finished runs, appended as they end, an interrupted bench's not run again."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
@@ -168,8 +170,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         costs = cost_report(target, curve)
     # per run: the static decoder (one for every method: tree widths when a tree method runs; auto's probe builds
     # the one the run then uses) and auto's choice, its probe timed again with `reprobe` (the cached answer replaced)
-    state: dict = {"trees": any(kind_of(m) in TREE_KINDS for m in methods), "log": log, "proposer": proposer, "reprobe": reprobe}
-    rows = engine_rows(target, methods, parse_engines(engine), state, log, references)
+    session = new_session(target, proposer, reprobe, log, trees=any(kind_of(m) in TREE_KINDS for m in methods))
+    rows = engine_rows(session, methods, parse_engines(engine), references)
     ours = [m for m in rows if not is_engine(m)]
     methods = ours + [m for m in methods if is_engine(m)]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
@@ -181,39 +183,39 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         window = {m: [] for m in methods if predict and predicted_engine(m, rows) in SAMPLED}
         def sample(m):  # one that fails is left out (the cached model stands where none is taken)
             with suppress(DFlashError, OSError):
-                if m in window and (got := forward_sample(predicted_engine(m, rows), target, proposer, state,
+                if m in window and (got := forward_sample(predicted_engine(m, rows), target, proposer, session,
                                                           peers.get(m), m.endswith("-dflash"))):
                     window[m].append(got)
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
-                                  progress, curve, peers, state, rows, sample, journal)
+                                  progress, curve, peers, session, rows, sample, journal)
     started = {m: p.info for m, p in peers.items()}
-    mismatches, divergences, judged = _judge(target, runs, rows, turns, sampling, switched, state.get("static"))
+    mismatches, divergences, judged = _judge(target, runs, rows, turns, sampling, switched, session.static)
     B = proposer.block_size if proposer else None
     categories = {pid: getattr(item, "category", None) for pid, item in prompts}
     summary = summarize_methods(runs, methods, B)
     _annotate(summary, rows, started, judged,
               lambda m: predicted_tau(target, proposer, [r for r in runs if r["method"] == m]))
     add_fallback(summary, runs, rows)
-    # predicted beside measured (decode/predict.py): each row's own rounds, and `offline` ({engine: an eval}) given
-    models = predict_bench(target, proposer, runs, rows, summary, state, offline, log, window) if predict else {}
+    # predicted beside measured (measure/predict.py): each row's own rounds, and `offline` ({engine: an eval}) given
+    models = predict_bench(target, proposer, runs, rows, summary, session, offline, log, window) if predict else {}
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
     return _add_parity(target, rows, sampling, {
-        "config": _config(target, drafter, B, methods, engine, rows, state, prompts, categories, turns,
+        "config": _config(target, drafter, B, methods, engine, rows, session, prompts, categories, turns,
                           max_new_tokens, sampling),
         "cost": costs, "cost_models": models, "methods": summary, "categories": by_category,
         "mismatches": mismatches, "divergences": divergences, "engine_divergences": judged["engine_divergences"],
         "tau_checks": check_tau(summary), "runs": runs})
 
 
-def _config(target, drafter, B, methods, engine, rows, state, prompts, categories, turns, max_new_tokens,
+def _config(target, drafter, B, methods, engine, rows, session, prompts, categories, turns, max_new_tokens,
             sampling: Sampling) -> dict:
     return {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
             "dtype": str(target.dtype).removeprefix("torch."), "weights": describe_weights(target), "block_size": B,
             "methods": methods,
             "engine": engine, "backends": {label: e for label, (m, e) in rows.items()},
-            "auto": state.get("auto") and probe_note(state["auto"]),
-            "threads": torch.get_num_threads(), "static_kernels": _kernels_built_for(state.get("static")),
+            "auto": session.auto and probe_note(session.auto),
+            "threads": torch.get_num_threads(), "static_kernels": _kernels_built_for(session.static),
             "prompts": [p for p, _ in prompts], "categories": categories,
             "turns": {pid: len(next(iter(t.values()))[0]) for pid, t in turns.items()}, "max_new_tokens": max_new_tokens,
             **sampling.record(), "sampling": sampling.describe(),
@@ -223,7 +225,7 @@ def _config(target, drafter, B, methods, engine, rows, state, prompts, categorie
 def _add_parity(target, rows: dict, sampling: Sampling, result: dict) -> dict:
     """The per-request records of every run (requests.jsonl) and, at temperature 0, each row's parity against its
     plain baseline (report/parity.py), beside the lossless check's failures, which stay as they were."""
-    from dflashkit.decode.records import bench_parity, bench_records
+    from dflashkit.measure.records import bench_parity, bench_records
     from dflashkit.report.parity import brief
 
     result["requests"] = bench_records(result)
@@ -295,7 +297,7 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
 
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve,
-                peers: dict, state: dict, rows: dict, sample=None, journal=None) -> tuple[list[dict], dict]:
+                peers: dict, session, rows: dict, sample=None, journal=None) -> tuple[list[dict], dict]:
     """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike),
     each run after `sample(method)` (its engine's cost, seconds before), under a progress bar (tqdm: it also prints
     where the output is not a terminal). Also returns plain decoding's turns per prompt: (prompt ids per turn, answer
@@ -317,7 +319,7 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
     def run(m: str, i: int, pid: str, item, n: int) -> dict:
         if m in peers:  # an engine warms on a whole first conversation: its graphs, caches, allocator
             return peers[m].run(pid, item)
-        c = _run(target, proposer, item, m, n, sampling, sampling.seed + i, curve, state, rows)
+        c = _run(target, proposer, item, m, n, sampling, sampling.seed + i, curve, session, rows)
         if rows.get(m, (m,))[0] == "ar":  # a warm-up's are overwritten by the run of the same prompt
             turns.setdefault(pid, {})[m] = (c.prompts, c.lengths)
         g = c.generation

@@ -1,5 +1,5 @@
 """Predicted decoding speed: an acceptance (an offline eval's, both halves predicted, or a decode's own rounds, the
-cost half alone) priced on an engine's cost model (decode/costmodel.py) as tokens per round, time per round, tokens
+cost half alone) priced on an engine's cost model (measure/costmodel.py) as tokens per round, time per round, tokens
 per second and the speedup over that engine's plain decoding. Formulas: docs/decoding.md, "Predicting an engine's
 speed before serving"."""
 
@@ -168,7 +168,7 @@ def predicted_engine(label: str, rows: dict) -> str | None:
     return None if method in NOT_PREDICTED or method.split("-")[0] in ("prompt", "hf") else engine.removesuffix("-dflash")
 
 
-def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict, state: dict,
+def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict, session,
                   offline: dict | None = None, log=None, window: dict | None = None) -> dict:
     """Each row's predicted decode tokens/s beside its measured one (`summary[label]["predicted"]`): from its own
     rounds (the cost half), and from an offline eval's acceptance where one is given (both halves: `offline` {engine,
@@ -177,7 +177,7 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
     the server) over the bench's own minutes (costmodel.in_window over all its rows' samples); each row is priced on
     the model over its own runs' minutes (`window` {row: samples of its engine's cost, each taken before a run}). A
     model that cannot be had (an engine not installed) is said on the row."""
-    from dflashkit.decode.costmodel import cost_model, in_window
+    from dflashkit.measure.costmodel import cost_model, in_window
 
     B, window = proposer.block_size if proposer is not None else None, window or {}
     models, acceptances = {}, {e: offline_acceptance(o["overall"], o["settings"]["block_size"], o.get(
@@ -188,7 +188,7 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
             continue
         if engine not in models:
             try:
-                models[engine] = cost_model(engine, target, proposer, state, log=log, measure=engine != "vllm")
+                models[engine] = cost_model(engine, target, proposer, session, log=log, measure=engine != "vllm")
             except (DFlashError, OSError) as e:
                 models[engine] = str(e)
         if isinstance(models[engine], str):

@@ -1,0 +1,68 @@
+"""Which backend runs a method (`--engine auto|hf|static`): `hf`, transformers' own forward (the reference, every
+family), or `static`, our compiled step (decode/static.py: Llama-type targets). Methods are written once over
+either (decode/speculative.py). Which one is faster depends on the CPU (its ISA level and dtype), so `auto` is
+answered by a measurement (the session's probe, dflashkit/measure/probe.py); where static refuses a target, auto
+says why and runs hf."""
+
+from __future__ import annotations
+
+import shutil
+
+from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, parse_method
+from dflashkit.decode.session import Backend, DecodeSession
+from dflashkit.errors import DFlashError
+
+
+def static_refusal(target) -> str | None:
+    """Why the static backend cannot run `target` (its message names the config field), or None."""
+    from dflashkit.decode.static import geometry_of
+
+    if target.device.type != "cpu":
+        return f"target {target.name} is on {target.device}: the static backend's trees run on CPU kernels"
+    if shutil.which("c++") is None:
+        return "no C++ compiler (c++) here to build the static backend's kernels: install g++, or use --engine hf"
+    try:
+        geometry_of(target)
+    except DFlashError as e:
+        return str(e)
+    return None
+
+
+def resolve(session: DecodeSession, engine: str, method: str) -> str:
+    """`engine` for `method` on the session's target, with `auto` made concrete (kept in the session for the run)."""
+    kind, target = parse_method(method)[0], session.target
+    if engine not in ENGINES:
+        raise DFlashError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "static" and kind not in STATIC_KINDS:
+        raise DFlashError(f"method {method!r} is transformers' own loop (or an engine peer): it runs on --engine hf; "
+                          f"the static backend runs {', '.join(STATIC_KINDS)}")
+    if engine != "auto":
+        if engine == "static" and (why := static_refusal(target)):
+            raise DFlashError(why)
+        return engine
+    if kind not in STATIC_KINDS:
+        return "hf"
+    if session.auto is None:
+        if (why := static_refusal(target)) is not None:
+            session.say(f"engine auto: hf ({why})")
+            session.auto = {"plain": "hf", "speculative": "hf", "why": why}
+        elif session.probe is None:
+            raise DFlashError("--engine auto is answered by timing both backends: run it from the CLI, or open the "
+                              "session with dflashkit.measure.probe.new_session(target), or name hf or static")
+        else:
+            session.auto = session.probe(session)
+    return session.auto["plain" if kind == "ar" else "speculative"]
+
+
+def open_backend(session: DecodeSession, engine: str, method: str, length: int, proposer=None, cost=None) -> Backend:
+    """The backend that runs `method` (engine already resolved): a fresh HfBackend (hf-stock: the model's own
+    kernels), or the session's static decoder (built, or rebuilt longer, for `length` positions, the drafter's
+    layers and block, and tree widths)."""
+    from dflashkit.decode.hf import HfBackend
+
+    if engine in ("hf", "hf-stock"):
+        return HfBackend(session.target, cost, stock=engine == "hf-stock")
+    from dflashkit.decode.static import StaticBackend, decoder_for
+
+    trees = parse_method(method)[0] in TREE_KINDS or session.trees
+    return StaticBackend(decoder_for(session, length, proposer, trees=trees), proposer)

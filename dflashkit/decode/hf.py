@@ -1,0 +1,227 @@
+"""The reference backend: transformers' own forward over a DynamicCache (every family), and the cache surgery the
+loops need on it: crop a rejected draft off, move an accepted tree path into place, restore a recurrent state."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from dflashkit.decode.session import Timer
+from dflashkit.errors import DFlashError
+from dflashkit.targets.invariant import kernels_for, needs_invariant
+from dflashkit.tree import Tree, attention_mask, path_tokens
+
+def sliding_layers(target) -> list[int]:
+    """The target's sliding-window attention layers, as transformers' DynamicCache reads them from the config."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return [i for i, kind in enumerate(get_layer_types_and_kwargs(target.config)[0]) if kind == "sliding_attention"]
+
+
+def new_target_kv(target):
+    """The target KV (a transformers DynamicCache) for an online loop, every attention layer keeping every position
+    so that crop_kv and compact_kv can cut a rejected draft off.
+
+    transformers' own sliding-window layer keeps only the last window - 1 positions and a length counter, which no
+    crop can restore; here each is a full DynamicLayer instead, still marked sliding (masking_utils sizes the
+    sliding mask on the first layer marked so). That is exact: transformers masks a sliding layer by absolute
+    position (key > query - window, sliding_window_overlay) from the offsets the cache layer reports, 0 and its
+    length for a full layer, so the layer attends to the same keys; the older ones are kept but masked. Chunked
+    attention and layers that mix linear attention with a window are still refused."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    kv = DynamicCache(config=target.config)
+    for i in sliding_layers(target):
+        if type(kv.layers[i]) is DynamicSlidingWindowLayer:
+            kv.layers[i] = DynamicLayer()
+            kv.layers[i].is_sliding = True
+    left = [i for i, layer in enumerate(kv.layers) if getattr(layer, "is_sliding", False) and type(layer) is not DynamicLayer]
+    if left:
+        raise DFlashError(
+            f"target {target.name} ({target.config.model_type}) has chunked or hybrid windowed attention on layers "
+            f"{left} ({', '.join(sorted({type(kv.layers[i]).__name__ for i in left}))}): online speculative decoding "
+            "cannot roll their caches back, so the online loops (ar, chain, DDTree) refuse it; offline extraction and "
+            "evaluation still work, and online decoding of a copy of the target whose config.json layer_types has "
+            "full_attention (hybrid for hybrid_sliding) there is exact for prompts plus outputs shorter than the window"
+        )
+    return kv
+
+
+def verify_mask(target, tree: Tree, start: int, window: int | None = None):
+    """The tree verify's attention mask. transformers hands a custom 4D mask to every layer as it is, so the
+    sliding-window layers of a target with a `window` get their own, cut to it: one mask per layer type where the
+    model reads one per type (config.layer_types: gpt-oss, Gemma, Qwen2/3), else the one windowed mask that the
+    model builds for all of its layers itself (no layer_types: Mistral, Phi-3)."""
+    full = attention_mask(tree, start, target.dtype, target.device)
+    if window is None:
+        return full
+    windowed = attention_mask(tree, start, target.dtype, target.device, window)
+    types = getattr(target.config, "layer_types", None)
+    if types is None:
+        return windowed
+    return {kind: windowed if kind == "sliding_attention" else full for kind in set(types)}
+
+
+def _attention_layers(kv):
+    return [layer for layer in kv.layers if getattr(layer, "keys", None) is not None]
+
+
+def _linear_layers(kv):
+    return [layer for layer in kv.layers if hasattr(layer, "recurrent_states")]
+
+
+def crop_kv(kv, length: int) -> None:
+    """Keep the first `length` positions of every attention layer (linear-attention states are restored instead),
+    and batch row 0 only (a hybrid tree verify expands the target KV to one row per path)."""
+    for layer in _attention_layers(kv):
+        layer.keys, layer.values = layer.keys[:1, :, :length], layer.values[:1, :, :length]
+
+
+def compact_kv(kv, start: int, keep: torch.Tensor) -> None:
+    """Keep positions < start plus the tree slots start + keep (the accepted path, in order): the kept slots
+    move down to start..start+len(keep)-1, then the rest is cropped off. Slots already in place (a path that is
+    the tree's first nodes: every chain, and every round that accepts no draft) are not copied: many small copies
+    add up to a visible share of a round on a CPU."""
+    order = keep.tolist()
+    moved = next((i for i, slot in enumerate(order) if slot != i), len(order))
+    if moved < len(order):
+        src = start + keep[moved:]
+        for layer in _attention_layers(kv):
+            for t in (layer.keys, layer.values):
+                t[:, :, start + moved : start + len(order)] = t.index_select(2, src)
+    crop_kv(kv, start + len(order))
+
+
+def _cloned(states: dict) -> dict:
+    return {i: None if s is None else s.clone() for i, s in states.items()}
+
+
+def save_linear_states(kv) -> list:
+    """Clones of every linear-attention layer's conv and recurrent states (they are updated in place)."""
+    return [(_cloned(layer.conv_states), _cloned(layer.recurrent_states), dict(layer.has_previous_state))
+            for layer in _linear_layers(kv)]
+
+
+def load_linear_states(kv, saved) -> None:
+    for layer, (conv, rec, prev) in zip(_linear_layers(kv), saved):
+        layer.conv_states, layer.recurrent_states, layer.has_previous_state = _cloned(conv), _cloned(rec), dict(prev)
+
+
+def rerun(target, kv, saved, tokens: torch.Tensor, start: int, layer_ids):
+    """Hybrid commit: roll the target KV back to `start` and run the accepted tokens [n] again. Returns features."""
+    crop_kv(kv, start)
+    load_linear_states(kv, saved)
+    pos = (start + torch.arange(len(tokens), device=tokens.device))[None]
+    return target.forward(tokens[None], layer_ids=layer_ids, past_key_values=kv, position_ids=pos,
+                          compute_logits=False).features
+
+
+class HfBackend:
+    """The reference backend: transformers' own forward over a DynamicCache, every family. The verbs every loop
+    is written over (the static backend, decode/static.py, has the same): `prefill`, `verify` a chain (tree None)
+    or a flat tree at the next position, `commit` the accepted nodes (their features for the drafter), `cost` of
+    a verify of n tokens and `widest` (None: any). Hybrid targets re-run their accepted tokens (a recurrent state
+    cannot be cropped); branching trees on hybrids and under row-invariant bf16 kernels go one path per row.
+    `stock` (the backend hf-stock): the model's own kernels even in low precision, the fair speed baseline there."""
+
+    widest = None
+
+    def __init__(self, target, cost=None, stock: bool = False):
+        self.target, self.cost, self.stock = target, cost, stock
+        self.engine = "hf-stock" if stock else "hf"
+        self.invariant = not stock and needs_invariant(target.model)
+        self.window = target.config.sliding_window if sliding_layers(target) else None  # read once, not on every call
+        self.by_paths = self.invariant or target.is_hybrid  # how a branching tree is verified (the cost model reads it)
+        # what -auto cuts a tree verified one path a row on: the curve's own of such verifies where it has one
+        self.path_cost = (getattr(cost, "paths", None) or cost) if cost is not None and self.by_paths else None
+        self.timer, self.paths = Timer(target.device), False
+
+    def session(self, timer: Timer):  # nothing to enter: the kernels go around each target forward
+        self.timer = timer
+        return contextlib.nullcontext()
+
+    def verified_tokens(self, tree: Tree) -> int:
+        return path_tokens(tree) if self.paths else len(tree)
+
+    def kernels(self):
+        """What every target forward of this backend runs under: row-invariant kernels in bf16 on a CPU (else plain
+        and speculative decoding part ways on rounding, see targets/invariant.py), never the drafter's calls."""
+        return kernels_for(self.target, self.stock)
+
+    def prefill(self, ids: list[int], layer_ids):
+        self.kv, self.layer_ids, self.start = new_target_kv(self.target), layer_ids, len(ids)
+        with self.kernels():
+            out = self.target.forward(torch.tensor([ids], device=self.target.device), layer_ids=layer_ids,
+                                      past_key_values=self.kv, logits_to_keep=1)
+        return out.logits[0, -1:], out.features
+
+    def verify(self, tokens: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
+        """Logits [n, V] after each of `tokens` [n] placed from the next position on: a chain (tree None), or the
+        nodes of `tree` (position start + depth, each seeing its ancestors)."""
+        t, kv, start, dev = self.target, self.kv, self.start, self.target.device
+        self.tree, self.tokens = tree, tokens
+        self.saved = save_linear_states(kv) if t.is_hybrid else None
+        branching = tree is not None and int(tree.depths.max()) < len(tree) - 1
+        self.paths = branching and (self.saved is not None or self.invariant)
+        with self.kernels():
+            if self.paths:
+                logits, self.out, self.row_of = verify_tree_by_paths(t, kv, tree, start, self.layer_ids)
+                return logits
+            pos = start + (torch.arange(len(tokens)) if tree is None or not branching else tree.depths)
+            mask = verify_mask(t, tree, start, self.window) if branching else None  # a chain: the causal mask
+            self.out = t.forward(tokens[None].to(dev), layer_ids=self.layer_ids, past_key_values=kv,
+                                 position_ids=pos[None].to(dev), attention_mask=mask)
+        return self.out.logits[0]
+
+    def commit(self, keep: list[int]):
+        """Keep the verified nodes `keep` (root first, in depth order) in the target KV, at the positions plain
+        decoding would have written; returns their features [1, len(keep), F] (None without layer ids)."""
+        kv, start, n, out = self.kv, self.start, len(self.tokens), self.out
+        self.start += len(keep)
+        idx = torch.tensor(keep, device=self.target.device)
+        if self.saved is not None:  # a recurrent state: restore it and re-run the accepted tokens
+            if len(keep) == n and self.tree is None:
+                return out.features
+            with self.timer("verify"), self.kernels():
+                return rerun(self.target, kv, self.saved, self.tokens.to(idx.device)[idx], start, self.layer_ids)
+        if self.paths:  # the accepted path is a prefix of its last node's row: keep that row only
+            r = int(self.row_of[keep[-1]])
+            for layer in _attention_layers(kv):
+                layer.keys, layer.values = layer.keys[r : r + 1], layer.values[r : r + 1]
+            crop_kv(kv, start + len(keep))
+            return out.features[r : r + 1, : len(keep)] if self.layer_ids is not None else None
+        if len(keep) < n:
+            compact_kv(kv, start, idx)
+        return out.features[:, idx] if self.layer_ids is not None else None
+
+
+def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
+    """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence at a time) and
+    for branching trees under row-invariant bf16 kernels (a flattened tree interleaves masked keys with visible
+    ones, which changes the order of the softmax and value sums and so the rounding; a path keeps every row's keys
+    exactly as plain decoding sees them). Returns (logits at every node [n, V], the forward's output, the row of
+    every node [n]). The target KV comes back expanded; the caller restores or crops it."""
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    has_child = set(p for p in parents if p >= 0)
+    rows = []
+    for leaf in [i for i in range(len(tree)) if i not in has_child]:
+        row = [leaf]
+        while parents[row[-1]] >= 0:
+            row.append(parents[row[-1]])
+        rows.append(row[::-1])
+    width = max(len(r) for r in rows)
+    grid = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows])  # node index per slot; right padding
+    row_of = torch.zeros(len(tree), dtype=torch.long)
+    for r, row in enumerate(rows):
+        row_of[row] = r
+    n, dev = len(rows), target.device
+    for layer in _attention_layers(kv):
+        layer.keys, layer.values = layer.keys.expand(n, -1, -1, -1), layer.values.expand(n, -1, -1, -1)
+    rows_of = lambda states: {i: None if s is None else s.repeat(n, *[1] * (s.dim() - 1)) for i, s in states.items()}
+    for layer in _linear_layers(kv):
+        layer.conv_states, layer.recurrent_states = rows_of(layer.conv_states), rows_of(layer.recurrent_states)
+    pos = (start + torch.arange(width, device=dev)).expand(n, -1)
+    out = target.forward(tree.tokens[grid].to(dev), past_key_values=kv, position_ids=pos, layer_ids=layer_ids)
+    return out.logits[row_of.to(dev), torch.tensor(depths, device=dev)], out, row_of
