@@ -45,6 +45,24 @@ def auto_engine_is_hf(monkeypatch):
     monkeypatch.setattr(engine, "real_probe", real, raising=False)
 
 
+@pytest.fixture
+def machine_env(monkeypatch):
+    """machine_env(DFLASHKIT_HOME=path, ...): set (None: unset) environment variables as a user does for the
+    `dflashkit` command and hand them to library code as its entry point does (`dflashkit.cli.use_environment`);
+    both are restored after the test."""
+    from dflashkit import machine
+    from dflashkit.cli import use_environment
+
+    def setenv(**env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, str(value)) if value is not None else monkeypatch.delenv(name, raising=False)
+        use_environment()
+
+    outer = machine.current()
+    yield setenv
+    machine.use(outer)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory, worker_id):
     """kind -> folder of a tiny random target (llama, qwen3, qwen3_5), written once per run: pytest-xdist's
