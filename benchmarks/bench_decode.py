@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from dflashkit.cli import use_environment
 from dflashkit.measure.bench import bench_markdown, parse_methods, run_bench, write_bench
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.prompts import load_prompts
@@ -35,6 +36,7 @@ def main() -> int:
                     help="torch intra-op threads (default: torch's). On a 2-core machine shared with other jobs, 1 "
                          "avoids spinning threads that slow a 16-token forward 5x")
     args = ap.parse_args()
+    use_environment()  # $DFLASHKIT_HOME and the rest, as the `dflashkit` command reads them
     if args.threads:
         torch.set_num_threads(args.threads)
 

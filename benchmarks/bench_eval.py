@@ -17,6 +17,7 @@ import time
 import torch
 
 from dflashkit.cache import extract, open_cache
+from dflashkit.cli import use_environment
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.drafter.head import DraftHead
 from dflashkit.evaluate.offline import _labels, block_embeddings, evaluate_sequence, score_block, stride_anchors
@@ -86,6 +87,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=512, help="completion length when extracting the cache")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = ap.parse_args()
+    use_environment()  # $DFLASHKIT_HOME and the rest, as the `dflashkit` command reads them
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.cache.extraction import _write_record, capture_features
+from dflashkit.cli import use_environment
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import load_prompts
 from dflashkit.report import markdown_table
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="runs/bench-extract")
     args = p.parse_args(argv)
+    use_environment()  # $DFLASHKIT_HOME and the rest, as the `dflashkit` command reads them
 
     target = load_target(args.target, device=args.device)
     suite = load_prompts(args.prompts).subset(args.num_prompts)

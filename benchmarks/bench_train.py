@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.cli import use_environment
 from dflashkit.fileio import write_json, write_text
 from dflashkit.report import markdown_table
 from dflashkit.targets.model import load_target
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
                    "machine 1 thread is far more stable than 2 threads that wait on each other")
     p.add_argument("--out", default="runs/bench-train")
     args = p.parse_args(argv)
+    use_environment()  # $DFLASHKIT_HOME and the rest, as the `dflashkit` command reads them
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -1,5 +1,7 @@
 """What every benchmark script shares: the machine line its results name, and atomic JSON + Markdown results.
-Scripts run as `python benchmarks/NAME.py`, so this folder is on their path and `from common import ...` works."""
+Scripts run as `python benchmarks/NAME.py`, so this folder is on their path and `from common import ...` works.
+A script is a process entry: importing this module reads $DFLASHKIT_HOME and the rest as the `dflashkit` command
+does (docs/design.md section 12)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,10 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.cli import use_environment
 from dflashkit.fileio import write_json, write_text
+
+use_environment()
 
 
 def cpu_name() -> str:

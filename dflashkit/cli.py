@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 
+from dflashkit import machine
 from dflashkit.errors import DFlashError
 
 # The stages a user walks through, in order; each module defines register(subparsers). export (`drafter export`)
@@ -58,6 +59,20 @@ def asked_isa(argv: list[str]) -> str | None:
     return os.environ.get("DFLASHKIT_ISA") or os.environ.get("DFLASHKIT_NATIVE_ISA") or None
 
 
+def use_environment(env=os.environ) -> machine.Machine:
+    """The machine choices a user makes in the environment, read here alone and set as this process's values
+    (dflashkit/machine.py; docs/design.md section 12). Returns the machine before, for an in-process caller."""
+    def count(name: str, default: int | None) -> int | None:
+        value = env.get(name, "").strip()
+        return int(value) if value.isdigit() else default
+
+    torchrun = "LOCAL_WORLD_SIZE" in env or "TORCHELASTIC_RUN_ID" in env  # it also sets OMP_NUM_THREADS=1
+    return machine.use(machine.Machine(
+        home=env.get("DFLASHKIT_HOME", machine.Machine.home), engines=env.get("DFLASHKIT_ENGINES"),
+        omp_threads=count("OMP_NUM_THREADS", None), local_world=count("LOCAL_WORLD_SIZE", 1) if torchrun else None,
+        world=count("WORLD_SIZE", 1), local_rank=count("LOCAL_RANK", 0)))
+
+
 def main(argv=None) -> int:
     from dflashkit import levels
 
@@ -72,7 +87,7 @@ def main(argv=None) -> int:
     for key, value in {**ENVIRONMENT, **levels.torch_environment(level)}.items():
         os.environ.setdefault(key, value)
     args = build_parser().parse_args(argv)
-    before = None
+    before, outer = None, use_environment()
     try:
         if getattr(args, "out", None):  # an output path that cannot be written fails now, not after the work
             from dflashkit.fileio import check_writable
@@ -107,6 +122,7 @@ def main(argv=None) -> int:
         print(getattr(args, "on_interrupt", None) or "interrupted", file=sys.stderr)
         return 130
     finally:
+        machine.use(outer)
         if before is not None:  # an in-process caller (tests, notebooks) gets its own setting back
             torch.set_num_threads(before)
 

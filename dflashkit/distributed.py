@@ -4,13 +4,13 @@ extraction and training need, written once. With one process every helper is a n
 from __future__ import annotations
 
 import atexit
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist  # `import torch` has loaded it already
 
+from dflashkit import machine
 from dflashkit.targets.model import pick_device
 
 
@@ -28,11 +28,11 @@ class Dist:
 def init_distributed(device: str = "auto") -> Dist:
     """Join the torchrun group when there is one: nccl when this process computes on CUDA (cuda:LOCAL_RANK),
     gloo otherwise. `device` as users write it (auto | cpu | cuda | cuda:N); one process picks it as usual."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    m = machine.current()
+    if m.world == 1:
         return Dist(0, 1, pick_device(device))
     cuda = device != "cpu" and torch.cuda.is_available()
-    here = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    here = torch.device("cuda", m.local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(here)
     if not dist.is_initialized():

@@ -10,12 +10,13 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from dflashkit import machine
 from dflashkit.errors import DFlashError
 
 
 def home() -> Path:
-    """Where prepared targets live: $DFLASHKIT_HOME, default ~/.cache/dflashkit."""
-    return Path(os.environ.get("DFLASHKIT_HOME", Path.home() / ".cache" / "dflashkit")).expanduser()
+    """Where prepared targets live: $DFLASHKIT_HOME as the entry point read it, default ~/.cache/dflashkit."""
+    return Path(machine.current().home).expanduser()
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

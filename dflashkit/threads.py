@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+from dflashkit import machine
 from dflashkit.errors import DFlashError
 
 def usable_cpus() -> list[int]:
@@ -54,17 +55,16 @@ def busy_cores(sample_s: float = 0.2) -> int:
 
 
 def under_torchrun() -> bool:
-    return "LOCAL_WORLD_SIZE" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    return machine.current().local_world is not None
 
 
 def default_threads() -> int:
     """Under torchrun: physical cores // processes on this machine (torchrun itself sets OMP_NUM_THREADS=1, so
     that variable is ignored there). Otherwise OMP_NUM_THREADS when set, else the physical cores."""
-    if under_torchrun():
-        local = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()  # processes sharing this machine
-        return max(1, physical_cores() // max(1, int(local) if local.isdigit() else 1))
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(env) if env.isdigit() and int(env) > 0 else physical_cores()
+    m = machine.current()
+    if m.local_world is not None:
+        return max(1, physical_cores() // max(1, m.local_world))
+    return m.omp_threads if m.omp_threads and m.omp_threads > 0 else physical_cores()
 
 
 def load_warning(threads: int, sample_s: float = 0.2) -> str | None:

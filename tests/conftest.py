@@ -14,6 +14,9 @@ if os.environ.get("DFLASHKIT_ISA"):  # `make test ISA=v3`: the suite at a level,
 
     for key, value in levels.torch_environment(levels.choose(os.environ["DFLASHKIT_ISA"])).items():
         os.environ.setdefault(key, value)
+from dflashkit.cli import use_environment  # noqa: E402 (light: no torch)
+
+use_environment()  # a test process is an entry point too: $DFLASHKIT_HOME and the rest as the CLI reads them
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one torch thread each
     import torch
 
@@ -43,6 +46,24 @@ def auto_engine_is_hf(monkeypatch):
     real = probe.probe
     monkeypatch.setattr(probe, "probe", lambda session, **kw: {"plain": "hf", "speculative": "hf"})
     monkeypatch.setattr(probe, "real_probe", real, raising=False)
+
+
+@pytest.fixture
+def machine_env(monkeypatch):
+    """machine_env(DFLASHKIT_HOME=path, ...): set (None: unset) environment variables as a user does for the
+    `dflashkit` command and hand them to library code as its entry point does (`dflashkit.cli.use_environment`);
+    both are restored after the test."""
+    from dflashkit import machine
+    from dflashkit.cli import use_environment
+
+    def setenv(**env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, str(value)) if value is not None else monkeypatch.delenv(name, raising=False)
+        use_environment()
+
+    outer = machine.current()
+    yield setenv
+    machine.use(outer)
 
 
 @pytest.fixture(scope="session")

@@ -119,7 +119,7 @@ def test_auto_runs_hf_where_the_kernels_cannot_be_built_and_says_why(tiny_target
         resolve(new_session(tiny_targets["llama"]), "static", "ar")
 
 
-def test_a_damaged_probe_answer_is_timed_again_with_one_line(tiny_targets, tmp_path, monkeypatch):
+def test_a_damaged_probe_answer_is_timed_again_with_one_line(tiny_targets, tmp_path, monkeypatch, machine_env):
     """Issue 72: garbage, {}, an empty file or a backend that does not exist in engine-probe/<key>.json broke every
     --engine auto run with a traceback (or blamed a flag never passed): now one line names the file and the backends
     are timed again; an answer that cannot be written is used for the run, with one line."""
@@ -128,7 +128,7 @@ def test_a_damaged_probe_answer_is_timed_again_with_one_line(tiny_targets, tmp_p
     from dflashkit.decode import cost, static
     from dflashkit import fileio
 
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
+    machine_env(DFLASHKIT_HOME=tmp_path)
     monkeypatch.setattr(cost, "measure_cost_curve", lambda *a, **k: (lambda n: 0.01 if n == 1 else 0.02))
     monkeypatch.setattr(static, "decoder_for", lambda *a, **k: SimpleNamespace(step_s={1: 0.005, 8: 0.03}))
     t = tiny_targets["llama"]
@@ -161,25 +161,25 @@ def test_a_new_build_of_our_kernels_is_timed_again(tiny_targets, monkeypatch):
     assert engines.probe_path(t)[0] != path
 
 
-def fake_backends(monkeypatch, home) -> list:
+def fake_backends(monkeypatch, machine_env, home) -> list:
     """auto's probe on timings given here (hf the faster), under $DFLASHKIT_HOME `home`: the list counts its runs."""
     from types import SimpleNamespace
 
     from dflashkit.decode import cost, static
 
     calls = []
-    monkeypatch.setenv("DFLASHKIT_HOME", str(home))
+    machine_env(DFLASHKIT_HOME=home)
     monkeypatch.setattr(cost, "measure_cost_curve", lambda *a, **k: calls.append(1) or (lambda n: 0.001))
     monkeypatch.setattr(static, "decoder_for", lambda *a, **k: SimpleNamespace(step_s={1: 0.005, 8: 0.03}))
     return calls
 
 
-def test_a_probe_measured_under_load_says_so_and_is_timed_again(tiny_targets, tmp_path, monkeypatch):
+def test_a_probe_measured_under_load_says_so_and_is_timed_again(tiny_targets, tmp_path, monkeypatch, machine_env):
     """Issue 72: an answer timed while other work kept the CPUs busy was cached like any other. Now its load is
     recorded, one line names the file and the fix, and the next run times it again (then reads a quiet one)."""
     import os
 
-    calls, t, said = fake_backends(monkeypatch, tmp_path), tiny_targets["llama"], []
+    calls, t, said = fake_backends(monkeypatch, machine_env, tmp_path), tiny_targets["llama"], []
     path, threads, cpus = engines.probe_path(t)[0], torch.get_num_threads(), len(engines.usable_cpus())
     monkeypatch.setattr(os, "getloadavg", lambda: (cpus + 3.0, 1.0, 1.0))  # no /proc/stat here (conftest)
     found = engines.real_probe(new_session(t, log=said.append))
@@ -213,8 +213,8 @@ def test_the_load_is_other_work_s_cpus_not_our_own(monkeypatch):
     assert tree_jiffies() > 0  # this process has run
 
 
-def test_an_old_probe_without_its_load_still_reads(tiny_targets, tmp_path, monkeypatch):
-    calls, t, said = fake_backends(monkeypatch, tmp_path), tiny_targets["llama"], []
+def test_an_old_probe_without_its_load_still_reads(tiny_targets, tmp_path, monkeypatch, machine_env):
+    calls, t, said = fake_backends(monkeypatch, machine_env, tmp_path), tiny_targets["llama"], []
     path, record = engines.probe_path(t)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({**record, "plain": "static", "speculative": "hf", "measured_at": "2026-12-01 10:00:00"}))
@@ -224,13 +224,13 @@ def test_an_old_probe_without_its_load_still_reads(tiny_targets, tmp_path, monke
 
 
 def test_reprobe_measures_again_and_reports_say_when_and_under_what_load(tiny_dirs, tiny_targets, tmp_path,
-                                                                         monkeypatch, capsys):
+                                                                         monkeypatch, capsys, machine_env):
     """Issue 70: `--reprobe` on generate and bench times the backends again, replacing the cached answer; bench's
     header names auto's choice, the probe's time and its load."""
     from dflashkit.cli import main
     from dflashkit.measure.bench import bench_markdown, run_bench
 
-    calls = fake_backends(monkeypatch, tmp_path)
+    calls = fake_backends(monkeypatch, machine_env, tmp_path)
     monkeypatch.setattr(engines, "probe", engines.real_probe)
     argv = ["generate", "--target", str(tiny_dirs["llama"]), "--prompt", "hi", "--method", "ar", "--max-new-tokens", "2"]
     for flags, runs in (([], 1), ([], 1), (["--reprobe"], 2)):
@@ -256,10 +256,11 @@ def test_reprobe_measures_again_and_reports_say_when_and_under_what_load(tiny_di
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.xdist_group(name="compiled-static")
-def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets, native_kernels, tmp_path, monkeypatch):
+def test_auto_measures_both_backends_once_and_reads_the_cache_after(tiny_targets, native_kernels, tmp_path, monkeypatch,
+                                                                   machine_env):
     """The real probe on the compiled static step: timed once, written with the CPU named, then read back (no
     second measurement) by a later run; plain and speculative each get the faster backend of the probe."""
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
+    machine_env(DFLASHKIT_HOME=tmp_path)
     t = tiny_targets["llama"]
     said = []
     proposer = Oracle([], 4, t.vocab_size, layer_ids=[1, 2])  # as bench's: the run's drafter, if any
@@ -331,7 +332,7 @@ def test_the_compiled_program_on_v3_with_zens_tuning_verifies_as_it_steps(tiny_d
     assert generate_chain(StaticBackend(d), oracle, ids, 30).tokens == plain
 
 
-def test_a_narrower_level_is_one_setting_for_our_kernels_and_the_llama_cpp_peer(monkeypatch, tmp_path):
+def test_a_narrower_level_is_one_setting_for_our_kernels_and_the_llama_cpp_peer(monkeypatch, tmp_path, machine_env):
     """Issues 53 and 68: `--isa v3` on a wider CPU builds our kernels for x86-64-v3, tells torch to take its AVX2
     kernels, gives llama.cpp a build of its own (GGML_NATIVE off, AVX-512 off, same source), keys the probes apart,
     drops native bf16 and is what bench reports."""
@@ -354,7 +355,7 @@ def test_a_narrower_level_is_one_setting_for_our_kernels_and_the_llama_cpp_peer(
     avx2 = LlamaCpp(tmp_path, llama_isa())
     assert "-DGGML_AVX512=OFF" in avx2.cmake and "-DGGML_NATIVE=ON" not in avx2.cmake and "-DGGML_NATIVE=OFF" in avx2.cmake
     assert avx2.build != plain.build and avx2.stamp != plain.stamp and avx2.src == plain.src
-    monkeypatch.setenv("DFLASHKIT_ENGINES", str(tmp_path))
+    machine_env(DFLASHKIT_ENGINES=tmp_path)
     (tmp_path / plain.stamp.name).write_text("{}")  # the native build alone is not the v3 one
     assert find("llama.cpp") is None
     v3_key = engines.machine_key(load_target(make_tiny_target("llama", tmp_path / "t"), device="cpu"))[0]

@@ -32,12 +32,12 @@ def test_dflash_peers_bring_their_plain_engine_and_our_chain():
 
 
 @pytest.mark.parametrize("isa", [None, "portable"])
-def test_missing_engine_names_its_install_command(tmp_path, monkeypatch, isa):
+def test_missing_engine_names_its_install_command(tmp_path, monkeypatch, machine_env, isa):
     """The command as this level runs it: at a level narrower than the CPU's, llama.cpp's own build is installed
     with the setting."""
     from dflashkit import levels
 
-    monkeypatch.setenv("DFLASHKIT_ENGINES", str(tmp_path))
+    machine_env(DFLASHKIT_ENGINES=tmp_path)
     monkeypatch.setattr(levels, "_chosen", isa)
     assert find("vllm") is None and find("llama.cpp") is None
     for name in ("vllm", "llama.cpp"):

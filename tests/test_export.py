@@ -82,11 +82,11 @@ def test_export_states_tau_as_trained_and_as_exported(setup):
     assert kept["tau"]["as_exported"] == kept["tau"]["as_trained"] == pytest.approx(mapped["tau"])
 
 
-def test_export_errors_name_the_fix(setup, tmp_path, monkeypatch):
+def test_export_errors_name_the_fix(setup, tmp_path, machine_env):
     t, root, _, _ = setup
     with pytest.raises(DFlashError, match=r"name it \*\.gguf"):
         export_drafter(root / "mapped", tmp_path / "d", fmt="gguf")
-    monkeypatch.setenv("DFLASHKIT_ENGINES", str(tmp_path / "no-engines"))
+    machine_env(DFLASHKIT_ENGINES=tmp_path / "no-engines")
     with pytest.raises(DFlashError, match=r"dflashkit (--isa \S+ )?engines install llama.cpp"):
         export_drafter(root / "mapped", tmp_path / "d.gguf", fmt="gguf")
     export_drafter(root / "mapped", tmp_path / "z", dtype="float32")

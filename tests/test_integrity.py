@@ -41,8 +41,8 @@ def _copy_with_one_weight_changed(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_identity_covers_the_weights_and_a_cache_of_one_is_refused_for_the_other(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+def test_identity_covers_the_weights_and_a_cache_of_one_is_refused_for_the_other(tmp_path, machine_env, capsys):
+    machine_env(DFLASHKIT_HOME=tmp_path / "home")
     a_dir = make_tiny_target("llama", tmp_path / "base")
     b_dir = _copy_with_one_weight_changed(a_dir, tmp_path / "finetune")
     a, b = load_target(a_dir, device="cpu"), load_target(b_dir, device="cpu")
@@ -76,8 +76,8 @@ def test_identity_covers_the_weights_and_a_cache_of_one_is_refused_for_the_other
     assert load_drafter(tmp_path / "d", target=b, same_target=False).config.block_size == 4  # a deliberate warm start
 
 
-def test_weights_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+def test_weights_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch, machine_env):
+    machine_env(DFLASHKIT_HOME=tmp_path / "home")
     monkeypatch.setattr(registry, "MEMO_MIN_BYTES", 0)  # memoise even the tiny fixture's weights
     folder = make_tiny_target("llama", tmp_path / "t")
     first = registry.weights_hash(folder)
@@ -90,17 +90,17 @@ def test_weights_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch
     assert registry.weights_hash(folder) == first  # a second call reads no weights
     # a changed file (size or mtime) is hashed again
     monkeypatch.undo()
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+    machine_env(DFLASHKIT_HOME=tmp_path / "home")
     monkeypatch.setattr(registry, "MEMO_MIN_BYTES", 0)
     _copy_with_one_weight_changed(folder, tmp_path / "u")
     shutil.copy2(tmp_path / "u" / "model.safetensors", folder / "model.safetensors")
     assert registry.weights_hash(folder) != first
 
 
-def test_a_small_file_rewritten_within_one_timestamp_tick_gets_a_new_identity(tmp_path, monkeypatch):
+def test_a_small_file_rewritten_within_one_timestamp_tick_gets_a_new_identity(tmp_path, monkeypatch, machine_env):
     """The stale-memo reproduction: two same-size rewrites in place, the timestamps forced equal (as happens
     within one tick), must not return the first content's hash."""
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+    machine_env(DFLASHKIT_HOME=tmp_path / "home")
     folder = tmp_path / "w"
     folder.mkdir()
     f = folder / "model.safetensors"
@@ -239,13 +239,12 @@ def test_model_commands_take_threads(argv):
     assert build_parser().parse_args(argv).threads is None
 
 
-def test_default_threads(monkeypatch):
+def test_default_threads(monkeypatch, machine_env):
     from dflashkit import threads
 
     monkeypatch.setattr(threads, "physical_cores", lambda: 8)
     monkeypatch.setattr(threads, "usable_cpus", lambda: list(range(8)))
-    for var in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(var, raising=False)
+    machine_env(OMP_NUM_THREADS=None, LOCAL_WORLD_SIZE=None, TORCHELASTIC_RUN_ID=None)
     monkeypatch.setattr(threads, "busy_cores", lambda s: 2)
     assert threads.default_threads() == 8  # predictable: the load moves a warning, never the number
     monkeypatch.setattr(threads, "physical_cores", lambda: 4)
@@ -256,12 +255,11 @@ def test_default_threads(monkeypatch):
     assert threads.load_warning(6) is None
     monkeypatch.setattr(threads, "busy_cores", lambda s: 0)
     assert threads.load_warning(8) is None
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    machine_env(OMP_NUM_THREADS=3)
     assert threads.default_threads() == 3
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: cores divided by its processes (it sets OMP to 1 itself)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert threads.default_threads() == 4
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    machine_env(LOCAL_WORLD_SIZE=2, OMP_NUM_THREADS=1)  # torchrun: cores divided by its processes (it sets OMP to 1)
+    assert threads.default_threads() == 4 and threads.under_torchrun()
+    machine_env(LOCAL_WORLD_SIZE=16)
     assert threads.default_threads() == 1
 
 
@@ -281,6 +279,32 @@ def test_busy_cores_sees_a_spinning_process():
     finally:
         spin.kill()
         spin.wait()
+
+
+def test_the_entry_point_reads_the_environment_and_hands_values_down(monkeypatch, tmp_path, machine_env):
+    """Issue 70: `main` reads $DFLASHKIT_HOME, $DFLASHKIT_ENGINES, OMP_NUM_THREADS and torchrun's variables once, for
+    library code to take as values (dflashkit/machine.py); an in-process caller keeps its own machine."""
+    from dflashkit import distributed, machine, threads
+    from dflashkit.cli import use_environment
+    from dflashkit.engines.install import engines_home
+    from dflashkit.fileio import home
+
+    seen = []
+    monkeypatch.setattr("dflashkit.targets.cli.cmd_info", lambda args: seen.append(
+        (home(), engines_home(), threads.default_threads(), distributed.init_distributed("cpu").world)) or 0)
+    machine_env(DFLASHKIT_HOME=tmp_path / "h", OMP_NUM_THREADS=1, DFLASHKIT_ENGINES=None, LOCAL_WORLD_SIZE=None,
+                TORCHELASTIC_RUN_ID=None, WORLD_SIZE=None)
+    mine = machine.Machine(home=tmp_path / "mine", omp_threads=2)
+    machine.use(mine)  # a Python caller's own (machine_env restores the test's after it)
+    assert main(["target", "info", "x"]) == 0 and machine.current() == mine
+    assert seen == [(tmp_path / "h", tmp_path / "h" / "engines", 1, 1)]
+    machine_env(DFLASHKIT_ENGINES="~/engines")
+    assert main(["target", "info", "x"]) == 0 and seen[-1][1] == Path("~/engines").expanduser()
+    use_environment({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "OMP_NUM_THREADS": "1"})
+    m = machine.current()
+    assert (m.local_world, m.world, m.local_rank, m.omp_threads, m.home) == (2, 4, 1, 1, machine.Machine.home)
+    use_environment({"TORCHELASTIC_RUN_ID": "x", "OMP_NUM_THREADS": "none"})
+    assert machine.current().local_world == 1 and machine.current().omp_threads is None
 
 
 def test_threads_option_is_applied_and_restored(monkeypatch):

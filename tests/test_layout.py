@@ -11,7 +11,8 @@ import dflashkit
 ROOT = Path(dflashkit.__file__).parent
 # lower number = lower layer; shared utilities sit at the bottom, the CLI and the demo at the top
 LAYERS = {
-    "errors": 0, "lazy": 0, "rng": 0, "configs": 2, "fileio": 1, "levels": 1, "threads": 2, "report": 2, "prompts": 2, "tree": 2,
+    "errors": 0, "lazy": 0, "rng": 0, "machine": 0,  # machine: the values the process entry reads (dflashkit.cli)
+    "configs": 2, "fileio": 1, "levels": 1, "threads": 2, "report": 2, "prompts": 2, "tree": 2,
     "ngram": 2,  # the n-gram lookup: decoding proposes with it, the offline walk replays it
     "targets": 3,
     "drafter": 4, "distributed": 4,  # distributed picks the device the way targets does
@@ -144,6 +145,36 @@ def test_no_function_is_longer_than_60_lines():
             for p in ROOT.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60]
     assert not long, long
+
+
+def environment_reads(tree: ast.AST) -> list[int]:
+    """Lines that read the process environment (os.environ, os.getenv); a store into it, or a copy for a child
+    process (`{**os.environ, ...}`, `os.environ.copy()`), is not a read."""
+    spared = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            spared.add(id(n.value))
+        elif isinstance(n, ast.Dict):
+            spared |= {id(v) for k, v in zip(n.keys, n.values) if k is None}
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "copy":
+            spared.add(id(n.func.value))
+    return sorted(n.lineno for n in ast.walk(tree) if id(n) not in spared and (
+        isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "os"
+        and n.attr in ("environ", "environb", "getenv", "getenvb")
+        or isinstance(n, ast.ImportFrom) and n.module == "os" and any(a.name.startswith(("environ", "getenv"))
+                                                                      for a in n.names)))
+
+
+def test_machine_choices_are_read_at_the_entry_point_alone():
+    """Issue 70: library code takes $DFLASHKIT_HOME, OMP_NUM_THREADS, torchrun's variables and the rest as values
+    (dflashkit/machine.py) that the process entry reads once; only it and the engine launchers, which build a
+    child's environment, read os.environ."""
+    readers = {"cli.py", "engines/vllm_client.py"}
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in sorted(ROOT.rglob("*.py"))
+             if str(p.relative_to(ROOT)) not in readers for line in environment_reads(ast.parse(p.read_text()))]
+    assert not found, f"read the environment in dflashkit/cli.py and pass the value: {found}"
+    assert environment_reads(ast.parse("import os\nos.environ['A'] = '1'\nenv = {**os.environ, 'B': '2'}")) == []
+    assert environment_reads(ast.parse("import os\nx = os.environ.get('A')\ny = os.getenv('B')")) == [2, 3]
 
 
 def test_the_training_recipe_is_resolved_in_one_place():

@@ -97,10 +97,10 @@ def test_the_cli_takes_isa_before_the_command_and_from_the_environment(monkeypat
     assert "--isa 'sse9': use one of portable, v3, v4" in capsys.readouterr().err
 
 
-def test_a_damaged_library_is_built_again_and_a_whole_one_is_not(tmp_path, monkeypatch, capsys):
+def test_a_damaged_library_is_built_again_and_a_whole_one_is_not(tmp_path, monkeypatch, capsys, machine_env):
     """Issue 72: a truncated library (which crashed the process on load with a bus error) or one replaced by text is
     not the file its build wrote: built again with one line; an intact one is loaded as it is."""
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
+    machine_env(DFLASHKIT_HOME=tmp_path)
     built = []
 
     def fake_build(lib, level, tune):

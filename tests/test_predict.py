@@ -215,8 +215,8 @@ def test_an_engine_without_a_cost_model_is_one_line(tiny_targets, capsys):
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path / "home"))
+def home(tmp_path, machine_env):
+    machine_env(DFLASHKIT_HOME=tmp_path / "home")
     return tmp_path / "home"
 
 

