@@ -177,7 +177,7 @@ def test_import_dflashkit_stays_light():
 
 def test_bf16_refused_by_torchs_avx2_attention_is_one_line(monkeypatch, capsys):
     """On AVX2 kernels (a float32-only CPU, or --isa v3) torch's stock attention raises on bf16
-    (`pack_vnni2 is only supported when avx512 is supported`, measured in bench's ar-stock prefill): the command
+    (`pack_vnni2 is only supported when avx512 is supported`, measured in bench's ar@hf-stock prefill): the command
     says what to use instead; any other RuntimeError still surfaces whole."""
     import argparse
 

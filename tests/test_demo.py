@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.xdist_group(name="d
 def demo_run(tiny_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     # float32 on every machine: on a bf16 CPU a rebuilt cache record differs in its last bits (another batch), which
-    # rebuilds what follows (correct, but not what the rerun test checks), and bench adds ar-stock
+    # rebuilds what follows (correct, but not what the rerun test checks), and bench adds ar@hf-stock
     cfg = DemoConfig(out=str(out), target=str(tiny_dirs["llama"]), device="cpu", dtype="float32", minutes=5, train_prompts=6,
                      plain_peers="none", engine="hf",  # auto would time and compile the static step here
                      train_max_new_tokens=24, gen_batch_size=6, eval_prompts=2, eval_max_new_tokens=24,

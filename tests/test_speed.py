@@ -492,25 +492,22 @@ def test_stepwise_linear_attention_is_what_one_token_steps_compute(bf16_hybrid):
     assert torch.equal(block, steps)
 
 
-@stock_bf16  # ar-stock and prompt lookup run the stock kernels
+@stock_bf16  # ar@hf-stock and prompt lookup run the stock kernels
 def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, monkeypatch):
-    """bf16 on a CPU: `ar` (the token reference) and our methods run the row-invariant kernels, while ar-stock,
-    prompt lookup and transformers' generate run the model's own; speedups are against the faster of ar and
-    ar-stock, and both ar timings are in the results. In float32 nothing differs and no ar-stock is added."""
+    """bf16 on a CPU: `ar` (the token reference) and our methods run the row-invariant kernels, while plain decoding
+    on the hf-stock backend, prompt lookup and transformers' generate run the model's own; speedups are against the
+    faster of ar and ar@hf-stock, and both ar timings are in the results. In float32 nothing differs and no
+    ar@hf-stock is added."""
     from dflashkit.measure import bench
 
     t = bf16_llama
     prompts = [("p", t.chat_ids([{"role": "user", "content": REPEATING[0]}]))]
     kernels, current = {}, []
-    real_generate, real_ar, real_forward = bench.generate, bench.generate_ar, t.model.forward
+    real_generate, real_forward = bench.generate, t.model.forward
 
-    def spy_generate(target, ids, method, *a, **k):  # which method is running
-        current.append(method)
+    def spy_generate(target, ids, method, *a, **k):  # which row is running
+        current.append(method + ("@hf-stock" if k.get("engine") == "hf-stock" else ""))
         return real_generate(target, ids, method, *a, **k)
-
-    def spy_ar(backend, *a, **k):  # bench runs ar-stock on a stock reference backend
-        current.append("ar-stock")
-        return real_ar(backend, *a, **k)
 
     def spy_forward(*a, **k):  # which kernels its forwards see
         kernels.setdefault(current[-1] if current else "cost curve", set()).add(frozenset(active_kernels()))
@@ -524,7 +521,6 @@ def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, mo
         return real_top2(*a, **k)
 
     monkeypatch.setattr(bench, "generate", spy_generate)
-    monkeypatch.setattr(bench, "generate_ar", spy_ar)
     monkeypatch.setattr(t.model, "forward", spy_forward)
     monkeypatch.setattr(parity, "top2_at", spy_top2)
     # predict=False: a cost model measured here (none cached yet, as on a fresh machine) would run forwards of its
@@ -532,12 +528,13 @@ def test_bench_times_the_baselines_on_stock_kernels(bf16_llama, tiny_targets, mo
     res = bench.run_bench(t, None, prompts, ["ar", "ngram", "prompt-lookup"], max_new_tokens=8, progress=False,
                           warmup=False, predict=False)
     monkeypatch.undo()
-    assert res["config"]["methods"] == ["ar", "ar-stock", "ngram", "prompt-lookup"]
+    assert res["config"]["methods"] == ["ar", "ngram", "prompt-lookup", "ar@hf-stock"]
+    assert res["config"]["backends"]["ar@hf-stock"] == "hf-stock"
     assert res["mismatches"] == []
     assert kernels["ar"] == kernels["ngram"] == kernels["cost curve"] == {frozenset({"RowInvariantKernels"})}
-    assert kernels["ar-stock"] == kernels["prompt-lookup"] == {frozenset()}
-    assert res["methods"]["ar"]["tokens_per_s"] and res["methods"]["ar-stock"]["tokens_per_s"]
-    ups = sorted(res["methods"][m]["speedup_vs_ar"] for m in ("ar", "ar-stock"))  # against the faster of the two
+    assert kernels["ar@hf-stock"] == kernels["prompt-lookup"] == {frozenset()}
+    assert res["methods"]["ar"]["tokens_per_s"] and res["methods"]["ar@hf-stock"]["tokens_per_s"]
+    ups = sorted(res["methods"][m]["speedup_vs_ar"] for m in ("ar", "ar@hf-stock"))  # against the faster of the two
     assert ups[1] == pytest.approx(1.0) and ups[0] <= 1.0
     f32 = bench.run_bench(tiny_targets["llama"], None, prompts, ["ar", "ngram"], max_new_tokens=4, progress=False,
                           warmup=False)

@@ -10,10 +10,11 @@ METHODS_HELP = ("ar, chain, ddtree, ddtree-N (budget N), ddtree-auto, ngram, hyb
                 "transformers-dflash (transformers' own DFlash loop with the drafter), or the engine peers (bench "
                 "only) llama.cpp, llama.cpp-dflash, vllm, vllm-dflash")
 ENGINE_METHODS = ("llama.cpp", "llama.cpp-dflash", "vllm", "vllm-dflash")
-ENGINES = ("auto", "hf", "static")
+ENGINES = ("auto", "hf", "static", "hf-stock")
 ENGINE_HELP = ("the backend our methods run on: hf (transformers' forward, every family), static (our compiled step, "
-               "Llama-type targets) or auto (the faster on this machine, measured once and cached; hf where static "
-               "refuses the target)")
+               "Llama-type targets), auto (the faster on this machine, measured once and cached; hf where static "
+               "refuses the target), or hf-stock (hf on torch's own kernels: the speed baseline where bf16 decoding "
+               "switches to row-invariant ones; not lossless there)")
 TREE_KINDS = ("ddtree", "ngram", "hybrid")
 STATIC_KINDS = ("ar", "chain") + TREE_KINDS  # what the static backend runs (transformers' loops run on hf)
 

@@ -47,7 +47,7 @@ class DemoConfig:
     eval_max_new_tokens: int = 256
     bench_prompts: int | None = None
     bench_max_new_tokens: int = 256  # at 128 the answers repeat less: n-gram tau 1.76 against 2.24 at 256
-    bench_methods: str = "ar,ngram,ddtree-8,hybrid-auto,prompt-lookup"  # bench adds ar-stock where kernels differ
+    bench_methods: str = "ar,ngram,ddtree-8,hybrid-auto,prompt-lookup"  # bench adds ar@hf-stock where kernels differ
     plain_peers: str = "auto"  # auto: llama.cpp beside ours on the eval suite, when installed | none
     engine: str = "auto"  # the backend our methods run on (measure/probe.py): auto picks the faster here
     holdout_suite: str = "complete-12"  # another style, never trained on or selected with: does the speedup hold?
@@ -134,7 +134,7 @@ def bench_runs(cfg: DemoConfig, p: Paths, s: Suites) -> list[tuple]:
 
 
 def stage_work(cfg: DemoConfig, p: Paths, s: Suites) -> dict:
-    """What the stages repeat, for plan.estimates (on the eval suite bench adds ar-stock or ar@hf, references)."""
+    """What the stages repeat, for plan.estimates (on the eval suite bench adds ar@hf-stock or ar@hf, references)."""
     from dflashkit.measure.bench import parse_methods
 
     runs = bench_runs(cfg, p, s)

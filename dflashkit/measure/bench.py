@@ -25,8 +25,7 @@ from dflashkit.measure.predict import (measured_decode_tps, predict_bench, predi
                                      predicted_plot)
 from dflashkit.measure.records import TRANSFORMERS as PEERS, kind_of, plain_row  # PEERS: transformers' own loops
 from dflashkit.decode.sampling import GREEDY, Sampling
-from dflashkit.decode.speculative import DFlashProposer, generate, generate_ar, new_lookup
-from dflashkit.decode.hf import HfBackend
+from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
@@ -34,7 +33,7 @@ from dflashkit.report import bar_plot, fmt, hist_plot, line_plot, markdown_table
 from dflashkit.rng import seeded
 from dflashkit.targets.invariant import kernels_for, needs_invariant
 
-STOCK_AR = "ar-stock"  # plain decoding on the model's own kernels: the speed baseline where `ar` runs invariant ones
+STOCK_AR = "ar@hf-stock"  # plain decoding on torch's own kernels: the speed baseline where `ar` runs invariant ones
 # no drafter: what the speedups are stated against
 PLAIN = ("ar", STOCK_AR, "ar@hf", "ar@static", "hf-generate", "llama.cpp", "vllm")
 
@@ -54,7 +53,7 @@ def engine_rows(session, methods: list[str], engines: list[str],
     hf whenever static runs: the static backend's own plain decoding is held to the reference backend's)."""
     rows: dict[str, tuple[str, str]] = {}
     for m in methods:
-        if is_engine(m) or m == STOCK_AR or parse_method(m)[0] not in STATIC_KINDS:
+        if is_engine(m) or parse_method(m)[0] not in STATIC_KINDS:
             rows[m] = (m, "hf" if not is_engine(m) else m)
             continue
         for i, e in enumerate(engines):
@@ -85,15 +84,13 @@ def parse_methods(spec: str) -> list[str]:
 
 
 def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed: int, cost, session, rows):
-    """One conversation (every turn, conversation.py) of row `label`; the baselines (ar-stock, transformers' loops)
-    on the model's own kernels, ours on the kernels that keep them exact, on the row's engine."""
+    """One conversation (every turn, conversation.py) of row `label` on the row's backend (hf-stock and transformers'
+    loops on torch's own kernels, ours on the kernels that keep them exact)."""
     method, engine = rows.get(label, (label, "hf"))
     gen = torch.Generator(device=target.device).manual_seed(seed)
     ngram = session.lookups.setdefault(label, new_lookup(method)) if kind_of(method) in ("ngram", "hybrid") else None
 
     def one(ids):  # a fresh context per turn: a conversation calls this once per user turn
-        if method == STOCK_AR:  # the reference backend on the model's own kernels
-            return generate_ar(HfBackend(target, stock=True), ids, max_new_tokens, sampling, gen)
         return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen,
                         cost=cost, ngram=ngram, engine=engine, session=session)
     with seeded(seed, target.device):  # transformers' generate samples from the global generator
@@ -157,14 +154,12 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     `sampling` reaches every method whole (prompt i seeded sampling.seed + i) and is recorded.
     `engine`: the backend(s) our methods run on (auto, hf, static, or several joined by commas: one row per method
     and engine); every row records its engine, and each is held to plain decoding on its own engine. `references`:
-    also ar@hf beside static and ar-stock where kernels are switched (a run's second suite can leave them out).
+    also ar@hf beside static and ar@hf-stock where kernels are switched (a run's second suite can leave them out).
     `journal` (measure/journal.py): the finished runs, appended as they end, an interrupted bench's not run again."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
     switched = needs_invariant(target.model)
-    if references and switched and "ar" in methods and STOCK_AR not in methods:  # the fair baseline: stock kernels
-        methods = ["ar", STOCK_AR] + [m for m in methods if m != "ar"]
     with kernels_for(target):  # the cost curve times the kernels the speculative methods run
         curve = cost or tree_cost_curve(target, proposer.block_size if proposer else 4, extra=(9,))
         costs = cost_report(target, curve)
@@ -172,6 +167,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     # the one the run then uses) and auto's choice, its probe timed again with `reprobe` (the cached answer replaced)
     session = new_session(target, proposer, reprobe, log, trees=any(kind_of(m) in TREE_KINDS for m in methods))
     rows = engine_rows(session, methods, parse_engines(engine), references)
+    if references and switched and STOCK_AR not in rows:  # the fair speed baseline: torch's own kernels
+        rows[STOCK_AR] = ("ar", "hf-stock")
     ours = [m for m in rows if not is_engine(m)]
     methods = ours + [m for m in methods if is_engine(m)]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
@@ -424,7 +421,7 @@ def summarize(runs: list[dict], block_size: int | None = None) -> dict:
 
 
 def add_ratios(summary: dict) -> None:
-    """Speedups against plain decoding (the faster of ar and ar-stock, when the stock kernels differ from ours),
+    """Speedups against plain decoding (the faster of ar and ar@hf-stock, when the stock kernels differ from ours),
     transformers' generate and prompt lookup, and the ceiling tau * t_ar / (t_draft + t_verify)."""
     ar = max((s for s in (summary.get(STOCK_AR), summary["ar"]) if s), key=lambda s: s["tokens_per_s"] or 0)
     pl = next((s for m, s in summary.items() if m.startswith("prompt-lookup")), None)

@@ -106,7 +106,7 @@ def offline_acceptance(overall: dict, block_size: int, source: str = "offline ev
 def loop_of(method: str) -> str:
     """Which loop's work a method pays per round: plain decoding, the chain or a tree."""
     name = method.split("@")[0].removesuffix("-dflash")
-    if name in ("ar", "ar-stock", "llama.cpp", "vllm"):
+    if name in ("ar", "llama.cpp", "vllm"):
         return "ar"
     return "chain" if name == "chain" or method.endswith("-dflash") else "tree"
 
@@ -141,7 +141,7 @@ def prediction_markdown(rows: dict, model, source: str) -> list[str]:
 
 # ---- bench: predicted beside measured ----------------------------------------------------------------------
 
-NOT_PREDICTED = ("ar-stock", "prompt-lookup", "hf-generate")  # stock kernels or transformers' loops: no cost model
+NOT_PREDICTED = ("prompt-lookup", "hf-generate")  # stock kernels or transformers' loops: no cost model
 
 
 def measured_decode_tps(runs: list[dict]) -> float | None:
@@ -165,7 +165,9 @@ def _online(label: str, runs: list[dict], summary: dict, model, block_size: int 
 def predicted_engine(label: str, rows: dict) -> str | None:
     """The engine whose cost model prices a bench row; None: stock kernels or transformers' loops (none of ours)."""
     method, engine = rows.get(label, (label, label))
-    return None if method in NOT_PREDICTED or method.split("-")[0] in ("prompt", "hf") else engine.removesuffix("-dflash")
+    if method in NOT_PREDICTED or method.split("-")[0] in ("prompt", "hf") or engine == "hf-stock":
+        return None
+    return engine.removesuffix("-dflash")
 
 
 def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict, session,

@@ -13,9 +13,8 @@ END_TO_END = "timed end to end by transformers' generate: no draft/verify split"
 
 
 def kind_of(label: str) -> str:
-    """A row's method kind: 'hybrid-auto@static' -> 'hybrid', 'ar-stock' -> 'ar', 'llama.cpp-dflash' itself."""
-    method = label.split("@")[0]
-    return "ar" if method == "ar-stock" else parse_method(method)[0]
+    """A row's method kind: 'hybrid-auto@static' -> 'hybrid', 'llama.cpp-dflash' itself."""
+    return parse_method(label.split("@")[0])[0]
 
 
 def run_record(run: dict, index: int, target: dict, dtype: str | None) -> dict:

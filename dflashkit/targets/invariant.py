@@ -92,7 +92,7 @@ def describe_kernels(model: nn.Module) -> str:
     if needs_invariant(model):
         return ("row-invariant kernels on the reference backend (one-row products run as two rows, attention in "
                 "float64 rounded once), so that speculative output equals plain greedy output token for token in low "
-                "precision; the speed baseline ar-stock runs the stock kernels")
+                "precision; the speed baseline ar@hf-stock runs the stock kernels")
     return ("the stock kernels (MKL/oneDNN linears, SDPA attention) on the reference backend, ar included: in float32 "
             "their row-to-row rounding differences (1e-7) have not flipped a token in our runs")
 
