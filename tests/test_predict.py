@@ -384,6 +384,9 @@ def test_bench_predicts_beside_measured_from_its_rounds_and_an_offline_eval(eval
     assert "offline" not in s["ngram"]["predicted"]  # the offline walk replays hybrids, not the n-gram alone
     md = bench_markdown(res)
     assert "hf" in res["cost_models"] and "## Predicted beside measured" in md and "](predicted.png)" in md
+    spent = res["seconds"]  # what the prediction cost the bench (issue 70), stated in the report
+    assert 0 < spent["predict"] < spent["bench"]
+    assert f"The prediction took {spent['predict']:.1f} s of the bench's {spent['bench']:.0f} s" in md
 
 
 def test_bench_offline_takes_one_eval_per_engine_and_refuses_a_misnamed_one(tmp_path):

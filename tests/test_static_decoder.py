@@ -540,3 +540,19 @@ def test_data_generate_answers_on_the_static_backend_and_a_cache_names_it(tiny_t
     cache = extract(t, suite, tmp_path / "cache", layer_ids=[1, 2], max_new_tokens=8, progress=False,
                     completions_from=out)
     assert "(answered on static)" in open_cache(cache).manifest["generation"]["completions_from"]
+
+
+def test_a_static_bench_shows_static_s_cost_and_times_no_hf_forward(tiny_targets, monkeypatch):
+    """Issue 70: a bench's cost section was hf's forward even when every row ran on static. Now it is the backend
+    plain decoding ran on: static's own step per compiled width; hf's curve is not measured (no row needs it)."""
+    from helpers import eager_decoders
+
+    eager_decoders(monkeypatch)
+    monkeypatch.setattr(bench, "tree_cost_curve", lambda *a, **k: pytest.fail("hf's forward was timed"))
+    t = tiny_targets["llama"]
+    res = bench.run_bench(t, None, [("a", prompt(t))], ["ar", "ngram"], max_new_tokens=8, progress=False,
+                          warmup=False, predict=False, engine="static")
+    assert res["config"]["backends"] == {"ar": "static", "ngram": "static", "ar@hf": "hf"}
+    widths = res["cost"]["ns"]
+    assert res["cost"]["backend"] == "static" and widths == sorted(widths) and widths[0] == 1 and len(widths) > 2
+    assert "## Cost of one target forward (static backend)" in bench.bench_markdown(res)

@@ -6,6 +6,7 @@ equal plain decoding token for token; a mismatch fails loudly."""
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import ExitStack, suppress
 from pathlib import Path
 
@@ -159,16 +160,14 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
-    switched = needs_invariant(target.model)
-    with kernels_for(target):  # the cost curve times the kernels the speculative methods run
-        curve = cost or tree_cost_curve(target, proposer.block_size if proposer else 4, extra=(9,))
-        costs = cost_report(target, curve)
+    switched, t0 = needs_invariant(target.model), time.perf_counter()
     # per run: the static decoder (one for every method: tree widths when a tree method runs; auto's probe builds
     # the one the run then uses) and auto's choice, its probe timed again with `reprobe` (the cached answer replaced)
     session = new_session(target, proposer, reprobe, log, trees=any(kind_of(m) in TREE_KINDS for m in methods))
     rows = engine_rows(session, methods, parse_engines(engine), references)
     if references and switched and STOCK_AR not in rows:  # the fair speed baseline: torch's own kernels
         rows[STOCK_AR] = ("ar", "hf-stock")
+    curve = cost or hf_curve(target, proposer, rows)
     ours = [m for m in rows if not is_engine(m)]
     methods = ours + [m for m in methods if is_engine(m)]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
@@ -178,11 +177,15 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         peers = {m: stack.enter_context(EnginePeer(m, target, drafter, proposer.block_size if proposer else 0,
                                                    max_new_tokens)) for m in engines}
         window = {m: [] for m in methods if predict and predicted_engine(m, rows) in SAMPLED}
+        spent = {"predict": 0.0}  # seconds the prediction cost the bench: its samples, its cost models
+
         def sample(m):  # one that fails is left out (the cached model stands where none is taken)
+            t = time.perf_counter()
             with suppress(DFlashError, OSError):
                 if m in window and (got := forward_sample(predicted_engine(m, rows), target, proposer, session,
                                                           peers.get(m), m.endswith("-dflash"))):
                     window[m].append(got)
+            spent["predict"] += time.perf_counter() - t
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
                                   progress, curve, peers, session, rows, sample, journal)
     started = {m: p.info for m, p in peers.items()}
@@ -194,13 +197,17 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
               lambda m: predicted_tau(target, proposer, [r for r in runs if r["method"] == m]))
     add_fallback(summary, runs, rows)
     # predicted beside measured (measure/predict.py): each row's own rounds, and `offline` ({engine: an eval}) given
+    t1 = time.perf_counter()
     models = predict_bench(target, proposer, runs, rows, summary, session, offline, log, window) if predict else {}
+    spent["predict"] += time.perf_counter() - t1
+    costs = backend_cost(target, rows, curve, session.static)
+    spent["bench"] = time.perf_counter() - t0
     by_category = {c: summarize_methods([r for r in runs if categories[r["prompt"]] == c], methods, B)
                    for c in dict.fromkeys(categories.values()) if c is not None}
     return _add_parity(target, rows, sampling, {
         "config": _config(target, drafter, B, methods, engine, rows, session, prompts, categories, turns,
                           max_new_tokens, sampling),
-        "cost": costs, "cost_models": models, "methods": summary, "categories": by_category,
+        "cost": costs, "cost_models": models, "seconds": spent, "methods": summary, "categories": by_category,
         "mismatches": mismatches, "divergences": divergences, "engine_divergences": judged["engine_divergences"],
         "tau_checks": check_tau(summary), "runs": runs})
 
@@ -571,11 +578,34 @@ def category_markdown(result: dict, image: str = "categories.png") -> list[str]:
             f"![speedup per category]({image})", ""]
 
 
+def hf_curve(target, proposer, rows: dict) -> CostCurve | None:
+    """hf's cost curve where an -auto row runs on hf (its trees are cut by it) or plain decoding does (the report
+    shows it); a bench whose plain decoding and -auto rows run on static measures none."""
+    cuts = any(e in ("hf", "hf-stock") and parse_method(m)[1] == "auto" for m, e in rows.values())
+    if not cuts and rows.get("ar", ("ar", "hf"))[1] == "static":
+        return None
+    with kernels_for(target):  # the kernels the speculative methods run
+        return tree_cost_curve(target, proposer.block_size if proposer else 4, extra=(9,))
+
+
+def backend_cost(target, rows: dict, curve: CostCurve | None, decoder) -> dict | None:
+    """The cost section: the curve of the backend plain decoding ran on (static: its own step per compiled width,
+    as measured after 200 slots of context; hf: transformers' forward after 400), with the memory-bound floor."""
+    backend = rows.get("ar", ("ar", "hf"))[1]
+    if backend == "static" and decoder is not None and decoder.step_s:
+        widths = sorted(decoder.step_s)
+        curve = CostCurve(widths, [decoder.step_s[w] for w in widths])
+    elif curve is None:
+        return None
+    return {**cost_report(target, curve), "backend": backend if backend == "static" else "hf"}
+
+
 def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
     if not cost:
         return []
-    return ["## Cost of one target forward", "",
-            "One forward over n new tokens after a 400-token KV cache (median), and its ratio to n = 1: a speculative "
+    context = "200 slots of context" if cost.get("backend") == "static" else "a 400-token KV cache"
+    return [f"## Cost of one target forward ({cost.get('backend', 'hf')} backend)", "",
+            f"One forward over n new tokens after {context} (median), and its ratio to n = 1: a speculative "
             "round that verifies n tokens must commit more than that ratio to pay.", "",
             markdown_table(["n tokens", "ms", "ratio to n=1"], list(zip(cost["ns"], cost["ms"], cost["ratio"])),
                            digits=3),

@@ -260,10 +260,18 @@ def predicted_markdown(result: dict) -> list[str]:
             + (f"and from {' and '.join(sources)} (checks both halves)" if sources else "and, given `--offline RUN`, "
                "from an offline eval of the drafter (both halves)") + f"; the bar is {fmt(100 * ERROR_BAR, 0)}%. The speedup error "
             "compares the predicted speedup over the engine's plain decoding with the measured one (the host's level "
-            "cancels).", "",
+            "cancels)." + share(result.get("seconds")), "",
             markdown_table(["method", "engine", "measured", "predicted (own acceptance)", "error", "speedup error",
                             "predicted (offline)", "error", "speedup error", "note"], rows, digits=1),
             *(["![predicted against measured](predicted.png)"] if predicted_points(result) else []), ""]
+
+
+def share(seconds: dict | None) -> str:
+    """What the prediction cost the bench (its samples and cost models), beside the bench's own time."""
+    if not seconds or not seconds.get("bench"):
+        return ""
+    return (f" The prediction took {seconds['predict']:.1f} s of the bench's {seconds['bench']:.0f} s "
+            f"({100 * seconds['predict'] / seconds['bench']:.0f}%; `--no-predict` skips it).")
 
 
 def predicted_points(result: dict) -> dict[str, tuple[float, float]]:
