@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.decode.cost import measure_cost_curve
+from dflashkit.measure.curve import measure_cost_curve
 from dflashkit.fileio import write_json, write_text
 from dflashkit.report import markdown_table
 

@@ -63,7 +63,7 @@ def models_for(names: list[str], target, drafter_ref=None, force: bool = False) 
     """The cost model of each engine named (auto made concrete for the drafter's methods, or plain decoding), the
     drafter's call priced where one is given."""
     from dflashkit.measure.costmodel import cost_model
-    from dflashkit.decode.backends import resolve
+    from dflashkit.decode.backends import backend_for
     from dflashkit.measure.probe import new_session
     from dflashkit.decode.speculative import DFlashProposer
     from dflashkit.drafter.checkpoint import load_drafter
@@ -72,7 +72,7 @@ def models_for(names: list[str], target, drafter_ref=None, force: bool = False) 
                                                    dtype=target.dtype)) if drafter_ref else None
     session = new_session(target, proposer, log=_log, trees=True)
     method = "chain" if proposer else "ar"
-    concrete = [resolve(session, "auto", method) if n == "auto" else n for n in names]
+    concrete = [backend_for(session, "auto", method) if n == "auto" else n for n in names]
     return [cost_model(e, target, proposer, session, force=force, log=_log) for e in dict.fromkeys(concrete)]
 
 

@@ -138,7 +138,7 @@ def _online(state: dict, method: str) -> None:
 
     t = state["target"]
     proposer = None if method in ("ar", "ngram") else DFlashProposer(t, state["drafter"])
-    from dflashkit.decode.cost import CostCurve
+    from dflashkit.measure.curve import CostCurve
 
     ngram = new_lookup(method) if method.startswith(("ngram", "hybrid")) else None
     cost = CostCurve([1, 2, 4, 8, 16, 32], [0.010, 0.011, 0.012, 0.015, 0.020, 0.030])  # a CPU-like verify curve

@@ -366,7 +366,7 @@ def test_rounding_divergences_are_reported_and_large_gaps_fail(tiny_targets, mon
     near, far = int(order[1]), int(order[-1])
     gap_near, gap_far = float(logits[order[0]] - logits[near]), float(logits[order[0]] - logits[far])
     monkeypatch.setattr(bench, "exact_kernels", lambda t: False)
-    monkeypatch.setattr(bench, "rounding_tolerance", lambda dtype, a, b: (gap_near + gap_far) / 2)
+    monkeypatch.setattr(bench, "rounding_tolerance", lambda dtype, logit: (gap_near + gap_far) / 2)
     real = bench.generate
     for flip, fails in ((near, False), (far, True)):
         def flipped(target, ids, method, *a, flip=flip, **kw):
@@ -395,7 +395,7 @@ def test_generate_refuses_a_draft_mix_outside_zero_to_one(tiny_dirs, capsys):
 def test_hybrid_gate_drafts_while_the_drafter_adds_tokens_and_rechecks_when_idle():
     """hybrid-auto's gate: with no n-gram proposal, a drafter that has been adding a token per round is run; one that
     added nothing for twenty drafted rounds sits out, and drafts again on the eighth idle round."""
-    from dflashkit.decode.cost import CostCurve
+    from dflashkit.measure.curve import CostCurve
     from dflashkit.ngram import NgramLookup
     from dflashkit.decode.speculative import TreeDrafts
 

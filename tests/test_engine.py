@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflashkit.decode.backends import resolve
+from dflashkit.decode.backends import backend_for
 from dflashkit.decode.session import DecodeSession
 from dflashkit.measure import probe as engines
 from dflashkit.measure.probe import new_session
-from dflashkit.decode.cost import CostCurve
+from dflashkit.measure.curve import CostCurve
 from dflashkit.decode.methods import parse_method
 from dflashkit.decode.speculative import generate
 from dflashkit.errors import DFlashError
@@ -65,7 +65,7 @@ def test_an_old_static_name_says_how_to_spell_it_now():
                                                                    "--engine static"), ("chain-hf", "--method chain --engine hf")):
         with pytest.raises(ValueError, match=re.escape(f"the backend is its own option now; use {new}")):
             parse_method(old)
-    source = (Path(resolve.__code__.co_filename).parent / "methods.py").read_text()
+    source = (Path(backend_for.__code__.co_filename).parent / "methods.py").read_text()
     assert "-static" not in source  # one vocabulary: no method name carries a backend
 
 
@@ -94,15 +94,15 @@ def test_the_static_backend_verifies_every_node_a_tree_method_builds(tiny_target
 def test_auto_runs_hf_where_static_refuses_the_target_and_says_why(tmp_path):
     t = load_target(make_tiny_target("gpt_oss", tmp_path / "g"), device="cpu", dtype="float32")
     said = []
-    assert resolve(new_session(t, log=said.append), "auto", "hybrid-auto") == "hf"
+    assert backend_for(new_session(t, log=said.append), "auto", "hybrid-auto") == "hf"
     assert said == [f"engine auto: hf (target {t.name}: config.json field model_type = 'gpt_oss': only dense-attention "
                     "Llama-type targets (llama, qwen2, qwen3, mistral) run in the static step; use --engine hf for "
                     "this target)"]
     with pytest.raises(DFlashError, match="model_type = 'gpt_oss'"):
-        resolve(new_session(t), "static", "ar")
-    assert resolve(new_session(t), "auto", "prompt-lookup") == "hf"
+        backend_for(new_session(t), "static", "ar")
+    assert backend_for(new_session(t), "auto", "prompt-lookup") == "hf"
     with pytest.raises(DFlashError, match="--engine 'fast': use one of auto, hf, static"):
-        resolve(new_session(t), "fast", "ar")
+        backend_for(new_session(t), "fast", "ar")
 
 
 def test_auto_runs_hf_where_the_kernels_cannot_be_built_and_says_why(tiny_targets, monkeypatch):
@@ -112,11 +112,11 @@ def test_auto_runs_hf_where_the_kernels_cannot_be_built_and_says_why(tiny_target
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     said = []
-    assert resolve(new_session(tiny_targets["llama"], log=said.append), "auto", "chain") == "hf"
+    assert backend_for(new_session(tiny_targets["llama"], log=said.append), "auto", "chain") == "hf"
     assert said == ["engine auto: hf (no C++ compiler (c++) here to build the static backend's kernels: install g++, "
                     "or use --engine hf)"]
     with pytest.raises(DFlashError, match="no C..? compiler"):
-        resolve(new_session(tiny_targets["llama"]), "static", "ar")
+        backend_for(new_session(tiny_targets["llama"]), "static", "ar")
 
 
 def test_a_damaged_probe_answer_is_timed_again_with_one_line(tiny_targets, tmp_path, monkeypatch, machine_env):
@@ -125,7 +125,8 @@ def test_a_damaged_probe_answer_is_timed_again_with_one_line(tiny_targets, tmp_p
     are timed again; an answer that cannot be written is used for the run, with one line."""
     from types import SimpleNamespace
 
-    from dflashkit.decode import cost, static
+    from dflashkit.decode import static
+    from dflashkit.measure import curve as cost
     from dflashkit import fileio
 
     machine_env(DFLASHKIT_HOME=tmp_path)
@@ -165,7 +166,8 @@ def fake_backends(monkeypatch, machine_env, home) -> list:
     """auto's probe on timings given here (hf the faster), under $DFLASHKIT_HOME `home`: the list counts its runs."""
     from types import SimpleNamespace
 
-    from dflashkit.decode import cost, static
+    from dflashkit.decode import static
+    from dflashkit.measure import curve as cost
 
     calls = []
     machine_env(DFLASHKIT_HOME=home)

@@ -287,7 +287,7 @@ def test_hybrid_auto_replayed_at_an_engines_prices_is_what_the_loop_does(t64, ki
     import dflashkit.decode.session as session
     import dflashkit.decode.speculative as speculative
     import dflashkit.tree as tree
-    from dflashkit.decode.cost import CostCurve
+    from dflashkit.measure.curve import CostCurve
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
     from dflashkit.decode.hf import HfBackend
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflashkit.decode.cost import CostCurve
+from dflashkit.measure.curve import CostCurve
 from dflashkit.decode.speculative import DFlashProposer, generate
 from dflashkit.drafter.checkpoint import new_drafter
 from dflashkit.rng import seeded

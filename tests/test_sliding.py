@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflashkit.decode.cost import CostCurve
+from dflashkit.measure.curve import CostCurve
 from dflashkit.decode.speculative import DFlashProposer, generate
 from dflashkit.decode.hf import crop_kv, new_target_kv, verify_mask
 from dflashkit.drafter.checkpoint import new_drafter

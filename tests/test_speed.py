@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflashkit.decode.cost import CostCurve, measure_cost_curve
+from dflashkit.measure.curve import CostCurve, measure_cost_curve
 from dflashkit.decode.methods import needs_drafter, parse_method
 from dflashkit.ngram import NgramLookup
 from dflashkit.decode.sampling import Sampling
@@ -121,7 +121,7 @@ def test_measure_cost_curve_runs_on_a_tiny_target(tiny_targets):
 def test_a_paths_curve_times_verifies_one_path_a_row(tiny_targets):
     """The hf probe's curve of branching trees verified one path a row: n // width rows of `width` tokens that
     share the root (leaves x (depth + 1) = n), the target KV left as it was after each."""
-    from dflashkit.decode.cost import fan
+    from dflashkit.measure.curve import fan
     from dflashkit.tree import path_tokens
 
     tree = fan(3, 4, torch.arange(20))

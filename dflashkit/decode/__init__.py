@@ -1,5 +1,5 @@
 """Online speculative decoding against the live target (chain, DDTree, n-gram, hybrid trees) over two backends (hf,
-static), and the target's cost curve; measuring it (bench, cost models, auto's probe) is dflashkit.measure.
+static); measuring it (the cost curve, bench, cost models, auto's probe) is dflashkit.measure.
 
 Names load lazily so that the CLI's parser does not import torch.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 from dflashkit.lazy import lazy_exports
 
 _EXPORTS = {
-    **{name: "dflashkit.decode.cost" for name in ("CostCurve", "measure_cost_curve")},
     "NgramLookup": "dflashkit.ngram", "parse_method": "dflashkit.decode.methods",
     "Sampling": "dflashkit.decode.sampling",
     **{name: "dflashkit.decode.session" for name in ("Backend", "DecodeSession", "Generation")},

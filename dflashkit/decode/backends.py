@@ -28,7 +28,7 @@ def static_refusal(target) -> str | None:
     return None
 
 
-def resolve(session: DecodeSession, engine: str, method: str) -> str:
+def backend_for(session: DecodeSession, engine: str, method: str) -> str:
     """`engine` for `method` on the session's target, with `auto` made concrete (kept in the session for the run)."""
     kind, target = parse_method(method)[0], session.target
     if engine not in ENGINES:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from dflashkit.decode.backends import open_backend, resolve
+from dflashkit.decode.backends import open_backend, backend_for
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.session import Backend, DecodeSession, Generation, Timer
@@ -362,7 +362,7 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
     kind, n = parse_method(method)
     auto = n == "auto"
     if auto and cost is None:
-        raise ValueError(f"method {method!r} needs the target's cost curve (decode.cost.measure_cost_curve)")
+        raise ValueError(f"method {method!r} needs the target's cost curve (measure.curve.measure_cost_curve)")
     lookup = (ngram or new_lookup(method)) if kind in ("ngram", "hybrid") else None
     drafter = proposer if kind in ("ddtree", "hybrid") else None
     size = AUTO_BUDGET if auto else (n or budget)
@@ -381,7 +381,7 @@ def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Pro
     curve for -auto trees (the static backend reads its own step times)."""
     kind, n = parse_method(method)
     session = session or DecodeSession(target, proposer)
-    engine = resolve(session, engine, method)
+    engine = backend_for(session, engine, method)
     if needs_drafter(method) and proposer is None:
         raise ValueError(f"method {method!r} needs a drafter")
     if kind in ("prompt-lookup", "hf-generate"):

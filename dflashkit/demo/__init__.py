@@ -255,7 +255,7 @@ def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
 def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
     """Online decoding of each (suite, methods, max new tokens, out folder), one cost curve measured for all."""
     from dflashkit.measure.bench import parse_methods, run_bench, write_bench
-    from dflashkit.decode.cost import CostCurve
+    from dflashkit.measure.curve import CostCurve
     from dflashkit.drafter.checkpoint import load_drafter
 
     drafter = load_drafter(final_checkpoint(p), target=target, device=target.device, dtype=target.dtype)

@@ -27,7 +27,7 @@ COMPILE_S = 200.0  # the static decoder's first compile, in eval's engine probe 
 def measure(target, prompt_ids: list[int], batch: int) -> dict:
     """Seconds per row of a batched greedy step (features recorded, as the data stage generates) and of a one-token
     forward after 400 tokens."""
-    from dflashkit.decode.cost import measure_cost_curve
+    from dflashkit.measure.curve import measure_cost_curve
 
     t0, steps = time.perf_counter(), []
     with target.recording(target.default_layer_ids(5)):

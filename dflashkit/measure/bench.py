@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
-from dflashkit.decode.cost import CostCurve, cost_report, tree_cost_curve
+from dflashkit.measure.curve import CostCurve, cost_report, tree_cost_curve
 from dflashkit.measure.costmodel import SAMPLED, forward_sample
-from dflashkit.decode.backends import resolve
+from dflashkit.decode.backends import backend_for
 from dflashkit.measure.probe import new_session, probe_note
 from dflashkit.decode.methods import ENGINE_METHODS, ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
 from dflashkit.decode.native import cflags, instruction_set
@@ -31,6 +31,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
 from dflashkit.report import bar_plot, fmt, hist_plot, line_plot, markdown_table
+from dflashkit.report.parity import rounding_tolerance
 from dflashkit.rng import seeded
 from dflashkit.targets.invariant import kernels_for, needs_invariant
 
@@ -58,7 +59,7 @@ def engine_rows(session, methods: list[str], engines: list[str],
             rows[m] = (m, "hf" if not is_engine(m) else m)
             continue
         for i, e in enumerate(engines):
-            concrete = resolve(session, e, m)
+            concrete = backend_for(session, e, m)
             if (m, concrete) not in rows.values():
                 rows[m if i == 0 else f"{m}@{e}"] = (m, concrete)
     ar_engine, used = rows["ar"][1], {e for m, e in rows.values() if e in ("hf", "static")}
@@ -178,14 +179,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
                                                    max_new_tokens)) for m in engines}
         window = {m: [] for m in methods if predict and predicted_engine(m, rows) in SAMPLED}
         spent = {"predict": 0.0}  # seconds the prediction cost the bench: its samples, its cost models
-
-        def sample(m):  # one that fails is left out (the cached model stands where none is taken)
-            t = time.perf_counter()
-            with suppress(DFlashError, OSError):
-                if m in window and (got := forward_sample(predicted_engine(m, rows), target, proposer, session,
-                                                          peers.get(m), m.endswith("-dflash"))):
-                    window[m].append(got)
-            spent["predict"] += time.perf_counter() - t
+        sample = _sampler(window, rows, target, proposer, session, peers, spent)
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
                                   progress, curve, peers, session, rows, sample, journal)
     started = {m: p.info for m, p in peers.items()}
@@ -210,6 +204,19 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         "cost": costs, "cost_models": models, "seconds": spent, "methods": summary, "categories": by_category,
         "mismatches": mismatches, "divergences": divergences, "engine_divergences": judged["engine_divergences"],
         "tau_checks": check_tau(summary), "runs": runs})
+
+
+def _sampler(window: dict, rows: dict, target, proposer, session, peers: dict, spent: dict):
+    """sample(row): a quick sample of the row's engine cost seconds before its run (measure/predict.py), timed
+    against the prediction; one that fails is left out (the cached model stands where none is taken)."""
+    def sample(m):
+        t = time.perf_counter()
+        with suppress(DFlashError, OSError):
+            if m in window and (got := forward_sample(predicted_engine(m, rows), target, proposer, session,
+                                                      peers.get(m), m.endswith("-dflash"))):
+                window[m].append(got)
+        spent["predict"] += time.perf_counter() - t
+    return sample
 
 
 def _config(target, drafter, B, methods, engine, rows, session, prompts, categories, turns, max_new_tokens,
@@ -357,12 +364,6 @@ def exact_kernels(target) -> bool:
     return target.dtype == torch.float32 or target.device.type == "cpu"
 
 
-def rounding_tolerance(dtype: torch.dtype, a: float, b: float) -> float:
-    """The logit gap a rounding difference of `dtype` can explain: a few units in the last place of the larger
-    logit (one ulp per rounding step that can differ between a one-token and a block forward)."""
-    return 8 * torch.finfo(dtype).eps * max(abs(a), abs(b), 1.0)
-
-
 def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[dict], reference: str = "ar"):
     """Split mismatches into (unexplained, divergences): at the first differing token, plain decoding's logits of
     its own token and of the speculative one; a gap within rounding_tolerance is a reported divergence (with its
@@ -381,7 +382,8 @@ def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[
         with torch.no_grad():
             logits = target.forward(ids, logits_to_keep=1).logits[0, -1].float()
         a, b = float(logits[want[i]]), float(logits[got[i]])
-        entry = {**x, "gap": a - b, "tolerance": rounding_tolerance(target.dtype, a, b)}
+        entry = {**x, "gap": a - b, "tolerance": rounding_tolerance(str(target.dtype).removeprefix("torch."),
+                                                                    max(abs(a), abs(b)))}
         (explained if abs(entry["gap"]) <= entry["tolerance"] else failed).append(entry)
     return failed, explained
 

@@ -126,8 +126,8 @@ def cmd_generate(args) -> int:
     import torch
 
     from dflashkit.decode.conversation import decode_conversation
-    from dflashkit.decode.cost import tree_cost_curve
-    from dflashkit.decode.backends import resolve
+    from dflashkit.measure.curve import tree_cost_curve
+    from dflashkit.decode.backends import backend_for
     from dflashkit.measure.probe import new_session
     from dflashkit.decode.methods import needs_drafter, parse_method
     from dflashkit.measure.records import generation_record
@@ -147,7 +147,7 @@ def cmd_generate(args) -> int:
     log = lambda m: print(m, file=sys.stderr)
     # the static decoder (compiled on the first prompt; auto's probe builds it for the drafter) and auto's choice
     session = new_session(target, proposer, args.reprobe, log)
-    engine = resolve(session, args.engine, args.method)
+    engine = backend_for(session, args.engine, args.method)
     with kernels_for(target):  # hf's -auto pruning needs the cost of the kernels decoding runs
         cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
     ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None

@@ -41,11 +41,11 @@ class CostModel:
     rounding: str = "linear"  # linear between measured n (linear beyond); "up": the smallest measured n >= n
     record: dict = field(default_factory=dict)  # what it was measured on, and when
     path: Path | None = None
-    paths: dict | None = None  # {"ns", "ms"}: where a branching tree is verified one path a row (decode/cost.py)
+    paths: dict | None = None  # {"ns", "ms"}: where a branching tree is verified one path a row (measure/curve.py)
 
     def forward(self, n: int) -> float:
         """ms of one target forward over n tokens; infinite past an engine's widest verify ('up')."""
-        from dflashkit.decode.cost import CostCurve
+        from dflashkit.measure.curve import CostCurve
 
         if self.rounding == "up":
             i = bisect_left(self.ns, n)
@@ -54,7 +54,7 @@ class CostModel:
 
     def forward_paths(self, n: int) -> float:
         """ms of a tree verify over n = leaves x (depth + 1) tokens one path a row; forward(n) where trees are flat."""
-        from dflashkit.decode.cost import CostCurve
+        from dflashkit.measure.curve import CostCurve
 
         return CostCurve(self.paths["ns"], self.paths["ms"])(n) if self.paths else self.forward(n)
 
@@ -175,7 +175,7 @@ def hf_curves(target, proposer, repeats: int) -> tuple[dict, dict | None]:
     """ms of transformers' forward over n tokens after DEPTH ({n: ms}) and, where branching trees go one path a row,
     of such verifies over 1..16 paths of the drafter's block (they cost more than a flat forward over as many
     tokens), under the kernels decoding runs (low-precision CPU targets switch)."""
-    from dflashkit.decode.cost import tree_cost_curve
+    from dflashkit.measure.curve import tree_cost_curve
     from dflashkit.targets.invariant import kernels_for
 
     with kernels_for(target):

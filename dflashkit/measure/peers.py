@@ -218,7 +218,7 @@ def plain_answers(target, engine: str, max_new_tokens: int, log=None):
     """(the backend, answer(prompt ids, max new tokens) -> (index, greedy completion)...) for `data generate --engine`:
     our plain decoding on static or an engine peer's (its server up while the context is), one prompt at a time; None
     for hf (transformers' batches write its text faster). In bf16 each writes its own text (near-ties)."""
-    from dflashkit.decode.backends import resolve
+    from dflashkit.decode.backends import backend_for
     from dflashkit.decode.speculative import generate
     from dflashkit.measure.probe import new_session
 
@@ -226,6 +226,6 @@ def plain_answers(target, engine: str, max_new_tokens: int, log=None):
         with EnginePeer(engine, target, None, 0, max_new_tokens) as peer:
             yield engine, lambda ids, n, **_: ((i, peer.one(p).tokens) for i, p in enumerate(ids))
         return
-    name = resolve(session := new_session(target, log=log), engine, "ar")
+    name = backend_for(session := new_session(target, log=log), engine, "ar")
     yield None if name == "hf" else (name, lambda ids, n, **_: (
         (i, generate(target, p, "ar", max_new_tokens=n, engine=name, session=session).tokens) for i, p in enumerate(ids)))

@@ -155,7 +155,7 @@ def probe(session: DecodeSession, repeats: int = 9) -> dict:
     """Time both backends on this machine (cached under the dflashkit home's engine-probe): the one-token step (what
     plain decoding runs) and one-token + 8-node verify (what a speculative round spends on the target). The
     session's `reprobe` (--reprobe) times them again; so does an answer measured under load (measured_load)."""
-    from dflashkit.decode.cost import measure_cost_curve
+    from dflashkit.measure.curve import measure_cost_curve
     from dflashkit.decode.static import decoder_for
     from dflashkit.fileio import write_json
     from dflashkit.targets.invariant import kernels_for
