@@ -13,10 +13,10 @@ import sys
 from dflashkit import machine
 from dflashkit.errors import DFlashError
 
-# The stages a user walks through, in order; each module defines register(subparsers). export (`drafter export`)
-# needs engines and evaluate, above the drafter stage; prediction (`cost`, `eval --engine`) joins evaluate and decode.
-STAGES = ["dflashkit.targets.cli", "dflashkit.drafter.cli", "dflashkit.export", "dflashkit.cache.cli",
-          "dflashkit.evaluate.cli", "dflashkit.prediction", "dflashkit.measure.cli", "dflashkit.engines.cli",
+# The stages a user walks through, in order; each module defines register(subparsers) and declares its commands
+# whole (a handler a stage above does the work of is named by its module path: see `handler`).
+STAGES = ["dflashkit.targets.cli", "dflashkit.drafter.cli", "dflashkit.cache.cli",
+          "dflashkit.evaluate.cli", "dflashkit.measure.cli", "dflashkit.engines.cli",
           "dflashkit.train.cli", "dflashkit.configs.cli", "dflashkit.demo"]
 
 # The only process state dflashkit sets (docs/design.md section 12): targets load from local folders,
@@ -73,6 +73,15 @@ def use_environment(env=os.environ) -> machine.Machine:
         world=count("WORLD_SIZE", 1), local_rank=count("LOCAL_RANK", 0)))
 
 
+def handler(func):
+    """A command's function, or where one lives ("package.module:name"): a command declared in its stage's parser
+    whose work needs a stage above it (`drafter export`, `eval --engine`) names its handler there."""
+    if isinstance(func, str):
+        module, name = func.split(":")
+        return getattr(importlib.import_module(module), name)
+    return func
+
+
 def main(argv=None) -> int:
     from dflashkit import levels
 
@@ -103,7 +112,7 @@ def main(argv=None) -> int:
             warning = None if under_torchrun() or n == 1 else load_warning(n)  # one thread: nothing to share
             if warning:
                 print(warning, file=sys.stderr)
-        return args.func(args) or 0
+        return handler(args.func)(args) or 0
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,32 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflashkit.drafter.cli import DTYPES, FORMATS
 from dflashkit.errors import DFlashError
-
-DTYPES = ("bfloat16", "float32")
-FORMATS = ("zlab", "gguf", "transformers")
-
-
-def register(sub) -> None:
-    """Adds `export` to `dflashkit drafter` (drafter/cli.py keeps its subcommands on the parser)."""
-    e = sub.choices["drafter"].subcommands.add_parser(
-        "export", help="write a trained drafter as engines serve it: z-lab folder (vLLM, SGLang), GGUF (llama.cpp) or "
-                       "transformers' own DFlash drafter")
-    e.add_argument("--drafter", required=True, help="a drafter folder, a checkpoint, or a training run folder (its latest)")
-    e.add_argument("--out", required=True, help="output folder (zlab, transformers) or .gguf file (gguf)")
-    e.add_argument("--format", choices=FORMATS, default="zlab",
-                   help="zlab: config.json + model.safetensors (vLLM, SGLang); gguf: llama.cpp's DFlash layout, "
-                        "through its own converter (needs `dflashkit engines install llama.cpp`); transformers: a "
-                        "folder AutoModel.from_pretrained loads as transformers' DFlash drafter, for "
-                        "generate(..., assistant_model=drafter, speculation_type='dflash')")
-    e.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (hub drafters: bfloat16)")
-    e.add_argument("--target", help="the target (registry name or folder; default: the one the drafter was trained "
-                                    "for). Its head gives the token map's rows and, for gguf, its tokenizer")
-    e.add_argument("--full-vocab", action="store_true",
-                   help="leave out the draft vocabulary's token map: engines draft over every target token")
-    e.add_argument("--cache", help="a feature cache (`dflashkit extract`) to measure tau as trained and as exported on")
-    e.add_argument("--num-prompts", type=int, default=None, help="score only the cache's first N prompts")
-    e.set_defaults(func=cmd_export)
 
 
 def cmd_export(args) -> int:

@@ -20,7 +20,7 @@ LAYERS = {
     "evaluate": 6, "decode": 6,
     "measure": 7,  # measures decoding (bench, cost models, peers, auto's probe): above it, never imported by it
     "train": 8,  # evaluates held-out checkpoints while it trains; `data generate` answers with measure's peers
-    "demo": 9, "cli": 9, "__init__": 9, "export": 9, "prediction": 9,
+    "demo": 9, "cli": 9, "__init__": 9, "export": 9,
 }
 TOP = 9
 
@@ -193,3 +193,26 @@ def test_the_demo_stays_a_thin_recipe():
     """Issue 51: the demo is a recipe over public functions, 600 lines at most; it crept to 601 once unnoticed."""
     lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "demo").glob("*.py"))
     assert lines <= 600, f"dflashkit/demo is {lines} lines: move what grew into the stage it belongs to"
+
+
+def test_every_command_is_declared_whole_in_its_own_parser():
+    """Issue 70: `eval --engine` and `drafter export` were added by other modules to parsers they did not own, so a
+    reader of evaluate/cli.py never saw the option. Now no module reaches into another's parser, and a handler a
+    higher stage implements is named by its module path and resolves."""
+    import argparse
+
+    from dflashkit.cli import build_parser, handler
+
+    reach = [f"{p.relative_to(ROOT)}" for p in ROOT.rglob("*.py") if ".choices[" in p.read_text()]
+    assert not reach, f"modules that patch another command's parser: {reach}"
+
+    def commands(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield sub
+                    yield from commands(sub)
+
+    named = [p.get_default("func") for p in commands(build_parser()) if isinstance(p.get_default("func"), str)]
+    assert "dflashkit.measure.cli:cmd_eval" in named and "dflashkit.export:cmd_export" in named
+    assert all(callable(handler(f)) for f in named)

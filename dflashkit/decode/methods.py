@@ -9,8 +9,12 @@ METHODS_HELP = ("ar, chain, ddtree, ddtree-N (budget N), ddtree-auto, ngram, hyb
                 "either backend: --engine), prompt-lookup, prompt-lookup-N (N lookup tokens), hf-generate, "
                 "transformers-dflash (transformers' own DFlash loop with the drafter), or the engine peers (bench "
                 "only) llama.cpp, llama.cpp-dflash, vllm, vllm-dflash")
-ENGINE_METHODS = ("llama.cpp", "llama.cpp-dflash", "vllm", "vllm-dflash")
-ENGINES = ("auto", "hf", "static", "hf-stock")
+# The one list of each: the backends our loops run on, the peers (other programs) bench runs beside them
+BACKENDS = ("hf", "static", "hf-stock")
+PEERS = ("llama.cpp", "vllm")
+PEER_METHODS = tuple(m for p in PEERS for m in (p, f"{p}-dflash"))
+ENGINES = ("auto",) + BACKENDS  # what --engine takes for our methods (auto: the faster of hf and static here)
+PRICED = ("hf", "static") + PEERS  # what has a cost model (`dflashkit cost`, `eval --engine`, `data generate`)
 ENGINE_HELP = ("the backend our methods run on: hf (transformers' forward, every family), static (our compiled step, "
                "Llama-type targets), auto (the faster on this machine, measured once and cached; hf where static "
                "refuses the target), or hf-stock (hf on torch's own kernels: the speed baseline where bf16 decoding "
@@ -21,7 +25,7 @@ STATIC_KINDS = ("ar", "chain") + TREE_KINDS  # what the static backend runs (tra
 
 def parse_method(name: str) -> tuple[str, int | str | None]:
     """A method name -> (kind, N, 'auto' or None); see METHODS_HELP."""
-    if name.strip() in ENGINE_METHODS:
+    if name.strip() in PEER_METHODS:
         return name.strip(), None
     m = re.fullmatch(r"(ar|chain|ddtree|ngram|hybrid|prompt-lookup|hf-generate|transformers-dflash)(?:-([0-9]+|auto))?",
                      name.strip())

@@ -240,7 +240,7 @@ def evaluate_drafters(cfg: DemoConfig, p: Paths, target) -> None:
     from dflashkit.cache import open_cache
     from dflashkit.evaluate.compare import compare_runs
     from dflashkit.evaluate.runs import run_eval
-    from dflashkit.prediction import models_for, replays_for
+    from dflashkit.measure.cli import models_for, replays_for
 
     cache = open_cache(p.eval_cache, expect_target=target.identity())
     drafters = {"trained": final_checkpoint(p), "first-checkpoint": p.first, "untrained": p.untrained}

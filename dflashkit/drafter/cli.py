@@ -1,9 +1,12 @@
-"""`dflashkit drafter info|init` (`export` is in dflashkit/export.py)."""
+"""`dflashkit drafter info|init|export` (export's work is dflashkit/export.py: it needs the engines and evaluate)."""
 
 from __future__ import annotations
 
 from dflashkit.targets.cli import target_layers_arg
 from dflashkit.threads import add_threads_option
+
+DTYPES = ("bfloat16", "float32")
+FORMATS = ("zlab", "gguf", "transformers")
 
 
 def register(sub) -> None:
@@ -30,7 +33,23 @@ def register(sub) -> None:
     n.add_argument("--out", required=True)
     add_threads_option(n)
     n.set_defaults(func=cmd_init)
-    p.subcommands = dsub  # dflashkit/export.py adds `export`, which also needs the engines and evaluate
+    e = dsub.add_parser("export", help="write a trained drafter as engines serve it: z-lab folder (vLLM, SGLang), GGUF "
+                        "(llama.cpp) or transformers' own DFlash drafter")
+    e.add_argument("--drafter", required=True, help="a drafter folder, a checkpoint, or a training run folder (its latest)")
+    e.add_argument("--out", required=True, help="output folder (zlab, transformers) or .gguf file (gguf)")
+    e.add_argument("--format", choices=FORMATS, default="zlab",
+                   help="zlab: config.json + model.safetensors (vLLM, SGLang); gguf: llama.cpp's DFlash layout, "
+                        "through its own converter (needs `dflashkit engines install llama.cpp`); transformers: a "
+                        "folder AutoModel.from_pretrained loads as transformers' DFlash drafter, for "
+                        "generate(..., assistant_model=drafter, speculation_type='dflash')")
+    e.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (hub drafters: bfloat16)")
+    e.add_argument("--target", help="the target (registry name or folder; default: the one the drafter was trained "
+                                    "for). Its head gives the token map's rows and, for gguf, its tokenizer")
+    e.add_argument("--full-vocab", action="store_true",
+                   help="leave out the draft vocabulary's token map: engines draft over every target token")
+    e.add_argument("--cache", help="a feature cache (`dflashkit extract`) to measure tau as trained and as exported on")
+    e.add_argument("--num-prompts", type=int, default=None, help="score only the cache's first N prompts")
+    e.set_defaults(func="dflashkit.export:cmd_export")  # it needs the engines and evaluate, stages above this one
 
 
 def cmd_info(args) -> int:

@@ -27,8 +27,10 @@ def register(sub) -> None:
                    help="load a drafter with tensors its config has no place for (the load report names the model run)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--force", action="store_true", help="replace an existing run folder")
+    p.add_argument("--engine", default=None, help="also predict decoding speed on this backend or peer (auto, hf, "
+                   "static, llama.cpp or vllm) from the run's acceptance and its cost model (measured once, cached)")
     add_threads_option(p)
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func="dflashkit.measure.cli:cmd_eval")  # it prices the run: measure, a layer above this one
 
     c = sub.add_parser("compare", help="eval runs side by side per prompt and overall, with differences and ratios")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run folders; the first is the reference for ratios")
@@ -49,14 +51,9 @@ def register(sub) -> None:
     q.set_defaults(func=cmd_parity)
 
 
-def cmd_eval(args) -> int:
-    run_eval_command(args)
-    return 0
-
-
 def run_eval_command(args, replays=None) -> dict:
-    """What `dflashkit eval` does; returns the run's result, for `eval --engine` (dflashkit/prediction.py: the
-    prediction needs decode, a sibling stage, so it sits above both; `replays(target)` gives evaluate's, walk only)."""
+    """What `dflashkit eval` does; returns the run's result, which measure/cli.cmd_eval prices with --engine
+    (`replays(target)`: hybrid-auto replayed at each engine's prices, for evaluate's walk)."""
     from tqdm import tqdm
 
     from dflashkit.cache import open_cache

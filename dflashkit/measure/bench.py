@@ -17,14 +17,14 @@ from dflashkit.measure.curve import CostCurve, cost_report, tree_cost_curve
 from dflashkit.measure.costmodel import SAMPLED, forward_sample
 from dflashkit.decode.backends import backend_for
 from dflashkit.measure.probe import new_session, probe_note
-from dflashkit.decode.methods import ENGINE_METHODS, ENGINES, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
+from dflashkit.decode.methods import ENGINES, PEER_METHODS, PEERS, STATIC_KINDS, TREE_KINDS, needs_drafter, parse_method
 from dflashkit.decode.native import cflags, instruction_set
 from dflashkit.measure.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, differences, engine_tau,
                                    is_engine, plain_of, predicted_tau, EnginePeer)
 from dflashkit.targets.formats import describe as describe_weights
 from dflashkit.measure.predict import (measured_decode_tps, predict_bench, predicted_engine, predicted_markdown,
                                      predicted_plot)
-from dflashkit.measure.records import TRANSFORMERS as PEERS, kind_of, plain_row  # PEERS: transformers' own loops
+from dflashkit.measure.records import TRANSFORMERS, kind_of, plain_row  # TRANSFORMERS: transformers' own loops
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
@@ -37,7 +37,7 @@ from dflashkit.targets.invariant import kernels_for, needs_invariant
 
 STOCK_AR = "ar@hf-stock"  # plain decoding on torch's own kernels: the speed baseline where `ar` runs invariant ones
 # no drafter: what the speedups are stated against
-PLAIN = ("ar", STOCK_AR, "ar@hf", "ar@static", "hf-generate", "llama.cpp", "vllm")
+PLAIN = ("ar", STOCK_AR, "ar@hf", "ar@static", "hf-generate") + PEERS
 
 
 def parse_engines(spec: str) -> list[str]:
@@ -274,7 +274,7 @@ def add_fallback(summary: dict, runs: list[dict], rows: dict) -> None:
     tokens/s), which an aggregate speedup hides."""
     for label, (m, engine) in rows.items():
         s, plain = summary.get(label), plain_row(rows, engine)
-        if s is None or kind_of(m) in ("ar", *PEERS, *ENGINE_METHODS) or is_engine(m):
+        if s is None or kind_of(m) in ("ar", *TRANSFORMERS, *PEER_METHODS) or is_engine(m):
             continue
         mine = [r for r in runs if r["method"] == label]
         drafted = [d for r in mine for d in r.get("drafted") or ()]
@@ -289,7 +289,7 @@ def add_fallback(summary: dict, runs: list[dict], rows: dict) -> None:
 def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling, switched: bool, decoder=None):
     """(failures, reported divergences, {engine_divergences, parting, static_parting}): ours against plain decoding
     on its own backend, the static backend's plain decoding against hf's, the engine peers against their own."""
-    stock = (STOCK_AR,) + PEERS if switched else ()  # other kernels
+    stock = (STOCK_AR,) + TRANSFORMERS if switched else ()  # other kernels
     for r in runs:
         r["backend"] = rows.get(r["method"], (r["method"], r["method"]))[1]
     ours_exact = [r for r in runs if r["method"] not in stock and not is_engine(r["method"])]
@@ -397,12 +397,12 @@ def check_lossless(runs: list[dict], rows: dict | None = None) -> list[dict]:
 
 def summarize_methods(runs: list[dict], methods: list[str], block_size: int | None) -> dict:
     out = {m: summarize([r for r in runs if r["method"] == m],
-                        None if kind_of(m) in ("ar", *PEERS, *ENGINE_METHODS) else (block_size or 1))
+                        None if kind_of(m) in ("ar", *TRANSFORMERS, *PEER_METHODS) else (block_size or 1))
            for m in methods}
     for m in methods:
         if is_engine(m):  # counted by the engine itself, not per round by us
             out[m]["tau"] = engine_tau([r for r in runs if r["method"] == m]) if m.endswith("-dflash") else None
-        if kind_of(m) in PEERS:  # transformers' loops are timed end to end: no split of a round
+        if kind_of(m) in TRANSFORMERS:  # transformers' loops are timed end to end: no split of a round
             out[m].update(ms_per_round=None, split=None, overhead=None)
     add_ratios(out)
     return out

@@ -1,15 +1,18 @@
-"""`dflashkit generate` and `dflashkit bench`: thin recipes over dflashkit.decode."""
+"""`dflashkit generate`, `bench` and `cost` (a backend's or peer's cost model), and the pricing of `eval --engine`:
+thin recipes over dflashkit.decode, dflashkit.evaluate and this package."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
-from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METHODS_HELP
+from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METHODS_HELP, PRICED
 from dflashkit.errors import DFlashError
 from dflashkit.targets.formats import add_weights_option
 from dflashkit.threads import add_threads_option
 
+ENGINE_CHOICES = "auto, " + ", ".join(PRICED)
 REPROBE_HELP = "auto: time the backends again (a probe cached from a busy hour), replacing the cached answer"
 
 
@@ -48,6 +51,26 @@ def register(sub) -> None:
     b.add_argument("--no-predict", action="store_true", help="measure only: no predicted column, so no engine "
                    "samples between runs nor cost models (a few seconds a run on a CPU)")
     b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("cost", help="an engine's cost model: a target forward over n = 1..64 tokens, a drafter call, "
+                                    "the loop's own work per round (measured once per machine, cached)")
+    c.add_argument("--target", default="smollm2-135m", help="registry name or local Hugging Face folder")
+    c.add_argument("--drafter", help="drafter folder: its call is priced too (needed to predict speculative methods)")
+    c.add_argument("--engine", default="auto", help=f"{ENGINE_CHOICES}, several joined by commas; auto: the backend "
+                   "speculative decoding picks here (measure/probe.py)")
+    c.add_argument("--device", default="auto")
+    c.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
+                   "float32 | bfloat16")
+    add_weights_option(c)
+    c.add_argument("--out", default="runs/cost", help="folder for cost.json, cost.md and cost.png")
+    c.add_argument("--json", action="store_true", help="print the cost models as JSON")
+    c.add_argument("--force", action="store_true", help="measure again, replacing the cached model")
+    add_threads_option(c)
+    c.set_defaults(func=cmd_cost)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def _common(p) -> None:
@@ -182,13 +205,13 @@ def cmd_generate(args) -> int:
 
 def offline_runs(args: list[str]) -> dict[str, dict]:
     """{engine, or "" for every engine: an eval run's results} of `--offline [ENGINE=]RUN` (each given once)."""
-    from dflashkit.measure.costmodel import MODEL_ENGINES
+    from dflashkit.decode.methods import PRICED
 
     runs: dict[str, dict] = {}
     for arg in args:
         engine, _, folder = arg.rpartition("=")
-        if engine and engine not in MODEL_ENGINES:
-            raise DFlashError(f"--offline {arg}: no engine {engine!r}; name one of {', '.join(MODEL_ENGINES)} "
+        if engine and engine not in PRICED:
+            raise DFlashError(f"--offline {arg}: no engine {engine!r}; name one of {', '.join(PRICED)} "
                               "(ENGINE=RUN) or pass the run alone for every engine")
         if engine in runs:
             raise DFlashError(f"--offline {arg}: {'engine ' + engine if engine else 'a run for every engine'} is "
@@ -200,8 +223,6 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
 def check_offline(offline: dict[str, dict], target, drafter_path: str | None, block_size: int | None) -> None:
     """An offline eval prices bench rows only if it evaluated this target, this drafter and this block size: each
     unlike run is refused by name (one of another target put a chain 43% off, without a word)."""
-    from pathlib import Path
-
     from dflashkit.fileio import sha256_file
     from dflashkit.targets.model import check_same_target
 
@@ -220,8 +241,6 @@ def check_offline(offline: dict[str, dict], target, drafter_path: str | None, bl
 
 def offline_run(folder: str, for_rows: str = "") -> dict:
     """An eval run's results.json, with where it came from (bench's offline prediction names it)."""
-    from pathlib import Path
-
     from dflashkit.fileio import read_json
 
     path = Path(folder) / "results.json"
@@ -237,8 +256,6 @@ def offline_run(folder: str, for_rows: str = "") -> dict:
 
 def bench_journal(args, target, methods: list[str], prompts: list, sampling):
     """The journal of this bench's finished runs, `<out>/runs.jsonl`, keyed by what the runs depend on."""
-    from pathlib import Path
-
     import torch
 
     from dflashkit.measure.journal import Journal
@@ -287,3 +304,87 @@ def cmd_bench(args) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def engines_of(spec: str) -> list[str]:
+    from dflashkit.measure.costmodel import check_model_engine
+
+    names = [e.strip() for e in spec.split(",") if e.strip()]
+    for name in names:
+        if name != "auto":
+            check_model_engine(name)
+    if not names:
+        raise DFlashError(f"--engine {spec!r}: name one of {ENGINE_CHOICES}")
+    return names
+
+
+def models_for(names: list[str], target, drafter_ref=None, force: bool = False) -> list:
+    """The cost model of each engine named (auto made concrete for the drafter's methods, or plain decoding), the
+    drafter's call priced where one is given."""
+    from dflashkit.measure.costmodel import cost_model
+    from dflashkit.decode.backends import backend_for
+    from dflashkit.measure.probe import new_session
+    from dflashkit.decode.speculative import DFlashProposer
+    from dflashkit.drafter.checkpoint import load_drafter
+
+    proposer = DFlashProposer(target, load_drafter(drafter_ref, target=target, device=target.device,
+                                                   dtype=target.dtype)) if drafter_ref else None
+    session = new_session(target, proposer, log=_say, trees=True)
+    method = "chain" if proposer else "ar"
+    concrete = [backend_for(session, "auto", method) if n == "auto" else n for n in names]
+    return [cost_model(e, target, proposer, session, force=force, log=_say) for e in dict.fromkeys(concrete)]
+
+
+def replays_for(models: list) -> dict:
+    """hybrid-auto as the offline walk replays it at each engine's prices (measure/predict.py, hybrid_replay)."""
+    from dflashkit.measure.predict import hybrid_replay
+
+    return {m.engine: hybrid_replay(m) for m in models}
+
+
+def cmd_cost(args) -> int:
+    from dflashkit.measure.costmodel import cost_markdown, cost_plot
+    from dflashkit.fileio import write_json, write_text
+    from dflashkit.targets.model import load_target
+
+    names = engines_of(args.engine)  # a wrong name fails before the target loads
+    target = load_target(args.target, device=args.device, dtype=args.dtype, weights=args.weights)  # as decoding runs it
+    models = models_for(names, target, args.drafter, force=args.force)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Cost models: {target.name}", ""] + [line for m in models for line in cost_markdown(m)]
+    lines += ["![cost against n](cost.png)", ""]
+    table = {m.engine: m.to_dict() for m in models}
+    write_json(out / "cost.json", table)
+    write_text(out / "cost.md", "\n".join(lines))
+    cost_plot(out / "cost.png", models, f"One target forward over n tokens ({target.name}, "
+                                        f"{str(target.dtype).removeprefix('torch.')})")
+    print(json.dumps(table, indent=1) if args.json else "\n".join(lines))
+    print(f"wrote {out / 'cost.json'}, {out / 'cost.md'}, {out / 'cost.png'}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    """`dflashkit eval`, then (with --engine) the run's acceptance priced on that engine's cost model."""
+    from dflashkit.evaluate.cli import run_eval_command
+
+    names = engines_of(args.engine) if args.engine else []  # a wrong name fails before the evaluation runs
+    models: list = []  # each engine's cost model, read (or measured) once, when the eval has loaded the target
+
+    def replays(target):  # the walk replays hybrid-auto at each engine's prices
+        models.extend(models_for(names, target, args.drafter))
+        return replays_for(models)
+    result = run_eval_command(args, replays if names else None)
+    for line in predict_eval(result, models):
+        print(line)
+    return 0
+
+
+def predict_eval(result: dict, models: list) -> list[str]:
+    from dflashkit.measure.predict import offline_acceptance, predict_offline, prediction_markdown
+
+    settings = result["settings"]  # eval loads the target in the dtype decoding picks (auto), as the models price it
+    source = (f"offline eval ({settings['anchors']} anchors, {result['overall']['blocks']} blocks, "
+              f"{result['overall']['prompts']} prompts)")
+    acceptance = offline_acceptance(result["overall"], settings["block_size"], source)
+    return [line for model in models for line in prediction_markdown(predict_offline(acceptance, model), model, source)]

@@ -13,11 +13,11 @@ from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from dflashkit.decode.methods import PRICED
 from dflashkit.errors import DFlashError
 from dflashkit.measure.probe import engine_version, new_session
 
 PROBE_NS = (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)  # chain blocks 4/8/16, DDTree-b verifies b+1
-MODEL_ENGINES = ("hf", "static", "llama.cpp", "vllm")
 FORMAT = "dflashkit-cost-model/1"
 FIX = "delete the file to measure again (`dflashkit cost ... --force`)"
 PROBE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
@@ -119,8 +119,8 @@ def model_key(target, engine: str, proposer=None) -> tuple[str, dict]:
 
 
 def check_model_engine(engine: str) -> None:
-    if engine not in MODEL_ENGINES:
-        raise DFlashError(f"--engine {engine!r}: no cost model for it; use one of auto, {', '.join(MODEL_ENGINES)}")
+    if engine not in PRICED:
+        raise DFlashError(f"--engine {engine!r}: no cost model for it; use one of auto, {', '.join(PRICED)}")
 
 
 def cost_model(engine: str, target, proposer=None, session=None, force: bool = False, log=None,

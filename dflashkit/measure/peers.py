@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.decode.conversation import decode_conversation
-from dflashkit.decode.methods import ENGINE_METHODS
+from dflashkit.decode.methods import PEER_METHODS
 from dflashkit.decode.sampling import GREEDY
 from dflashkit.decode.session import Generation
 from dflashkit.decode.speculative import draft_block
@@ -31,7 +31,7 @@ TAU_TOLERANCE = 0.05  # engine mean acceptance length vs our chain's tau on the 
 
 
 def is_engine(method: str) -> bool:
-    return method in ENGINE_METHODS
+    return method in PEER_METHODS
 
 
 def plain_of(method: str) -> str:
@@ -222,7 +222,7 @@ def plain_answers(target, engine: str, max_new_tokens: int, log=None):
     from dflashkit.decode.speculative import generate
     from dflashkit.measure.probe import new_session
 
-    if engine in ENGINE_METHODS:
+    if engine in PEER_METHODS:
         with EnginePeer(engine, target, None, 0, max_new_tokens) as peer:
             yield engine, lambda ids, n, **_: ((i, peer.one(p).tokens) for i, p in enumerate(ids))
         return

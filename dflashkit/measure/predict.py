@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from dflashkit.decode.methods import PEERS
 from dflashkit.errors import DFlashError
 
 ERROR_BAR = 0.10  # |predicted - measured| / measured the prediction is held to (issue 50)
@@ -106,7 +107,7 @@ def offline_acceptance(overall: dict, block_size: int, source: str = "offline ev
 def loop_of(method: str) -> str:
     """Which loop's work a method pays per round: plain decoding, the chain or a tree."""
     name = method.split("@")[0].removesuffix("-dflash")
-    if name in ("ar", "llama.cpp", "vllm"):
+    if name in ("ar",) + PEERS:
         return "ar"
     return "chain" if name == "chain" or method.endswith("-dflash") else "tree"
 
@@ -153,7 +154,7 @@ def measured_decode_tps(runs: list[dict]) -> float | None:
 
 def _online(label: str, runs: list[dict], summary: dict, model, block_size: int | None) -> dict:
     """A row's own acceptance priced by the model: our loops' rounds, or an engine peer's own tau."""
-    if label in ("llama.cpp", "vllm"):
+    if label in PEERS:
         return plain(model)
     if label.endswith("-dflash"):
         return _row(summary["tau"] or 1.0, _draft_ms(model), model.forward(block_size), model.overhead("chain"),

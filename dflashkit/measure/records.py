@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflashkit.decode.methods import ENGINE_METHODS, parse_method
+from dflashkit.decode.methods import PEER_METHODS, parse_method
 from dflashkit.report.requests import request_record
 
 TRANSFORMERS = ("prompt-lookup", "hf-generate", "transformers-dflash")  # transformers' own loops: timed end to end
@@ -23,7 +23,7 @@ def run_record(run: dict, index: int, target: dict, dtype: str | None) -> dict:
     label = run["method"]
     common = dict(target=target.get("name"), target_path=target.get("path"), dtype=dtype, turn_tokens=run.get("turns"),
                   prompt_ids=run.get("turn_prompts"))
-    if label in ENGINE_METHODS:
+    if label in PEER_METHODS:
         return _engine_record(run, index, common)
     t = run["times"]
     if kind_of(label) in TRANSFORMERS:  # timed end to end; its DFlash loop's rounds counted at the target's forwards
@@ -85,7 +85,7 @@ def baseline_of(label: str, rows: dict) -> str | None:
     """The plain decoding a row is held to: an engine's -dflash its own plain decoding, a plain engine our ar; our
     methods plain decoding on their own backend; plain decoding on a second backend the reference backend's (hf);
     None for the reference itself."""
-    if label in ENGINE_METHODS:
+    if label in PEER_METHODS:
         return label.removesuffix("-dflash") if label.endswith("-dflash") else "ar"
     method, engine = rows.get(label, (label, "hf"))
     if method != "ar":

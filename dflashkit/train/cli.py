@@ -6,6 +6,7 @@ Multi-GPU / multi-node: the same command under torchrun, e.g.
 
 from __future__ import annotations
 
+from dflashkit.decode.methods import PRICED
 from dflashkit.threads import add_threads_option
 
 
@@ -36,7 +37,7 @@ def register(sub) -> None:
     g.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
     g.add_argument("--per-category", type=int, default=None, metavar="N", help="only the first N of each category")
     g.add_argument("--device", default="auto")
-    g.add_argument("--engine", default="hf", choices=("hf", "static", "auto", "llama.cpp", "vllm"),
+    g.add_argument("--engine", default="hf", choices=("auto",) + PRICED,
                    help="what answers: hf (transformers, batched) or, one prompt at a time, what you serve on (static, "
                    "llama.cpp, vllm): in bf16 each writes its own text, and an eval on it predicts that engine")
     add_threads_option(g)
