@@ -1,8 +1,5 @@
-"""Training settings: one dataclass with defaults, overridden by a YAML file and then by key=value pairs.
-
-Every key is checked: an unknown key or a value of the wrong type is an error that names the key, so a typo
-never silently falls back to a default. `dflashkit train --print-config` prints the effective settings.
-"""
+"""Training settings: dataclass defaults <- a YAML file <- key=value pairs; an unknown key or a wrong type is an
+error naming the key, so a typo never silently falls back to a default."""
 
 from __future__ import annotations
 

@@ -40,9 +40,8 @@ METRIC_COLUMNS = ["step", "epoch", "loss", "loss_name", "pos1_acc", "slot_acc", 
 
 
 def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
-    """Train a drafter as configured; returns a summary (also written to `out`/summary.json).
-
-    target/source: pass already-loaded objects (tests, notebooks); on_step(step, row) is called after every step."""
+    """Train a drafter as configured; returns a summary (also `out`/summary.json). target/source: already-loaded
+    objects (tests, notebooks); on_step(step, row) is called after every step."""
     cfg.check()
     r = prepare(cfg, init_distributed(cfg.device), target, source)
     describe(r)
@@ -362,9 +361,8 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
 
 def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bool, noise_std: float, noise_seeds,
                  embed=None):
-    """(features [b, T, K*H] for the drafter, possibly noised; block embeddings [b, n*B, H]; the target's clean
-    final-normed last-layer states [b, T, H] for kl, else None). Noise is applied to a copy, after the target
-    states are taken, so labels and target distributions never see it."""
+    """(features [b, T, K*H], noised when asked; block embeddings [b, n*B, H]; for kl the target's final-normed
+    last-layer states [b, T, H], taken before any noise, else None)."""
     feats, last = source.batch(idx, target, layer_ids, need_last)
     feats = feats.to(target.device)
     with torch.no_grad():
@@ -387,8 +385,7 @@ def grad_sync(r: Run, last: bool):
 
 def autocast(r: Run):
     """bf16 compute where pick_dtype chose it; master weights and the loss stay float32."""
-    on = r.compute_dtype != torch.float32
-    return torch.autocast(r.d.device.type, dtype=r.compute_dtype) if on else contextlib.nullcontext()
+    return torch.autocast(r.d.device.type, dtype=r.compute_dtype, enabled=r.compute_dtype != torch.float32)
 
 
 def optimizer_step(r: Run, step: int, clock: "Clock") -> tuple[float, float]:
@@ -405,9 +402,8 @@ def optimizer_step(r: Run, step: int, clock: "Clock") -> tuple[float, float]:
 
 
 def learning_rate(r: Run, step: int, clock: "Clock") -> float:
-    """The rate of the step covering schedule progress [step, step + 1] / total: linear warmup over the first
-    warmup_ratio, then cosine down to min_lr_ratio. With schedule_minutes, progress is whichever of steps and training
-    time runs out first (rank 0's clock, shared so that every process uses the same rate)."""
+    """Linear warmup over warmup_ratio, then cosine to min_lr_ratio, at progress [step, step + 1] / total; with
+    schedule_minutes, whichever of steps and time runs out first (rank 0's clock, so every process agrees)."""
     cfg = r.cfg
     span = torch.tensor([step / r.total, (step + 1) / r.total], dtype=torch.float64)
     if cfg.schedule_minutes:
