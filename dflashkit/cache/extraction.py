@@ -33,8 +33,7 @@ LOG_GLOB = ".completions.rank*.jsonl"
 
 
 def capture_features(target, seqs: list[list[int]], layer_ids, padding: str = "right") -> list[dict[int, torch.Tensor]]:
-    """Features of several sequences in one forward, equal to one at a time (tests/test_contracts.py): per sequence
-    {layer id: [T_i, H] on CPU, target dtype}."""
+    """Per sequence {layer id: [T_i, H] on CPU}, several in one forward, equal to one at a time (test_contracts.py)."""
     feats = target.features(seqs, layer_ids, padding).cpu()  # [b, T, K*H]
     H = target.hidden_size
     return [{l: feats[r, : len(s), k * H:(k + 1) * H].clone() for k, l in enumerate(layer_ids)}
@@ -109,8 +108,7 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
 
 
 def with_samples(suite, samples: int, temperature: float) -> tuple[PromptSuite, set[int]]:
-    """The suite, then `samples` more copies of each prompt (ids `ID~s1`...), and the indices of those copies, whose
-    answers are sampled (with --completions-from, the greedy answers can come from an existing cache)."""
+    """The suite plus `samples` copies of each prompt (ids `ID~s1`...), and the indices of the copies to sample."""
     if not samples:
         return suite, set()
     if int(samples) < 0 or not temperature > 0:
@@ -127,8 +125,8 @@ def with_samples(suite, samples: int, temperature: float) -> tuple[PromptSuite, 
 
 def answer_turns(target, suite, out: Path, max_new_tokens: int, batch_size: int, enable_thinking: bool, progress: bool,
                  d: Dist):
-    """A multi-turn suite as one prompt `id#k` per turn, and <out>.turns.jsonl, where rank 0 has the target answer
-    each turn after its own earlier answers (cache/sequences.py); extraction reuses those completions."""
+    """A multi-turn suite as one prompt `id#k` per turn, and <out>.turns.jsonl where rank 0 has the target answer
+    each turn after its own earlier answers (cache/sequences.py)."""
     if enable_thinking:
         raise DFlashError(f"{suite.name}: multi-turn prompts are answered without thinking mode; drop --thinking")
     turns = out.parent / f"{out.name}.turns.jsonl"
@@ -174,8 +172,7 @@ def _start_or_resume(out: Path, settings: dict, fresh: dict, d: Dist) -> str:
 
 
 def _find_done(run: _Run, layer_ids, hidden: int) -> None:
-    """Record my prompts whose feature file is already valid (their tokens give the completion too), so that a
-    rerun redoes neither; an unreadable file, or one of other tokens, is deleted and redone."""
+    """Record my prompts whose feature file is valid (its tokens give the completion too); delete any other file."""
     for i in run.mine:
         f, p = run.out / record_name(i, run.pids[i], run.sharded), run.prompts[i]
         if not f.is_file():
@@ -192,8 +189,7 @@ def _find_done(run: _Run, layer_ids, hidden: int) -> None:
 
 
 def _find_completions(run: _Run, reused: dict, completions_from) -> None:
-    """Completions that earlier runs logged or --completions-from supplies, for the same prompt tokens; with
-    --completions-from every prompt but the sampled ones needs one."""
+    """Completions from earlier runs' logs or --completions-from, for the same prompt tokens (required for the latter)."""
     known = _read_logs(run.out)
     for i in run.mine:
         rec = known.get(run.pids[i]) or reused.get(run.pids[i])
@@ -208,8 +204,7 @@ def _find_completions(run: _Run, reused: dict, completions_from) -> None:
 
 def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_size: int, log: Path, show: bool,
                       callback, temperature: float, seed: int) -> None:
-    """Greedy (then sampled) completions and their features for my prompts without one; each prompt's file is
-    written, then its completion logged, so a kill loses at most the batch being generated."""
+    """Greedy, then sampled, completions and features for my prompts without one; file first, then the log line."""
     todo = [i for i in run.mine if i not in run.completions]
     if not todo:
         return
@@ -233,8 +228,7 @@ def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_s
 
 
 def _capture_missing(run: _Run, target, layer_ids, batch_size: int, capture_tokens: int, show: bool, callback) -> None:
-    """Features of prompt + completion for my prompts without a file: sorted by length so that several share a
-    forward with little padding."""
+    """Features of prompt + completion for my prompts without a file, sorted by length to share forwards."""
     seqs = {i: run.prompts[i] + run.completions[i] for i in run.mine if i not in run.done}
     lengths = {i: len(s) for i, s in seqs.items()}
     todo = sorted(seqs, key=lengths.__getitem__)
@@ -245,8 +239,7 @@ def _capture_missing(run: _Run, target, layer_ids, batch_size: int, capture_toke
 
 
 def _write_records(run: _Run, results, total: int, desc: str, show: bool, callback, rate: str):
-    """Each (index, prompt + completion, features, tokens) of `results` into its prompt's file, written atomically;
-    yields each index once written."""
+    """Write each (index, prompt + completion, features, tokens) of `results` to its file; yield the index."""
     bar, t0, ntok = _bar(total, desc, show), time.perf_counter(), 0
     for i, seq, feats, n in results:
         rel = record_name(i, run.pids[i], run.sharded)
@@ -277,8 +270,7 @@ def _my_entries(run: _Run, target, items) -> list[tuple[int, dict, dict]]:
 
 
 def _finish(out: Path, manifest: dict, parts: list[list], num_prompts: int, world: int) -> dict:
-    """Rank 0: every rank's entries, in suite order, into completions.json, then the manifest, marked complete last;
-    the logs go. Returns the totals."""
+    """Rank 0: every rank's entries into completions.json, then the manifest, marked complete last; the totals."""
     gathered = sorted((x for part in parts for x in part), key=lambda x: x[0])
     if [x[0] for x in gathered] != list(range(num_prompts)):
         raise DFlashError(f"{out}: ranks returned {len(gathered)} of {num_prompts} prompts; rerun to resume")
@@ -345,8 +337,7 @@ def _read_logs(out: Path) -> dict[str, dict]:
 
 
 def _completions_from(path, target, prompt_ids: list[str]) -> tuple[dict, str]:
-    """Reuse another cache's completions, so that two backends are compared on identical tokens, or those of a
-    sequences JSONL (`dflashkit data generate`; a multi-turn suite's turns)."""
+    """Completions of another cache (compare backends on identical tokens) or of a sequences JSONL, and their source."""
     if Path(path).is_file():
         header, recs = read_sequences(path)
         if not same_target(header.get("target"), target.identity()):

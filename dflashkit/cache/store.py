@@ -147,7 +147,6 @@ class Cache:
         self.selected_layer_ids: list[int] = list(selected_layer_ids)
         self.target: dict = manifest["target"]
         self.hidden_size: int = int(manifest["target"]["hidden_size"])
-        self.complete: bool = manifest.get("status") == "complete"
         self.shortfall = shortfall
         self._entries = {e["id"]: e for e in entries}
         self.prompt_ids: list[str] = [e["id"] for e in entries]

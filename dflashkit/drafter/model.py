@@ -28,8 +28,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_init(cfg: DrafterConfig) -> dict:
-    """RoPE as transformers builds it for this config: {"inv_freq", "attention_scaling" (yarn, longrope),
-    "long_inv_freq", "original_max" (longrope, past which it switches)}. "dynamic" RoPE is refused."""
+    """RoPE frequencies and scale as transformers builds them for this config (longrope: its long ones too)."""
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     out = {"attention_scaling": 1.0, "long_inv_freq": None, "original_max": None}
@@ -91,8 +90,7 @@ def block_ids(anchor_ids, block_size: int, mask_id: int, slot0: str = "seed") ->
 
 
 class ContextKV:
-    """Post-RoPE context keys/values per layer, so decoding projects each committed position once; block keys never
-    enter it, so nothing needs cropping after a draft."""
+    """Post-RoPE context keys/values per layer: each committed position is projected once, and block keys never enter."""
 
     def __init__(self, num_layers: int):
         self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
@@ -187,8 +185,7 @@ def dynamic_conv(x, delta, base, segment: int, group: int):
 
 
 class GroupedDynamicConv(nn.Module):
-    """DFlash2's convolution pair around a sublayer: one projection of the sublayer's input gives the dynamic
-    taps of both the input-side (`prepare`) and the output-side (`finish`) convolution. Identity at init."""
+    """DFlash2's convolution pair around a sublayer, both dynamic taps from one projection of its input; identity at init."""
 
     def __init__(self, hidden: int, kernel_size: int, group_size: int):
         super().__init__()
@@ -223,9 +220,8 @@ def mix_greedy(q, sample, mix: float, generator):
 
 
 class CandidateSelector(nn.Module):
-    """DFlash2's reranker: per block position, the top-k of the drafter's logits are rescored as
-    unary(c) + < pred[prev] * proj(h), succ[c] >, prev being the token chosen at the position before (the anchor
-    for the first). Codebooks are bare parameters, named as in z-lab's released checkpoints."""
+    """DFlash2's reranker: each position's top-k logits rescored as unary(c) + < pred[prev] * proj(h), succ[c] >, prev
+    the token chosen before it; the codebooks are bare parameters, named as in z-lab's checkpoints."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -263,9 +259,8 @@ class CandidateSelector(nn.Module):
 
     @torch.no_grad()
     def tree(self, hidden, logits, anchor: int, budget: int, to_tokens=None) -> Tree:
-        """DDTree of the `budget` most probable prefixes, a node's children scored by the selector given the node's
-        token (z-lab's DDTree reads independent marginals); best-first, so the budget-b tree is the first b pops.
-        hidden [L, H]; logits [L, V']; node tokens index V' (to_tokens maps them for the codebooks)."""
+        """DDTree of the `budget` most probable prefixes, children scored by the selector given their parent's token;
+        best-first, so the budget-b tree is the first b pops. hidden [L, H]; logits [L, V']; node tokens index V'."""
         unary, index = torch.topk(logits.float(), min(self.top_k, logits.shape[-1]), dim=-1)  # [L, k]
         cands = index if to_tokens is None else to_tokens(index)
 
@@ -392,9 +387,8 @@ class DFlashDrafter(nn.Module):
                         linear=linear)
 
     def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None, attention="auto"):
-        """Many blocks of one sequence under build_block_mask (training, offline evaluation): target_hidden
-        [b, T, K*H]; block_embeds [b, n*B, H], block j at rows j*B..; anchors, valid [b, n] -> [b, n*B, H].
-        attention (all compute the same): dense (the reference), chunked, flex (CUDA), auto."""
+        """Many blocks of one sequence under build_block_mask: target_hidden [b, T, K*H]; block_embeds [b, n*B, H];
+        anchors, valid [b, n] -> [b, n*B, H]. attention: dense (the reference), chunked, flex or auto, all equal."""
         b, T, _ = target_hidden.shape
         B, n = self.config.block_size, anchors.shape[1]
         if block_embeds.shape[:2] != (b, n * B):
@@ -448,8 +442,7 @@ def pick_attention(name: str, device: torch.device) -> str:
 
 
 def attend(q, k, v, mask):
-    """q [b, h, Q, d], k/v [b, h, S, d] -> [b, h, Q, d]. mask: None (every key visible), a bool [b, 1, Q, S]
-    (True = may attend; every row must see a key) or a block-sparse plan from forward_blocks."""
+    """q [b, h, Q, d], k/v [b, h, S, d]; mask: None, bool [b, 1, Q, S] (every row must see a key) or a block plan."""
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return mask(q, k, v)
@@ -475,9 +468,8 @@ def position_mask(q_pos, k_pos, causal: bool, window: int | None) -> torch.Tenso
 
 
 class ChunkedBlocks:
-    """forward_blocks' attention without the dense mask: CHUNK_BLOCKS blocks at a time, each chunk seeing context
-    [0, last anchor + 1) and its own rows. anchors/valid [b, n] (sorted by anchor for the savings; any order is
-    correct); keys k [b, h, T + n*B, d]."""
+    """forward_blocks' attention without the dense mask: CHUNK_BLOCKS blocks at a time, each seeing context up to its
+    last anchor and its own rows (sorted anchors save the most; any order is correct). keys k [b, h, T + n*B, d]."""
 
     def __init__(self, anchors, valid, ctx_len: int, B: int, chunk: int | None = None, causal: bool = False,
                  window: int | None = None):

@@ -20,6 +20,7 @@ from torch import nn
 from dflashkit.cache import open_cache
 from dflashkit.distributed import Dist, all_sum, barrier, init_distributed
 from dflashkit.drafter.checkpoint import load_drafter, new_drafter, warm_start_from_target
+from dflashkit.drafter.config import DFLASH2_KEYS
 from dflashkit.drafter.head import DraftHead, scaling_of
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DFlashError
@@ -125,10 +126,11 @@ class Run:
 def initial_drafter(cfg: TrainConfig, target, init, layer_ids, resuming: bool, master: bool):
     """The drafter's first weights (init=, a warm start from the target's top layers, or random) and its mask id."""
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.mask_token_id
+    shape = {} if cfg.arch == "dflash" else {"arch": cfg.arch, **{k: getattr(cfg, k) for k in DFLASH2_KEYS}}
     with seeded(cfg.seed):
         drafter = init if init is not None else new_drafter(
             target, num_layers=cfg.num_layers, target_layer_ids=layer_ids, allow_final_layers=cfg.allow_final_layers,
-            block_size=cfg.block_size, mask_token_id=mask_id, **drafter_shape(cfg))
+            block_size=cfg.block_size, mask_token_id=mask_id, **shape)
     if drafter.config.mask_token_id != mask_id:
         raise DFlashError(f"init={cfg.init}: mask_token_id {drafter.config.mask_token_id} != {mask_id}; set mask_token_id")
     if cfg.warm_start and not resuming:
@@ -141,8 +143,7 @@ def initial_drafter(cfg: TrainConfig, target, init, layer_ids, resuming: bool, m
 
 
 def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
-    """Load and check everything before the first step: a wrong path, layer id or resume setting fails now, not
-    an hour in."""
+    """Load and check everything before the first step, so a wrong path or setting fails now, not an hour in."""
     if source is None:
         data_kind(cfg.data)  # a wrong path fails now, not after the target has loaded
     if target is None:
@@ -190,16 +191,8 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     return r
 
 
-def drafter_shape(cfg: TrainConfig) -> dict:
-    """The architecture settings of a new drafter (DFlash2's convolutions and selector only when arch is dflash2)."""
-    return {} if cfg.arch == "dflash" else dict(arch=cfg.arch, conv_kernel_size=cfg.conv_kernel_size,
-                                                conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
-                                                selector_top_k=cfg.selector_top_k)
-
-
 def load_init(cfg: TrainConfig, target):
-    """The warm-start drafter (init=...), or None. Its shape wins: a config that says otherwise is an error, not
-    silently ignored."""
+    """The drafter of init=..., or None; a config that disagrees with its shape is an error, not silently ignored."""
     if not cfg.init:
         return None
     init = load_drafter(cfg.init, target=target)
@@ -214,8 +207,7 @@ def load_init(cfg: TrainConfig, target):
 
 
 def feature_layers(cfg: TrainConfig, target, init) -> list[int]:
-    """The target layers the drafter reads: the warm start's, the config's, or z-lab's rule for
-    num_target_layers (default: one per drafter layer)."""
+    """The target layers the drafter reads: init's, the config's, or z-lab's rule for num_target_layers."""
     ids = init.config.target_layer_ids if init is not None else cfg.target_layer_ids
     if ids is None:
         ids = target.default_layer_ids(cfg.num_target_layers or cfg.num_layers)
@@ -287,8 +279,8 @@ def wrap(drafter, cfg: TrainConfig, d: Dist) -> nn.Module:
 
 # ---- one step --------------------------------------------------------------------------------------------------
 def global_batch(r: Run, step: int) -> tuple[int, list[tuple[list[int], object]]]:
-    """(epoch, this process's micro-batches as (sequence indices, Batch)). The order and the anchors depend only on
-    (seed, epoch, sequence), so a resumed or differently split run sees the same data."""
+    """(epoch, this process's micro-batches as (indices, Batch)), from (seed, epoch, sequence) alone: a resumed or
+    differently split run sees the same data."""
     cfg = r.cfg
     epoch, pos = divmod(step, r.steps_per_epoch)
     order = epoch_order(len(r.pool), epoch, cfg.seed)
@@ -323,7 +315,6 @@ class StepStats:
         return StepStats(*all_sum(torch.tensor(astuple(self), dtype=torch.float64), d).tolist())
 
     def row(self, step: int, epoch: int, loss_name: str, lr: float, grad_norm: float, clock: "Clock", device) -> dict:
-        """One line of metrics.csv."""
         return {"step": step, "epoch": epoch, "loss": self.loss, "loss_name": loss_name,
                 "pos1_acc": self.pos1_correct / max(1.0, self.pos1), "slot_acc": self.correct / max(1.0, self.slots),
                 "lr": lr, "grad_norm": grad_norm, "blocks": int(self.blocks), "tokens": int(self.tokens),
@@ -334,8 +325,7 @@ class StepStats:
 
 
 def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
-    """Loss and gradients of one optimiser step, accumulated over its micro-batches. The loss is normalised by the
-    slot weight of the whole global batch, so neither the loss nor the gradient depends on the split."""
+    """Loss and gradients of one optimiser step, normalised by the slot weight of the whole global batch."""
     cfg, d = r.cfg, r.d
     norm = all_sum(torch.tensor([sum(step_weight(b.labels, r.head, r.slot_w, cfg.loss) for _, b in micro)],
                                 dtype=torch.float64), d).item()
