@@ -32,8 +32,7 @@ def layer_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -> dict:
-    """Per-layer statistics over the prompts both caches hold with identical tokens: {"layers": {l: {cos_mean,
-    cos_min, mean_abs, max_abs, rel_err, tokens}}, "skipped": {id: reason}, "below": [layers under min_cosine], ...}."""
+    """Per-layer statistics over the prompts both caches hold with identical tokens; "below": layers under min_cosine."""
     ca, cb = open_cache(a), open_cache(b)
     if ca.hidden_size != cb.hidden_size:
         raise DFlashError(f"caches {a} (hidden size {ca.hidden_size}) and {b} (hidden size {cb.hidden_size}) hold "

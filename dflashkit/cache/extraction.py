@@ -1,6 +1,5 @@
-"""Extraction: the target's greedy completion of every prompt (and, on request, sampled ones) and the hidden
-states of chosen layers over prompt + completion, written as a cache (store.py has the layout); resumable, and
-sharded under torchrun (docs/design.md, "Extraction in detail")."""
+"""Extraction: the target's completion of every prompt and its hidden states over prompt + completion, written as a
+cache (store.py); resumable, and sharded under torchrun (docs/design.md, "Extraction in detail")."""
 
 from __future__ import annotations
 
@@ -58,10 +57,8 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
             linear_attention: str = "auto", progress: bool = True, enable_thinking: bool = False,
             completions_from=None, capture_tokens: int = 4096, allow_final_layers: bool = False,
             callback=None, samples: int = 0, temperature: float = 0.8, seed: int = 0) -> Path:
-    """Write (or finish) the cache of `suite` under `out`; returns `out`. layer_ids default to z-lab's 5;
-    completions_from: a cache or sequences JSONL whose completions are reused; capture_tokens: padded tokens per
-    capture forward; callback(event, prompt_id) after each "completion" and "features" persisted; samples: sampled
-    answers per prompt besides the greedy one, stored as prompts `ID~sK`."""
+    """Write (or finish) the cache of `suite` under `out`. completions_from: a cache or sequences JSONL to reuse;
+    callback(event, prompt_id) after each "completion" and "features" persisted; samples: sampled answers, `ID~sK`."""
     out = Path(out)
     if int(max_new_tokens) < 1 or int(batch_size) < 1:  # refused before any work
         raise DFlashError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be at least 1")
@@ -125,8 +122,7 @@ def with_samples(suite, samples: int, temperature: float) -> tuple[PromptSuite, 
 
 def answer_turns(target, suite, out: Path, max_new_tokens: int, batch_size: int, enable_thinking: bool, progress: bool,
                  d: Dist):
-    """A multi-turn suite as one prompt `id#k` per turn, and <out>.turns.jsonl where rank 0 has the target answer
-    each turn after its own earlier answers (cache/sequences.py)."""
+    """A multi-turn suite as one prompt `id#k` per turn, and <out>.turns.jsonl, the target's answers (rank 0 writes)."""
     if enable_thinking:
         raise DFlashError(f"{suite.name}: multi-turn prompts are answered without thinking mode; drop --thinking")
     turns = out.parent / f"{out.name}.turns.jsonl"
@@ -142,8 +138,7 @@ def answer_turns(target, suite, out: Path, max_new_tokens: int, batch_size: int,
 
 
 def _start_or_resume(out: Path, settings: dict, fresh: dict, d: Dist) -> str:
-    """The cache's status ("in-progress" or "complete"), `fresh` written for a new cache; rank 0 alone reads and
-    writes, and every rank gets its answer (or error), so all stop or go on together."""
+    """The cache's status, `fresh` written for a new one; rank 0 decides and every rank gets its answer or error."""
     status = None
     if d.master:
         try:

@@ -82,9 +82,8 @@ def file_record(target, item, k: int, where: str) -> dict:
 def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_size: int = 8,
                        num_prompts: int | None = None, progress: bool = True, use_file_responses: bool = False,
                        answered_by=None) -> Path:
-    """Greedy responses of `target` to every user turn of a suite, appended to `out` batch by batch (a rerun skips
-    the turns done); turn k follows the target's own earlier answers, round by round. `answered_by`: (name,
-    answer(...)) of another backend than transformers' batches (measure/peers.plain_answers)."""
+    """Greedy responses to every user turn of a suite, each after the target's own earlier answers, appended batch by
+    batch (a rerun skips the turns done); `answered_by`: (name, answer) of another backend (measure/peers)."""
     from tqdm import tqdm
 
     from dflashkit.prompts import PromptSuite, load_prompts

@@ -202,8 +202,7 @@ def describe_nearby(path, target: dict) -> str:
 
 
 def scan_entries(path, manifest: dict, read: bool = True) -> list[dict]:
-    """Entries of an unfinished cache from the files it holds so far, in suite order; read=False leaves them unopened
-    (lengths None) for verify_cache, which reports what it cannot read."""
+    """Entries of an unfinished cache from its files so far; read=False leaves them unopened (lengths None)."""
     path, m, out = Path(path), manifest, []
     for i, pid in enumerate(m["suite"]["prompt_ids"]):
         rel = record_name(i, pid, m["layout"]["sharded"])
@@ -280,8 +279,7 @@ def record_digest(file) -> str:
 
 
 def content_digest(path) -> str:
-    """What a cache holds, not when it was written (a rebuild of the same features digests the same): the manifest
-    without timestamps and file hashes, record tensors, other files' bytes; '' when the manifest is unreadable."""
+    """What a cache holds, not when it was written, so a rebuild of the same features digests the same; '' if unreadable."""
     path = Path(path)
     try:
         m = {k: v for k, v in read_json(path / "manifest.json").items() if k not in ("created", "finished")}
@@ -314,8 +312,7 @@ def find_caches(roots) -> list[Path]:
 
 
 def verify_cache(path, progress: bool = False) -> tuple[list[str], dict]:
-    """Every file against the manifest (presence, sha256, tensor names and shapes, tokens against completions.json,
-    nothing unlisted) -> (problems, summary)."""
+    """Every file against the manifest and completions.json, and nothing unlisted -> (problems, summary)."""
     path = Path(path)
     m = read_manifest(path)
     problems: list[str] = []

@@ -1,6 +1,5 @@
-"""Drafter folders: z-lab's format (config.json + model.safetensors, what vLLM and SGLang serve) and ours,
-which adds `dflashkit.json` with the contract a drafter was trained under (layer ids, block size, mask id,
-target identity), so a mismatched target or cache is refused instead of silently scoring near zero."""
+"""Drafter folders: z-lab's format (what vLLM and SGLang serve) and ours, which adds `dflashkit.json`, the contract it
+was trained under, so a mismatched target or cache is refused instead of silently scoring near zero."""
 
 from __future__ import annotations
 
@@ -70,9 +69,8 @@ def run_latest(run) -> Path | None:
 
 def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: bool = False, device="cpu",
                  dtype: torch.dtype | None = torch.float32, same_target: bool = True) -> DFlashDrafter:
-    """Load any format; `drafter.load_report` lists what was detected, loaded and skipped. A tensor with no place in
-    the model is refused unless allow_skipped; allow_missing initialises absent ones randomly; same_target=False
-    accepts a contract that records another target (a warm start)."""
+    """Load any format; `drafter.load_report` lists what was detected, loaded and skipped. A tensor with no place is
+    refused unless allow_skipped; same_target=False accepts a contract of another target (a warm start)."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     raw, tensors = _read_folder(path, cfg_file, weights)
@@ -120,8 +118,7 @@ def check_contract(con: dict, cfg: DrafterConfig, source: Path) -> None:
 
 
 def token_map(raw: dict, tensors: dict, weights: Path) -> list[int] | None:
-    """The draft vocabulary of an export that keeps one (`d2t` offsets + `draft_vocab_size`), taken out of `tensors`;
-    its `lm_head.weight` is the target head's rows and is dropped (the drafter reads the target's own head)."""
+    """The draft vocabulary of an export's `d2t` offsets, taken out of `tensors` with its rows of the target's head."""
     if "d2t" not in tensors:
         return None
     d2t = tensors.pop("d2t").long()
@@ -205,13 +202,12 @@ def _load_tensors(drafter: DFlashDrafter, tensors: dict, weights: Path, allow_mi
     if missing and not allow_missing:
         raise DFlashError(f"{weights}: missing tensors {missing[:6]}{'...' if len(missing) > 6 else ''}; "
                           "the checkpoint is incomplete (allow_missing initialises them randomly)")
-    for name in expected:
-        if name in tensors:
-            t = tensors[name]
-            if t.shape != expected[name].shape:
-                raise DFlashError(f"{weights}: {name} has shape {list(t.shape)}, config.json implies {list(expected[name].shape)}")
-            if not torch.isfinite(t.float()).all():
-                raise DFlashError(f"{weights}: {name} contains NaN or Inf values; the checkpoint is corrupt (diverged training?)")
+    for name in [n for n in expected if n in tensors]:
+        t = tensors[name]
+        if t.shape != expected[name].shape:
+            raise DFlashError(f"{weights}: {name} has shape {list(t.shape)}, config.json implies {list(expected[name].shape)}")
+        if not torch.isfinite(t.float()).all():
+            raise DFlashError(f"{weights}: {name} contains NaN or Inf values; the checkpoint is corrupt (diverged training?)")
     drafter.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
     line = f"Loaded {len(expected) - len(missing)} tensors"
     if skipped:

@@ -29,8 +29,7 @@ def _value(field):
 
 
 def add_token_map(src: Path, dst: Path, vocab: list[int], head: np.ndarray) -> Path:
-    """Copy `src` (a DFlash GGUF from llama.cpp's converter) to `dst` with `d2t` (absolute ids, I64) and
-    `output.weight` = head rows of `vocab` (float32 [len(vocab), hidden], stored in the file's weight type)."""
+    """Copy `src`, a DFlash GGUF, to `dst` with `d2t` (absolute ids, I64) and the head rows of `vocab` as output.weight."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))

@@ -1,6 +1,5 @@
-"""The target's lm_head as the drafter uses it, optionally restricted to a draft vocabulary (`draft_vocab` in a
-dflashkit contract): on a CPU the vocabulary projection dominates drafter cost, and the target verifies every token
-anyway, so proposing from a subset stays lossless."""
+"""The target's lm_head as the drafter uses it, optionally over a draft vocabulary: the projection dominates drafter
+cost on a CPU, and since the target verifies every token, proposing from a subset stays lossless."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def scaled(raw: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None):
-    """z-lab's logit transform: x = raw * output_multiplier, then c * tanh(x / c) with c = final_logit_softcapping.
-    Returns (logits, d logits / d raw)."""
+    """z-lab's logit transform, raw * output_multiplier then c * tanh(x / c) -> (logits, d logits / d raw)."""
     x = raw * multiplier if multiplier != 1.0 else raw
     if not softcap:
         return x, multiplier

@@ -363,9 +363,8 @@ class DFlashDrafter(nn.Module):
 
     def run(self, target_hidden, block_embeds, ctx_positions, q_positions, mask=None, context_kv=None, segment=None,
             linear=F.linear):
-        """target_hidden [b, T, K*H] (new context only when context_kv holds the rest); block_embeds [b, Q, H];
-        positions [b, T] and [b, Q]; mask [b, 1, Q, T_total + Q] bool or None (all visible); segment: rows per block
-        for DFlash2's convolutions (default Q); linear: decoding passes few_rows_linear. -> final-normed [b, Q, H]."""
+        """target_hidden [b, T, K*H] (new context only when context_kv holds the rest); block_embeds [b, Q, H]; mask
+        [b, 1, Q, T_total + Q] bool or None (all visible); segment: rows per DFlash2 block. -> final-normed [b, Q, H]."""
         ctx = self.hidden_norm(linear(target_hidden, self.fc.weight))
         n = int(q_positions.max()) + 1 if self.long_inv_freq is not None else None  # one frequency set per forward
         rope = (*self._rope(ctx_positions, n), *self._rope(q_positions, n))
@@ -380,8 +379,7 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, target_hidden, noise_embedding, position_ids, past_key_values=None, use_cache=False,
                 linear=F.linear):
-        """z-lab's call, keywords included: position_ids [b, T + B] are the new context's, then the block's;
-        past_key_values is a ContextKV; use_cache changes nothing."""
+        """z-lab's call, keywords included: position_ids [b, T + B], the new context's then the block's; a ContextKV."""
         t = target_hidden.shape[1]
         return self.run(target_hidden, noise_embedding, position_ids[:, :t], position_ids[:, t:], None, past_key_values,
                         linear=linear)
@@ -508,8 +506,7 @@ def _flex_attention(cuda: bool):
 
 
 class FlexBlocks:
-    """forward_blocks' attention as FlexAttention: only the 128 x 128 tiles holding a visible key are computed;
-    mask_mod encodes build_block_mask. anchors/valid [b, n]; keys k [b, h, T + n*B, d]."""
+    """forward_blocks' attention as FlexAttention: only 128 x 128 tiles holding a visible key (of build_block_mask) run."""
 
     def __init__(self, anchors, valid, ctx_len: int, B: int, causal: bool = False, window: int | None = None):
         from torch.nn.attention.flex_attention import create_block_mask

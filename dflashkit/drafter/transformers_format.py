@@ -1,6 +1,5 @@
-"""Our drafter as transformers' own DFlash drafter (5.23: `MuseGlimmerAssistantModel`, which `generate(...,
-assistant_model=drafter, speculation_type="dflash")` runs), and such a folder read back (docs/design.md section 3).
-Only `fc` and `hidden_norm` are renamed; what has no counterpart there is refused by name."""
+"""Our drafter as transformers' own DFlash drafter (5.23: `MuseGlimmerAssistantModel`) and back (docs/design.md
+section 3): only `fc` and `hidden_norm` are renamed; what has no counterpart there is refused by name."""
 
 from __future__ import annotations
 

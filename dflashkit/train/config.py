@@ -144,8 +144,6 @@ def _type_ok(value, tp) -> bool:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
     if origin is list:
         (item,) = typing.get_args(tp)
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from dflashkit.cache import open_cache
 from dflashkit.cache.sequences import read_sequences, same_target
@@ -45,8 +46,8 @@ class MemorySource:
             raise DFlashError(f"{self.description}: loss kl needs the target's last layer states; none given")
 
     def batch(self, idx: list[int], target, layer_ids, need_last: bool):
-        return (_pad([self._features[i][: self.seqs[i].length] for i in idx]),
-                _pad([self._last[i][: self.seqs[i].length] for i in idx]) if need_last else None)
+        return (pad_sequence([self._features[i][: self.seqs[i].length] for i in idx], batch_first=True),
+                pad_sequence([self._last[i][: self.seqs[i].length] for i in idx], batch_first=True) if need_last else None)
 
 
 class CacheSource:
@@ -77,7 +78,7 @@ class CacheSource:
     def batch(self, idx: list[int], target, layer_ids, need_last: bool):
         want = list(layer_ids) + ([target.num_layers - 1] if need_last else [])
         rows = [self.cache.record(self.seqs[i].id).features(want)[: self.seqs[i].length] for i in idx]
-        both, k = _pad(rows), len(layer_ids) * target.hidden_size
+        both, k = pad_sequence(rows, batch_first=True), len(layer_ids) * target.hidden_size
         return both[..., :k], (both[..., k:] if need_last else None)
 
 
@@ -110,10 +111,6 @@ class OnlineSource:
         feats = target.features([self.seqs[i].tokens for i in idx], want)  # right-padded to the longest
         k = len(layer_ids) * target.hidden_size
         return feats[..., :k], (feats[..., k:] if need_last else None)
-
-
-def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
 def data_kind(data: str) -> str:

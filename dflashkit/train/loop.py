@@ -1,6 +1,5 @@
-"""The training loop, top to bottom (docs/design.md section 7 and "The training loop in detail"): setup, then per
-optimiser step its micro-batches (features, noise, drafter, chunked loss, backward), the update, logs, checkpoints and
-evaluation. `train()` comes first; the helpers follow in the order it calls them."""
+"""The training loop (docs/design.md, "The training loop in detail"): `train()` first, then the helpers in the order
+it calls them."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ METRIC_COLUMNS = ["step", "epoch", "loss", "loss_name", "pos1_acc", "slot_acc", 
 
 
 def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
-    """Train a drafter as configured; returns a summary (also `out`/summary.json). target/source: already-loaded
-    objects (tests, notebooks); on_step(step, row) is called after every step."""
+    """Train a drafter as configured; returns a summary (also `out`/summary.json); on_step(step, row) after each step."""
     cfg.check()
     r = prepare(cfg, init_distributed(cfg.device), target, source)
     describe(r)
@@ -50,7 +48,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
     clock = Clock(r.elapsed_before)
     step, history, reason = r.start, [], ""
     with StopFlag() as stop:
-        bar = Progress(r)
+        bar = progress_bar(r)
         while step < r.total:
             tick = time.perf_counter()
             epoch, micro = global_batch(r, step)
@@ -62,7 +60,9 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
             history.append(row)
             if metrics:
                 metrics.step(row)
-            bar.update(step, row)
+            bar.set_postfix_str(f"step {step}/{r.total} {cfg.loss} {row['loss']:.3f} acc1 {row['pos1_acc']:.3f} "
+                                f"{row['blocks_per_s']:.0f} blk/s", refresh=False)
+            bar.update(min(round(row["elapsed_s"]), bar.total) - bar.n if cfg.max_minutes else 1)
             if on_step is not None:
                 on_step(step, row)
             if reason := stop_reason(r, stop, clock):
@@ -279,8 +279,7 @@ def wrap(drafter, cfg: TrainConfig, d: Dist) -> nn.Module:
 
 # ---- one step --------------------------------------------------------------------------------------------------
 def global_batch(r: Run, step: int) -> tuple[int, list[tuple[list[int], object]]]:
-    """(epoch, this process's micro-batches as (indices, Batch)), from (seed, epoch, sequence) alone: a resumed or
-    differently split run sees the same data."""
+    """(epoch, this process's micro-batches), from (seed, epoch, sequence) alone so a resume or a split sees the same."""
     cfg = r.cfg
     epoch, pos = divmod(step, r.steps_per_epoch)
     order = epoch_order(len(r.pool), epoch, cfg.seed)
@@ -351,8 +350,7 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
 
 def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bool, noise_std: float, noise_seeds,
                  embed=None):
-    """(features [b, T, K*H], noised when asked; block embeddings [b, n*B, H]; for kl the target's final-normed
-    last-layer states [b, T, H], taken before any noise, else None)."""
+    """(features [b, T, K*H], noised; block embeddings [b, n*B, H]; kl: the clean final-normed last layer [b, T, H])."""
     feats, last = source.batch(idx, target, layer_ids, need_last)
     feats = feats.to(target.device)
     with torch.no_grad():
@@ -504,27 +502,15 @@ def plain_drafter(drafter_cfg, weights: dict, vocab):
 
 
 # ---- what the user sees --------------------------------------------------------------------------------------
-class Progress:
+def progress_bar(r: Run):
     """The tqdm bar (rank 0): steps, or seconds for a time-boxed run so that its ETA is the real one."""
+    from tqdm import tqdm
 
-    def __init__(self, r: Run):
-        from tqdm import tqdm
-
-        cfg = r.cfg
-        self.timed, self.total, self.loss_name = bool(cfg.max_minutes), r.total, cfg.loss
-        kw = dict(total=r.total, initial=r.start, unit="step")
-        if self.timed:
-            kw = dict(total=round(60 * cfg.max_minutes), initial=round(r.elapsed_before), unit="s",
-                      bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]")
-        self.bar = tqdm(**kw, desc="train", disable=not (r.d.master and cfg.progress), dynamic_ncols=True)
-
-    def update(self, step: int, row: dict) -> None:
-        self.bar.set_postfix_str(f"step {step}/{self.total} {self.loss_name} {row['loss']:.3f} acc1 "
-                                 f"{row['pos1_acc']:.3f} {row['blocks_per_s']:.0f} blk/s", refresh=False)
-        self.bar.update(min(round(row["elapsed_s"]), self.bar.total) - self.bar.n if self.timed else 1)
-
-    def close(self) -> None:
-        self.bar.close()
+    kw = dict(total=r.total, initial=r.start, unit="step")
+    if r.cfg.max_minutes:
+        kw = dict(total=round(60 * r.cfg.max_minutes), initial=round(r.elapsed_before), unit="s",
+                  bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]")
+    return tqdm(**kw, desc="train", disable=not (r.d.master and r.cfg.progress), dynamic_ncols=True)
 
 
 class MetricsLog:

@@ -17,9 +17,8 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
-    """sum_i row_w[i] * loss_i, logits = scale(hidden @ weight.T) `chunk` rows at a time; the forward computes the
-    [N, H] gradient too, so no chunk's logits are kept. hidden [N, H]; weight [V, H] (frozen); labels [N] (-100: none);
-    target [N, H] final-normed target states (kl only). Returns (loss, correct [N] bool, top [N, top_k] indices)."""
+    """sum_i row_w[i] * loss_i over `chunk` rows at a time, the [N, H] gradient computed in the forward so no logits are
+    kept. hidden [N, H]; weight [V, H] frozen; labels [N] (-100: none) -> (loss, correct [N], top [N, top_k])."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, row_w, target, chunk: int, kind: str, scale=(1.0, None), top_k: int = 0):
@@ -65,8 +64,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
 
 def block_targets(labels: torch.Tensor, head, slot_w: torch.Tensor, kind: str):
-    """labels [b, n, B] (-100 = no loss) -> [b, n, B] (slots with a label, index into the draft vocabulary (-100
-    outside), weight w_k where supervised else 0)."""
+    """labels [b, n, B] (-100: none) -> (slots with a label, draft-vocabulary index, w_k where supervised else 0)."""
     rows = labels >= 0
     index = head.to_index(labels)
     w = slot_w.to(labels.device)[None, None, :].expand(labels.shape)
@@ -88,9 +86,8 @@ def predecessors(block_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidden=None, anchors=None,
                chunk: int = 2048, selector=None, pred=None, alpha: float = 1.0):
-    """hidden [b, n*B, H] final-normed; labels [b, n, B]; norm = the step's total weight; target_hidden [b, T, H]
-    (kl only): slot k of the block at a reads row a+k-1; selector (DFlash2) with pred = predecessors(...).
-    Returns (sum w_k l_k / norm, stats dict of summed counts)."""
+    """hidden [b, n*B, H]; labels [b, n, B]; norm: the step's total weight; target_hidden [b, T, H] (kl: slot k of the
+    block at a reads row a+k-1) -> (sum w_k l_k / norm, stats of summed counts)."""
     b, n, B = labels.shape
     rows, index, weight = block_targets(labels, head, slot_w, kind)
     flat = rows.reshape(-1)
