@@ -106,8 +106,7 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
 
 
 def check_contract(con: dict, cfg: DrafterConfig, source: Path) -> None:
-    """dflashkit.json against config.json; a drafter trained with mask in slot 0 runs in every engine at a fraction
-    of its tau, so it is refused at load."""
+    """dflashkit.json against config.json; mask in slot 0 runs in every engine at a fraction of its tau: refused."""
     for key in ("target_layer_ids", "block_size", "mask_token_id"):
         if con.get(key) != getattr(cfg, key):
             raise DFlashError(f"{source}: {key}={con.get(key)} disagrees with config.json ({getattr(cfg, key)})")

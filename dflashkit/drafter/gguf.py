@@ -1,5 +1,4 @@
-"""The draft vocabulary in a DFlash GGUF: what llama.cpp's converter does not write for DFlash (docs/design.md,
-"The draft vocabulary in a GGUF")."""
+"""What llama.cpp's converter does not write in a DFlash GGUF (docs/design.md, "The draft vocabulary in a GGUF")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The training loop (docs/design.md, "The training loop in detail"): `train()` first, then the helpers in the order
-it calls them."""
+"""The training loop (docs/design.md, "The training loop in detail"): `train()`, then its helpers in call order."""
 
 from __future__ import annotations
 

@@ -112,8 +112,7 @@ def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidd
 
 
 def selector_loss(selector, head, h, top, idx, pred, row_w):
-    """DFlash2's candidate loss: sum_i row_w[i] * CE(scores_i, true candidate), the true token replacing the last
-    candidate when absent. Returns (loss, picked [N] bool)."""
+    """DFlash2's loss: sum_i row_w[i] * CE(scores_i, true candidate), which replaces the last one when absent."""
     k, ok, hit = top.shape[1], idx >= 0, top == idx[:, None]
     present = hit.any(-1)
     cands = top.clone()
