@@ -1,13 +1,5 @@
-"""Caches of target hidden states: `extract` writes one, `open_cache` reads one strictly.
-
-    from dflashkit.cache import open_cache, extract
-    path = extract(target, load_prompts("coding-10"), "runs/cache")
-    cache = open_cache(path, num_prompts=10, expect_target=target.identity(), layer_ids=[1, 8, 14])
-    for rec in cache:
-        rec.tokens, rec.prompt_len, rec.features()  # [T], int, float32 [T, K*H]
-
-Imports are lazy so that the CLI starts without torch.
-"""
+"""Caches of target hidden states: `extract` writes one, `open_cache` reads one strictly; each record gives
+`tokens` [T], `prompt_len` and `features()` float32 [T, K*H]. Imports are lazy so that the CLI starts without torch."""
 
 from dflashkit.lazy import lazy_exports
 

@@ -1,8 +1,5 @@
-"""Compare two caches layer by layer: settles "fla vs torch", "fp32 vs bf16" or "sdpa vs eager" in one command.
-
-Only prompts whose token sequences are identical in both caches are compared (features of different tokens
-say nothing about a backend); every skipped prompt is named with the reason.
-"""
+"""Compare two caches layer by layer ("fla vs torch", "fp32 vs bf16"), over the prompts whose tokens are identical in
+both: features of other tokens say nothing about a backend, so each skipped prompt is named with the reason."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 def layer_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """Per-token cosine (mean, min) and element-wise |a-b| (mean, max), relative error ||a-b|| / ||a||, in float64,
-    of a, b: [T, H], features of the same tokens."""
+    """Sums and extremes, in float64, of per-token cosine and element-wise |a-b| for a, b [T, H] of the same tokens."""
     a, b = a.double(), b.double()
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-12)
     d = (a - b).abs()
@@ -36,11 +32,7 @@ def layer_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -> dict:
-    """Per-layer statistics over the tokens of the prompts both caches hold with identical tokens.
-
-    Returns {"a", "b", "settings_differ", "layers": {l: {cos_mean, cos_min, mean_abs, max_abs, rel_err, tokens}},
-    "compared", "skipped": {id: reason}, "only_in_a", "only_in_b", "layers_only_in_a", "layers_only_in_b",
-    "min_cosine", "below": [layers whose worst-token cosine is under min_cosine]}."""
+    """Per-layer statistics over the prompts both caches hold with identical tokens; "below": layers under min_cosine."""
     ca, cb = open_cache(a), open_cache(b)
     if ca.hidden_size != cb.hidden_size:
         raise DFlashError(f"caches {a} (hidden size {ca.hidden_size}) and {b} (hidden size {cb.hidden_size}) hold "

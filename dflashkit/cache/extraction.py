@@ -1,6 +1,5 @@
-"""Extraction: the target's greedy completion of every prompt (and, on request, sampled ones) and the hidden
-states of chosen layers over prompt + completion, written as a cache (store.py has the layout); resumable, and
-sharded under torchrun (docs/design.md, "Extraction in detail")."""
+"""Extraction: the target's completion of every prompt and its hidden states over prompt + completion, written as a
+cache (store.py); resumable, and sharded under torchrun (docs/design.md, "Extraction in detail")."""
 
 from __future__ import annotations
 
@@ -33,10 +32,7 @@ LOG_GLOB = ".completions.rank*.jsonl"
 
 
 def capture_features(target, seqs: list[list[int]], layer_ids, padding: str = "right") -> list[dict[int, torch.Tensor]]:
-    """Features of several sequences in one forward (Target.features: right padding, never seen; left: masked, with
-    positions from each row's first token). Equal to batch size 1 per sequence (tests/test_contracts.py).
-
-    seqs: token id lists; returns per sequence {layer id: [T_i, H] tensor on CPU, target dtype}."""
+    """Per sequence {layer id: [T_i, H] on CPU}, several in one forward, equal to one at a time (test_contracts.py)."""
     feats = target.features(seqs, layer_ids, padding).cpu()  # [b, T, K*H]
     H = target.hidden_size
     return [{l: feats[r, : len(s), k * H:(k + 1) * H].clone() for k, l in enumerate(layer_ids)}
@@ -61,17 +57,8 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
             linear_attention: str = "auto", progress: bool = True, enable_thinking: bool = False,
             completions_from=None, capture_tokens: int = 4096, allow_final_layers: bool = False,
             callback=None, samples: int = 0, temperature: float = 0.8, seed: int = 0) -> Path:
-    """Write (or finish) the cache of `suite` under `out`; returns `out`.
-
-    layer_ids: target layers to store (default target.default_layer_ids(5)), kept once each, ascending.
-    linear_attention: auto|torch|torch-recurrent|fla, for hybrid targets (see dflashkit.targets.backends).
-    enable_thinking: passed to chat templates that have a thinking mode (recorded either way).
-    completions_from: another cache whose completions are reused instead of generating (compare backends
-    on identical tokens).
-    capture_tokens: padded tokens per feature-capture forward. callback(event, prompt_id) is called after
-    each persisted completion ("completion") and prompt file ("features").
-    samples: sampled answers per prompt besides its greedy one, at `temperature` from generator seed `seed`, stored
-    as prompts `ID~sK` (K = 1..samples)."""
+    """Write (or finish) the cache of `suite` under `out`. completions_from: a cache or sequences JSONL to reuse;
+    callback(event, prompt_id) after each "completion" and "features" persisted; samples: sampled answers, `ID~sK`."""
     out = Path(out)
     if int(max_new_tokens) < 1 or int(batch_size) < 1:  # refused before any work
         raise DFlashError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be at least 1")
@@ -118,8 +105,7 @@ def extract(target, suite, out, layer_ids=None, max_new_tokens: int = 256, batch
 
 
 def with_samples(suite, samples: int, temperature: float) -> tuple[PromptSuite, set[int]]:
-    """The suite, then `samples` more copies of each prompt (ids `ID~s1`...), and the indices of those copies, whose
-    answers are sampled (with --completions-from, the greedy answers can come from an existing cache)."""
+    """The suite plus `samples` copies of each prompt (ids `ID~s1`...), and the indices of the copies to sample."""
     if not samples:
         return suite, set()
     if int(samples) < 0 or not temperature > 0:
@@ -136,9 +122,7 @@ def with_samples(suite, samples: int, temperature: float) -> tuple[PromptSuite, 
 
 def answer_turns(target, suite, out: Path, max_new_tokens: int, batch_size: int, enable_thinking: bool, progress: bool,
                  d: Dist):
-    """A multi-turn suite as one prompt per turn, and where their completions are: the target answers every turn,
-    each after its own earlier answers (cache/sequences.py), into <out>.turns.jsonl beside the cache (resumable; rank
-    0 writes it); turn k of a conversation becomes the prompt `id#k` whose completion extraction then reuses."""
+    """A multi-turn suite as one prompt `id#k` per turn, and <out>.turns.jsonl, the target's answers (rank 0 writes)."""
     if enable_thinking:
         raise DFlashError(f"{suite.name}: multi-turn prompts are answered without thinking mode; drop --thinking")
     turns = out.parent / f"{out.name}.turns.jsonl"
@@ -154,10 +138,7 @@ def answer_turns(target, suite, out: Path, max_new_tokens: int, batch_size: int,
 
 
 def _start_or_resume(out: Path, settings: dict, fresh: dict, d: Dist) -> str:
-    """The cache's status ("in-progress" or "complete"), after writing `fresh` as the manifest of a new cache.
-
-    Rank 0 alone reads and writes the manifest; every rank gets its answer (or its error), so all of them
-    stop or go on together."""
+    """The cache's status, `fresh` written for a new one; rank 0 decides and every rank gets its answer or error."""
     status = None
     if d.master:
         try:
@@ -186,8 +167,7 @@ def _start_or_resume(out: Path, settings: dict, fresh: dict, d: Dist) -> str:
 
 
 def _find_done(run: _Run, layer_ids, hidden: int) -> None:
-    """Record my prompts whose feature file is already valid (their tokens give the completion too), so that a
-    rerun redoes neither; an unreadable file, or one of other tokens, is deleted and redone."""
+    """Record my prompts whose feature file is valid (its tokens give the completion too); delete any other file."""
     for i in run.mine:
         f, p = run.out / record_name(i, run.pids[i], run.sharded), run.prompts[i]
         if not f.is_file():
@@ -204,9 +184,7 @@ def _find_done(run: _Run, layer_ids, hidden: int) -> None:
 
 
 def _find_completions(run: _Run, reused: dict, completions_from) -> None:
-    """Take the completions that earlier runs logged, or that --completions-from supplies, for the prompts still
-    lacking one, when they were made from the same prompt tokens; with --completions-from every prompt needs one
-    (but sampled answers, which are generated here)."""
+    """Completions from earlier runs' logs or --completions-from, for the same prompt tokens (required for the latter)."""
     known = _read_logs(run.out)
     for i in run.mine:
         rec = known.get(run.pids[i]) or reused.get(run.pids[i])
@@ -221,9 +199,7 @@ def _find_completions(run: _Run, reused: dict, completions_from) -> None:
 
 def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_size: int, log: Path, show: bool,
                       callback, temperature: float, seed: int) -> None:
-    """Greedy completions (then sampled ones), and their features, for my prompts that have no completion, batched;
-    as each batch finishes, every prompt's feature file is written, then its completion is appended to this rank's
-    log, so a kill loses at most the batch being generated."""
+    """Greedy, then sampled, completions and features for my prompts without one; file first, then the log line."""
     todo = [i for i in run.mine if i not in run.completions]
     if not todo:
         return
@@ -247,8 +223,7 @@ def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_s
 
 
 def _capture_missing(run: _Run, target, layer_ids, batch_size: int, capture_tokens: int, show: bool, callback) -> None:
-    """Features of prompt + completion for my prompts without a file: sorted by length so that several share a
-    forward with little padding."""
+    """Features of prompt + completion for my prompts without a file, sorted by length to share forwards."""
     seqs = {i: run.prompts[i] + run.completions[i] for i in run.mine if i not in run.done}
     lengths = {i: len(s) for i, s in seqs.items()}
     todo = sorted(seqs, key=lengths.__getitem__)
@@ -259,8 +234,7 @@ def _capture_missing(run: _Run, target, layer_ids, batch_size: int, capture_toke
 
 
 def _write_records(run: _Run, results, total: int, desc: str, show: bool, callback, rate: str):
-    """Each (index, prompt + completion, features, tokens) of `results` into its prompt's file, one atomically written
-    file each, so a kill loses no finished prompt; yields each index once its file is written."""
+    """Write each (index, prompt + completion, features, tokens) of `results` to its file; yield the index."""
     bar, t0, ntok = _bar(total, desc, show), time.perf_counter(), 0
     for i, seq, feats, n in results:
         rel = record_name(i, run.pids[i], run.sharded)
@@ -291,8 +265,7 @@ def _my_entries(run: _Run, target, items) -> list[tuple[int, dict, dict]]:
 
 
 def _finish(out: Path, manifest: dict, parts: list[list], num_prompts: int, world: int) -> dict:
-    """Rank 0: every rank's entries, in suite order, into completions.json and the manifest, which is marked complete
-    last (a cache is complete only once everything it lists is written); the logs go. Returns the totals."""
+    """Rank 0: every rank's entries into completions.json, then the manifest, marked complete last; the totals."""
     gathered = sorted((x for part in parts for x in part), key=lambda x: x[0])
     if [x[0] for x in gathered] != list(range(num_prompts)):
         raise DFlashError(f"{out}: ranks returned {len(gathered)} of {num_prompts} prompts; rerun to resume")
@@ -359,8 +332,7 @@ def _read_logs(out: Path) -> dict[str, dict]:
 
 
 def _completions_from(path, target, prompt_ids: list[str]) -> tuple[dict, str]:
-    """Reuse another cache's completions, so that two backends are compared on identical tokens, or those of a
-    sequences JSONL (`dflashkit data generate`; a multi-turn suite's turns)."""
+    """Completions of another cache (compare backends on identical tokens) or of a sequences JSONL, and their source."""
     if Path(path).is_file():
         header, recs = read_sequences(path)
         if not same_target(header.get("target"), target.identity()):
@@ -418,8 +390,7 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
 
 
 def _bar(total: int, desc: str, enabled: bool):
-    # smoothing 0: rate and ETA from the whole run so far; a batch finishes its prompts at one instant, and the
-    # default moving average then read a batch's time as each prompt's (an ETA far beyond the real one)
+    # smoothing 0: a batch finishes its prompts at one instant, which a moving average reads as each prompt's time
     return tqdm(total=total, desc=desc, unit="prompt", disable=not enabled, dynamic_ncols=True, smoothing=0)
 
 

@@ -1,6 +1,5 @@
-"""The sequences JSONL that `dflashkit data generate` writes: the target's own answers to every turn of a prompt
-suite, one record per turn, appended batch by batch (a killed run resumes); its format: docs/design.md, "The
-sequences file in detail"."""
+"""The sequences JSONL of `dflashkit data generate`: the target's own answer to every turn of a prompt suite, one
+record per turn, appended batch by batch (format: docs/design.md, "The sequences file in detail")."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ FORMAT = "dflashkit-sequences/1"
 
 
 def same_target(a: dict | None, b: dict | None) -> bool:
-    """Target identities match (the one comparison: target.model.identity_mismatch), wherever the folder lives."""
+    """Both identities are known and match (target.model.identity_mismatch), wherever the folder lives."""
     from dflashkit.targets.model import identity_mismatch
 
     return a is not None and b is not None and not identity_mismatch(a, b)
@@ -66,8 +65,7 @@ def turn_id(item, k: int) -> str:
 
 
 def file_record(target, item, k: int, where: str) -> dict:
-    """Turn k answered by the file's own assistant message (data generate --use-file-responses): the prompt holds
-    the file's earlier answers, the completion is the answer's tokens closed by the end-of-turn token."""
+    """Turn k answered by the file's own assistant message (--use-file-responses), closed by the end-of-turn token."""
     answer = item.file_answer(k)
     if answer is None:
         raise DFlashError(f"{where}: conversation {item.id!r} has no assistant answer to user turn {k + 1}, so "
@@ -84,11 +82,8 @@ def file_record(target, item, k: int, where: str) -> dict:
 def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_size: int = 8,
                        num_prompts: int | None = None, progress: bool = True, use_file_responses: bool = False,
                        answered_by=None) -> Path:
-    """Greedy responses of `target` to every user turn of a prompt suite (a name or path, or a PromptSuite),
-    appended to `out` batch by batch; a rerun skips the turns done. Turn k is asked after the target's own answers
-    to the turns before it (round by round), so no answer of the file reaches the data unless
-    `use_file_responses` (then the file's answers are the completions, and the header says so). `answered_by`: (the
-    backend's name, answer(...)) where another than transformers' batches answers (measure/peers.plain_answers)."""
+    """Greedy responses to every user turn of a suite, each after the target's own earlier answers, appended batch by
+    batch (a rerun skips the turns done); `answered_by`: (name, answer) of another backend (measure/peers)."""
     from tqdm import tqdm
 
     from dflashkit.prompts import PromptSuite, load_prompts

@@ -1,11 +1,6 @@
-"""The on-disk cache: manifest.json, completions.json and one safetensors file per prompt.
-
-A prompt file holds `tokens` [T] (prompt + completion ids) and `layer_{l}` [T, H] for every stored layer id
-l (the OUTPUT of decoder layer l, docs/design.md section 2), plus metadata (prompt id, prompt length). Files are
-written atomically, so a file that exists is complete; the manifest lists each file with its sha256 and
-says whether the extraction finished. Reading is strict: a cache holding fewer prompts than asked for, or
-other layers, or another target, is an error unless the caller explicitly accepts a shortfall.
-"""
+"""The on-disk cache: manifest.json (each file with its sha256, and whether extraction finished), completions.json,
+and one atomically written safetensors file per prompt: `tokens` [T] and `layer_{l}` [T, H], the OUTPUT of decoder
+layer l (docs/design.md section 2). Reading is strict: fewer prompts, other layers or another target are errors."""
 
 from __future__ import annotations
 
@@ -131,9 +126,7 @@ class CacheRecord:
         ids = self._cache.selected_layer_ids if layer_ids is None else [int(l) for l in layer_ids]
         self._cache.check_layers(ids)
         feats = torch.cat([t.float() for t in self._read([f"layer_{l}" for l in ids])], dim=-1)
-        # Same-size corruption keeps shapes valid; only the digest (cache verify) or the values can tell. A target
-        # never writes NaN/inf features, so one cheap pass keeps eval and training from scoring garbage.
-        if not torch.isfinite(feats).all():
+        if not torch.isfinite(feats).all():  # corruption that keeps shapes: a target never writes NaN/inf
             bad = (~torch.isfinite(feats)).any(-1).nonzero().flatten()
             raise DFlashError(f"{self.file}: prompt {self.id!r} has non-finite features at {len(bad)} position(s) "
                               f"(first {int(bad[0])}); the record is corrupt: run `dflashkit cache verify "
@@ -154,7 +147,6 @@ class Cache:
         self.selected_layer_ids: list[int] = list(selected_layer_ids)
         self.target: dict = manifest["target"]
         self.hidden_size: int = int(manifest["target"]["hidden_size"])
-        self.complete: bool = manifest.get("status") == "complete"
         self.shortfall = shortfall
         self._entries = {e["id"]: e for e in entries}
         self.prompt_ids: list[str] = [e["id"] for e in entries]
@@ -210,8 +202,7 @@ def describe_nearby(path, target: dict) -> str:
 
 
 def scan_entries(path, manifest: dict, read: bool = True) -> list[dict]:
-    """Entries of an unfinished cache, from the files it holds so far (no hashes), in suite order; read=False leaves
-    the files unopened (their lengths None) for verify_cache, which reports what it cannot read."""
+    """Entries of an unfinished cache from its files so far; read=False leaves them unopened (lengths None)."""
     path, m, out = Path(path), manifest, []
     for i, pid in enumerate(m["suite"]["prompt_ids"]):
         rel = record_name(i, pid, m["layout"]["sharded"])
@@ -222,8 +213,7 @@ def scan_entries(path, manifest: dict, read: bool = True) -> list[dict]:
 
 
 def check_target(path, manifest: dict, expect: dict) -> None:
-    """Refuse a cache extracted from another target: other weights (a fine-tune of the same base model
-    included), config, architecture, layers or hidden size would all make its features misread."""
+    """Refuse a cache of another target (other weights, a fine-tune included, config or hidden size)."""
     have = manifest["target"]
     if expect.get("hidden_size") is not None and int(expect["hidden_size"]) != int(have["hidden_size"]):
         raise DFlashError(f"cache {path} holds hidden size {have['hidden_size']} (target {have.get('name')}) but the "
@@ -237,14 +227,9 @@ def check_target(path, manifest: dict, expect: dict) -> None:
 
 def open_cache(path, num_prompts: int | None = None, allow_partial: bool = False, expect_target: dict | None = None,
                layer_ids=None, partial_hint: str = "allow_partial=True") -> Cache:
-    """Open a cache for reading, strictly.
-
-    num_prompts: the first N prompts in suite order (None: all the suite's prompts). Fewer present than
-    requested, or an unfinished extraction, raises unless allow_partial; then `.shortfall` records it.
-    expect_target: the identity dict of the target in use; different weights, config or hidden size raise.
-    layer_ids: the layers a drafter needs (its target_layer_ids); any missing one raises, and
-    `record.features()` returns these, in this order.
-    partial_hint: how the caller's user accepts a shortfall, named in the error (a CLI passes "--allow-partial")."""
+    """Open a cache strictly: the first num_prompts in suite order (None: all), fewer raising unless allow_partial
+    (then `.shortfall` records it); expect_target: the identity in use; layer_ids: what `record.features()`
+    returns, in order; partial_hint: how the user accepts a shortfall, named in the error."""
     path = Path(path)
     m = read_manifest(path)
     if expect_target is not None:
@@ -282,8 +267,7 @@ def open_cache(path, num_prompts: int | None = None, allow_partial: bool = False
 
 
 def record_digest(file) -> str:
-    """A record file's tensors and metadata, whatever order safetensors wrote its header in: the header comes from a
-    hash map, so two saves of the same tensors differ byte for byte."""
+    """A record file's tensors and metadata, whatever order safetensors wrote its header in (from a hash map)."""
     h = hashlib.sha256()
     with safe_open(str(file), "pt") as f:
         h.update(json.dumps(sorted((f.metadata() or {}).items())).encode())
@@ -295,9 +279,7 @@ def record_digest(file) -> str:
 
 
 def content_digest(path) -> str:
-    """What a cache holds, not when or how it was written: the manifest without its timestamps and file hashes, the
-    tensors of every record and the bytes of every other file; '' when the manifest is missing or unreadable. A
-    rebuild that extracts the same features digests the same, so what was built from the cache need not be rebuilt."""
+    """What a cache holds, not when it was written, so a rebuild of the same features digests the same; '' if unreadable."""
     path = Path(path)
     try:
         m = {k: v for k, v in read_json(path / "manifest.json").items() if k not in ("created", "finished")}
@@ -320,10 +302,6 @@ def find_caches(roots) -> list[Path]:
     """Every folder holding a manifest.json under the given roots (shard folders are not descended)."""
     out = []
     for root in roots:
-        root = Path(root)
-        if (root / MANIFEST).is_file():
-            out.append(root)
-            continue
         for d, subdirs, files in os.walk(root):
             if MANIFEST in files:
                 out.append(Path(d))
@@ -334,8 +312,7 @@ def find_caches(roots) -> list[Path]:
 
 
 def verify_cache(path, progress: bool = False) -> tuple[list[str], dict]:
-    """Check every file against the manifest: presence, sha256, tensor names and shapes, tokens against
-    completions.json, and no unlisted files. Returns (problems, summary); no problems means sound."""
+    """Every file against the manifest and completions.json, and nothing unlisted -> (problems, summary)."""
     path = Path(path)
     m = read_manifest(path)
     problems: list[str] = []
@@ -379,24 +356,17 @@ def _check_record(path: Path, e: dict, m: dict, comps: dict, complete: bool, pro
         problems.append(f"{f}: {f.stat().st_size} bytes, the manifest says {e['bytes']}: truncated or replaced")
     if e.get("sha256") and sha256_file(f) != e["sha256"]:
         problems.append(f"{f}: sha256 differs from the manifest: the file is corrupt or was changed")
+    c = comps.get(e["id"])
     try:
-        head = read_header(f, m["layer_ids"], m["target"]["hidden_size"])
+        head = read_header(f, m["layer_ids"], m["target"]["hidden_size"], tokens=c is not None)
     except DFlashError as err:
         problems.append(str(err))
         return 0
     for key in ("id", "prompt_len", "num_tokens"):
         if e.get(key) is not None and head[key] != e[key]:
             problems.append(f"{f}: {key} is {head[key]!r} in the file but {e[key]!r} in the manifest")
-    c = comps.get(e["id"])
     if complete and c is None and comps:
         problems.append(f"{cf}: no entry for prompt {e['id']!r}")
-    elif c is not None:
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                toks = sf.get_tensor("tokens").tolist()
-        except Exception as err:
-            problems.append(f"{f}: cannot read tokens ({str(err).splitlines()[0]})")
-            return head["num_tokens"]
-        if toks != c["prompt_ids"] + c["completion_ids"]:
-            problems.append(f"{f}: tokens differ from prompt + completion ids in {cf} for {e['id']!r}")
+    elif c is not None and head["tokens"] != c["prompt_ids"] + c["completion_ids"]:
+        problems.append(f"{f}: tokens differ from prompt + completion ids in {cf} for {e['id']!r}")
     return head["num_tokens"]

@@ -1,5 +1,4 @@
-"""The DFlash drafter: config, module and checkpoint formats. Names load lazily so that the CLI's parser does not
-import torch."""
+"""The DFlash drafter: config, module and checkpoint formats, loaded lazily so the CLI's parser skips torch."""
 
 from __future__ import annotations
 

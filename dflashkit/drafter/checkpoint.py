@@ -1,6 +1,5 @@
-"""Drafter folders: z-lab's format (config.json + model.safetensors, what vLLM and SGLang serve) and ours,
-which adds `dflashkit.json` with the contract a drafter was trained under (layer ids, block size, mask id,
-target identity), so a mismatched target or cache is refused instead of silently scoring near zero."""
+"""Drafter folders: z-lab's format (what vLLM and SGLang serve) and ours, which adds `dflashkit.json`, the contract it
+was trained under, so a mismatched target or cache is refused instead of silently scoring near zero."""
 
 from __future__ import annotations
 
@@ -31,10 +30,8 @@ def contract(drafter: DFlashDrafter, target_identity: dict | None = None, **extr
 
 def save_drafter(drafter: DFlashDrafter, path, format: str = "dflashkit", target_identity: dict | None = None,
                  dtype: torch.dtype | None = None, lm_head: torch.Tensor | None = None, **contract_extra) -> Path:
-    """Write a drafter folder atomically. `zlab`: exactly what serving engines read; `dflashkit`: plus the contract;
-    `transformers`: transformers' own DFlash drafter (drafter/transformers_format.py). `lm_head` (the target's head
-    weight, zlab only): a drafter trained over a draft vocabulary keeps it as the token map vLLM reads for DFlash
-    (EAGLE-3's convention: `draft_vocab_size`, `d2t` offsets, the head's rows)."""
+    """Write a drafter folder atomically: `zlab` is what serving engines read, `dflashkit` adds the contract.
+    `lm_head` (zlab only): a draft vocabulary is kept as vLLM's token map (EAGLE-3's `d2t` offsets + head rows)."""
     if format not in FORMATS:
         raise DFlashError(f"unknown drafter format {format!r}; use one of {', '.join(FORMATS)}")
     path = Path(path)
@@ -72,12 +69,8 @@ def run_latest(run) -> Path | None:
 
 def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: bool = False, device="cpu",
                  dtype: torch.dtype | None = torch.float32, same_target: bool = True) -> DFlashDrafter:
-    """Load either format; `drafter.load_report` lists what was detected, loaded and skipped.
-
-    A tensor the drafter has no place for is refused: the folder then holds another model than the one that
-    would run. allow_skipped=True loads it anyway and the report names the model actually run; allow_missing
-    initialises absent tensors randomly. With a `target`, a dflashkit-format drafter whose contract records
-    another target is refused; same_target=False accepts it (a warm start)."""
+    """Load any format; `drafter.load_report` lists what was detected, loaded and skipped. A tensor with no place is
+    refused unless allow_skipped; same_target=False accepts a contract of another target (a warm start)."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     raw, tensors = _read_folder(path, cfg_file, weights)
@@ -113,8 +106,7 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
 
 
 def check_contract(con: dict, cfg: DrafterConfig, source: Path) -> None:
-    """dflashkit.json against config.json, and the block input it was trained with: a drafter trained with mask in
-    slot 0 runs in every engine at a fraction of its tau (reported: 1.46 for 6.34), so it is refused at load."""
+    """dflashkit.json against config.json; mask in slot 0 runs in every engine at a fraction of its tau: refused."""
     for key in ("target_layer_ids", "block_size", "mask_token_id"):
         if con.get(key) != getattr(cfg, key):
             raise DFlashError(f"{source}: {key}={con.get(key)} disagrees with config.json ({getattr(cfg, key)})")
@@ -125,8 +117,7 @@ def check_contract(con: dict, cfg: DrafterConfig, source: Path) -> None:
 
 
 def token_map(raw: dict, tensors: dict, weights: Path) -> list[int] | None:
-    """The draft vocabulary of an export that keeps one (`d2t` offsets + `draft_vocab_size`), taken out of `tensors`;
-    its `lm_head.weight` is the target head's rows and is dropped (the drafter reads the target's own head)."""
+    """The draft vocabulary of an export's `d2t` offsets, taken out of `tensors` with its rows of the target's head."""
     if "d2t" not in tensors:
         return None
     d2t = tensors.pop("d2t").long()
@@ -210,13 +201,12 @@ def _load_tensors(drafter: DFlashDrafter, tensors: dict, weights: Path, allow_mi
     if missing and not allow_missing:
         raise DFlashError(f"{weights}: missing tensors {missing[:6]}{'...' if len(missing) > 6 else ''}; "
                           "the checkpoint is incomplete (allow_missing initialises them randomly)")
-    for name in expected:
-        if name in tensors:
-            t = tensors[name]
-            if t.shape != expected[name].shape:
-                raise DFlashError(f"{weights}: {name} has shape {list(t.shape)}, config.json implies {list(expected[name].shape)}")
-            if not torch.isfinite(t.float()).all():
-                raise DFlashError(f"{weights}: {name} contains NaN or Inf values; the checkpoint is corrupt (diverged training?)")
+    for name in [n for n in expected if n in tensors]:
+        t = tensors[name]
+        if t.shape != expected[name].shape:
+            raise DFlashError(f"{weights}: {name} has shape {list(t.shape)}, config.json implies {list(expected[name].shape)}")
+        if not torch.isfinite(t.float()).all():
+            raise DFlashError(f"{weights}: {name} contains NaN or Inf values; the checkpoint is corrupt (diverged training?)")
     drafter.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
     line = f"Loaded {len(expected) - len(missing)} tensors"
     if skipped:
@@ -262,9 +252,8 @@ def new_drafter(target, num_layers: int = 5, target_layer_ids=None, allow_final_
 
 @torch.no_grad()
 def warm_start_from_target(drafter: DFlashDrafter, target) -> list[str]:
-    """Copy the target's top decoder layers into the drafter's (layer i <- target layer L - n + i): attention, MLP
-    and norms have the same shapes, so the drafter starts from weights that already model the language. Tensors the
-    target lacks (q_norm/k_norm of a Llama, DFlash2's convolutions) keep their initial values."""
+    """Copy the target's top decoder layers into the drafter's (same shapes), so it starts from weights that model
+    the language; tensors the target lacks (a Llama's q_norm, DFlash2's convolutions) keep their initial values."""
     layers = target.layers
     n, L = len(drafter.layers), len(layers)
     if n > L:

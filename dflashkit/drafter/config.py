@@ -1,8 +1,5 @@
-"""The drafter's configuration as plain data that round-trips to z-lab's `config.json` (docs/design.md section 3).
-
-Every field of a z-lab folder is either honoured as `dflash==0.1.0` computes it or refused with an error that
-names it: a drafter that loads and silently runs another model is the failure this toolkit exists to prevent.
-"""
+"""The drafter's configuration, round-tripping z-lab's `config.json` (docs/design.md section 3): every field is
+honoured as `dflash==0.1.0` computes it or refused by name, never silently run as another model."""
 
 from __future__ import annotations
 
@@ -81,12 +78,11 @@ class DrafterConfig:
     def attention_kind(self, layer: int) -> tuple[bool, int | None]:
         """(causal, window) of a layer, as dflash 0.1.0 computes it (plus the in-memory non-causal flag)."""
         sliding = self.layer_types[layer] == "sliding_attention"
+        causal = sliding
         if self.is_causal is not None:
             causal = bool(self.is_causal)
         elif sliding and self.sliding_window_non_causal is not None:
             causal = not self.sliding_window_non_causal
-        else:
-            causal = sliding
         return causal, (self.sliding_window if sliding else None)  # no window: transformers dropped it
 
     def to_zlab(self) -> dict:

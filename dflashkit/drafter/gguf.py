@@ -1,5 +1,4 @@
-"""The draft vocabulary in a DFlash GGUF: what llama.cpp's converter does not write for DFlash (docs/design.md,
-"The draft vocabulary in a GGUF")."""
+"""What llama.cpp's converter does not write in a DFlash GGUF (docs/design.md, "The draft vocabulary in a GGUF")."""
 
 from __future__ import annotations
 
@@ -29,16 +28,14 @@ def _value(field):
 
 
 def add_token_map(src: Path, dst: Path, vocab: list[int], head: np.ndarray) -> Path:
-    """Copy `src` (a DFlash GGUF from llama.cpp's converter) to `dst` with `d2t` (absolute ids, I64) and
-    `output.weight` = head rows of `vocab` (float32 [len(vocab), hidden], stored in the file's weight type)."""
+    """Copy `src`, a DFlash GGUF, to `dst` with `d2t` (absolute ids, I64) and the head rows of `vocab` as output.weight."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
     arch_name = _value(reader.fields["general.architecture"])[0]
     if arch_name != "dflash":
         raise DFlashError(f"{src}: general.architecture is {arch_name!r}, not dflash; pass a DFlash drafter's GGUF")
-    names = {t.name for t in reader.tensors}
-    if "d2t" in names:
+    if any(t.name == "d2t" for t in reader.tensors):
         raise DFlashError(f"{src}: already holds a d2t token map")
     if len(set(vocab)) != len(vocab) or min(vocab) < 0:
         raise DFlashError("draft vocabulary: token ids must be distinct and non-negative")
@@ -90,10 +87,8 @@ def uses_mrope(target_config: dict) -> bool:
 
 
 def check_gguf(path: Path, cfg, vocab: list[int] | None, target_config: dict) -> list[str]:
-    """Read back what llama.cpp will run from a DFlash GGUF and refuse, in one line, any contract it breaks
-    (docs/design.md section 14): target layers in llama.cpp's hidden_states convention (id + 1), the block counting
-    the anchor, the mask id, the rotated dims, mRoPE sections for a VL target, the draft vocabulary. Returns the
-    lines that state them."""
+    """Read back what llama.cpp will run from a DFlash GGUF and refuse any contract it breaks (docs/design.md section
+    14): layer ids + 1, the block counting the anchor, mask id, rotated dims, mRoPE sections, draft vocabulary."""
     from dflashkit.drafter.model import rotary_dim
 
     keys = gguf_keys(path)

@@ -1,10 +1,5 @@
-"""The target's lm_head as the drafter uses it, optionally restricted to a draft vocabulary.
-
-On a CPU the vocabulary projection dominates drafter cost (49,152 rows for SmolLM2); proposing only tokens
-of a subset stays lossless because the target verifies every token (EAGLE-3 ships a token map for the same
-reason). The subset is part of a dflashkit checkpoint's contract (`draft_vocab`); a z-lab export has none
-and drafts over the full vocabulary.
-"""
+"""The target's lm_head as the drafter uses it, optionally over a draft vocabulary: the projection dominates drafter
+cost on a CPU, and since the target verifies every token, proposing from a subset stays lossless."""
 
 from __future__ import annotations
 
@@ -17,10 +12,8 @@ FEW_ROWS = 24  # at most this many rows, a decoding product on a CPU runs as wei
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, but a CPU call of a few rows computes weight @ x.T: ATen's x @ weight.T repacks the weight on every
-    call, which costs a multiple when the weight is not in cache, as when the drafter runs right after a target
-    forward. The proposer passes it as the drafter's `linear` in decoding; training and offline evaluation keep
-    F.linear, so their figures do not depend on how many blocks share a call."""
+    """F.linear, but a CPU call of a few rows computes weight @ x.T: ATen's x @ weight.T repacks the weight every
+    call, a multiple of the cost when the weight is out of cache. Decoding only; training and evaluation keep F.linear."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows > FEW_ROWS or rows == 0 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
@@ -30,8 +23,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def scaled(raw: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None):
-    """A drafter's logit transform as z-lab's reference applies it: x = raw * output_multiplier, then
-    c * tanh(x / c) with c = final_logit_softcapping. Returns (logits, d logits / d raw)."""
+    """z-lab's logit transform, raw * output_multiplier then c * tanh(x / c) -> (logits, d logits / d raw)."""
     x = raw * multiplier if multiplier != 1.0 else raw
     if not softcap:
         return x, multiplier

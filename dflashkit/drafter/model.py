@@ -1,11 +1,6 @@
-"""The DFlash drafter: one non-causal forward drafts a whole block from target-layer features.
-
-Reference semantics (docs/design.md section 2): `fc` + `hidden_norm` fuse K target layers into one context vector
-per position; in EVERY layer, queries come from the block only while keys/values are
-[k_proj(context), k_proj(block)] and [v_proj(context), v_proj(block)] (k_norm on all keys); the context never
-enters q_proj, o_proj, the MLP or the residual stream. RoPE uses absolute positions. The drafter has no
-embedding and no lm_head: the caller applies the target's.
-"""
+"""The DFlash drafter: one non-causal forward drafts a whole block from target-layer features (docs/design.md
+section 2). The fused context (`fc` + `hidden_norm`) enters every layer only as extra keys/values; RoPE uses absolute
+positions; there is no embedding or lm_head: the caller applies the target's."""
 
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_init(cfg: DrafterConfig) -> dict:
-    """RoPE as transformers builds it for this config: {"inv_freq", "attention_scaling" (yarn, longrope),
-    "long_inv_freq", "original_max" (longrope, past which it switches)}. "dynamic" RoPE is refused."""
+    """RoPE frequencies and scale as transformers builds them for this config (longrope: its long ones too)."""
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     out = {"attention_scaling": 1.0, "long_inv_freq": None, "original_max": None}
@@ -64,8 +58,7 @@ def rope_init(cfg: DrafterConfig) -> dict:
 
 
 def rotary_dim(cfg: DrafterConfig) -> int:
-    """Head dimensions RoPE rotates: int(head_dim * partial_rotary_factor), the first ones (transformers' and
-    llama.cpp's `rope.dimension_count`); the rest pass through unrotated."""
+    """The first head dims RoPE rotates (llama.cpp's `rope.dimension_count`); the rest pass through."""
     return int(cfg.head_dim * cfg.partial_rotary_factor)
 
 
@@ -86,8 +79,7 @@ SLOT0 = ("seed", "mask")  # what slot 0 of a block holds: "seed" (the last accep
 
 
 def block_ids(anchor_ids, block_size: int, mask_id: int, slot0: str = "seed") -> torch.Tensor:
-    """[..., B] block inputs for anchor tokens [...]: slot 0 the anchor, slots 1..B-1 the mask id; training,
-    evaluation and decoding all build blocks here. slot0="mask" is the failure engines have shipped."""
+    """[..., B] block inputs, slot 0 the anchor and the rest the mask id (slot0="mask": the engines' bug, for tests)."""
     if slot0 not in SLOT0:
         raise DFlashError(f"slot0={slot0!r} is not one of: {', '.join(SLOT0)}")
     anchor_ids = torch.as_tensor(anchor_ids)
@@ -98,9 +90,7 @@ def block_ids(anchor_ids, block_size: int, mask_id: int, slot0: str = "seed") ->
 
 
 class ContextKV:
-    """The drafter's post-RoPE keys/values of the target context it has seen, per layer, so that online decoding
-    (and the offline walk) projects each committed position once: a call passes only the new features. Block keys
-    never enter it, so nothing needs cropping after a draft. Not the target's KV, not a hidden-state cache folder."""
+    """Post-RoPE context keys/values per layer: each committed position is projected once, and block keys never enter."""
 
     def __init__(self, num_layers: int):
         self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
@@ -130,8 +120,7 @@ class Attention(nn.Module):
         return x.view(*x.shape[:2], n, self.head_dim)
 
     def forward(self, h, ctx, cos_ctx, sin_ctx, cos_q, sin_q, mask, kv: ContextKV | None, linear=F.linear):
-        """h [b, Q, H] block states; ctx [b, T, H] fused context (new positions only when `kv` holds the rest);
-        `linear`: the products' form (decoding's few_rows_linear, else F.linear)."""
+        """h [b, Q, H] block states; ctx [b, T, H] fused context (new positions only when `kv` holds the rest)."""
         q = apply_rope(self.q_norm(self._heads(linear(h, self.q_proj.weight), self.n_heads)).transpose(1, 2), cos_q, sin_q)
         k_blk = apply_rope(self.k_norm(self._heads(linear(h, self.k_proj.weight), self.n_kv)).transpose(1, 2), cos_q, sin_q)
         v_blk = self._heads(linear(h, self.v_proj.weight), self.n_kv).transpose(1, 2)
@@ -183,10 +172,8 @@ class DecoderLayer(nn.Module):
 
 
 def dynamic_conv(x, delta, base, segment: int, group: int):
-    """Grouped dynamic causal convolution along the block: out[p] = sum_t x[p - t] * (base[t] + delta[p, t]),
-    where delta is one value per channel group and taps that would reach before the start of p's segment (its
-    block: position p mod `segment` < t) read nothing, so blocks packed in one sequence never mix.
-    x [b, L, H]; delta [b, L, K, H/group]; base [K, H]."""
+    """out[p] = sum_t x[p - t] * (base[t] + delta[p, t]), delta one value per channel group; taps reaching before
+    p's block (p mod `segment` < t) read nothing, so packed blocks never mix. x [b, L, H]; delta [b, L, K, H/group]."""
     L = x.shape[1]
     slot = torch.arange(L, device=x.device) % segment
     out = torch.zeros_like(x)
@@ -198,8 +185,7 @@ def dynamic_conv(x, delta, base, segment: int, group: int):
 
 
 class GroupedDynamicConv(nn.Module):
-    """DFlash2's convolution pair around a sublayer: one projection of the sublayer's input gives the dynamic
-    taps of both the input-side (`prepare`) and the output-side (`finish`) convolution. Identity at init."""
+    """DFlash2's convolution pair around a sublayer, both dynamic taps from one projection of its input; identity at init."""
 
     def __init__(self, hidden: int, kernel_size: int, group_size: int):
         super().__init__()
@@ -223,10 +209,8 @@ class GroupedDynamicConv(nn.Module):
 
 
 def mix_greedy(q, sample, mix: float, generator):
-    """Per row, keep `sample` (drawn from q) with probability `mix`, else take q's argmax; returns (picks, q') with
-    q' = mix * q + (1 - mix) * onehot(argmax), the law the picks follow. Rejection sampling against q' accepts
-    sum(min(p, q')) >= p(argmax), match's rate, wherever p(argmax) <= q'(argmax), and spends the rest of the mass on
-    the drafter's runner-ups (docs/design.md section 4); mix 1 is the reference's q (and draws nothing more)."""
+    """Per row, keep `sample` with probability `mix`, else q's argmax; returns (picks, q' = mix * q + (1 - mix) *
+    onehot(argmax)), the law the picks follow, which accepts at least match's rate (docs/design.md section 4)."""
     if mix >= 1:
         return sample, q
     greedy = q.argmax(-1)
@@ -236,9 +220,8 @@ def mix_greedy(q, sample, mix: float, generator):
 
 
 class CandidateSelector(nn.Module):
-    """DFlash2's reranker: per block position, the top-k of the drafter's logits are rescored as
-    unary(c) + < pred[prev] * proj(h), succ[c] >, prev being the token chosen at the position before (the anchor
-    for the first). Codebooks are bare parameters, named as in z-lab's released checkpoints."""
+    """DFlash2's reranker: each position's top-k logits rescored as unary(c) + < pred[prev] * proj(h), succ[c] >, prev
+    the token chosen before it; the codebooks are bare parameters, named as in z-lab's checkpoints."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -257,10 +240,8 @@ class CandidateSelector(nn.Module):
 
     def select(self, hidden, logits, anchor_ids, temperature: float = 0.0, to_tokens=None, generator=None,
                mix: float = 1.0):
-        """hidden [b, L, H]; logits [b, L, V'] (the drafter's unary logits); anchor_ids [b].
-        Returns (path [b, L] token ids, candidates [b, L, k] token ids, q [b, L, k] or None at T=0): the greedy
-        path at T=0, else each position drawn from softmax(scores / T) over its candidates, given the token drawn
-        before it (mixed with the greedy choice when mix < 1, see mix_greedy)."""
+        """hidden [b, L, H]; logits [b, L, V'] unary; anchor_ids [b] -> (path [b, L], candidates [b, L, k] token ids,
+        q [b, L, k] or None at T=0): greedy at T=0, else drawn from softmax(scores / T) given the previous pick."""
         unary, index = torch.topk(logits, self.top_k, dim=-1, sorted=False)
         candidates = index if to_tokens is None else to_tokens(index)
         prev, path, qs = anchor_ids, [], []
@@ -278,12 +259,8 @@ class CandidateSelector(nn.Module):
 
     @torch.no_grad()
     def tree(self, hidden, logits, anchor: int, budget: int, to_tokens=None) -> Tree:
-        """DDTree over the selector (new; z-lab's DDTree reads independent marginals): the `budget` most probable
-        prefixes, where a node's children are the next position's top-k candidates with log-probabilities
-        log_softmax(selector scores given the node's own token as predecessor). Best-first as the paper's DDTree:
-        each pop adds a node, then offers its next sibling and its first child, so the budget-b tree is the
-        first b pops. hidden [L, H]; logits [L, V']. Node tokens are indices into V' (to_tokens maps them to the
-        token ids the codebooks read); the root holds `anchor`."""
+        """DDTree of the `budget` most probable prefixes, children scored by the selector given their parent's token;
+        best-first, so the budget-b tree is the first b pops. hidden [L, H]; logits [L, V']; node tokens index V'."""
         unary, index = torch.topk(logits.float(), min(self.top_k, logits.shape[-1]), dim=-1)  # [L, k]
         cands = index if to_tokens is None else to_tokens(index)
 
@@ -335,10 +312,8 @@ class DFlashDrafter(nn.Module):
             m.reset_parameters()
 
     # ---- z-lab's call surface around the backbone: input scale, logits, DFlash2's proposal --------------------
-
     def embed_block(self, embed_tokens, ids, dtype=None):
-        """Block inputs from the target's embedding, times input_embedding_scale (the reference scales them
-        before the drafter's forward, so forward() itself does not)."""
+        """Block inputs times input_embedding_scale (the reference scales them before forward(), so it does not)."""
         e = embed_tokens(ids)
         if self.config.input_embedding_scale != 1.0:
             e = e * self.config.input_embedding_scale
@@ -388,10 +363,8 @@ class DFlashDrafter(nn.Module):
 
     def run(self, target_hidden, block_embeds, ctx_positions, q_positions, mask=None, context_kv=None, segment=None,
             linear=F.linear):
-        """target_hidden [b, T, K*H] (new context only when context_kv holds the rest); block_embeds [b, Q, H];
-        ctx_positions [b, T]; q_positions [b, Q]; mask [b, 1, Q, T_total + Q] bool (True = may attend) or None
-        (all visible); segment: rows per block for DFlash2's convolutions (default Q); linear: every product's form
-        (decoding passes head.few_rows_linear). -> final-normed [b, Q, H]."""
+        """target_hidden [b, T, K*H] (new context only when context_kv holds the rest); block_embeds [b, Q, H]; mask
+        [b, 1, Q, T_total + Q] bool or None (all visible); segment: rows per DFlash2 block. -> final-normed [b, Q, H]."""
         ctx = self.hidden_norm(linear(target_hidden, self.fc.weight))
         n = int(q_positions.max()) + 1 if self.long_inv_freq is not None else None  # one frequency set per forward
         rope = (*self._rope(ctx_positions, n), *self._rope(q_positions, n))
@@ -406,21 +379,14 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, target_hidden, noise_embedding, position_ids, past_key_values=None, use_cache=False,
                 linear=F.linear):
-        """z-lab's call, keywords included (their decoding loop calls our drafter by these names).
-
-        noise_embedding: block_embeds [b, B, H]; position_ids [b, T + B]: the new context positions, then the
-        block; past_key_values: a ContextKV holding the context seen so far. use_cache changes nothing here."""
+        """z-lab's call, keywords included: position_ids [b, T + B], the new context's then the block's; a ContextKV."""
         t = target_hidden.shape[1]
         return self.run(target_hidden, noise_embedding, position_ids[:, :t], position_ids[:, t:], None, past_key_values,
                         linear=linear)
 
     def forward_blocks(self, target_hidden, block_embeds, anchors, valid=None, attention="auto"):
-        """Many blocks of one sequence in one call (training and offline evaluation), under build_block_mask.
-
-        target_hidden [b, T, K*H] features of positions 0..T-1; block_embeds [b, n*B, H], block j at rows
-        j*B..j*B+B-1; anchors [b, n] absolute positions; valid [b, n] bool. Returns [b, n*B, H].
-        attention (all compute the same): dense (the whole mask: the reference), chunked (ChunkedBlocks), flex
-        (FlexBlocks: CUDA; no backward on CPU), auto (flex on CUDA, chunked elsewhere)."""
+        """Many blocks of one sequence under build_block_mask: target_hidden [b, T, K*H]; block_embeds [b, n*B, H];
+        anchors, valid [b, n] -> [b, n*B, H]. attention: dense (the reference), chunked, flex or auto, all equal."""
         b, T, _ = target_hidden.shape
         B, n = self.config.block_size, anchors.shape[1]
         if block_embeds.shape[:2] != (b, n * B):
@@ -465,28 +431,16 @@ CHUNK_BLOCKS = 32  # blocks per chunk: at 512 anchors x 3K tokens ~1/6 of the de
 
 
 def pick_attention(name: str, device: torch.device) -> str:
-    """auto -> flex on CUDA (when this torch has it), chunked elsewhere; checks the name."""
+    """auto -> flex on CUDA (torch >= 2.5 has it), chunked elsewhere; checks the name."""
     if name not in ATTENTION_KINDS:
         raise DFlashError(f"attention={name!r} is not one of: {', '.join(ATTENTION_KINDS)}")
     if name == "auto":
-        return "flex" if device.type == "cuda" and _has_flex() else "chunked"
-    if name == "flex" and not _has_flex():
-        raise DFlashError(f"attention=flex needs torch.nn.attention.flex_attention (torch {torch.__version__} lacks "
-                          "it); use attention=chunked")
+        return "flex" if device.type == "cuda" else "chunked"
     return name
 
 
-def _has_flex() -> bool:
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def attend(q, k, v, mask):
-    """q [b, h, Q, d], k/v [b, h, S, d] -> [b, h, Q, d]. mask: None (every key visible), a bool [b, 1, Q, S]
-    (True = may attend; every row must see a key) or a block-sparse plan from forward_blocks."""
+    """q [b, h, Q, d], k/v [b, h, S, d]; mask: None, bool [b, 1, Q, S] (every row must see a key) or a block plan."""
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return mask(q, k, v)
@@ -512,10 +466,8 @@ def position_mask(q_pos, k_pos, causal: bool, window: int | None) -> torch.Tenso
 
 
 class ChunkedBlocks:
-    """forward_blocks' attention without the dense mask: blocks (sorted by anchor) CHUNK_BLOCKS at a time; a chunk
-    attends to context [0, L) with L = its last anchor + 1, plus its own blocks' rows, under build_block_mask of
-    its blocks. Work ~ sum over chunks of (L + chunk rows) instead of n*B x (T + n*B); one plan serves all layers.
-    anchors/valid [b, n] (sorted along n for the savings; any order is correct); keys k [b, h, T + n*B, d]."""
+    """forward_blocks' attention without the dense mask: CHUNK_BLOCKS blocks at a time, each seeing context up to its
+    last anchor and its own rows (sorted anchors save the most; any order is correct). keys k [b, h, T + n*B, d]."""
 
     def __init__(self, anchors, valid, ctx_len: int, B: int, chunk: int | None = None, causal: bool = False,
                  window: int | None = None):
@@ -554,9 +506,7 @@ def _flex_attention(cuda: bool):
 
 
 class FlexBlocks:
-    """forward_blocks' attention as FlexAttention with a BlockMask: only the (128 x 128) tiles that hold a visible
-    key are computed. mask_mod encodes build_block_mask (context < anchor, own block, a padding row its own slot).
-    anchors/valid [b, n]; keys k [b, h, T + n*B, d]."""
+    """forward_blocks' attention as FlexAttention: only 128 x 128 tiles holding a visible key (of build_block_mask) run."""
 
     def __init__(self, anchors, valid, ctx_len: int, B: int, causal: bool = False, window: int | None = None):
         from torch.nn.attention.flex_attention import create_block_mask

@@ -1,9 +1,5 @@
-"""Our drafter as transformers' own DFlash drafter (transformers 5.23: `MuseGlimmerAssistantModel`, model type
-`muse_glimmer_assistant`), which `model.generate(ids, assistant_model=drafter, speculation_type="dflash")` runs; and
-such a folder read back. The architecture is ours (docs/design.md section 3): `fc` + `hidden_norm` become
-`encoder.fc` + `encoder.output_norm_enc`, the layers and `norm` keep their names; the config says the block size,
-mask token, target layer ids (transformers reads `hidden_states[i + 1]` for id i: our convention), RoPE and layer
-types. What has no counterpart there is refused by name."""
+"""Our drafter as transformers' own DFlash drafter (5.23: `MuseGlimmerAssistantModel`) and back (docs/design.md
+section 3): only `fc` and `hidden_norm` are renamed; what has no counterpart there is refused by name."""
 
 from __future__ import annotations
 
@@ -55,8 +51,7 @@ def to_transformers(drafter, tensors: dict, dtype: str) -> tuple[dict, dict]:
 
 
 def assistant(drafter, target):
-    """transformers' DFlash drafter built in memory from ours (no files), in the target's dtype and device; one per
-    drafter object."""
+    """transformers' DFlash drafter built in memory from ours, in the target's dtype and device; one per drafter."""
     if (made := _ASSISTANTS.get(drafter)) is not None:
         return made
     from transformers import AutoConfig, AutoModel
@@ -71,8 +66,7 @@ def assistant(drafter, target):
 
 
 def from_transformers(raw: dict, tensors: dict, source: str) -> tuple[dict, dict]:
-    """A transformers DFlash drafter folder's (config, tensors) as the z-lab config and tensor names load_drafter
-    reads."""
+    """A transformers DFlash drafter folder's (config, tensors) as the z-lab ones load_drafter reads."""
     missing = [k for k in ("block_size", "mask_token_id", "target_layer_ids") if raw.get(k) is None]
     if missing:
         raise DFlashError(f"{source}: model_type {MODEL_TYPE} without {', '.join(missing)}; transformers' DFlash loop "

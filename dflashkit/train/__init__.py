@@ -1,8 +1,5 @@
-"""Drafter training: the paper's recipe (docs/design.md section 7) with guards against silent failures.
-
-    from dflashkit.train import load_config, train
-    summary = train(load_config("smollm2-cpu", ["steps=100"]))
-"""
+"""Drafter training: the paper's recipe (docs/design.md section 7) with guards against silent failures, e.g.
+`train(load_config("smollm2-cpu", ["steps=100"]))`."""
 
 from dflashkit.lazy import lazy_exports
 

@@ -1,8 +1,5 @@
-"""`dflashkit train` and `dflashkit data generate` (`dflashkit drafter export` writes a trained drafter for serving).
-
-Multi-GPU / multi-node: the same command under torchrun, e.g.
-    torchrun --nproc_per_node 8 -m dflashkit.cli train --config paper distributed=fsdp
-"""
+"""`dflashkit train` and `dflashkit data generate`; several GPUs run the same command under torchrun, e.g.
+`torchrun --nproc_per_node 8 -m dflashkit.cli train --config paper distributed=fsdp`."""
 
 from __future__ import annotations
 

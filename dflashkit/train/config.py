@@ -1,8 +1,5 @@
-"""Training settings: one dataclass with defaults, overridden by a YAML file and then by key=value pairs.
-
-Every key is checked: an unknown key or a value of the wrong type is an error that names the key, so a typo
-never silently falls back to a default. `dflashkit train --print-config` prints the effective settings.
-"""
+"""Training settings: dataclass defaults <- a YAML file <- key=value pairs; an unknown key or a wrong type is an
+error naming the key, so a typo never silently falls back to a default."""
 
 from __future__ import annotations
 
@@ -147,8 +144,6 @@ def _type_ok(value, tp) -> bool:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
     if origin is list:
         (item,) = typing.get_args(tp)
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)

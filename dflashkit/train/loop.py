@@ -1,6 +1,4 @@
-"""The training loop, top to bottom (docs/design.md section 7 and "The training loop in detail"): setup, then per
-optimiser step its micro-batches (features, noise, drafter, chunked loss, backward), the update, logs, checkpoints and
-evaluation. `train()` comes first; the helpers follow in the order it calls them."""
+"""The training loop (docs/design.md, "The training loop in detail"): `train()`, then its helpers in call order."""
 
 from __future__ import annotations
 
@@ -20,6 +18,7 @@ from torch import nn
 from dflashkit.cache import open_cache
 from dflashkit.distributed import Dist, all_sum, barrier, init_distributed
 from dflashkit.drafter.checkpoint import load_drafter, new_drafter, warm_start_from_target
+from dflashkit.drafter.config import DFLASH2_KEYS
 from dflashkit.drafter.head import DraftHead, scaling_of
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DFlashError
@@ -40,9 +39,7 @@ METRIC_COLUMNS = ["step", "epoch", "loss", "loss_name", "pos1_acc", "slot_acc", 
 
 
 def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
-    """Train a drafter as configured; returns a summary (also written to `out`/summary.json).
-
-    target/source: pass already-loaded objects (tests, notebooks); on_step(step, row) is called after every step."""
+    """Train a drafter as configured; returns a summary (also `out`/summary.json); on_step(step, row) after each step."""
     cfg.check()
     r = prepare(cfg, init_distributed(cfg.device), target, source)
     describe(r)
@@ -50,7 +47,7 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
     clock = Clock(r.elapsed_before)
     step, history, reason = r.start, [], ""
     with StopFlag() as stop:
-        bar = Progress(r)
+        bar = progress_bar(r)
         while step < r.total:
             tick = time.perf_counter()
             epoch, micro = global_batch(r, step)
@@ -62,7 +59,9 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
             history.append(row)
             if metrics:
                 metrics.step(row)
-            bar.update(step, row)
+            bar.set_postfix_str(f"step {step}/{r.total} {cfg.loss} {row['loss']:.3f} acc1 {row['pos1_acc']:.3f} "
+                                f"{row['blocks_per_s']:.0f} blk/s", refresh=False)
+            bar.update(min(round(row["elapsed_s"]), bar.total) - bar.n if cfg.max_minutes else 1)
             if on_step is not None:
                 on_step(step, row)
             if reason := stop_reason(r, stop, clock):
@@ -126,10 +125,11 @@ class Run:
 def initial_drafter(cfg: TrainConfig, target, init, layer_ids, resuming: bool, master: bool):
     """The drafter's first weights (init=, a warm start from the target's top layers, or random) and its mask id."""
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.mask_token_id
+    shape = {} if cfg.arch == "dflash" else {"arch": cfg.arch, **{k: getattr(cfg, k) for k in DFLASH2_KEYS}}
     with seeded(cfg.seed):
         drafter = init if init is not None else new_drafter(
             target, num_layers=cfg.num_layers, target_layer_ids=layer_ids, allow_final_layers=cfg.allow_final_layers,
-            block_size=cfg.block_size, mask_token_id=mask_id, **drafter_shape(cfg))
+            block_size=cfg.block_size, mask_token_id=mask_id, **shape)
     if drafter.config.mask_token_id != mask_id:
         raise DFlashError(f"init={cfg.init}: mask_token_id {drafter.config.mask_token_id} != {mask_id}; set mask_token_id")
     if cfg.warm_start and not resuming:
@@ -142,8 +142,7 @@ def initial_drafter(cfg: TrainConfig, target, init, layer_ids, resuming: bool, m
 
 
 def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
-    """Load and check everything before the first step: a wrong path, layer id or resume setting fails now, not
-    an hour in."""
+    """Load and check everything before the first step, so a wrong path or setting fails now, not an hour in."""
     if source is None:
         data_kind(cfg.data)  # a wrong path fails now, not after the target has loaded
     if target is None:
@@ -191,16 +190,8 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     return r
 
 
-def drafter_shape(cfg: TrainConfig) -> dict:
-    """The architecture settings of a new drafter (DFlash2's convolutions and selector only when arch is dflash2)."""
-    return {} if cfg.arch == "dflash" else dict(arch=cfg.arch, conv_kernel_size=cfg.conv_kernel_size,
-                                                conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
-                                                selector_top_k=cfg.selector_top_k)
-
-
 def load_init(cfg: TrainConfig, target):
-    """The warm-start drafter (init=...), or None. Its shape wins: a config that says otherwise is an error, not
-    silently ignored."""
+    """The drafter of init=..., or None; a config that disagrees with its shape is an error, not silently ignored."""
     if not cfg.init:
         return None
     init = load_drafter(cfg.init, target=target)
@@ -215,8 +206,7 @@ def load_init(cfg: TrainConfig, target):
 
 
 def feature_layers(cfg: TrainConfig, target, init) -> list[int]:
-    """The target layers the drafter reads: the warm start's, the config's, or z-lab's rule for
-    num_target_layers (default: one per drafter layer)."""
+    """The target layers the drafter reads: init's, the config's, or z-lab's rule for num_target_layers."""
     ids = init.config.target_layer_ids if init is not None else cfg.target_layer_ids
     if ids is None:
         ids = target.default_layer_ids(cfg.num_target_layers or cfg.num_layers)
@@ -288,8 +278,7 @@ def wrap(drafter, cfg: TrainConfig, d: Dist) -> nn.Module:
 
 # ---- one step --------------------------------------------------------------------------------------------------
 def global_batch(r: Run, step: int) -> tuple[int, list[tuple[list[int], object]]]:
-    """(epoch, this process's micro-batches as (sequence indices, Batch)). The order and the anchors depend only on
-    (seed, epoch, sequence), so a resumed or differently split run sees the same data."""
+    """(epoch, this process's micro-batches), from (seed, epoch, sequence) alone so a resume or a split sees the same."""
     cfg = r.cfg
     epoch, pos = divmod(step, r.steps_per_epoch)
     order = epoch_order(len(r.pool), epoch, cfg.seed)
@@ -324,7 +313,6 @@ class StepStats:
         return StepStats(*all_sum(torch.tensor(astuple(self), dtype=torch.float64), d).tolist())
 
     def row(self, step: int, epoch: int, loss_name: str, lr: float, grad_norm: float, clock: "Clock", device) -> dict:
-        """One line of metrics.csv."""
         return {"step": step, "epoch": epoch, "loss": self.loss, "loss_name": loss_name,
                 "pos1_acc": self.pos1_correct / max(1.0, self.pos1), "slot_acc": self.correct / max(1.0, self.slots),
                 "lr": lr, "grad_norm": grad_norm, "blocks": int(self.blocks), "tokens": int(self.tokens),
@@ -335,8 +323,7 @@ class StepStats:
 
 
 def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
-    """Loss and gradients of one optimiser step, accumulated over its micro-batches. The loss is normalised by the
-    slot weight of the whole global batch, so neither the loss nor the gradient depends on the split."""
+    """Loss and gradients of one optimiser step, normalised by the slot weight of the whole global batch."""
     cfg, d = r.cfg, r.d
     norm = all_sum(torch.tensor([sum(step_weight(b.labels, r.head, r.slot_w, cfg.loss) for _, b in micro)],
                                 dtype=torch.float64), d).item()
@@ -362,9 +349,7 @@ def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
 
 def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bool, noise_std: float, noise_seeds,
                  embed=None):
-    """(features [b, T, K*H] for the drafter, possibly noised; block embeddings [b, n*B, H]; the target's clean
-    final-normed last-layer states [b, T, H] for kl, else None). Noise is applied to a copy, after the target
-    states are taken, so labels and target distributions never see it."""
+    """(features [b, T, K*H], noised; block embeddings [b, n*B, H]; kl: the clean final-normed last layer [b, T, H])."""
     feats, last = source.batch(idx, target, layer_ids, need_last)
     feats = feats.to(target.device)
     with torch.no_grad():
@@ -387,8 +372,7 @@ def grad_sync(r: Run, last: bool):
 
 def autocast(r: Run):
     """bf16 compute where pick_dtype chose it; master weights and the loss stay float32."""
-    on = r.compute_dtype != torch.float32
-    return torch.autocast(r.d.device.type, dtype=r.compute_dtype) if on else contextlib.nullcontext()
+    return torch.autocast(r.d.device.type, dtype=r.compute_dtype, enabled=r.compute_dtype != torch.float32)
 
 
 def optimizer_step(r: Run, step: int, clock: "Clock") -> tuple[float, float]:
@@ -405,9 +389,8 @@ def optimizer_step(r: Run, step: int, clock: "Clock") -> tuple[float, float]:
 
 
 def learning_rate(r: Run, step: int, clock: "Clock") -> float:
-    """The rate of the step covering schedule progress [step, step + 1] / total: linear warmup over the first
-    warmup_ratio, then cosine down to min_lr_ratio. With schedule_minutes, progress is whichever of steps and training
-    time runs out first (rank 0's clock, shared so that every process uses the same rate)."""
+    """Linear warmup over warmup_ratio, then cosine to min_lr_ratio, at progress [step, step + 1] / total; with
+    schedule_minutes, whichever of steps and time runs out first (rank 0's clock, so every process agrees)."""
     cfg = r.cfg
     span = torch.tensor([step / r.total, (step + 1) / r.total], dtype=torch.float64)
     if cfg.schedule_minutes:
@@ -518,27 +501,15 @@ def plain_drafter(drafter_cfg, weights: dict, vocab):
 
 
 # ---- what the user sees --------------------------------------------------------------------------------------
-class Progress:
+def progress_bar(r: Run):
     """The tqdm bar (rank 0): steps, or seconds for a time-boxed run so that its ETA is the real one."""
+    from tqdm import tqdm
 
-    def __init__(self, r: Run):
-        from tqdm import tqdm
-
-        cfg = r.cfg
-        self.timed, self.total, self.loss_name = bool(cfg.max_minutes), r.total, cfg.loss
-        kw = dict(total=r.total, initial=r.start, unit="step")
-        if self.timed:
-            kw = dict(total=round(60 * cfg.max_minutes), initial=round(r.elapsed_before), unit="s",
-                      bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]")
-        self.bar = tqdm(**kw, desc="train", disable=not (r.d.master and cfg.progress), dynamic_ncols=True)
-
-    def update(self, step: int, row: dict) -> None:
-        self.bar.set_postfix_str(f"step {step}/{self.total} {self.loss_name} {row['loss']:.3f} acc1 "
-                                 f"{row['pos1_acc']:.3f} {row['blocks_per_s']:.0f} blk/s", refresh=False)
-        self.bar.update(min(round(row["elapsed_s"]), self.bar.total) - self.bar.n if self.timed else 1)
-
-    def close(self) -> None:
-        self.bar.close()
+    kw = dict(total=r.total, initial=r.start, unit="step")
+    if r.cfg.max_minutes:
+        kw = dict(total=round(60 * r.cfg.max_minutes), initial=round(r.elapsed_before), unit="s",
+                  bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]")
+    return tqdm(**kw, desc="train", disable=not (r.d.master and r.cfg.progress), dynamic_ncols=True)
 
 
 class MetricsLog:

@@ -1,12 +1,5 @@
-"""The drafter's training loss over blocks, with the lm_head applied in chunks (docs/design.md section 7, "The loss
-in detail": labels, `ce` and `kl`, the normaliser, DFlash2's selector loss).
-
-Slot k (1..B-1) of the block anchored at a predicts token a+k with weight exp(-(k-1)/gamma); loss = sum w*l / sum w
-over every supervised slot of the optimiser step (all micro-batches, all processes), so neither the loss nor the
-gradient depends on how a global batch is split. `ChunkedHeadLoss` computes loss and d(loss)/d(hidden) chunk by
-chunk in the forward pass and keeps only the [N, H] gradient: logits for thousands of slots x 49K vocabulary do not
-fit, and the lm_head is frozen.
-"""
+"""The drafter's training loss over blocks, the lm_head applied in chunks (docs/design.md section 7, "The loss in
+detail"): slot k weighs exp(-(k-1)/gamma), normalised over the whole optimiser step, so the split does not matter."""
 
 from __future__ import annotations
 
@@ -24,13 +17,8 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
-    """sum_i row_w[i] * loss_i over rows, logits = scale(hidden @ weight.T) computed `chunk` rows at a time (fewer
-    when chunk x vocabulary would exceed LOGIT_ELEMENTS).
-
-    hidden [N, H]; weight [V, H] (frozen); labels [N] indices into V, -100 = no label; row_w [N] float32;
-    target [N, H] final-normed target states for `kl` (None for `ce`); scale: (output_multiplier, softcap);
-    top_k: also return each row's top-k logit indices (DFlash2's candidates; 0: none). Returns (loss scalar,
-    correct [N] bool: argmax == label, top [N, top_k] long)."""
+    """sum_i row_w[i] * loss_i over `chunk` rows at a time, the [N, H] gradient computed in the forward so no logits are
+    kept. hidden [N, H]; weight [V, H] frozen; labels [N] (-100: none) -> (loss, correct [N], top [N, top_k])."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, row_w, target, chunk: int, kind: str, scale=(1.0, None), top_k: int = 0):
@@ -76,10 +64,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
 
 def block_targets(labels: torch.Tensor, head, slot_w: torch.Tensor, kind: str):
-    """Per-slot supervision from labels [b, n, B] (token ids, -100 = no loss).
-
-    Returns (rows [b, n, B] bool: slots that carry a label, index [b, n, B] into the draft vocabulary (-100 outside),
-    weight [b, n, B] float32: w_k where the slot is supervised, else 0)."""
+    """labels [b, n, B] (-100: none) -> (slots with a label, draft-vocabulary index, w_k where supervised else 0)."""
     rows = labels >= 0
     index = head.to_index(labels)
     w = slot_w.to(labels.device)[None, None, :].expand(labels.shape)
@@ -101,11 +86,8 @@ def predecessors(block_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidden=None, anchors=None,
                chunk: int = 2048, selector=None, pred=None, alpha: float = 1.0):
-    """hidden [b, n*B, H] drafter outputs (final-normed); labels [b, n, B]; norm = the step's total weight.
-
-    target_hidden [b, T, H] (kl only): the target's final-normed last-layer states; slot k of the block at anchor
-    a reads row a+k-1. selector (DFlash2): its CandidateSelector, with pred [b, n, B] = predecessors(...) and
-    alpha = selector_loss_alpha. Returns (loss contribution = sum w_k l_k / norm, stats dict of summed counts)."""
+    """hidden [b, n*B, H]; labels [b, n, B]; norm: the step's total weight; target_hidden [b, T, H] (kl: slot k of the
+    block at a reads row a+k-1) -> (sum w_k l_k / norm, stats of summed counts)."""
     b, n, B = labels.shape
     rows, index, weight = block_targets(labels, head, slot_w, kind)
     flat = rows.reshape(-1)
@@ -130,8 +112,7 @@ def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidd
 
 
 def selector_loss(selector, head, h, top, idx, pred, row_w):
-    """DFlash2's candidate loss (module docstring): sum_i row_w[i] * CE(scores_i, true candidate); rows without a
-    label in the draft vocabulary carry none. Returns (loss, picked [N] bool: the selector picked the true token)."""
+    """DFlash2's loss: sum_i row_w[i] * CE(scores_i, true candidate), which replaces the last one when absent."""
     k, ok, hit = top.shape[1], idx >= 0, top == idx[:, None]
     present = hit.any(-1)
     cands = top.clone()
