@@ -1,11 +1,6 @@
-"""`dflashkit drafter export`: a trained drafter in the format an engine serves, and what that engine will accept.
-
-A drafter trained over a draft vocabulary is exported with its token map (`d2t`): vLLM reads it from the z-lab
-folder, llama.cpp from the GGUF. `--full-vocab` drops it; engines then draft over every target token, which the
-drafter never trained on, so the export states its tau as trained and as exported (measured on a cache when one
-is given). The GGUF comes from llama.cpp's own converter, so its tensor layout is llama.cpp's by construction.
-It sits above the stages because it uses three of them: drafter (the folder), engines (the GGUF), evaluate (tau).
-"""
+"""`dflashkit drafter export`: a trained drafter in the format an engine serves, with its draft vocabulary's token
+map (`d2t`) unless `--full-vocab`, which makes engines draft over tokens it never trained on: the export then states
+tau as trained and as exported. It sits above drafter, engines and evaluate, the three stages it uses."""
 
 from __future__ import annotations
 
@@ -59,8 +54,8 @@ def _target_ref(drafter, given: str | None, src: Path) -> str:
 
 def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_ref: str | None = None,
                    full_vocab: bool = False, cache: str | None = None, num_prompts: int | None = None) -> dict:
-    """Write the export and return {"path", "format", "vocabulary", "tau": {"as_trained", "as_exported"}, "lines"};
-    taus are None without a cache. The written token map is read back and checked (a GGUF's by check_gguf)."""
+    """Write the export, its token map read back and checked; returns {"path", "format", "vocabulary", "tau", "lines"}
+    (taus None without a cache)."""
     import torch
 
     from dflashkit.drafter.checkpoint import check_against_target, load_drafter, run_latest, save_drafter

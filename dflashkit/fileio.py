@@ -54,8 +54,7 @@ def _umask() -> int:
 
 
 def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
-    """Refuse, before any work, an output path that cannot be created: its nearest existing ancestor must be a
-    writable folder (the path itself may exist)."""
+    """Refuse, before any work, an output path whose nearest existing ancestor is not a writable folder."""
     p = Path(path).absolute()
     here = p if p.exists() else next(a for a in p.parents if a.exists())
     if here != p and not here.is_dir():
