@@ -1,12 +1,11 @@
-"""Draft trees, shared by offline evaluation and online decoding: DDTree (Ringel & Romano, arXiv:2604.12989),
-extra branches (n-gram continuations), the verify mask, the accepted-path walk, cost-aware cuts and `TreeDrafts`
-(what one round verifies; docs/design.md, "Draft trees in detail")."""
+"""Draft trees shared by offline evaluation and online decoding: DDTree (Ringel & Romano, arXiv:2604.12989), n-gram
+branches, the verify mask, cost-aware cuts and `TreeDrafts` (docs/design.md, "Draft trees in detail")."""
 from __future__ import annotations
 
 import heapq
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import perf_counter
 from typing import Sequence
 
@@ -136,9 +135,8 @@ def best_cut(gains: Sequence[float], tokens: Sequence[int], cost, fixed: float =
 
 
 def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, path_cost=None) -> Tree:
-    """The cut that maximizes (1 + kept acceptance probabilities) / (fixed + cost(nodes + 1)), or with path_cost
-    (a batch row per root-to-leaf path) / (fixed + path_cost(leaves x (depth + 1))): exact for the flat cost, greedy
-    for paths (docs/design.md section 5)."""
+    """The cut that maximizes (1 + kept probabilities) / (fixed + cost(nodes + 1)), or + path_cost(leaves x (depth
+    + 1)) for a batch row per root-to-leaf path: exact for the flat cost, greedy for paths (docs/design.md section 5)."""
     return subtree(tree, best_nodes(tree, probs, cost, fixed, path_cost))
 
 
@@ -155,8 +153,7 @@ def draft_tree(logits: Tensor, budget: int, anchor: Tensor, to_tokens) -> Tree:
 
 def rooted(tree: Tree, anchor: Tensor, to_tokens, device) -> Tree:
     """A drafter's tree (node tokens are draft-vocabulary indices) with target token ids, the anchor at the root."""
-    tokens = torch.cat([anchor.cpu(), to_tokens(tree.tokens[1:].to(device)).cpu()])
-    return Tree(tokens=tokens, depths=tree.depths, parents=tree.parents, log_probs=tree.log_probs)
+    return replace(tree, tokens=torch.cat([anchor.cpu(), to_tokens(tree.tokens[1:].to(device)).cpu()]))
 
 
 def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -167,9 +164,8 @@ def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def build_tree(logits: Tensor, budget: int, root_token: int = -1) -> Tree:
-    """The `budget` most probable prefixes of the product distribution given by logits[L, V]. A prefix scores no
-    more than its previous sibling or parent, so a max-heap popping them is in score order and prefix-closed; a rank
-    >= budget has budget better siblings, so the top min(budget, V) per position suffice."""
+    """The `budget` most probable prefixes of the product distribution logits[L, V], popped best-first from a heap (a
+    prefix scores no more than its previous sibling or parent), so prefix-closed; the top min(budget, V) suffice."""
     if logits.dim() != 2:
         raise ValueError(f"build_tree expects logits [L, V], got shape {tuple(logits.shape)}")
     if budget < 0:
@@ -220,8 +216,7 @@ def width_streak(logits: Tensor, labels: Tensor, k: int) -> Tensor:
 
 
 def topk_paths(logits: Tensor, k: int) -> list[tuple[list[int], float]]:
-    """The k most probable complete drafts with log-probs, best first; width-k beam search is exact under a product
-    distribution (every top-k draft has a top-k prefix)."""
+    """The k most probable complete drafts with log-probs, best first (beam search is exact for a product distribution)."""
     L, V = logits.shape
     kk = min(k, V)
     lp, idx = (t.tolist() for t in top_logprobs(logits, kk))
@@ -245,8 +240,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def parse_tree_spec(spec: str) -> tuple[str, int]:
-    """'budget:8' | 'paths:4' | 'width:4' | 'selector:8' | '8' (= budget:8) -> (family, K) with K >= 1.
-    selector:N is the node-budget tree a DFlash2 drafter's candidate selector scores (CandidateSelector.tree)."""
+    """'budget:8' | 'paths:4' | 'width:4' | 'selector:8' (DFlash2's CandidateSelector.tree) | '8' -> (family, K >= 1)."""
     allowed = ("expected 'budget:N', 'paths:N', 'width:N', 'selector:N' (DFlash2) or a bare 'N' (= budget:N), "
                "with integer N >= 1")
     m = re.fullmatch(r"(?:(budget|paths|width|selector):)?([0-9]+)", str(spec).strip())
@@ -338,8 +332,7 @@ class TreeDrafts:
         return tree
 
     def calibrated(self, tree: Tree, probs: list[float]) -> list[float]:
-        """Node probabilities scaled per depth by accepted / promised in this run's rounds of this kind (drafted or
-        not): proposals that overpromise get smaller cuts, ones that undersell larger."""
+        """Node probabilities scaled per depth by accepted / promised in this run's rounds of this kind (drafted or not)."""
         scale = [(a + CALIBRATION_PRIOR) / (p + CALIBRATION_PRIOR) for a, p in self.calibration[self.drafted]]
         return [min(1.0, q * (scale[d - 1] if 0 < d <= len(scale) else 1.0))
                 for q, d in zip(probs, tree.depths.tolist())]

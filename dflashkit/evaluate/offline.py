@@ -1,6 +1,5 @@
 """Offline evaluation of a drafter on cached target states: each block's streak and accepted depth per draft tree,
-anchored `stride` (comparable across drafters) or `walk` (online chain decoding at T=0, block after block with the
-drafter's context KV); docs/design.md section 6 and "Offline evaluation in detail"."""
+anchored `stride` (comparable across drafters) or `walk` (as chain decoding at T=0); docs/design.md section 6."""
 
 from __future__ import annotations
 
@@ -79,8 +78,7 @@ def score_block(logits: torch.Tensor, labels: torch.Tensor, label_index: torch.T
 
 
 def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None) -> dict:
-    """hit [L] argmax == label; lp / idx [L][k] the top log-probs and indices. One tree of the largest budget serves
-    all: built best-first, the budget-b tree is its first b nodes."""
+    """hit [L] argmax == label; lp / idx [L][k] top log-probs and indices. One best-first tree serves every budget."""
     n_labels = int((labels != -100).sum())
     budgets = _budgets(trees)
     tree = build_tree_topk(lp, idx, budgets[-1])
@@ -285,9 +283,8 @@ def aggregate(blocks: list[dict], block_size: int, trees) -> dict:
 
 def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride", max_blocks: int | None = None,
              progress: bool = False, on_prompt=None, replays: dict | None = None) -> dict:
-    """Evaluate `drafter` on an opened cache: {"settings", "cache", "shortfall", "overall", "per_category",
-    "per_prompt", "blocks"}. on_prompt(summary, records) runs after each prompt; `replays` {engine: its hybrid-auto's
-    budget, lookup and price} (walk only) adds "hybrid_auto"."""
+    """Evaluate `drafter` on an opened cache; on_prompt(summary, records) runs after each prompt; `replays` {engine:
+    its hybrid-auto's budget, lookup and price} (walk only) adds "hybrid_auto"."""
     from tqdm import tqdm
 
     check_mode(anchors, max_blocks)

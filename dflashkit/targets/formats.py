@@ -1,7 +1,6 @@
-"""Weight formats a target runs in: its float dtype, or GGUF blocks (q8_0, q4_0, q4_1) kept for the static
-backend's kernels and dequantized into the target's parameters for all else, so every reader computes one model
-(docs/design.md, "Weight formats"). `gguf` takes the prepared-from file's own blocks (the float32 copy's values);
-`q8_0`, `q4_0`, `q4_1` quantize a float target with GGUF's reference quantizer (another model)."""
+"""Weight formats: a float dtype, or GGUF blocks (q8_0, q4_0, q4_1) kept for the static backend's kernels and
+dequantized into the target's parameters for all else, so every reader computes one model (docs/design.md, "Weight
+formats"). `gguf` takes the prepared-from file's own blocks; the others quantize a float target (another model)."""
 
 from __future__ import annotations
 

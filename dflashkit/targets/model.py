@@ -1,8 +1,6 @@
-"""The frozen target: loads offline, exposes what a drafter borrows (embedding, lm_head, layer features).
-
-Layer id `l` is the OUTPUT of decoder layer `l` (HF `hidden_states[l + 1]`, docs/design.md section 2), captured by
-hooks on the decoder layers themselves, so the final norm never leaks into a feature.
-"""
+"""The frozen target: loads offline, exposes what a drafter borrows (embedding, lm_head, layer features). Layer id
+`l` is the OUTPUT of decoder layer `l` (HF `hidden_states[l + 1]`, docs/design.md section 2), captured by hooks on
+the decoder layers themselves, so the final norm never leaks into a feature."""
 
 from __future__ import annotations
 
@@ -98,7 +96,6 @@ class Target:
         for i, layer in enumerate(self.layers):
             layer.register_forward_hook(self._hook(i))
 
-    # ---- identity ---------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
@@ -108,8 +105,7 @@ class Target:
         return self.embed_tokens.weight.dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding rows for `ids`, unscaled, as z-lab feeds a drafter (Gemma's module scales by sqrt(hidden) for
-        its own layers; a drafter scales by its input_embedding_scale)."""
+        """The embedding rows for `ids`, unscaled as z-lab feeds a drafter (Gemma's module scales for its own layers)."""
         return torch.nn.functional.embedding(ids, self.embed_tokens.weight)
 
     @property
@@ -117,8 +113,7 @@ class Target:
         return (getattr(self.config, "architectures", None) or [type(self.model).__name__])[0]
 
     def identity(self) -> dict:
-        """What a cache or checkpoint records so that a different target is never mixed in silently (JSON-able);
-        `weights_hash` tells two fine-tunes of one config apart."""
+        """What a cache or checkpoint records so that another target (a fine-tune too) is never mixed in silently."""
         cfg = json.loads((self.path / "config.json").read_text())
         if self._weights_hash is None:
             self._weights_hash = weights_hash(self.path) or state_dict_hash(self.model)
@@ -145,7 +140,6 @@ class Target:
                               "(allow_final_layers=True) to override")
         return ids
 
-    # ---- text -------------------------------------------------------------------------------------
     @property
     def has_thinking_mode(self) -> bool:
         return "enable_thinking" in (self.tokenizer.chat_template or "")
@@ -160,7 +154,6 @@ class Target:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    # ---- compute ----------------------------------------------------------------------------------
     def _hook(self, i: int):
         def hook(module, args, output):
             if self._capture is not None and i in self._capture:
@@ -215,8 +208,6 @@ class Target:
         return feats
 
 
-# ---- identity: the weights, not only the config ---------------------------------------------------------
-
 IDENTITY_KEYS = ("weights_hash", "weights", "config_hash", "architecture", "num_layers", "hidden_size", "vocab_size")
 
 
@@ -246,19 +237,17 @@ def identity_mismatch(recorded: dict | None, current: dict) -> list[str]:
 
 def check_same_target(recorded: dict | None, current: dict, what: str, fix: str) -> None:
     """Refuse when `what` (a cache, a drafter, data) was made with another target than the one in use."""
-    diff = identity_mismatch(recorded, current)
-    if diff:
+    if diff := identity_mismatch(recorded, current):
         raise DFlashError(f"{what} was made with target {describe_identity(recorded)}, not with the target in use "
                           f"{describe_identity(current)} (they differ in {', '.join(diff)}); {fix}")
 
 
-def decoder_parts(model, path=None):
+def decoder_parts(model, path):
     """(decoder, its layers, its final norm) by get_decoder(), whatever the attribute names (a VL wrapper's too)."""
-    where = f"{path}: " if path else ""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
     if decoder is None or not isinstance(layers, torch.nn.ModuleList) or norm is None:
-        raise DFlashError(f"{where}architecture {type(model).__name__} has no decoder with `layers` and a final `norm` "
+        raise DFlashError(f"{path}: architecture {type(model).__name__} has no decoder with `layers` and a final `norm` "
                           "(get_decoder()), so its layer hidden states cannot be captured; use a decoder-only causal "
                           "LM or a vision-language model whose language model has them (Llama, Qwen3, Qwen3.5, their "
                           "MoE and VL variants, DeepSeek-V3, GLM-4 MoE, ...)")
