@@ -58,8 +58,7 @@ def under_torchrun() -> bool:
 
 
 def default_threads() -> int:
-    """Under torchrun, physical cores // local processes (it sets OMP_NUM_THREADS=1); else OMP_NUM_THREADS or the
-    physical cores."""
+    """Physical cores // local processes under torchrun (it sets OMP_NUM_THREADS=1), else OMP_NUM_THREADS or cores."""
     m = machine.current()
     if m.local_world is not None:
         return max(1, physical_cores() // max(1, m.local_world))
@@ -80,7 +79,6 @@ MOST = 4  # threads per usable CPU: more only oversubscribe (thousands crawl or 
 
 
 def add_threads_option(parser) -> None:
-    """Add `--threads N` to an argparse (sub)parser."""
     parser.add_argument("--threads", type=int, default=None, metavar="N", help=(
         "torch CPU threads for this process (default: OMP_NUM_THREADS if set, else the physical cores, "
         f"{physical_cores()} here; under torchrun divided by the processes it starts on this machine)"))

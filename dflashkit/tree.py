@@ -77,8 +77,7 @@ def walk(tree: Tree, choice: Sequence[int]) -> list[int]:
 
 
 def add_branch(tree: Tree, branch: Sequence[int], log_prob: float = 0.0) -> tuple[Tree, list[int]]:
-    """The tree plus a root path `branch` (an n-gram continuation), merged where it shares a prefix, and each branch
-    token's node index; new nodes get `log_prob` (they do not come from the drafter)."""
+    """The tree plus a root path `branch`, merged where it shares a prefix, and the branch's node indices."""
     tokens, depths, parents, lps = (t.tolist() for t in (tree.tokens, tree.depths, tree.parents, tree.log_probs))
     kids = [dict(k) for k in tree.children()]
     node, nodes = 0, []
@@ -338,8 +337,7 @@ class TreeDrafts:
                 for q, d in zip(probs, tree.depths.tolist())]
 
     def _worth_drafting(self, found) -> bool:
-        """Draft unless, at this n-gram confidence, what the drafter adds does not pay for its forward against the
-        best n-gram prefix alone; an idle drafter is retried (RETRY, RETRY_MOST)."""
+        """Draft unless what the drafter adds at this n-gram confidence does not pay for its forward (retried idle)."""
         if not self.gated:
             return True
         q1 = max((qs[0] for _, _, qs in found), default=0.0)

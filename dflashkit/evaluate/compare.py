@@ -63,8 +63,7 @@ _diff = lambda a, ref: None if a is None or ref is None else a - ref
 
 
 def compare_runs(run_dirs, out=None, force: bool = False) -> dict:
-    """Compare eval run folders against the first (run - ref, run / ref), or per-request records (compare_requests);
-    writes compare.md, compare.json and plots to `out` when given."""
+    """Compare eval run folders against the first, or per-request records; writes the report to `out` when given."""
     if len(run_dirs) < 2:
         raise DFlashError("compare needs at least two run folders")
     if all(holds_requests(p) for p in run_dirs):  # bench folders or generate outputs: per-request records
@@ -191,8 +190,7 @@ def _overall(recs: list[dict]) -> dict:
 
 
 def compare_requests(paths, out=None) -> dict:
-    """The runs' records side by side: {"runs", "methods", "overall": {method: {run: totals}}, "lines": [per
-    request: {prompt, method, run: {fields}}], "markdown", "files"}."""
+    """The runs' records side by side: totals per method and run, and one line per request."""
     from dflashkit.evaluate.parity import load_records
 
     names = run_names(paths)

@@ -202,8 +202,7 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
 
 
 def _walk(drafter, embed, tokens, feats, prompt_len: int, max_blocks, score, accepted: str) -> list[dict]:
-    """Blocks one after another, each anchored after the last one's accepted tokens (its record's `accepted` field)
-    and its bonus; the drafter's context KV takes only the new positions. score(hidden [1, B-1, H], anchor)."""
+    """Blocks one after another, each after the last one's `accepted` tokens and bonus; score(hidden [1, B-1, H], a)."""
     cfg, p = drafter.config, next(drafter.parameters())
     out, done, a, context_kv = [], 0, prompt_len, drafter.new_context_kv()
     while a <= tokens.shape[0] - 2 and (max_blocks is None or len(out) < max_blocks):
@@ -241,8 +240,7 @@ def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, 
 
 
 def replay_hybrids(drafter, head, embed_tokens, tokens, feats, prompt_len, max_blocks, budgets, replays, hybrid, auto):
-    """Each budget's hybrid and each engine's hybrid-auto (`replays`, lookups shared across texts as in bench) on one
-    text, their rounds appended to `hybrid` {budget: ...} and `auto` {engine: ...}."""
+    """Each budget's hybrid and each engine's hybrid-auto replayed on one text, into `hybrid` and `auto`."""
     runs = [(hybrid, str(b), b, None, None) for b in budgets] + [
         (auto, e, r["budget"], r["lookup"], r["price"]) for e, r in replays.items()]
     for store, key, budget, lookup, price in runs:

@@ -26,8 +26,7 @@ def load_records(path) -> list[dict]:
 
 
 def pairs(a: list[dict], b: list[dict], method: str | None = None, against: str | None = None):
-    """[(method of a, method of b)] to compare: the named ones; else, where each run holds one method, those two;
-    else every method both runs hold."""
+    """[(method of a, method of b)] to compare: the named ones, each run's only one, or every method both hold."""
     ma, mb = list(dict.fromkeys(r["method"] for r in a)), list(dict.fromkeys(r["method"] for r in b))
     if method or against:
         chosen = [(method or ma[0], against or method or mb[0])]
@@ -65,8 +64,7 @@ def same_target(a: list[dict], b: list[dict]) -> None:
 
 
 def tokenizer_for(records: list[dict], target: str | None = None):
-    """decode(ids) -> text with the run's recorded target (its folder, or `target`, a registry name or folder);
-    None where neither is here (the report then shows token ids)."""
+    """decode(ids) -> text with the run's recorded target or `target`; None where neither is here."""
     where = target or next((r["target_path"] for r in records if r.get("target_path")), None)
     if where is None:
         return None

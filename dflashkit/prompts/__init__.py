@@ -276,8 +276,7 @@ def _load_one(spec: str) -> tuple[PromptItem, ...]:
 
 
 def load_prompts(spec: str | os.PathLike) -> PromptSuite:
-    """Load a built-in suite by name, a JSONL file by path, or several joined by commas; malformed input raises a
-    ValueError naming the file, line and fix."""
+    """Load a built-in suite, a JSONL file, or several joined by commas; bad input names the file, line and fix."""
     spec_str = os.fspath(spec)
     parts = [spec_str] if spec_str in BUILTIN_SUITES or os.path.isfile(spec_str) or "," not in spec_str else \
         [p.strip() for p in spec_str.split(",") if p.strip()]

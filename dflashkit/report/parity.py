@@ -12,8 +12,7 @@ ACROSS_ENGINES = 1e-3
 
 
 def rounding_tolerance(dtype: str | None, logit: float, across_engines: bool = False) -> float:
-    """The logit gap a rounding difference of `dtype` can explain: a few ulps of the largest logit (ACROSS_ENGINES of
-    it between two engines' kernels)."""
+    """The logit gap rounding in `dtype` can explain: a few ulps of the top logit (ACROSS_ENGINES between engines)."""
     return max(8 * EPS.get(dtype or "float32", EPS["float32"]), ACROSS_ENGINES * across_engines) * max(abs(logit), 1.0)
 
 
@@ -83,8 +82,7 @@ def compare_pair(ra: dict, rb: dict, decode=None) -> dict:
 
 
 def parity(a: list[dict], b: list[dict], decode=None) -> dict:
-    """One method's records of run a against run b, paired by prompt: {"prompts", "equal", "diverged", "first",
-    "verdicts", "per_prompt"}."""
+    """One method's records of run a against run b, paired by prompt, with counts and the first divergence."""
     by_b = {r["prompt"]: r for r in b}
     rows = [compare_pair(r, by_b[r["prompt"]], decode) for r in a if r["prompt"] in by_b]
     parted = [x for x in rows if not x["equal"]]
