@@ -17,7 +17,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.ngram import NgramLookup
 from dflashkit.targets.model import check_same_target
 from dflashkit.tree import (TreeDrafts, accepted_path, build_tree_topk, cut_candidates, parse_tree_spec,
-                            path_tokens, paths_streak, subtree, top_logprobs, width_streak)
+                            path_tokens, paths_streak, streak as greedy_streak, subtree, top_logprobs, width_streak)
 
 ANCHOR_MODES = ("stride", "walk")
 DEFAULT_TREES = ("budget:4", "budget:8")
@@ -147,8 +147,8 @@ def _exported_streaks(head, hidden: torch.Tensor, tokens, anchors: list[int], B:
     labels = _labels(tokens, anchors, B)
     per_chunk = max(1, LOGIT_ELEMENTS // (head.size * (B - 1)))
     for s in range(0, len(anchors), per_chunk):
-        hits = (head.logits(hidden[s : s + per_chunk]).argmax(-1) == labels[s : s + per_chunk]).int()
-        for rec, n in zip(out[s : s + per_chunk], hits.cumprod(-1).sum(-1).tolist()):  # a -100 label never matches
+        streaks = greedy_streak(head.logits(hidden[s : s + per_chunk]), labels[s : s + per_chunk])  # -100 never matches
+        for rec, n in zip(out[s : s + per_chunk], streaks.tolist()):
             rec["streak_as_exported"] = n
 
 
