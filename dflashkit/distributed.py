@@ -26,8 +26,7 @@ class Dist:
 
 
 def init_distributed(device: str = "auto") -> Dist:
-    """Join the torchrun group when there is one: nccl when this process computes on CUDA (cuda:LOCAL_RANK),
-    gloo otherwise. `device` as users write it (auto | cpu | cuda | cuda:N); one process picks it as usual."""
+    """Join the torchrun group when there is one: nccl on CUDA (cuda:LOCAL_RANK), gloo otherwise."""
     m = machine.current()
     if m.world == 1:
         return Dist(0, 1, pick_device(device))
@@ -44,8 +43,7 @@ def init_distributed(device: str = "auto") -> Dist:
 
 
 def _end_group() -> None:
-    """Every rank reaches exit before any ends the group: a rank that destroyed it while another still
-    used it aborted that one (SIGABRT, 2 of ~10 CPU runs). A rank that never arrives is waited for a minute."""
+    """End the group once every rank reached exit (or a minute passed): ending it under another rank aborts that one."""
     if not dist.is_initialized():
         return
     try:

@@ -1,11 +1,6 @@
-"""`dflashkit drafter export`: a trained drafter in the format an engine serves, and what that engine will accept.
-
-A drafter trained over a draft vocabulary is exported with its token map (`d2t`): vLLM reads it from the z-lab
-folder, llama.cpp from the GGUF. `--full-vocab` drops it; engines then draft over every target token, which the
-drafter never trained on, so the export states its tau as trained and as exported (measured on a cache when one
-is given). The GGUF comes from llama.cpp's own converter, so its tensor layout is llama.cpp's by construction.
-It sits above the stages because it uses three of them: drafter (the folder), engines (the GGUF), evaluate (tau).
-"""
+"""`dflashkit drafter export`: a trained drafter in the format an engine serves, with its draft vocabulary's token
+map (`d2t`) unless `--full-vocab`, which makes engines draft over tokens it never trained on: the export then states
+tau as trained and as exported. It sits above drafter, engines and evaluate, the three stages it uses."""
 
 from __future__ import annotations
 
@@ -23,20 +18,16 @@ def cmd_export(args) -> int:
 
 
 def _target_ref(drafter, given: str | None, src: Path) -> str:
-    if given:
-        return given
     tgt = (drafter.contract or {}).get("target") or {}
-    if tgt.get("path") and Path(tgt["path"]).exists():
-        return tgt["path"]
-    if tgt.get("name"):  # the registry name, when the recorded folder has moved
-        return tgt["name"]
+    # the recorded folder, or the registry name when the folder has moved
+    if ref := given or (tgt["path"] if tgt.get("path") and Path(tgt["path"]).exists() else tgt.get("name")):
+        return ref
     raise DFlashError(f"{src}: records no target (a z-lab folder); pass --target NAME_OR_FOLDER")
 
 
 def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_ref: str | None = None,
                    full_vocab: bool = False, cache: str | None = None, num_prompts: int | None = None) -> dict:
-    """Write the export and return {"path", "format", "vocabulary", "tau": {"as_trained", "as_exported"}, "lines"};
-    taus are None without a cache. The written token map is read back and checked (a GGUF's by check_gguf)."""
+    """Write the export, its token map read back and checked; returns what it wrote, taus None without a cache."""
     import torch
 
     from dflashkit.drafter.checkpoint import check_against_target, load_drafter, run_latest, save_drafter
@@ -56,21 +47,17 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     target = load_target(_target_ref(drafter, target_ref, src), device="cpu") if needs_target else None
     if target is not None:
         check_against_target(drafter.config, target, str(src))
-    if fmt == "zlab":
-        lm_head = target.lm_head.weight if keep_map else None
-        save_drafter(drafter, out, format="zlab", dtype=getattr(torch, dtype), lm_head=lm_head)
-        written = (load_drafter(out).contract or {}).get("draft_vocab")
-        if written != (vocab if keep_map else None):
-            raise DFlashError(f"{out}: the written token map ({len(written or [])} ids) is not the drafter's "
-                              f"({len(vocab or []) if keep_map else 0}); the export is wrong, please report it")
-    elif fmt == "transformers":  # its head is the target's own: a draft vocabulary cannot travel (refused by name)
-        save_drafter(drafter, out, format="transformers", dtype=getattr(torch, dtype),
-                     lm_head=target.lm_head.weight if keep_map else None)
-    else:
+    if fmt == "gguf":
         from dflashkit.engines.install import require
         from dflashkit.engines.llamacpp import drafter_gguf
 
         drafter_gguf(require("llama.cpp"), drafter, target, dtype, out, token_map=keep_map)
+    else:  # transformers: its head is the target's own, so a draft vocabulary cannot travel (refused by name)
+        save_drafter(drafter, out, format=fmt, dtype=getattr(torch, dtype),
+                     lm_head=target.lm_head.weight if keep_map else None)
+    if fmt == "zlab" and (written := (load_drafter(out).contract or {}).get("draft_vocab")) != (vocab if keep_map else None):
+        raise DFlashError(f"{out}: the written token map ({len(written or [])} ids) is not the drafter's "
+                          f"({len(vocab or []) if keep_map else 0}); the export is wrong, please report it")
     full = target.lm_head.weight.shape[0] if target is not None else drafter.config.vocab_size
     res = {"path": str(out), "format": fmt, "dtype": dtype, "source": str(src),
            "vocabulary": {"as_trained": len(vocab) if vocab else full, "as_exported": len(vocab) if keep_map else full},

@@ -19,12 +19,9 @@ def home() -> Path:
     return Path(machine.current().home).expanduser()
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def sha256_json(obj) -> str:
@@ -54,8 +51,7 @@ def _umask() -> int:
 
 
 def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
-    """Refuse, before any work, an output path that cannot be created: its nearest existing ancestor must be a
-    writable folder (the path itself may exist)."""
+    """Refuse, before any work, an output path whose nearest existing ancestor is not a writable folder."""
     p = Path(path).absolute()
     here = p if p.exists() else next(a for a in p.parents if a.exists())
     if here != p and not here.is_dir():

@@ -1,8 +1,6 @@
-"""ISA levels: the named instruction sets our kernels are built for, instead of the host CPU's own -march, so the
-library a user's CPU runs is one any test machine can build and run (docs/design.md, "Threads and ISA levels").
-
-A level is chosen once per process: the CLI's `--isa` (or $DFLASHKIT_ISA, read by the CLI alone) calls `choose`;
-otherwise the widest level this CPU runs. `chosen()` is what library code asks."""
+"""ISA levels: the named instruction sets our kernels are built for instead of -march=native, so any test machine
+builds and runs what a user's CPU runs (docs/design.md, "Threads and ISA levels"). The CLI's `--isa` calls `choose`
+once; else the widest level this CPU runs."""
 
 from __future__ import annotations
 
@@ -72,8 +70,7 @@ def best() -> str:
 
 
 def resolve(value: str | None) -> str:
-    """A level's name from what a user wrote (None or 'native': the widest this CPU runs); unknown or not runnable
-    here is refused in one line."""
+    """A level's name from what a user wrote (None or 'native': the widest this CPU runs)."""
     name = ALIASES.get(value, value) if value else None
     if name is None:
         return best()
@@ -122,8 +119,7 @@ def amx() -> bool:
 
 
 def torch_environment(name: str) -> dict[str, str]:
-    """What torch must be told before it loads for its own kernels to take the level's code path (ATen's dispatch,
-    inductor's -march): only where the level is narrower than this CPU (the CLI sets these)."""
+    """The environment torch needs before it loads for its kernels to take a narrower level's path (the CLI sets it)."""
     if name == "v3" and best() == "v4":
         return {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"}
     return {}

@@ -25,8 +25,7 @@ class NgramLookup:
                 self.index.setdefault(tuple(self.tokens[end - n + 1 : end + 1]), []).append(end)
 
     def propose_all(self, k: int | None = None) -> list[tuple[list[int], int]]:
-        """Up to k distinct (continuation of up to max_tokens tokens, length of the matched suffix), longest matched
-        suffix first, then the most recent occurrence first."""
+        """Up to k distinct (continuation, matched suffix length), longest match first, then the most recent."""
         k = k or self.branches
         out, seen = [], set()
         for n in range(min(self.max_ngram, len(self.tokens)), 0, -1):

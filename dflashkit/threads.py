@@ -1,6 +1,5 @@
 """`--threads`: torch's intra-op threads for every command that runs models, and a default a user can predict
-(docs/design.md, "Threads and ISA levels"). Wiring: `add_threads_option(parser)`; `dflashkit.cli.main` calls
-`apply_threads(args)`."""
+(docs/design.md, "Threads and ISA levels")."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def under_torchrun() -> bool:
 
 
 def default_threads() -> int:
-    """Under torchrun: physical cores // processes on this machine (torchrun itself sets OMP_NUM_THREADS=1, so
-    that variable is ignored there). Otherwise OMP_NUM_THREADS when set, else the physical cores."""
+    """Physical cores // local processes under torchrun (it sets OMP_NUM_THREADS=1), else OMP_NUM_THREADS or cores."""
     m = machine.current()
     if m.local_world is not None:
         return max(1, physical_cores() // max(1, m.local_world))
@@ -81,16 +79,14 @@ MOST = 4  # threads per usable CPU: more only oversubscribe (thousands crawl or 
 
 
 def add_threads_option(parser) -> None:
-    """Add `--threads N` to an argparse (sub)parser."""
     parser.add_argument("--threads", type=int, default=None, metavar="N", help=(
         "torch CPU threads for this process (default: OMP_NUM_THREADS if set, else the physical cores, "
         f"{physical_cores()} here; under torchrun divided by the processes it starts on this machine)"))
 
 
 def apply_threads(args_or_n=None) -> int:
-    """Set torch's intra-op threads from parsed args (their `.threads`), an int, or None (the default); returns them.
-    An explicit number is set as given. The default is set as is under torchrun; otherwise it only ever lowers
-    the count, so an in-process caller that chose fewer threads (a test, a notebook) keeps its choice."""
+    """Set torch's threads from parsed args, an int, or None (the default); returns them. Outside torchrun the
+    default only lowers the count, so an in-process caller that chose fewer keeps its choice."""
     n = getattr(args_or_n, "threads", args_or_n)
     import torch
 

@@ -1,12 +1,11 @@
-"""Draft trees, shared by offline evaluation and online decoding: DDTree (Ringel & Romano, arXiv:2604.12989),
-extra branches (n-gram continuations), the verify mask, the accepted-path walk, cost-aware cuts and `TreeDrafts`
-(what one round verifies; docs/design.md, "Draft trees in detail")."""
+"""Draft trees shared by offline evaluation and online decoding: DDTree (Ringel & Romano, arXiv:2604.12989), n-gram
+branches, the verify mask, cost-aware cuts and `TreeDrafts` (docs/design.md, "Draft trees in detail")."""
 from __future__ import annotations
 
 import heapq
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import perf_counter
 from typing import Sequence
 
@@ -47,8 +46,7 @@ class Tree:
         return self._children
 
     def ancestor_mask(self) -> Tensor:
-        """[n, n] bool attention mask for verifying the whole tree in one target pass:
-        node i sees node j iff j is i or one of its ancestors (root included)."""
+        """[n, n] bool verify mask: node i sees node j iff j is i or one of its ancestors (root included)."""
         n = len(self)
         mask = torch.eye(n, dtype=torch.bool)
         for i, p in enumerate(self.parents.tolist()):
@@ -58,10 +56,8 @@ class Tree:
 
 
 def attention_mask(tree: Tree, past: int, dtype: torch.dtype, device, window: int | None = None) -> Tensor:
-    """[1, 1, n, past + n] additive mask for one verify forward: every position already in the target KV
-    visible, then the node's ancestors and itself. With `window`, a sliding-window layer's mask: of those, only
-    keys less than `window` positions before the node's own (past + depth), as plain decoding's sliding mask
-    (transformers' sliding_window_overlay: key > query - window) keeps them."""
+    """[1, 1, n, past + n] additive verify mask: the whole target KV, then the node's ancestors and itself. With
+    `window` (a sliding layer), only keys less than `window` before the node's position, as transformers keeps them."""
     allowed = torch.cat([torch.ones(len(tree), past, dtype=torch.bool), tree.ancestor_mask()], dim=1)
     if window is not None:
         q_pos = past + tree.depths
@@ -72,8 +68,7 @@ def attention_mask(tree: Tree, past: int, dtype: torch.dtype, device, window: in
 
 
 def walk(tree: Tree, choice: Sequence[int]) -> list[int]:
-    """Online acceptance: follow the target's choice at each node (choice[i] = its token after node i) from the
-    root while that token is a child; returns the accepted node indices, root excluded."""
+    """The accepted nodes (root excluded): from the root, follow choice[node] (the target's token after it)."""
     kids, node, path = tree.children(), 0, []
     while (child := kids[node].get(choice[node])) is not None:
         path.append(child)
@@ -82,9 +77,7 @@ def walk(tree: Tree, choice: Sequence[int]) -> list[int]:
 
 
 def add_branch(tree: Tree, branch: Sequence[int], log_prob: float = 0.0) -> tuple[Tree, list[int]]:
-    """The tree plus a root path `branch` (e.g. an n-gram continuation), its shared prefix merged with existing
-    nodes. Returns the new tree and the node index of every branch token (existing or appended). New nodes get
-    `log_prob` (they do not come from the drafter's distribution)."""
+    """The tree plus a root path `branch`, merged where it shares a prefix, and the branch's node indices."""
     tokens, depths, parents, lps = (t.tolist() for t in (tree.tokens, tree.depths, tree.parents, tree.log_probs))
     kids = [dict(k) for k in tree.children()]
     node, nodes = 0, []
@@ -115,10 +108,8 @@ def path_tokens(tree: Tree) -> int:
 
 
 def cut_candidates(tree: Tree, probs: Sequence[float]) -> tuple[list[int], list[float], list[int]]:
-    """The cuts a cost-aware tree chooses among: (its nodes in the order a cut keeps them, and per cut of the first n
-    = 0..len-1: 1 + the kept nodes' acceptance probabilities, the tokens of a verify one path a row). probs[i]: node
-    i's chance (root ignored), made no likelier than its parent's, so every cut is prefix-closed. Decoding cuts on it
-    (prune_by_cost) and the offline walk records it (evaluate/offline.py): the two cut alike."""
+    """(nodes in the order a cut keeps them, per cut of the first n: 1 + their acceptance probabilities, and the
+    tokens of a verify one path a row). probs[i] is capped by its parent's, so every cut is prefix-closed."""
     p = list(map(float, probs))
     parents = tree.parents.tolist()
     for i, par in enumerate(parents):  # parents precede children: one pass makes p monotone
@@ -143,12 +134,8 @@ def best_cut(gains: Sequence[float], tokens: Sequence[int], cost, fixed: float =
 
 
 def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, path_cost=None) -> Tree:
-    """Keep the nodes that maximize expected committed tokens per second: (1 + sum of the kept nodes' acceptance
-    probabilities) / (fixed + cost(tokens)), with cost(n) the time of a target forward over n tokens and tokens the
-    nodes + 1 of a flattened tree, or path_cost(leaves x (depth + 1)) when every root-to-leaf path is its own batch
-    row (each row a copy of the target KV: dearer than a flat forward over as many tokens). The best of the
-    len(tree) prefix-closed candidates (cut_candidates) is exact for the flattened cost, greedy for paths (how near
-    the best: docs/design.md section 5)."""
+    """The cut that maximizes (1 + kept probabilities) / (fixed + cost(nodes + 1)), or + path_cost(leaves x (depth
+    + 1)) for a batch row per root-to-leaf path: exact for the flat cost, greedy for paths (docs/design.md section 5)."""
     return subtree(tree, best_nodes(tree, probs, cost, fixed, path_cost))
 
 
@@ -165,25 +152,19 @@ def draft_tree(logits: Tensor, budget: int, anchor: Tensor, to_tokens) -> Tree:
 
 def rooted(tree: Tree, anchor: Tensor, to_tokens, device) -> Tree:
     """A drafter's tree (node tokens are draft-vocabulary indices) with target token ids, the anchor at the root."""
-    tokens = torch.cat([anchor.cpu(), to_tokens(tree.tokens[1:].to(device)).cpu()])
-    return Tree(tokens=tokens, depths=tree.depths, parents=tree.parents, log_probs=tree.log_probs)
+    return replace(tree, tokens=torch.cat([anchor.cpu(), to_tokens(tree.tokens[1:].to(device)).cpu()]))
 
 
 def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k of the float32 log-softmax over the last axis, sorted descending: logits [..., V] ->
-    (log-probs [..., k], token indices [..., k]); only k values per row are materialised."""
+    """(log-probs, indices) [..., k] of the float32 log-softmax's top-k, descending, materialising only k per row."""
     logits = logits.detach().float()
     vals, idx = logits.topk(k, dim=-1)
     return vals - logits.logsumexp(dim=-1, keepdim=True), idx
 
 
 def build_tree(logits: Tensor, budget: int, root_token: int = -1) -> Tree:
-    """The `budget` most probable prefixes of the product distribution given by logits[L, V].
-
-    Best-first over per-depth rank tuples: each prefix's score is <= that of its previous sibling
-    (or its parent when it is rank 0), so popping a max-heap that pushes "next sibling" and
-    "first child" yields prefixes in score order and the result is prefix-closed. Any prefix
-    that uses a rank >= budget has >= budget better siblings, so K = min(budget, V) suffices."""
+    """The `budget` most probable prefixes of the product distribution logits[L, V], popped best-first from a heap (a
+    prefix scores no more than its previous sibling or parent), so prefix-closed; the top min(budget, V) suffice."""
     if logits.dim() != 2:
         raise ValueError(f"build_tree expects logits [L, V], got shape {tuple(logits.shape)}")
     if budget < 0:
@@ -192,8 +173,7 @@ def build_tree(logits: Tensor, budget: int, root_token: int = -1) -> Tree:
 
 
 def build_tree_topk(logprobs, token_ids, budget: int, root_token: int = -1) -> Tree:
-    """build_tree from each position's top log-probs and token ids (lists or tensors [L, k], sorted
-    descending, k >= min(budget, V)), so that one top-k serves many blocks and budgets."""
+    """build_tree from each position's top-k log-probs and ids ([L, k], descending): one top-k serves many budgets."""
     lp = logprobs.tolist() if isinstance(logprobs, Tensor) else logprobs
     idx = token_ids.tolist() if isinstance(token_ids, Tensor) else token_ids
     L = len(lp)
@@ -224,22 +204,18 @@ def accepted_path(tree: Tree, continuation: Sequence[int] | Tensor) -> list[int]
 
 
 def streak(logits: Tensor, labels: Tensor) -> Tensor:
-    """Greedy (single-chain) acceptance: leading positions with argmax == label. logits [..., L, V],
-    labels [..., L] -> [...] long; label -100 never matches."""
+    """Greedy acceptance: leading positions with argmax == label ([..., L, V], [..., L] -> [...]); -100 never matches."""
     return (logits.argmax(dim=-1) == labels).long().cumprod(dim=-1).sum(dim=-1)
 
 
 def width_streak(logits: Tensor, labels: Tensor, k: int) -> Tensor:
-    """`width:K` upper bound: leading positions whose label is in that position's top-K
-    (a tree holding all K^L combinations). logits [..., L, V], labels [..., L] -> [...] long."""
+    """`width:K` upper bound (a tree of all K^L combinations): leading positions whose label is in the top-K."""
     idx = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
     return (idx == labels.unsqueeze(-1)).any(dim=-1).long().cumprod(dim=-1).sum(dim=-1)
 
 
 def topk_paths(logits: Tensor, k: int) -> list[tuple[list[int], float]]:
-    """The k most probable complete drafts (length L) with log-probs, best first.
-    Width-k beam search is exact here: under a product distribution every top-k complete draft
-    has a top-k prefix, and extending with tokens outside a position's top-k can't help."""
+    """The k most probable complete drafts with log-probs, best first (beam search is exact for a product distribution)."""
     L, V = logits.shape
     kk = min(k, V)
     lp, idx = (t.tolist() for t in top_logprobs(logits, kk))
@@ -258,13 +234,12 @@ def paths_streak(logits: Tensor, labels: Tensor, k: int) -> int:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences (where they first differ)."""
+    """Where two token sequences first differ (their common prefix's length)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def parse_tree_spec(spec: str) -> tuple[str, int]:
-    """'budget:8' | 'paths:4' | 'width:4' | 'selector:8' | '8' (= budget:8) -> (family, K) with K >= 1.
-    selector:N is the node-budget tree a DFlash2 drafter's candidate selector scores (CandidateSelector.tree)."""
+    """'budget:8' | 'paths:4' | 'width:4' | 'selector:8' (DFlash2's CandidateSelector.tree) | '8' -> (family, K >= 1)."""
     allowed = ("expected 'budget:N', 'paths:N', 'width:N', 'selector:N' (DFlash2) or a bare 'N' (= budget:N), "
                "with integer N >= 1")
     m = re.fullmatch(r"(?:(budget|paths|width|selector):)?([0-9]+)", str(spec).strip())
@@ -275,22 +250,15 @@ def parse_tree_spec(spec: str) -> tuple[str, int]:
 
 ADDED_PRIOR = (1.0, 1.0)  # what the gate assumes the drafter adds before it has drafted: one token, worth one round
 ADDED_DECAY = 0.9  # per drafted round: a mean over about ten, not a moving average that two misses can shut
-# A drafter that does not pay is retried after RETRY idle rounds, then after twice as many each time it still does
-# not, up to RETRY_MOST: while off it costs at most one drafter call in RETRY_MOST + 1 rounds (a random drafter: 1
-# round in 10 drafting after a warm-up of about 30 rounds, tests/test_fallback.py)
+# an idle drafter is retried after RETRY rounds, the wait doubling up to RETRY_MOST while it does not pay
 RETRY, RETRY_MOST = 8, 64
-# the cut's calibration: per depth, what the kept nodes promised (their summed probabilities: P(reaching it)) against
-# what the target accepted, decayed over about the last 20 drafted rounds, from a prior of PRIOR rounds that kept
-# their promises
+# per depth, promised (summed kept probabilities) against accepted, over about 20 rounds, from PRIOR kept promises
 CALIBRATION_DECAY, CALIBRATION_PRIOR = 0.95, 2.0
 
 
 class TreeDrafts:
-    """What one round verifies: the drafter's DDTree (`budget` nodes), n-gram continuations as extra branches, or
-    both merged. With a cost curve (the -auto methods) the tree is cut to the nodes that maximize expected tokens
-    per second (`budget` is then the most the drafter offers), and the drafter sits out rounds where what it has
-    been adding in this request, beyond the n-gram branch if there is one, does not pay for its forward: such a round
-    is plain decoding (the root alone) or the n-gram branch alone."""
+    """What one round verifies: the drafter's DDTree, n-gram branches, or both merged. With a cost curve (-auto)
+    the tree is cut for tokens per second and the drafter sits out rounds where what it adds does not pay."""
 
     def __init__(self, drafter=None, budget: int = 0, ngram=None, cost=None, draft_cost: float | None = None,
                  path_cost=None, fixed: float = 0.0):
@@ -363,18 +331,13 @@ class TreeDrafts:
         return tree
 
     def calibrated(self, tree: Tree, probs: list[float]) -> list[float]:
-        """Node probabilities scaled per depth by accepted / promised in this run's rounds of this kind (drafted, or
-        the n-gram branch alone; 1 before anything is seen): proposals that promise more than the target accepts get
-        smaller cuts, down to plain decoding; ones that undersell themselves larger."""
+        """Node probabilities scaled per depth by accepted / promised in this run's rounds of this kind (drafted or not)."""
         scale = [(a + CALIBRATION_PRIOR) / (p + CALIBRATION_PRIOR) for a, p in self.calibration[self.drafted]]
         return [min(1.0, q * (scale[d - 1] if 0 < d <= len(scale) else 1.0))
                 for q, d in zip(probs, tree.depths.tolist())]
 
     def _worth_drafting(self, found) -> bool:
-        """Draft unless, at this n-gram confidence, the tokens the drafter has been adding do not pay for its
-        forward and a few more verified nodes, against the best n-gram prefix alone (what pruning would keep), or
-        the root alone; an idle drafter is retried after RETRY idle rounds, the wait doubling up to RETRY_MOST while
-        it keeps not paying, back to RETRY once it pays."""
+        """Draft unless what the drafter adds at this n-gram confidence does not pay for its forward (retried idle)."""
         if not self.gated:
             return True
         q1 = max((qs[0] for _, _, qs in found), default=0.0)
@@ -401,8 +364,7 @@ class TreeDrafts:
         return False
 
     def observe(self, new: list[int]) -> None:
-        """Learn from the round (`new`: the accepted drafts): how much of each n-gram proposal the target accepted,
-        what the drafter added beyond it, and the committed tokens for the next lookup."""
+        """Learn from the round's accepted drafts `new`: what each n-gram proposal and the drafter got accepted."""
         best = 0
         for cont, match in self.branches if self.ngram is not None else ():
             if cont:

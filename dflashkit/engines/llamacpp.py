@@ -1,9 +1,5 @@
-"""llama.cpp as a peer: the target (and drafter) converted to GGUF once, `llama-server` driven over loopback HTTP.
-
-The server takes prompt token ids and returns token ids (`return_tokens`), so an answer compares with ours token
-for token; its own timings give the prompt and generation time, and its draft counters the mean acceptance
-length the way llama.cpp reports it (1 + accepted drafts / verify steps).
-"""
+"""llama.cpp as a peer: the target (and drafter) converted to GGUF once, `llama-server` driven over loopback HTTP
+on token ids, its own timings and draft counters reported as llama.cpp reports them."""
 
 from __future__ import annotations
 
@@ -62,9 +58,8 @@ def convert(engine: LlamaCpp, hf_dir: Path, dtype: str, out: Path, target_dir: P
 
 
 def target_gguf(engine: LlamaCpp, target, dtype: str) -> Path:
-    """The target's weights as llama.cpp runs them, in the format ours run: a GGUF target's own file (--weights gguf:
-    the very file, e.g. the default's Q4_1), q8_0 by llama.cpp's converter (the same reference quantizer as ours),
-    else converted in `dtype`; cached by the target's identity (same weights, same file)."""
+    """The target's weights as llama.cpp runs them, in the format ours run (a GGUF target's own file, q8_0, else
+    `dtype`), cached by the target's identity."""
     from dflashkit.targets.formats import gguf_source
 
     weights = getattr(target, "weights", "float")
@@ -149,9 +144,8 @@ class LlamaServer:
 
 
 def answer_of(res: dict, seconds: float, stop_ids: set[int]) -> EngineAnswer:
-    """A `/completion` response as an EngineAnswer: its tokens (the stop token put back), its prompt time and draft
-    counters from `timings` (draft_n, draft_n_accepted; verify steps = generated tokens after the first that the
-    accepted drafts do not account for). The server counts totals only: no rounds, no per-position acceptance."""
+    """A `/completion` response as an EngineAnswer (the stop token put back); verify steps are the generated tokens
+    after the first that accepted drafts do not account for. The server counts totals only."""
     tokens = list(res.get("tokens") or [])
     if res.get("stop_type") == "eos" and not (tokens and tokens[-1] in stop_ids):
         tokens.append(min(stop_ids))  # ours keep the stop token; the server drops it from the answer
@@ -164,9 +158,8 @@ def answer_of(res: dict, seconds: float, stop_ids: set[int]) -> EngineAnswer:
 
 
 def drafter_gguf(engine: LlamaCpp, drafter, target, dtype: str, out: Path, token_map: bool = True) -> Path:
-    """A DFlash/DFlash2 drafter as llama.cpp runs it: z-lab folder -> llama.cpp's converter (with the target's
-    tokenizer) -> plus the draft vocabulary's token map where the drafter was trained over one (unless not
-    `token_map`)."""
+    """A DFlash/DFlash2 drafter as llama.cpp runs it: z-lab folder -> llama.cpp's converter -> plus the draft
+    vocabulary's token map where it has one (and `token_map`)."""
     import torch
 
     from dflashkit.drafter.checkpoint import save_drafter

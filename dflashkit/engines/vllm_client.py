@@ -1,8 +1,5 @@
-"""vLLM as a peer: `vllm_worker.py` run by the engine's own Python, one `LLM` per process (plain or DFlash).
-
-The worker reads prompt token ids and answers token ids with vLLM's own speculative counters, so its mean
-acceptance length is vLLM's (1 + accepted / drafts) and its tokens compare with ours token for token.
-"""
+"""vLLM as a peer: `vllm_worker.py` run by the engine's own Python, one `LLM` per process (plain or DFlash), answering
+token ids with vLLM's own speculative counters."""
 
 from __future__ import annotations
 
@@ -93,8 +90,7 @@ class VllmWorker:
 
 
 def answer_of(reply: dict, num_speculative_tokens: int) -> EngineAnswer:
-    """A worker's reply as an EngineAnswer: vLLM's own counters (drafts = verify steps with a draft, each of
-    num_speculative_tokens tokens; accepted; per draft position where its metrics have them). vLLM does not report
-    the prompt's time apart (None); its answers count from the request, like ours from the prompt."""
+    """A worker's reply as an EngineAnswer: vLLM's own counters (each draft num_speculative_tokens tokens); vLLM does
+    not report the prompt's time apart."""
     return EngineAnswer(reply["tokens"], reply["seconds"], None, reply["drafts"] * int(num_speculative_tokens),
                         reply["accepted"], reply["drafts"], per_position=reply.get("per_position"))

@@ -1,10 +1,5 @@
-"""Run by vLLM's own Python (its venv), never imported by dflashkit: one `LLM`, answers over stdin/stdout.
-
-argv[1]: a JSON file {"model", "dtype", "max_model_len", "speculative": null or vLLM's speculative_config}.
-stdin: one JSON line per request {"ids": [...], "max_tokens": N}; stdout: one line per answer, prefixed
-REPLY (vLLM logs to the same streams), {"tokens", "seconds", "drafts", "accepted", "per_position"} from vLLM's own
-counters (per_position null where this vLLM keeps no per-position counts).
-"""
+"""Run by vLLM's own Python (its venv), never imported by dflashkit: one `LLM` configured by the JSON file argv[1],
+one JSON request {"ids", "max_tokens"} a stdin line, one answer a stdout line prefixed REPLY (vLLM logs there too)."""
 
 from __future__ import annotations
 
@@ -16,8 +11,7 @@ REPLY = "@@dflashkit "
 
 
 def counters(llm) -> dict:
-    """vLLM's spec-decode counters; per_position (a Vector metric: rounds that accepted a draft at position k)
-    stays None where this vLLM does not keep it."""
+    """vLLM's spec-decode counters; per_position stays None where this vLLM does not keep it."""
     out = {"drafts": 0, "accepted": 0, "per_position": None}
     for m in llm.get_metrics():
         if m.name == "vllm:spec_decode_num_drafts":

@@ -1,9 +1,5 @@
-"""Offline evaluation of drafters on cached target states, DDTree, and side-by-side comparison of runs.
-
-    from dflashkit.evaluate import evaluate, evaluate_sequence, compare_runs
-
-Names load lazily so that the CLI's parser does not import torch.
-"""
+"""Offline evaluation of drafters on cached target states, DDTree, and side-by-side comparison of runs. Names load
+lazily so that the CLI's parser does not import torch."""
 
 from __future__ import annotations
 

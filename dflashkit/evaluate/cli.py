@@ -68,7 +68,6 @@ def run_eval_command(args, replays=None) -> dict:
     run_dir = Path(args.out or f"runs/eval-{ckpt.resolve().name}-{Path(args.cache).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if run_dir.exists() and any(run_dir.iterdir()) and not args.force:
         raise DFlashError(f"--out {run_dir} exists and is not empty; choose another name or pass --force to replace it")
-
     cache = open_cache(args.cache, num_prompts=args.num_prompts, allow_partial=args.allow_partial,
                        partial_hint="--allow-partial")
     target_ref = args.target or cache.target.get("path") or cache.target.get("name")
@@ -78,10 +77,9 @@ def run_eval_command(args, replays=None) -> dict:
     target = load_target(target_ref, device=args.device, **({"dtype": "float32", "weights": served}
                                                             if served != "float" else {}))
     check_target(cache.path, cache.manifest, target.identity())  # weights included: a fine-tune is another target
-    result = runs.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,
-                           show_matches=args.show_matches, say=tqdm.write, allow_skipped=args.allow_skipped,
-                           replays=replays(target) if replays else None)
-    return result
+    return runs.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,
+                         show_matches=args.show_matches, say=tqdm.write, allow_skipped=args.allow_skipped,
+                         replays=replays(target) if replays else None)
 
 
 def cmd_compare(args) -> int:

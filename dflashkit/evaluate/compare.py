@@ -1,11 +1,6 @@
-"""Eval runs side by side: per prompt and overall, with differences and ratios against the first run.
-
-Offline numbers only compare when the runs saw the same cache, the same prompts, the same anchor schedule and
-the same block settings (docs/design.md section 6); anything else is refused unless forced, and a forced table says
-in its first line what differs. Bench folders and `generate --out` files compare their per-request records
-instead, line by line (tokens, rounds, tau, acceptance per draft position, draft/verify time), any engines, the
-first run the reference for token equality.
-"""
+"""Eval runs side by side, with differences and ratios against the first run: only runs of the same cache, prompts,
+anchors and block settings compare (docs/design.md section 6), else refused unless forced. Bench folders and
+`generate --out` files compare their per-request records instead, line by line."""
 
 from __future__ import annotations
 
@@ -68,12 +63,9 @@ _diff = lambda a, ref: None if a is None or ref is None else a - ref
 
 
 def compare_runs(run_dirs, out=None, force: bool = False) -> dict:
-    """Compare eval run folders; the first is the reference (differences are run - ref, ratios run / ref). Bench
-    folders and `generate --out` files compare their per-request records instead (compare_requests below).
-    Writes compare.md, compare.json and overlaid plots to `out` when given."""
+    """Compare eval run folders against the first, or per-request records; writes the report to `out` when given."""
     if len(run_dirs) < 2:
         raise DFlashError("compare needs at least two run folders")
-
     if all(holds_requests(p) for p in run_dirs):  # bench folders or generate outputs: per-request records
         return compare_requests(run_dirs, out)
     runs = [load_run(p) for p in run_dirs]
@@ -198,8 +190,7 @@ def _overall(recs: list[dict]) -> dict:
 
 
 def compare_requests(paths, out=None) -> dict:
-    """The runs' records side by side: {"runs", "methods", "overall": {method: {run: totals}}, "lines": [per
-    request: {prompt, method, run: {fields}}], "markdown", "files"}."""
+    """The runs' records side by side: totals per method and run, and one line per request."""
     from dflashkit.evaluate.parity import load_records
 
     names = run_names(paths)

@@ -1,6 +1,5 @@
 """Offline evaluation of a drafter on cached target states: each block's streak and accepted depth per draft tree,
-anchored `stride` (comparable across drafters) or `walk` (online chain decoding at T=0, block after block with the
-drafter's context KV); docs/design.md section 6 and "Offline evaluation in detail"."""
+anchored `stride` (comparable across drafters) or `walk` (as chain decoding at T=0); docs/design.md section 6."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.ngram import NgramLookup
 from dflashkit.targets.model import check_same_target
 from dflashkit.tree import (TreeDrafts, accepted_path, build_tree_topk, cut_candidates, parse_tree_spec,
-                            path_tokens, paths_streak, subtree, top_logprobs, width_streak)
+                            path_tokens, paths_streak, streak as greedy_streak, subtree, top_logprobs, width_streak)
 
 ANCHOR_MODES = ("stride", "walk")
 DEFAULT_TREES = ("budget:4", "budget:8")
@@ -79,9 +78,7 @@ def score_block(logits: torch.Tensor, labels: torch.Tensor, label_index: torch.T
 
 
 def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None) -> dict:
-    """hit [L] argmax == label; lp / idx: the top log-probs and indices per position (lists [L][k]). Every budget
-    comes from ONE best-first tree of the largest budget: the heap pops prefixes in score order, so the budget-b
-    tree is its first b nodes, and its accepted depth counts the accepted path's nodes <= b."""
+    """hit [L] argmax == label; lp / idx [L][k] top log-probs and indices. One best-first tree serves every budget."""
     n_labels = int((labels != -100).sum())
     budgets = _budgets(trees)
     tree = build_tree_topk(lp, idx, budgets[-1])
@@ -113,10 +110,8 @@ def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None
 
 def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int, trees: list[str],
                   selector=None) -> list[dict]:
-    """hidden [n, B-1, H] drafter states of the draft slots. Vocabulary logits in chunks of blocks; argmax and
-    top-k once per chunk (few large ops instead of several small ones per block). selector: DFlash2's; its greedy
-    path (each position reranked given its own previous choice, as at inference) is the draft that streak and
-    per-position acceptance score, while DDTree budgets read the marginal logits."""
+    """hidden [n, B-1, H] drafter states of the draft slots; logits, argmax and top-k once per chunk of blocks.
+    selector (DFlash2): its greedy path is the draft streak scores, while DDTree budgets read the marginal logits."""
     labels = _labels(tokens, anchors, B)
     index = head.to_index(labels)
     k = min(_budgets(trees)[-1], head.size)
@@ -148,13 +143,12 @@ def _score_blocks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int
 
 
 def _exported_streaks(head, hidden: torch.Tensor, tokens, anchors: list[int], B: int, out: list[dict]) -> None:
-    """Each block's greedy streak with `head` over the full vocabulary: the drafter as an export without a token
-    map runs it (engines then draft over every token). Added to the records as streak_as_exported."""
+    """Each block's streak_as_exported: greedy over the full vocabulary (`head`), as an export without a token map."""
     labels = _labels(tokens, anchors, B)
     per_chunk = max(1, LOGIT_ELEMENTS // (head.size * (B - 1)))
     for s in range(0, len(anchors), per_chunk):
-        hits = (head.logits(hidden[s : s + per_chunk]).argmax(-1) == labels[s : s + per_chunk]).int()
-        for rec, n in zip(out[s : s + per_chunk], hits.cumprod(-1).sum(-1).tolist()):  # a -100 label never matches
+        streaks = greedy_streak(head.logits(hidden[s : s + per_chunk]), labels[s : s + per_chunk])  # -100 never matches
+        for rec, n in zip(out[s : s + per_chunk], streaks.tolist()):
             rec["streak_as_exported"] = n
 
 
@@ -177,11 +171,8 @@ def _check_sequence(drafter, tokens, features, prompt_len: int) -> None:
 def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, features: torch.Tensor, prompt_len: int,
                       anchors: str = "stride", trees=DEFAULT_TREES, max_blocks: int | None = None,
                       full_head=None) -> list[dict]:
-    """Score the blocks of one sequence: tokens [T] prompt + completion ids; features [T, K*H] target features of
-    every position, in the drafter's layer order; head: a DraftHead (drafter logits, optional draft vocabulary);
-    embed_tokens: the target's. One record per block, in anchor order: anchor, n_labels, streak, matches (per
-    position 0/1), trees / expected (per requested tree), curve / curve_expected (per CURVE_BUDGETS budget).
-    full_head (stride only): a full-vocabulary DraftHead whose greedy streak is recorded too (streak_as_exported)."""
+    """One record per block of one sequence, in anchor order: tokens [T] prompt + completion ids, features [T, K*H]
+    in the drafter's layer order, head a DraftHead; full_head (stride only) adds streak_as_exported."""
     check_mode(anchors, max_blocks)
     trees = parse_trees(trees)
     _check_sequence(drafter, tokens, features, prompt_len)
@@ -211,8 +202,7 @@ def evaluate_sequence(drafter, head, embed_tokens, tokens: torch.Tensor, feature
 
 
 def _walk(drafter, embed, tokens, feats, prompt_len: int, max_blocks, score, accepted: str) -> list[dict]:
-    """Blocks one after another, each anchored after the last one's accepted tokens (its record's `accepted` field)
-    and its bonus; the drafter's context KV takes only the new positions. score(hidden [1, B-1, H], anchor)."""
+    """Blocks one after another, each after the last one's `accepted` tokens and bonus; score(hidden [1, B-1, H], a)."""
     cfg, p = drafter.config, next(drafter.parameters())
     out, done, a, context_kv = [], 0, prompt_len, drafter.new_context_kv()
     while a <= tokens.shape[0] - 2 and (max_blocks is None or len(out) < max_blocks):
@@ -228,12 +218,8 @@ def _walk(drafter, embed, tokens, feats, prompt_len: int, max_blocks, score, acc
 @torch.no_grad()
 def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, budget: int, max_blocks=None,
                 lookup=None, price: dict | None = None):
-    """A hybrid replayed on the cached text as decoding runs it at T=0 on the target's own greedy answer, by the
-    loop's own TreeDrafts: each round the drafter's `budget` tree plus the n-gram lookup's continuations (over the text
-    up to the root), the longest path the text follows accepted, the next round after it. With an engine's `price`
-    (cost and path_cost: ms of a verify over n tokens; draft, fixed: ms a round) as hybrid-auto: the tree cut per
-    round, the drafter sitting out rounds it does not pay for. Per round: accepted drafts, nodes, the tokens of a
-    verify one path a row, whether the drafter ran."""
+    """A hybrid replayed on the cached greedy text by decoding's own TreeDrafts (with an engine's `price` in ms:
+    hybrid-auto). Per round: accepted drafts, nodes, the tokens of a verify one path a row, whether it drafted."""
     p, ids = next(drafter.parameters()), tokens.tolist()
     tokens, price = tokens.to(p.device).long(), price or {}
     replayed = SimpleNamespace(to_tokens=head.to_tokens, layer_ids=None, logits=None, reset=lambda ids: None,
@@ -254,9 +240,7 @@ def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, 
 
 
 def replay_hybrids(drafter, head, embed_tokens, tokens, feats, prompt_len, max_blocks, budgets, replays, hybrid, auto):
-    """Each budget's hybrid (drafter tree + n-gram branch) and each engine's hybrid-auto (`replays`, its lookup shared
-    across texts: its statistics carry over, as in bench) replayed on one text, their rounds appended to `hybrid`
-    {budget: ...} and `auto` {engine: ...}."""
+    """Each budget's hybrid and each engine's hybrid-auto replayed on one text, into `hybrid` and `auto`."""
     runs = [(hybrid, str(b), b, None, None) for b in budgets] + [
         (auto, e, r["budget"], r["lookup"], r["price"]) for e, r in replays.items()]
     for store, key, budget, lookup, price in runs:
@@ -271,9 +255,8 @@ def _mean(xs):
 
 
 def aggregate(blocks: list[dict], block_size: int, trees) -> dict:
-    """Block-weighted means. acc_cumulative[k-1] = P(streak >= k) and acc_conditional[k-1] =
-    P(match at k | streak >= k-1), both over blocks that have a label at position k; acc_predicted[k-1]: what the
-    drafter's own probabilities promised for P(streak >= k) (its calibration: predicted against achieved)."""
+    """Block-weighted means; acc_cumulative[k-1] = P(streak >= k), acc_conditional[k-1] = P(match at k | streak >=
+    k-1) over blocks with a label at k, acc_predicted[k-1] the drafter's own P(streak >= k)."""
     L = block_size - 1
     trees = parse_trees(trees)
     n = len(blocks)
@@ -298,13 +281,8 @@ def aggregate(blocks: list[dict], block_size: int, trees) -> dict:
 
 def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride", max_blocks: int | None = None,
              progress: bool = False, on_prompt=None, replays: dict | None = None) -> dict:
-    """Evaluate `drafter` on every selected prompt of an opened cache (dflashkit.cache.open_cache). Returns
-    {"settings", "cache", "shortfall", "overall", "per_category", "per_prompt", "blocks"}; overall (and each
-    category's entry, where the cache records categories) holds streak, tau, pos1_acc, one mean per tree spec (e.g.
-    "budget:8"), "expected", per-position accuracies, histogram, budget curve, blocks and prompts. For walk, each
-    per-prompt entry also lists "accepted": tau per round (accepted drafts + 1), like online decoding.
-    on_prompt(prompt_summary, block_records) is called after each prompt (console lines). `replays` {engine: its
-    hybrid-auto's budget, n-gram lookup and price} (walk only) adds "hybrid_auto": that method's rounds on each."""
+    """Evaluate `drafter` on an opened cache; on_prompt(summary, records) runs after each prompt; `replays` {engine:
+    its hybrid-auto's budget, lookup and price} (walk only) adds "hybrid_auto"."""
     from tqdm import tqdm
 
     check_mode(anchors, max_blocks)

@@ -1,6 +1,5 @@
-"""`dflashkit parity RUN_A RUN_B`: two bench or generate outputs (any engines), per prompt equal or the first
-divergence by new-token index, the text around it, and the target's top-2 margin there where logits were recorded
-(report/parity.py holds the comparison; this module reads the runs, finds a tokenizer and writes the report)."""
+"""`dflashkit parity RUN_A RUN_B`: reads two bench or generate outputs (any engines), finds a tokenizer and writes
+the report of their comparison (report/parity.py)."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ def load_records(path) -> list[dict]:
 
 
 def pairs(a: list[dict], b: list[dict], method: str | None = None, against: str | None = None):
-    """[(method of a, method of b)] to compare: the named ones; else, where each run holds one method, those two;
-    else every method both runs hold."""
+    """[(method of a, method of b)] to compare: the named ones, each run's only one, or every method both hold."""
     ma, mb = list(dict.fromkeys(r["method"] for r in a)), list(dict.fromkeys(r["method"] for r in b))
     if method or against:
         chosen = [(method or ma[0], against or method or mb[0])]
@@ -58,8 +56,7 @@ def same_prompts(ra: list[dict], rb: list[dict]) -> None:
 
 
 def same_target(a: list[dict], b: list[dict]) -> None:
-    """Tokens compare only between runs of one target: two targets' runs are refused by name (their tokens would
-    part at token 0, or be equal by chance)."""
+    """Tokens compare only between runs of one target: two targets' runs are refused by name."""
     ta, tb = ({r["target"] for r in recs if r.get("target")} for recs in (a, b))
     if ta and tb and ta != tb:
         raise DFlashError(f"RUN_A ran target {', '.join(sorted(ta))}, RUN_B target {', '.join(sorted(tb))}: parity "
@@ -67,8 +64,7 @@ def same_target(a: list[dict], b: list[dict]) -> None:
 
 
 def tokenizer_for(records: list[dict], target: str | None = None):
-    """decode(ids) -> text with the run's recorded target (its folder, or `target`, a registry name or folder);
-    None where neither is here (the report then shows token ids)."""
+    """decode(ids) -> text with the run's recorded target or `target`; None where neither is here."""
     where = target or next((r["target_path"] for r in records if r.get("target_path")), None)
     if where is None:
         return None
@@ -91,8 +87,7 @@ def tokenizer_for(records: list[dict], target: str | None = None):
 
 def run_parity(path_a, path_b, method: str | None = None, against: str | None = None,
                target: str | None = None) -> dict:
-    """Parity of two runs: {"runs", "tokenizer", "comparisons": {label: parity}, "ok"} (ok: every prompt equal or
-    parted at a numerics near-tie)."""
+    """Parity of two runs: {"runs", "tokenizer", "comparisons": {label: parity}, "ok"} (ok: no verdict beyond PASS)."""
     a, b = load_records(path_a), load_records(path_b)
     same_target(a, b)
     decode = tokenizer_for(a + b, target)

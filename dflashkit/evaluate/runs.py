@@ -17,8 +17,7 @@ from dflashkit.tree import parse_tree_spec
 
 
 def tree_label(spec: str) -> str:
-    """Console name, one per tree across offline and online: budget:8 -> ddtree-8 (what `--method ddtree-8`
-    decodes with), selector:8 -> selector-8, paths:4 -> paths-4, width:4 -> width-4."""
+    """Console name, one per tree offline and online: budget:8 -> ddtree-8 (as `--method ddtree-8`), paths:4 -> paths-4."""
     family, k = parse_tree_spec(spec)
     return f"{'ddtree' if family == 'budget' else family}-{k}"
 
@@ -163,9 +162,7 @@ def header_lines(drafter_info: dict, load_report: list[str], target_ident: dict,
 
 
 def save_run(run_dir, result: dict, log_lines: list[str], drafter_path, plots: bool = True):
-    """Write the run folder atomically: results.json, summary.md, eval.log, plots (unless a comparison will draw
-    them), and a `drafter` symlink to the checkpoint (a reference, not a copy; results.json holds its path and
-    sha256)."""
+    """Write the run folder atomically: results.json, summary.md, eval.log, plots, and a `drafter` symlink."""
     run_dir = Path(run_dir)
     result = {**result, "threads": result.get("threads", torch.get_num_threads())}  # what the timings ran on
     with atomic_dir(run_dir) as tmp:

@@ -1,10 +1,6 @@
-"""Built-in prompt suites and a JSONL loader for the formats the field uses (docs/standard-sets.md): ours (``id`` +
-``prompt`` or ``messages``), OpenAI chat, z-lab/DeepSpec ``turns``, Spec-Bench and ShareGPT, told apart by their
-fields. A row without an id gets the file stem and its line (``mt-bench-12``), one without a category the stem, so
-files joined by commas make one suite with a table per set. Several user turns run multi-turn: each asked after the
-target's own answer to the one before; a file's own answers are kept for ``data generate --use-file-responses``.
-Built-in: ``coding-10`` (ten Python tasks, evaluation) and ``train-mix`` (600+ prompts, none on a coding-10 topic).
-"""
+"""Built-in prompt suites and a JSONL loader for the formats the field uses, told apart by their fields
+(docs/standard-sets.md). A row without an id gets the file stem and its line (``mt-bench-12``), one without a
+category the stem, so files joined by commas make one suite with a table per set."""
 
 from __future__ import annotations
 
@@ -26,8 +22,7 @@ _EXAMPLE = '{"id": "task-1", "prompt": "..."}'
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One conversation: a unique id, its chat messages (one or more user turns, maybe the file's own answers)
-    and the category the file gave it."""
+    """One conversation: a unique id, its chat messages (user turns, maybe the file's answers), its category."""
 
     id: str
     messages: tuple[dict, ...]  # [{"role": "user", "content": ...}, ...]
@@ -50,9 +45,8 @@ class PromptItem:
         return head, turns
 
     def turn(self, k: int, answers: list[str] | None = None) -> list[dict]:
-        """The messages that ask user turn k (0-based): the head (a system prompt), then each earlier user turn
-        followed by `answers[j]`, the target's own answer (MT-Bench's protocol), or, with answers None, by the
-        file's own messages after it."""
+        """The messages that ask user turn k (0-based), each earlier turn followed by `answers[j]`, the target's own
+        answer (MT-Bench's protocol), or with answers None by the file's own messages."""
         head, turns = self._segments()
         if not 0 <= k < len(turns):
             raise IndexError(f"{self.id}: turn {k} of a conversation with {len(turns)} user turns")
@@ -108,8 +102,7 @@ class PromptSuite:
         return list(dict.fromkeys(it.category for it in self.items if it.category))
 
     def nearest(self, reference: "PromptSuite", n: int) -> "PromptSuite":
-        """The ``n`` items closest to ``reference``'s topic (TF-IDF cosine to its centroid), in this suite's
-        order: on-domain training data for a drafter that will be judged on ``reference``."""
+        """The ``n`` items closest to ``reference``'s topic (TF-IDF cosine to its centroid), in this suite's order."""
         _check_size(n)
         docs = [_words(it) for it in self.items]
         df = Counter(w for d in docs for w in set(d))
@@ -140,8 +133,7 @@ def _words(item: PromptItem) -> list[str]:
 
 
 def _suite(name: str, items) -> PromptSuite:
-    """A suite and its content hash: the prompts' identity (ids and messages; a category is a label, not content:
-    relabelling keeps caches)."""
+    """A suite and its content hash over ids and messages (a category is a label: relabelling keeps caches)."""
     items = tuple(items)
     payload = [{"id": item.id, "messages": list(item.messages)} for item in items]
     blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
@@ -284,9 +276,7 @@ def _load_one(spec: str) -> tuple[PromptItem, ...]:
 
 
 def load_prompts(spec: str | os.PathLike) -> PromptSuite:
-    """Load a built-in suite by name (see BUILTIN_SUITES), a JSONL file by path, or several joined by commas (one
-    suite; a row without a category takes its file's stem as one). Raises ValueError naming the file, line and fix
-    for any malformed input."""
+    """Load a built-in suite, a JSONL file, or several joined by commas; bad input names the file, line and fix."""
     spec_str = os.fspath(spec)
     parts = [spec_str] if spec_str in BUILTIN_SUITES or os.path.isfile(spec_str) or "," not in spec_str else \
         [p.strip() for p in spec_str.split(",") if p.strip()]
@@ -302,8 +292,7 @@ def load_prompts(spec: str | os.PathLike) -> PromptSuite:
 
 
 def select_prompts(spec: str, num_prompts: int | None = None, per_category: int | None = None) -> PromptSuite:
-    """What a CLI's `--prompts SPEC [--num-prompts N] [--per-category N]` means: the suite, the first N of each
-    category, then the first N items; one clear error."""
+    """What `--prompts SPEC [--num-prompts N] [--per-category N]` means: the first N of each category, then of all."""
     from dflashkit.errors import DFlashError
 
     try:

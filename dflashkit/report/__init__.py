@@ -27,8 +27,7 @@ def _figure():
 
 
 def _save(ax, path, legend: bool, grid: str = "both", fit_labels: bool = False) -> Path:
-    """Fixed margins where the labels are short; fit_labels measures them (tight_layout draws the figure once
-    more: a third of the time of a plot) for the category names under grouped bars."""
+    """Fixed margins, or fit_labels (tight_layout: a third more time) for long labels under grouped bars."""
     ax.grid(alpha=0.3, axis=grid)
     if legend:
         ax.legend()
@@ -77,8 +76,7 @@ def hist_plot(path, series: dict[str, list[float]], title: str, xlabel: str, sta
 
 
 def scatter_against_measured(path, points: dict[str, tuple[float, float]], title: str, unit: str, band: float) -> Path:
-    """points[label] = (measured, predicted): one dot each, the diagonal and the +-band around it; a label that would
-    cover another's steps down a line."""
+    """points[label] = (measured, predicted): one dot each, the diagonal and the +-band around it."""
     ax = _figure()
     top = max(max(p) for p in points.values()) * 1.1
     ax.plot([0, top], [0, top], color="grey", linewidth=1, label="predicted = measured")

@@ -1,6 +1,5 @@
-"""Token parity of two runs' per-request records (report/requests.py): per prompt, equal or the first divergence
-by new-token index, the text around it and the target's top-2 margin there (a near-tie or a logic divergence:
-docs/design.md, "Token parity in detail")."""
+"""Token parity of two runs' per-request records: per prompt, equal or the first divergence, the text around it and
+the target's top-2 margin there (docs/design.md, "Token parity in detail")."""
 
 from __future__ import annotations
 
@@ -13,27 +12,23 @@ ACROSS_ENGINES = 1e-3
 
 
 def rounding_tolerance(dtype: str | None, logit: float, across_engines: bool = False) -> float:
-    """The logit gap a rounding difference of `dtype` can explain: a few units in the last place of the largest
-    logit (as bench's check of our own outputs), or between two engines' kernels ACROSS_ENGINES of it."""
+    """The logit gap rounding in `dtype` can explain: a few ulps of the top logit (ACROSS_ENGINES between engines)."""
     return max(8 * EPS.get(dtype or "float32", EPS["float32"]), ACROSS_ENGINES * across_engines) * max(abs(logit), 1.0)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first new-token index where a and b differ (the shorter one's length when one is a prefix of the
-    other); None when equal."""
+    """The first new-token index where a and b differ (the shorter's length for a prefix); None when equal."""
     return None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def margin_at(records: tuple[dict, dict], i: int) -> dict | None:
-    """The top-2 margin recorded at token i, from the first run that has it (a run's logits there are the same
-    prefix's: both runs agree on tokens before i)."""
+    """The top-2 margin recorded at token i by either run (both ran the same prefix before i)."""
     return next((m for r in records if (m := (r.get("top2") or {}).get(str(i))) is not None), None)
 
 
 def top2_at(target, record: dict, i: int) -> tuple[float, float]:
-    """(top-2 margin, top logit) of the target's next-token logits before new token i of a record's answer: its
-    turn's prompt (record["prompt_ids"]) and that turn's tokens before i, one forward (transformers' own, in the
-    target's dtype)."""
+    """(top-2 margin, top logit) of the target's logits before new token i of a record's answer, by one forward over
+    its turn's prompt and that turn's tokens before i."""
     import torch
 
     k, start = 0, 0
@@ -68,8 +63,7 @@ def around(a: list[int], b: list[int], i: int, decode=None) -> dict:
 
 
 def looser(*dtypes: str | None) -> str | None:
-    """Of two runs' dtypes, the one whose rounding explains more: a bf16 run against a float32 one is judged at
-    bf16's tolerance whichever is named first."""
+    """Of two runs' dtypes, the one whose rounding explains more (bf16 against float32: bf16)."""
     known = [d for d in dtypes if d]
     return max(known, key=lambda d: EPS.get(d, EPS["float32"])) if known else None
 
@@ -88,9 +82,7 @@ def compare_pair(ra: dict, rb: dict, decode=None) -> dict:
 
 
 def parity(a: list[dict], b: list[dict], decode=None) -> dict:
-    """Records of run a against run b, paired by prompt (the records of one method each). Returns {"prompts",
-    "equal", "diverged": count, "first": the earliest divergence or None, "verdicts": {verdict: count},
-    "per_prompt": [compare_pair, ...]} over the prompts both ran."""
+    """One method's records of run a against run b, paired by prompt, with counts and the first divergence."""
     by_b = {r["prompt"]: r for r in b}
     rows = [compare_pair(r, by_b[r["prompt"]], decode) for r in a if r["prompt"] in by_b]
     parted = [x for x in rows if not x["equal"]]
@@ -110,8 +102,7 @@ def describe(x: dict) -> str:
 
 
 def brief(p: dict) -> dict:
-    """A parity result in a few fields (bench's per-method summary): counts, the earliest divergence, its margin
-    and verdict."""
+    """A parity result in a few fields (bench's per-method summary)."""
     first = p["first"]
     return {"against": p.get("against"), "prompts": p["prompts"], "equal": p["equal"], "verdicts": p["verdicts"],
             "first_prompt": first and first["prompt"], "first_index": first and first["index"],

@@ -1,10 +1,5 @@
-"""One per-request acceptance record for every backend and engine peer (docs/decoding.md, "Per-request records").
-
-Our loops (ar, chain, the trees, on hf or static), transformers' loops and the engine peers (llama.cpp, vLLM) each
-write, per request (a conversation: every turn joined), the same fields, so two engines' records compare line by
-line (`dflashkit compare`, `dflashkit parity`). A field a source cannot give is null, and `missing` says why in
-words: no record carries a number its source did not measure or count.
-"""
+"""One per-request acceptance record for every backend and engine peer, so that two engines' records compare line by
+line (`dflashkit compare`, `dflashkit parity`). A field a source cannot give is null, and `missing` says why."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ FIELDS = ("schema", "prompt", "index", "method", "engine", "backend", "target", 
 
 
 def per_position(tokens_per_round: list[int]) -> list[int]:
-    """Rounds that accepted a draft at position k = 1..longest (a round of n tokens accepted drafts 1..n-1):
-    the counts vLLM keeps per draft position, here from our own rounds."""
+    """Rounds that accepted a draft at position k = 1..longest, as vLLM counts them, from our own rounds."""
     longest = max(tokens_per_round, default=1) - 1
     return [sum(n > k for n in tokens_per_round) for k in range(1, longest + 1)]
 
@@ -35,11 +29,8 @@ def request_record(prompt: str, index: int, method: str, engine: str, backend: s
                    tokens_per_round: list[int] | None = None, rounds: int | None = None, accepted: int | None = None,
                    accepted_per_position: list[int] | None = None, times: dict | None = None,
                    missing: dict[str, str] | None = None) -> dict:
-    """The record of one request. `engine`: who decoded (dflashkit, transformers, llama.cpp, vllm); `backend`: the
-    forward it ran on (hf, static, or the engine); `prompt_ids`: each turn's prompt (a later turn's follows the
-    answers before it). Rounds, accepted drafts and the per-position counts follow
-    from `tokens_per_round` where it is known; `times`: seconds by name (prefill, draft, verify, total), a name
-    left out or None is unknown. `missing`: field -> why it is null."""
+    """The record of one request: `engine` decoded it on `backend`; rounds and accepted counts follow from
+    `tokens_per_round` where known; `times`: seconds by name (prefill, draft, verify, total)."""
     times = times or {}
     if tokens_per_round is not None:
         rounds, accepted_per_position = len(tokens_per_round), per_position(tokens_per_round)
@@ -59,8 +50,7 @@ def request_record(prompt: str, index: int, method: str, engine: str, backend: s
 
 
 def add_margin(record: dict, index: int, margin: float, logit: float) -> None:
-    """Record the target's top-2 logit margin (its choice minus the runner-up) at new token `index`: what
-    `parity` reads to tell a near-tie (numerics) from a clear choice."""
+    """Record the target's top-2 logit margin at new token `index`: how `parity` tells a near-tie from a choice."""
     record["top2"] = {**(record.get("top2") or {}), str(index): {"margin": margin, "logit": logit}}
 
 

@@ -1,6 +1,5 @@
-"""Linear-attention backends for hybrid targets (Qwen3.5/3.6 Gated DeltaNet layers): "torch", "torch-recurrent",
-"fla" or "auto", rebound for a block so two caches can be extracted with different backends and compared
-(docs/design.md, "Linear-attention backends")."""
+"""Linear-attention backends for hybrid targets' Gated DeltaNet layers, rebound for a block so that caches extracted
+with two can be compared (docs/design.md, "Linear-attention backends")."""
 
 from __future__ import annotations
 

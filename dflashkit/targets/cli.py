@@ -13,8 +13,7 @@ from dflashkit.threads import add_threads_option
 
 
 def target_layers_arg(text: str) -> list[int] | None:
-    """argparse type of `--target-layers`: `auto` (None: z-lab's rule) or comma-separated target layer ids; a
-    malformed list is an argparse error (usage line, exit 2), never a traceback."""
+    """argparse type of `--target-layers`: `auto` (None: z-lab's rule) or comma-separated layer ids."""
     if text.strip() == "auto":
         return None
     try:

@@ -1,10 +1,6 @@
-"""Weight formats a target runs in: its float dtype, or GGUF's quantized blocks (q8_0, q4_0, q4_1), kept in their
-format for the static backend's kernels and dequantized into the target's own parameters for everything else, so
-that every backend, extraction and evaluation compute one model (docs/design.md, "Weight formats").
-
-`gguf` takes the blocks of the file a registry target was prepared from (the shipped file's own formats: the values
-are the prepared float32 copy's, so outputs do not change); `q8_0`, `q4_0`, `q4_1` quantize a float target with
-GGUF's reference quantizer (another model, as llama.cpp's `llama-quantize` makes it)."""
+"""Weight formats: a float dtype, or GGUF blocks (q8_0, q4_0, q4_1) kept for the static backend's kernels and
+dequantized into the target's parameters for all else, so every reader computes one model (docs/design.md, "Weight
+formats"). `gguf` takes the prepared-from file's own blocks; the others quantize a float target (another model)."""
 
 from __future__ import annotations
 
@@ -92,8 +88,7 @@ def gguf_source(folder) -> Path | None:
 
 
 def _unpermute(raw: np.ndarray, heads: int) -> np.ndarray:
-    """Rows of llama.cpp's q/k back in Hugging Face's order (its converter interleaves each head's two rotary halves;
-    transformers' GGUF loader undoes it the same way)."""
+    """Rows of llama.cpp's q/k back in Hugging Face's order (its converter interleaves each head's rotary halves)."""
     half = raw.shape[0] // heads // 2
     return raw.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(raw.shape)
 
@@ -133,8 +128,7 @@ def quantize(w: torch.Tensor, fmt: str) -> Blocks:
 
 
 def apply(target, weights: str) -> str:
-    """Put the target in `weights` (resolved; see resolve): its matrices' blocks in `target.blocks` for the static
-    backend, their dequantized values in its own parameters for every other reader. Returns the resolved name."""
+    """Put the target in `weights` (blocks in `target.blocks`, their values in its parameters); returns its name."""
     import torch
 
     weights = resolve(weights, target)

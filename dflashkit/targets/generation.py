@@ -55,10 +55,8 @@ def iter_generate_greedy(target, prompts: list[list[int]], max_new_tokens: int,
 @torch.no_grad()
 def iter_generate_with_features(target, prompts: list[list[int]], max_new_tokens: int, layer_ids, batch_size: int = 8,
                                 temperature: float = 0.0) -> Iterator[tuple[int, list[int], dict[int, torch.Tensor]]]:
-    """Yield (prompt index, completion ids, {layer id: [prompt + completion, H] features on the CPU}) batch by batch.
-    The features are the target's hidden states as generation computed them (a token's row after its own step, in a
-    left-padded batch), equal to a separate forward's up to float rounding. temperature > 0 samples the answers
-    (torch's global generator: seed it for repeatable samples)."""
+    """Yield (prompt index, completion ids, {layer id: [prompt + completion, H] CPU features}) batch by batch;
+    temperature > 0 samples from torch's global generator (seed it for repeatable samples)."""
     stops = set(target.stop_token_ids)
     for idx, ids, att in _batches(target, prompts, batch_size):
         width = ids.shape[1]

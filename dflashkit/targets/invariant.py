@@ -1,6 +1,5 @@
-"""Row-invariant kernels: a token's logits must not depend on how many tokens share its forward. In CPU bf16 a
-one-row GEMV and fused SDPA round unlike their n-row kernels and flip a near-tie a few hundred tokens in; the why and
-the how: docs/design.md section 8, "Row-invariant kernels in detail"."""
+"""Row-invariant kernels: a token's logits must not depend on how many tokens share its forward (in CPU bf16 a
+one-row GEMV and fused SDPA round unlike their n-row kernels): docs/design.md section 8."""
 
 from __future__ import annotations
 
@@ -82,8 +81,7 @@ def needs_invariant(model: nn.Module) -> bool:
 
 
 def kernels_for(target, stock: bool = False):
-    """The kernels the reference backend decodes `target` on: fresh row-invariant ones where it needs them, else (or
-    with `stock`) the model's own."""
+    """The kernels the reference backend decodes `target` on: row-invariant where needed (not `stock`), else its own."""
     return RowInvariantKernels() if not stock and needs_invariant(target.model) else nullcontext()
 
 
@@ -102,8 +100,7 @@ def _is_linear_attention(m: nn.Module) -> bool:
 
 
 def stepwise_forward(layer: nn.Module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-    """A linear-attention layer's forward whose cached multi-token calls run one token at a time (what a one-token
-    step computes, bit for bit); an uncached call, or one with no state yet, keeps the chunked path."""
+    """A linear-attention forward whose cached multi-token calls step one token at a time, bit for bit as decoding."""
     one = type(layer).forward
     n = hidden_states.shape[1]
     if n == 1 or cache_params is None or cache_params.get_conv_state(layer.layer_idx, state_idx=0) is None:
@@ -114,8 +111,7 @@ def stepwise_forward(layer: nn.Module, hidden_states, cache_params=None, attenti
 
 
 def step_linear_attention(model: nn.Module) -> int:
-    """At load, before anything runs: a low-precision CPU model's linear-attention layers step their cached
-    multi-token calls (their `forward` becomes stepwise_forward). Returns how many layers step."""
+    """At load: a low-precision CPU model's linear-attention layers forward stepwise; returns how many."""
     if not needs_invariant(model):
         return 0
     layers = [m for m in model.modules() if _is_linear_attention(m)]

@@ -1,9 +1,6 @@
-"""The frozen target: loads offline, exposes what a drafter borrows (embedding, lm_head, layer features).
-
-Index convention (docs/design.md section 2): layer id `l` is the OUTPUT of decoder layer `l`, i.e. HF
-`hidden_states[l + 1]`. Features are captured with forward hooks on the decoder layers themselves, so the
-convention holds by construction and the final norm never leaks into a feature.
-"""
+"""The frozen target: loads offline, exposes what a drafter borrows (embedding, lm_head, layer features). Layer id
+`l` is the OUTPUT of decoder layer `l` (HF `hidden_states[l + 1]`, docs/design.md section 2), captured by hooks on
+the decoder layers themselves, so the final norm never leaks into a feature."""
 
 from __future__ import annotations
 
@@ -34,10 +31,7 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """Native bf16 dot products (Zen 4, Sapphire Rapids and later). With them a bf16 forward is faster than float32
-    and nearly flat in the tokens it verifies; without them bf16 is emulated and a many-token forward costs many
-    times one token's. Only level v4 has them (`--isa v3` has none, whatever
-    this CPU has: dflashkit/levels.py)."""
+    """Native bf16 dot products at the chosen ISA level (v4 only): without them bf16 is emulated, slower than float32."""
     return levels.native_bf16()
 
 
@@ -102,7 +96,6 @@ class Target:
         for i, layer in enumerate(self.layers):
             layer.register_forward_hook(self._hook(i))
 
-    # ---- identity ---------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
@@ -112,9 +105,7 @@ class Target:
         return self.embed_tokens.weight.dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding table's rows for `ids`, unscaled: what z-lab's loop feeds a drafter. A Gemma target's
-        embedding module multiplies by sqrt(hidden) for its own layers; a drafter's only input scale is its
-        input_embedding_scale, so a z-lab Gemma drafter drafts here what it drafts there."""
+        """The embedding rows for `ids`, unscaled as z-lab feeds a drafter (Gemma's module scales for its own layers)."""
         return torch.nn.functional.embedding(ids, self.embed_tokens.weight)
 
     @property
@@ -122,11 +113,7 @@ class Target:
         return (getattr(self.config, "architectures", None) or [type(self.model).__name__])[0]
 
     def identity(self) -> dict:
-        """What a cache or checkpoint records so that a different target is never mixed in silently.
-
-        A plain JSON-able dict. `weights_hash` is a content hash of the weight files (two fine-tunes of one
-        base model share `config_hash` but not `weights_hash`); it is computed once per process and
-        remembered on disk by (path, size, mtime), so later loads cost milliseconds."""
+        """What a cache or checkpoint records so that another target (a fine-tune too) is never mixed in silently."""
         cfg = json.loads((self.path / "config.json").read_text())
         if self._weights_hash is None:
             self._weights_hash = weights_hash(self.path) or state_dict_hash(self.model)
@@ -153,7 +140,6 @@ class Target:
                               "(allow_final_layers=True) to override")
         return ids
 
-    # ---- text -------------------------------------------------------------------------------------
     @property
     def has_thinking_mode(self) -> bool:
         return "enable_thinking" in (self.tokenizer.chat_template or "")
@@ -168,7 +154,6 @@ class Target:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    # ---- compute ----------------------------------------------------------------------------------
     def _hook(self, i: int):
         def hook(module, args, output):
             if self._capture is not None and i in self._capture:
@@ -181,8 +166,7 @@ class Target:
 
     @contextmanager
     def recording(self, layer_ids):
-        """Inside, every forward (transformers' generate included) appends the chosen layers' outputs
-        [b, t, H] to the yielded {layer id: list}: features captured while generating, not in a second pass."""
+        """Inside, every forward (generate's included) appends the layers' outputs [b, t, H] to the yielded lists."""
         self._capture, self._recording = {int(i): [] for i in layer_ids}, True
         try:
             yield self._capture
@@ -204,10 +188,8 @@ class Target:
         return TargetOutput(out.logits if compute_logits else None, feats, out.past_key_values)
 
     def features(self, seqs, layer_ids, padding: str = "right") -> torch.Tensor:
-        """Features [b, T, K*H] of several token sequences (lists or 1-D tensors) in one forward, on the target's
-        device; row r's first len(seqs[r]) positions are that sequence's own features, the rest padding.
-        padding "right" (causal layers never look ahead at it) or "left" (as generation batches: the mask hides the
-        padding and position ids count from each row's first real token, else RoPE shifts every row's positions)."""
+        """Features [b, T, K*H] of several sequences in one forward; row r's first len(seqs[r]) positions are its own.
+        padding "left" (as generation batches) masks it and counts positions from each row's first real token."""
         if padding not in ("right", "left"):
             raise DFlashError(f"padding={padding!r}: use right or left")
         T = max(len(s) for s in seqs)
@@ -225,8 +207,6 @@ class Target:
             feats = torch.stack([feats[r].roll(len(s) - T, dims=0) for r, s in enumerate(seqs)])
         return feats
 
-
-# ---- identity: the weights, not only the config ---------------------------------------------------------
 
 IDENTITY_KEYS = ("weights_hash", "weights", "config_hash", "architecture", "num_layers", "hidden_size", "vocab_size")
 
@@ -249,7 +229,7 @@ def describe_identity(ident: dict | None) -> str:
 
 
 def identity_mismatch(recorded: dict | None, current: dict) -> list[str]:
-    """The identity fields on which two targets differ; a field either side lacks (older records) is skipped."""
+    """The identity fields on which two targets differ; one either side lacks is skipped."""
     recorded = recorded or {}
     return [k for k in IDENTITY_KEYS
             if recorded.get(k) is not None and current.get(k) is not None and recorded[k] != current[k]]
@@ -257,20 +237,17 @@ def identity_mismatch(recorded: dict | None, current: dict) -> list[str]:
 
 def check_same_target(recorded: dict | None, current: dict, what: str, fix: str) -> None:
     """Refuse when `what` (a cache, a drafter, data) was made with another target than the one in use."""
-    diff = identity_mismatch(recorded, current)
-    if diff:
+    if diff := identity_mismatch(recorded, current):
         raise DFlashError(f"{what} was made with target {describe_identity(recorded)}, not with the target in use "
                           f"{describe_identity(current)} (they differ in {', '.join(diff)}); {fix}")
 
 
-def decoder_parts(model, path=None):
-    """(decoder, its layers, its final norm), found by structure: the model's own get_decoder() (a VL wrapper's
-    language model, a causal LM's base model), whatever the attribute names; a model without them is refused."""
-    where = f"{path}: " if path else ""
+def decoder_parts(model, path):
+    """(decoder, its layers, its final norm) by get_decoder(), whatever the attribute names (a VL wrapper's too)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
     if decoder is None or not isinstance(layers, torch.nn.ModuleList) or norm is None:
-        raise DFlashError(f"{where}architecture {type(model).__name__} has no decoder with `layers` and a final `norm` "
+        raise DFlashError(f"{path}: architecture {type(model).__name__} has no decoder with `layers` and a final `norm` "
                           "(get_decoder()), so its layer hidden states cannot be captured; use a decoder-only causal "
                           "LM or a vision-language model whose language model has them (Llama, Qwen3, Qwen3.5, their "
                           "MoE and VL variants, DeepSeek-V3, GLM-4 MoE, ...)")
@@ -278,9 +255,7 @@ def decoder_parts(model, path=None):
 
 
 def check_loading_info(path, info: dict) -> None:
-    """transformers initialises a weight the checkpoint lacks randomly and drops one it does not know, with a warning
-    only: a target with random layers would train and decode on garbage, so either is refused, naming the weights.
-    (A VL checkpoint's vision tower is no part of the text model: transformers leaves it out of `unexpected_keys`.)"""
+    """Refuse missing, unexpected or reshaped weights: transformers only warns, and random layers give garbage."""
     problems = []
     for key, what in (("missing_keys", "missing from the checkpoint (they would be random)"),
                       ("unexpected_keys", "in the checkpoint but not in the model (they would be dropped)"),
@@ -303,11 +278,8 @@ def _stop_tokens(model, tokenizer) -> list[int]:
 
 
 def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
-    """A mask id that exists in the embedding; it need not be a trained token (docs/design.md section 2).
-
-    Order: the tokenizer's mask token; the first embedding row past the tokenizer (what Qwen3 drafters use: 151669);
-    an added special token named mask/reserved/unused; the last added special token that the chat template does not
-    use."""
+    """A mask id inside the embedding, trained or not (docs/design.md section 2): the tokenizer's mask token, the first
+    row past the tokenizer (Qwen3 drafters: 151669), a mask/reserved/unused special token, or the last unused one."""
     mid = getattr(tokenizer, "mask_token_id", None)
     if mid is not None and 0 <= mid < vocab_size:
         return int(mid), f"tokenizer mask token {tokenizer.mask_token!r}"
@@ -328,9 +300,7 @@ def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
 
 def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = "auto", dtype=None,
                 weights: str = "float") -> Target:
-    """Load a registry target or a local Hugging Face folder, offline, frozen, in `weights` (targets/formats.py:
-    float, gguf, q8_0, q4_0, q4_1, or auto). A low-precision CPU target's linear-attention layers step their cached
-    multi-token calls (targets/invariant.py)."""
+    """Load a registry target or a local Hugging Face folder, offline, frozen, in `weights` (targets/formats.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name, path = resolve(name_or_path)
@@ -340,8 +310,7 @@ def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = 
     dt = torch.float32 if gguf else pick_dtype(dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        # a VL checkpoint (Qwen3.5 and its MoE) loads as its text model: transformers maps model.language_model.* on
-        # the causal LM's model.* and leaves the vision tower out, so no vision weights are held
+        # a VL checkpoint (Qwen3.5) loads as its text model: transformers leaves the vision tower out
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dt, output_loading_info=True)
     except (OSError, ValueError, KeyError) as e:
         raise DFlashError(f"{path}: cannot load as a causal LM ({str(e).splitlines()[0]})") from e

