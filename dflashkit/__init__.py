@@ -16,6 +16,7 @@ _EXPORTS = {
     **{name: "dflashkit.drafter.checkpoint" for name in ("new_drafter", "load_drafter", "save_drafter")},
     "DraftHead": "dflashkit.drafter.head",
     **{name: "dflashkit.decode.speculative" for name in ("DFlashProposer", "generate")},
+    "new_session": "dflashkit.measure.probe",
 }
 __all__ = ["__version__", *_EXPORTS]
 

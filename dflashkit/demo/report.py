@@ -19,9 +19,9 @@ def load(path: Path) -> dict:  # a stage's JSON output, {} when the stage has no
 
 def headline(bench: dict, suite: str) -> str:
     """One line of a bench for the console: our fastest method against plain decoding, and lossless or not."""
-    from dflashkit.measure.bench import PEERS, PLAIN
+    from dflashkit.measure.bench import PEERS, PLAIN, TRANSFORMERS
 
-    ours = {m: s for m, s in bench.get("methods", {}).items() if m not in PLAIN and not m.startswith(PEERS)}
+    ours = {m: s for m, s in bench.get("methods", {}).items() if m not in PLAIN and not m.startswith(TRANSFORMERS + PEERS)}
     if not ours:
         return f"{suite}: not run"
     m, s = max(ours.items(), key=lambda x: x[1]["speedup_vs_ar"] or 0.0)
