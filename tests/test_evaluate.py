@@ -277,11 +277,13 @@ def test_hybrid_walk_reproduces_dflashkit_decode_hybrid(t64, kind):
     assert max(gen.accepted) >= (5 if kind == "oracle" else 2)  # past the drafter's 3 slots: the n-gram's tokens
 
 
+@pytest.mark.parametrize("method", ["hybrid-auto", "ddtree-auto"])
 @pytest.mark.parametrize("kind", ["oracle", "random"])
-def test_hybrid_auto_replayed_at_an_engines_prices_is_what_the_loop_does(t64, kind, monkeypatch):
-    """Issue 50: hybrid-auto replayed offline at an engine's prices (each round's tree cut to what pays, the drafter
-    sitting out rounds it does not pay for) commits, verifies and drafts what the online loop does at those prices:
-    the loop's clock is fixed here (a drafter call 1/256 s, nothing else), so both price a round alike."""
+def test_auto_replayed_at_an_engines_prices_is_what_the_loop_does(t64, kind, method, monkeypatch):
+    """Issues 50 and 73: hybrid-auto and ddtree-auto replayed offline at an engine's prices (each round's tree cut to
+    what pays, the drafter sitting out rounds it does not pay for) commit, verify and draft what the online loop does
+    at those prices: the loop's clock is fixed here (a drafter call 1/256 s, nothing else), so both price a round
+    alike."""
     import itertools
 
     import dflashkit.decode.session as session
@@ -300,12 +302,12 @@ def test_hybrid_auto_replayed_at_an_engines_prices_is_what_the_loop_does(t64, ki
     ref = greedy(t64, prompt, 70)
     d = (CopyLabelDrafter(drafter_for(t64).config, t64.lm_head.weight, ref, {p for p in range(len(ref)) if p % 5 == 2})
          if kind == "oracle" else drafter_for(t64, seed=4))
-    gen = generate(t64, prompt, "hybrid-auto", DFlashProposer(t64, d), max_new_tokens=60, stop_ids=[], cost=cost)
+    gen = generate(t64, prompt, method, DFlashProposer(t64, d), max_new_tokens=60, stop_ids=[], cost=cost)
     tokens = torch.tensor(prompt + gen.tokens)
     by_paths = HfBackend(t64).by_paths  # how the online loop verifies a branching tree, and so records its widths
     price = {"cost": cost, "path_cost": cost if by_paths else None, "draft": 1 / 256, "fixed": 0.0}
     rounds = hybrid_walk(d, DraftHead.for_drafter(t64, d), t64.embed_tokens, tokens, features(t64, tokens),
-                         len(prompt), 32, lookup=new_lookup("hybrid-auto"), price=price)
+                         len(prompt), 32, lookup=new_lookup(method), price=price, ngram=method == "hybrid-auto")
     n = gen.rounds - 1  # the last online round may have accepted tokens past the cut, which the cache lacks
     assert [r["accepted"] + 1 for r in rounds][:n] == gen.accepted[:n] and len(rounds) >= n
     widths = [r["path_tokens" if by_paths else "nodes"] for r in rounds]

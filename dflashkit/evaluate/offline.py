@@ -217,14 +217,15 @@ def _walk(drafter, embed, tokens, feats, prompt_len: int, max_blocks, score, acc
 
 @torch.no_grad()
 def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, budget: int, max_blocks=None,
-                lookup=None, price: dict | None = None):
-    """A hybrid replayed on the cached greedy text by decoding's own TreeDrafts (with an engine's `price` in ms:
-    hybrid-auto). Per round: accepted drafts, nodes, the tokens of a verify one path a row, whether it drafted."""
+                lookup=None, price: dict | None = None, ngram: bool = True):
+    """A hybrid (without `ngram`: a DDTree) replayed on the cached greedy text by decoding's own TreeDrafts (with an
+    engine's `price` in ms: its -auto, cut and gated as the loop does). Per round: accepted drafts, nodes, the tokens
+    of a verify one path a row, whether it drafted."""
     p, ids = next(drafter.parameters()), tokens.tolist()
     tokens, price = tokens.to(p.device).long(), price or {}
     replayed = SimpleNamespace(to_tokens=head.to_tokens, layer_ids=None, logits=None, reset=lambda ids: None,
                                propose=lambda *_: replayed.logits)  # the drafter as TreeDrafts calls it: the walk's
-    drafts = TreeDrafts(replayed, budget, lookup or NgramLookup(), price.get("cost"), price.get("draft"),
+    drafts = TreeDrafts(replayed, budget, (lookup or NgramLookup()) if ngram else None, price.get("cost"), price.get("draft"),
                         price.get("path_cost"), price.get("fixed", 0.0))
     drafts.reset(ids[:prompt_len])
 
@@ -239,12 +240,16 @@ def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, 
     return _walk(drafter, embed, tokens, features.to(p.device, p.dtype), prompt_len, max_blocks, score, "accepted")
 
 
-def replay_hybrids(drafter, head, embed_tokens, tokens, feats, prompt_len, max_blocks, budgets, replays, hybrid, auto):
-    """Each budget's hybrid and each engine's hybrid-auto replayed on one text, into `hybrid` and `auto`."""
-    runs = [(hybrid, str(b), b, None, None) for b in budgets] + [
-        (auto, e, r["budget"], r["lookup"], r["price"]) for e, r in replays.items()]
-    for store, key, budget, lookup, price in runs:
-        for r in hybrid_walk(drafter, head, embed_tokens, tokens, feats, prompt_len, budget, max_blocks, lookup, price):
+def replay_hybrids(drafter, head, embed_tokens, tokens, feats, prompt_len, max_blocks, budgets, replays, hybrid, auto,
+                   dd_auto):
+    """Each budget's hybrid, and each engine's hybrid-auto and ddtree-auto, replayed on one text into `hybrid`,
+    `auto` and `dd_auto`."""
+    runs = [(hybrid, str(b), b, None, None, True) for b in budgets] + [
+        (store, e, r["budget"], r["lookup"], r["price"], ngram) for e, r in replays.items()
+        for store, ngram in ((auto, True), (dd_auto, False))]
+    for store, key, budget, lookup, price, ngram in runs:
+        for r in hybrid_walk(drafter, head, embed_tokens, tokens, feats, prompt_len, budget, max_blocks, lookup, price,
+                             ngram):
             for k in ("accepted", "nodes", "path_tokens") + (("drafted",) if price else ()):
                 store.setdefault(key, {}).setdefault(k, []).append(r[k])
 
@@ -282,7 +287,7 @@ def aggregate(blocks: list[dict], block_size: int, trees) -> dict:
 def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride", max_blocks: int | None = None,
              progress: bool = False, on_prompt=None, replays: dict | None = None) -> dict:
     """Evaluate `drafter` on an opened cache; on_prompt(summary, records) runs after each prompt; `replays` {engine:
-    its hybrid-auto's budget, lookup and price} (walk only) adds "hybrid_auto"."""
+    its -auto budget, lookup and price} (walk only) adds "hybrid_auto" and "ddtree_auto", each replayed as it runs."""
     from tqdm import tqdm
 
     check_mode(anchors, max_blocks)
@@ -293,7 +298,7 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
     full = (DraftHead(target.lm_head.weight, None, head.scaling)
             if head.vocab_ids is not None and anchors == "stride" and cfg.arch == "dflash" else None)
     B = cfg.block_size
-    per_prompt, blocks, hybrid, cuts, auto = [], [], {}, {}, {}
+    per_prompt, blocks, hybrid, cuts, auto, dd_auto = [], [], {}, {}, {}, {}
     for rec in tqdm(cache, total=len(cache), desc="eval", unit="prompt", disable=not progress, leave=False):
         t0 = time.perf_counter()
         tokens, feats = rec.tokens, rec.features(cfg.target_layer_ids)  # read once: the hybrid replays reuse them
@@ -308,7 +313,7 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
         if anchors == "walk":  # and each budget's hybrid, each engine's hybrid-auto, replayed
             summary["accepted"] = [r["streak"] + 1 for r in recs]
             replay_hybrids(drafter, head, target.embed, tokens, feats, rec.prompt_len, max_blocks, [
-                k for f, k in map(parse_tree_spec, trees) if f == "budget"], replays or {}, hybrid, auto)
+                k for f, k in map(parse_tree_spec, trees) if f == "budget"], replays or {}, hybrid, auto, dd_auto)
         per_prompt.append(summary)
         blocks += recs
         if on_prompt is not None:
@@ -317,7 +322,7 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
         raise DFlashError(f"cache {cache.path}: no block to score: every selected completion has fewer than 2 tokens")
     overall = {**aggregate(blocks, B, trees), "prompts": len(per_prompt), **({"hybrid": hybrid} if hybrid else {}),
                **({"ddtree_cuts": cuts} if cuts else {}),  # each round's budget-32 tree, for -auto's cut per round
-               **({"hybrid_auto": auto} if auto else {})}
+               **({"hybrid_auto": auto, "ddtree_auto": dd_auto} if auto else {})}
     if full is not None:  # what an engine reading an export without the token map would accept
         streak = _mean(b["streak_as_exported"] for b in blocks)
         overall["as_exported"] = {"vocabulary": full.size, "streak": streak, "tau": streak + 1}
