@@ -1,8 +1,5 @@
-"""Which backend runs a method (`--engine auto|hf|static`): `hf`, transformers' own forward (the reference, every
-family), or `static`, our compiled step (decode/static.py: Llama-type targets). Methods are written once over
-either (decode/speculative.py). Which one is faster depends on the CPU (its ISA level and dtype), so `auto` is
-answered by a measurement (the session's probe, dflashkit/measure/probe.py); where static refuses a target, auto
-says why and runs hf."""
+"""Which backend runs a method (`--engine auto|hf|static`): transformers' own forward or our compiled step. Which is
+faster depends on the CPU, so `auto` is answered by a measurement (the session's probe, measure/probe.py)."""
 
 from __future__ import annotations
 
@@ -55,9 +52,8 @@ def backend_for(session: DecodeSession, engine: str, method: str) -> str:
 
 
 def open_backend(session: DecodeSession, engine: str, method: str, length: int, proposer=None, cost=None) -> Backend:
-    """The backend that runs `method` (engine already resolved): a fresh HfBackend (hf-stock: the model's own
-    kernels), or the session's static decoder (built, or rebuilt longer, for `length` positions, the drafter's
-    layers and block, and tree widths)."""
+    """The backend that runs `method` (engine resolved): a fresh HfBackend, or one over the session's static decoder
+    (built, or rebuilt longer, for `length` positions)."""
     from dflashkit.decode.hf import HfBackend
 
     if engine in ("hf", "hf-stock"):

@@ -19,9 +19,8 @@ class Conversation:
 
 
 def decode_conversation(target, item, run) -> Conversation:
-    """`item`: a PromptItem (every user turn, in order) or a single prompt's token ids. `run(prompt_ids)` decodes
-    one turn and returns its Generation. The answer text (special tokens dropped) goes back into the chat for the
-    next turn, as the benchmarks' reference loops do."""
+    """`item`: a PromptItem or a single prompt's token ids; `run(prompt_ids)` decodes one turn. Each answer's text
+    goes back into the chat for the next turn, as the benchmarks' reference loops do."""
     if not hasattr(item, "turn"):
         g = run(list(item))
         return Conversation(g, [list(item)], [len(g.tokens)], [target.decode(g.tokens)])

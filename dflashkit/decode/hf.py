@@ -1,5 +1,5 @@
 """The reference backend: transformers' own forward over a DynamicCache (every family), and the cache surgery the
-loops need on it: crop a rejected draft off, move an accepted tree path into place, restore a recurrent state."""
+loops need on it."""
 
 from __future__ import annotations
 
@@ -20,15 +20,10 @@ def sliding_layers(target) -> list[int]:
 
 
 def new_target_kv(target):
-    """The target KV (a transformers DynamicCache) for an online loop, every attention layer keeping every position
-    so that crop_kv and compact_kv can cut a rejected draft off.
-
-    transformers' own sliding-window layer keeps only the last window - 1 positions and a length counter, which no
-    crop can restore; here each is a full DynamicLayer instead, still marked sliding (masking_utils sizes the
-    sliding mask on the first layer marked so). That is exact: transformers masks a sliding layer by absolute
-    position (key > query - window, sliding_window_overlay) from the offsets the cache layer reports, 0 and its
-    length for a full layer, so the layer attends to the same keys; the older ones are kept but masked. Chunked
-    attention and layers that mix linear attention with a window are still refused."""
+    """The target KV (a DynamicCache) for an online loop, every attention layer keeping every position so that a
+    rejected draft can be cropped off: a sliding-window layer (which keeps only its window, no crop can restore it)
+    becomes a full DynamicLayer still marked sliding. Exact: transformers masks a sliding layer by absolute position
+    from the offsets its cache layer reports, so it attends to the same keys; the older ones are kept but masked."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -50,10 +45,9 @@ def new_target_kv(target):
 
 
 def verify_mask(target, tree: Tree, start: int, window: int | None = None):
-    """The tree verify's attention mask. transformers hands a custom 4D mask to every layer as it is, so the
-    sliding-window layers of a target with a `window` get their own, cut to it: one mask per layer type where the
-    model reads one per type (config.layer_types: gpt-oss, Gemma, Qwen2/3), else the one windowed mask that the
-    model builds for all of its layers itself (no layer_types: Mistral, Phi-3)."""
+    """The tree verify's attention mask. transformers hands a custom mask to every layer as it is, so with a `window`
+    the sliding layers get their own, cut to it: one per layer type where the config has layer_types, else the
+    windowed one for all layers (Mistral, Phi-3)."""
     full = attention_mask(tree, start, target.dtype, target.device)
     if window is None:
         return full
@@ -80,10 +74,8 @@ def crop_kv(kv, length: int) -> None:
 
 
 def compact_kv(kv, start: int, keep: torch.Tensor) -> None:
-    """Keep positions < start plus the tree slots start + keep (the accepted path, in order): the kept slots
-    move down to start..start+len(keep)-1, then the rest is cropped off. Slots already in place (a path that is
-    the tree's first nodes: every chain, and every round that accepts no draft) are not copied: many small copies
-    add up to a visible share of a round on a CPU."""
+    """Keep positions < start plus the tree slots start + keep (the accepted path), moved down to start.. in order.
+    Slots already in place (every chain) are not copied: many small copies add up to a visible share of a round."""
     order = keep.tolist()
     moved = next((i for i, slot in enumerate(order) if slot != i), len(order))
     if moved < len(order):
@@ -119,12 +111,9 @@ def rerun(target, kv, saved, tokens: torch.Tensor, start: int, layer_ids):
 
 
 class HfBackend:
-    """The reference backend: transformers' own forward over a DynamicCache, every family. The verbs every loop
-    is written over (the static backend, decode/static.py, has the same): `prefill`, `verify` a chain (tree None)
-    or a flat tree at the next position, `commit` the accepted nodes (their features for the drafter), `cost` of
-    a verify of n tokens and `widest` (None: any). Hybrid targets re-run their accepted tokens (a recurrent state
-    cannot be cropped); branching trees on hybrids and under row-invariant bf16 kernels go one path per row.
-    `stock` (the backend hf-stock): the model's own kernels even in low precision, the fair speed baseline there."""
+    """transformers' own forward as a decode/session.Backend, every family. Hybrid targets re-run their accepted tokens
+    (a recurrent state cannot be cropped); branching trees on hybrids and under row-invariant bf16 kernels go one
+    path per row. `stock` (hf-stock): the model's own kernels even in low precision, the fair speed baseline there."""
 
     widest = None
 
@@ -146,8 +135,8 @@ class HfBackend:
         return path_tokens(tree) if self.paths else len(tree)
 
     def kernels(self):
-        """What every target forward of this backend runs under: row-invariant kernels in bf16 on a CPU (else plain
-        and speculative decoding part ways on rounding, see targets/invariant.py), never the drafter's calls."""
+        """Every target forward's kernels (never the drafter's): row-invariant ones in bf16 on a CPU, else plain and
+        speculative decoding part ways on rounding (targets/invariant.py)."""
         return kernels_for(self.target, self.stock)
 
     def prefill(self, ids: list[int], layer_ids):
@@ -198,11 +187,9 @@ class HfBackend:
 
 
 def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
-    """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence at a time) and
-    for branching trees under row-invariant bf16 kernels (a flattened tree interleaves masked keys with visible
-    ones, which changes the order of the softmax and value sums and so the rounding; a path keeps every row's keys
-    exactly as plain decoding sees them). Returns (logits at every node [n, V], the forward's output, the row of
-    every node [n]). The target KV comes back expanded; the caller restores or crops it."""
+    """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence) and under
+    row-invariant kernels (a flat tree interleaves masked keys, which changes the order of the sums). Returns (logits
+    at every node [n, V], the forward's output, the row of every node [n]); the target KV comes back expanded."""
     parents, depths = tree.parents.tolist(), tree.depths.tolist()
     has_child = set(p for p in parents if p >= 0)
     rows = []

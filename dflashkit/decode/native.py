@@ -1,7 +1,6 @@
-"""The static decoder's own CPU kernels (`kernels.h`, bound to torch by `native.cpp`), built per ISA level
-(dflashkit/levels.py) on first use and cached under a name that says the level (docs/design.md, "Native kernels in
-detail"). Each build registers its operators under a namespace of its own (`torch.ops.dflashkit_v3.linear`), so
-a process can load several levels side by side; `tune` plants a compiler tuning (tests plant Zen's)."""
+"""The static decoder's own CPU kernels (`kernels.h`, bound to torch by `native.cpp`), built per ISA level on first
+use (docs/design.md, "Native kernels in detail"). Each build registers its operators under a namespace of its own
+(`torch.ops.dflashkit_v3.linear`), so a process can load several levels; `tune` plants a compiler tuning."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def tiles_run_here() -> bool:
 
 
 def library_path(level: str | None = None, tune: str | None = None) -> Path:
-    """Where a level's build of this source, with these flags and this torch, lives: named by the level, not by the
-    CPU, so every CPU that runs the level runs the same library."""
+    """Where a level's build of this source, flags and torch lives: named by the level, not by the CPU."""
     level = level or levels.chosen()
     key = "\n".join([SOURCE.read_text(), CORE.read_text(), *cflags(level, tune), torch.__version__, torch.__file__])
     return home() / "native" / f"native-{level}{'-' + tune if tune else ''}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
@@ -65,8 +63,7 @@ def compile_command(out, level: str | None = None, tune: str | None = None) -> l
 
 
 def _build(lib: Path, level: str, tune: str | None) -> None:
-    """Compile to a temporary file, record its digest beside it, then rename both into place: a killed build leaves
-    nothing a later run would load."""
+    """Compile to a temporary file, record its digest, then rename both into place: a killed build leaves nothing."""
     fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
     os.close(fd)
     try:
@@ -98,14 +95,12 @@ def _intact(lib: Path) -> bool:
 
 def load(level: str | None = None, tune: str | None = None) -> str:
     """Build (once per source, level, tuning and torch) and load a level's kernels (the chosen level's by default);
-    returns their namespace under torch.ops. A library that is not the file its build wrote is rebuilt, with one
-    line saying so."""
+    returns their namespace under torch.ops."""
     return _load(level or levels.chosen(), tune)
 
 
 def ensure_built(level: str, tune: str | None = None) -> Path:
-    """The level's library, built where missing, and built again (one line says so) where it is not the file its
-    build wrote: a truncated library crashes the process that loads it, and one replaced by text fails to load."""
+    """The level's library, built where missing or not the file its build wrote (one line says so)."""
     if not levels.runs_here(level):
         raise DFlashError(f"native kernels: this CPU cannot run level {level}; use one of {', '.join(levels.runnable())}")
     from filelock import FileLock
