@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METHODS_HELP, PRICED
+from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METHODS_HELP, PRICED, needs_drafter, parse_method
 from dflashkit.errors import DFlashError
 from dflashkit.targets.formats import add_weights_option
 from dflashkit.threads import add_threads_option
@@ -102,8 +102,8 @@ def _common(p) -> None:
 
 
 def _check(args):
-    """Every option checked before anything loads; returns the command's one Sampling value (its __post_init__
-    checks every field): nothing below reads args' sampling options, so this is the only place one can be dropped."""
+    """Every option checked before anything loads; returns the command's one Sampling value, so that nothing below
+    reads args' sampling options (and none can be dropped on the way)."""
     from dflashkit.decode.sampling import Sampling
 
     if args.max_new_tokens < 1:
@@ -152,7 +152,6 @@ def cmd_generate(args) -> int:
     from dflashkit.measure.curve import tree_cost_curve
     from dflashkit.decode.backends import backend_for
     from dflashkit.measure.probe import new_session
-    from dflashkit.decode.methods import needs_drafter, parse_method
     from dflashkit.measure.records import generation_record
     from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
     from dflashkit.report.requests import write_requests
@@ -167,9 +166,7 @@ def cmd_generate(args) -> int:
     prompts = _prompts(args)  # a bad prompt file fails before the target loads
     target, drafter = _load(args, need_drafter=needs_drafter(args.method))
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
-    log = lambda m: print(m, file=sys.stderr)
-    # the static decoder (compiled on the first prompt; auto's probe builds it for the drafter) and auto's choice
-    session = new_session(target, proposer, args.reprobe, log)
+    session = new_session(target, proposer, args.reprobe, _say)  # the static decoder and auto's choice
     engine = backend_for(session, args.engine, args.method)
     with kernels_for(target):  # hf's -auto pruning needs the cost of the kernels decoding runs
         cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
@@ -205,8 +202,6 @@ def cmd_generate(args) -> int:
 
 def offline_runs(args: list[str]) -> dict[str, dict]:
     """{engine, or "" for every engine: an eval run's results} of `--offline [ENGINE=]RUN` (each given once)."""
-    from dflashkit.decode.methods import PRICED
-
     runs: dict[str, dict] = {}
     for arg in args:
         engine, _, folder = arg.rpartition("=")
@@ -222,7 +217,7 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
 
 def check_offline(offline: dict[str, dict], target, drafter_path: str | None, block_size: int | None) -> None:
     """An offline eval prices bench rows only if it evaluated this target, this drafter and this block size: each
-    unlike run is refused by name (one of another target put a chain 43% off, without a word)."""
+    unlike run is refused by name."""
     from dflashkit.fileio import sha256_file
     from dflashkit.targets.model import check_same_target
 
@@ -271,7 +266,6 @@ def bench_journal(args, target, methods: list[str], prompts: list, sampling):
 
 def cmd_bench(args) -> int:
     from dflashkit.measure.bench import bench_markdown, parse_methods, run_bench, write_bench
-    from dflashkit.decode.methods import needs_drafter
 
     sampling = _check(args)
     methods = parse_methods(args.methods or DEFAULT_METHODS)
@@ -286,7 +280,7 @@ def cmd_bench(args) -> int:
                          "(another --out starts anew)")
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, sampling=sampling, engine=args.engine,
-                       log=lambda m: print(m, file=sys.stderr), offline=offline, predict=not args.no_predict,
+                       log=_say, offline=offline, predict=not args.no_predict,
                        journal=journal, reprobe=args.reprobe)
     paths = write_bench(result, args.out)
     journal.finish()
@@ -319,8 +313,7 @@ def engines_of(spec: str) -> list[str]:
 
 
 def models_for(names: list[str], target, drafter_ref=None, force: bool = False) -> list:
-    """The cost model of each engine named (auto made concrete for the drafter's methods, or plain decoding), the
-    drafter's call priced where one is given."""
+    """The cost model of each engine named (auto made concrete), the drafter's call priced where one is given."""
     from dflashkit.measure.costmodel import cost_model
     from dflashkit.decode.backends import backend_for
     from dflashkit.measure.probe import new_session

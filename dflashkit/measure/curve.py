@@ -1,10 +1,5 @@
-"""What a target forward costs as a function of the tokens it verifies, and the memory-bound floor.
-
-Speculative decoding pays when one forward over n tokens costs much less than n one-token forwards. On a CPU
-or GPU at batch 1 the weights are read once per forward whatever n is, so the curve is flat at first and the
-floor is weight bytes / memory bandwidth. The curve is measured with a realistic target KV, and methods that
-size their trees by expected tokens per second read it.
-"""
+"""What a target forward costs as a function of the tokens it verifies, and the memory-bound floor (weight bytes /
+memory bandwidth): speculative decoding pays where a forward over n tokens costs much less than n one-token ones."""
 
 from __future__ import annotations
 
@@ -81,8 +76,8 @@ def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int =
 
 
 def tree_cost_curve(target, block: int, **kwargs) -> CostCurve:
-    """The curve -auto trees are cut on: a forward over n tokens and, where the reference backend verifies branching
-    trees one path a row (each row a copy of the KV), such verifies of 1..16 paths of `block` tokens."""
+    """The curve -auto trees are cut on: a forward over n tokens and, where hf verifies branching trees one path a row
+    (each row a copy of the KV), such verifies of 1..16 paths of `block` tokens."""
     curve = measure_cost_curve(target, **kwargs)
     if HfBackend(target).by_paths:
         p = measure_cost_curve(target, [block * r for r in (1, 2, 4, 8, 16)], kwargs.get("context", 400), 3, paths=block)
@@ -98,8 +93,7 @@ def weight_bytes(model) -> int:
 
 @functools.lru_cache(maxsize=None)
 def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second of a streaming read (a sum over a buffer far larger than the caches); measured once per
-    device and process, as the machine does not change between benches."""
+    """Bytes per second of a streaming read (a sum over a buffer far larger than the caches), once per device."""
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     times = [_seconds(device, x.sum) for _ in range(repeats + 1)]
     return x.numel() * 4 / statistics.median(times[1:])

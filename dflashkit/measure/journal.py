@@ -1,5 +1,4 @@
-"""A bench's finished runs, appended as each one ends, so an interrupted bench loses nothing it finished and the
-same command resumes it (a bench on a demo suite takes many minutes on a small CPU)."""
+"""A bench's finished runs, appended as each one ends, so that the same command resumes an interrupted bench."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ FORMAT = "dflashkit-bench-journal/1"
 
 
 class Journal:
-    """`path`: a JSONL file whose first line is the bench's settings, then one finished run a line. A rerun with
-    the same settings continues it; other settings are refused by name; a last line cut off by a kill is dropped
-    (that run had not finished)."""
+    """`path`: a JSONL file, the bench's settings then one finished run a line. A rerun with the same settings
+    continues it; other settings are refused by name."""
 
     def __init__(self, path, settings: dict):
         self.path, self.settings = Path(path), json.loads(json.dumps(settings))

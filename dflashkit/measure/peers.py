@@ -1,12 +1,7 @@
-"""Engine peers in `bench`: llama.cpp and vLLM decode the same prompts, plain and with our drafter exported.
-
-Each engine starts once per method (a server or a worker process, its load not timed) and stays up through the
-bench: it answers a warm-up, then every conversation turn by turn (decode/conversation.py) in the bench's
-rotation beside our methods. While it answers, this process waits on it, so two never compute at once. The
-engine's outputs are checked against its own plain decoding (lossless there) and compared with our `ar`
-(kernels differ across engines: reported, not failed), and its mean acceptance length, counted by the engine
-itself, against our chain's tau on the same drafter.
-"""
+"""Engine peers in `bench`: llama.cpp and vLLM decode the same prompts, plain and with our drafter exported, each
+started once and answering in the bench's rotation (this process waits on it, so two never compute at once). Their
+outputs are held to their own plain decoding, compared with our `ar` (kernels differ: reported, not failed), and
+their own mean acceptance length against the tau our drafter predicts on their output."""
 
 from __future__ import annotations
 
@@ -14,6 +9,7 @@ import contextlib
 import tempfile
 import time
 from contextlib import ExitStack
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -69,8 +65,7 @@ def start_engine(method: str, target, drafter, block_size: int, ctx: int, workdi
 
 class EnginePeer:
     """One engine method, started on entry (its load timed apart) and held open through the bench, so that the
-    host's drift hits ours and the engine alike (on a noisy host an engine's speed alone varies from one run to the
-    next)."""
+    host's drift hits ours and the engine alike."""
 
     def __init__(self, method: str, target, drafter, block_size: int, max_new_tokens: int):
         self.method, self.target, self.max_new_tokens = method, target, max_new_tokens
@@ -99,8 +94,8 @@ class EnginePeer:
         self._stack.__exit__(*exc)
 
     def one(self, ids: list[int]) -> Generation:
-        """One turn: the engine's answer, timed by this process end to end (its prompt time apart, where the
-        engine reports it); its per-position acceptance summed over turns (None once a turn has none)."""
+        """One turn: the engine's answer, timed end to end (its prompt time apart, where the engine reports it); its
+        per-position acceptance summed over turns (None once a turn has none)."""
         a = self.engine.complete(ids, self.max_new_tokens, self.stops)
         for k in self.counts:
             self.counts[k] += getattr(a, k)
@@ -115,8 +110,7 @@ class EnginePeer:
                            "total": a.seconds})
 
     def run(self, pid: str, item) -> dict:
-        """One conversation as a bench run record, with the engine's own draft counters (and, for the
-        per-request record, what it reported per draft position and whether it timed its prompt)."""
+        """One conversation as a bench run record, with the engine's own draft counters."""
         self.fresh()
         c = decode_conversation(self.target, item, self.one)
         g = c.generation
@@ -127,8 +121,7 @@ class EnginePeer:
 
 def add_counts(a: list[int], b: list[int]) -> list[int]:
     """Per-position counts summed, the shorter list padded with zeros."""
-    n = max(len(a), len(b))
-    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+    return [x + y for x, y in zip_longest(a, b, fillvalue=0)]
 
 
 def engine_tau(runs: list[dict]) -> float | None:
@@ -152,8 +145,7 @@ def differences(runs: list[dict], against) -> list[dict]:
 
 
 def check_engines(runs: list[dict]) -> tuple[list[dict], dict]:
-    """(mismatches of each engine's speculative output against its own plain one, {method: how its outputs compare
-    with our ar: prompts equal and the first token where each other one parts})."""
+    """(mismatches of each engine's speculative output against its own plain one, {method: ar_parting})."""
     engines = dict.fromkeys(r["method"] for r in runs if is_engine(r["method"]))
     parting = {m: p for m in engines if (p := ar_parting(runs, m))["prompts"]}
     return differences(runs, lambda m: plain_of(m) if m in engines else None), parting
@@ -171,8 +163,7 @@ def ar_parting(runs: list[dict], method: str, against: str = "ar") -> dict:
 @torch.no_grad()
 def forced_chain_rounds(target, proposer, prompt_ids: list[int], answer: list[int]) -> list[int]:
     """Accepted drafts + 1 per round of a chain loop with our drafter whose target chose `answer` (an engine's own
-    greedy output): the tau our drafter predicts on exactly the tokens the engine verified. Engines and we part
-    in bf16 after a few dozen tokens, and tau measured on two different texts differs by several percent."""
+    output): the tau our drafter predicts on the tokens the engine verified (tau on two texts differs by percents)."""
     seq, dev = list(prompt_ids) + list(answer), target.device
     feats = target.forward(torch.tensor([seq], device=dev), layer_ids=proposer.layer_ids).features
     proposer.reset(prompt_ids)
@@ -199,9 +190,8 @@ def predicted_tau(target, proposer, runs: list[dict]) -> float | None:
 
 
 def check_tau(summary: dict) -> list[dict]:
-    """Engine mean acceptance length against the tau our drafter predicts on the engine's own output (our chain's
-    tau on our own output where that is missing): a gap beyond TAU_TOLERANCE means one side computes something
-    else."""
+    """Engine mean acceptance length against the tau our drafter predicts on its output (else our chain's tau): a gap
+    beyond TAU_TOLERANCE means one side computes something else."""
     chain = (summary.get("chain") or {}).get("tau")
     out = []
     for m, s in summary.items():
@@ -216,8 +206,7 @@ def check_tau(summary: dict) -> list[dict]:
 @contextlib.contextmanager
 def plain_answers(target, engine: str, max_new_tokens: int, log=None):
     """(the backend, answer(prompt ids, max new tokens) -> (index, greedy completion)...) for `data generate --engine`:
-    our plain decoding on static or an engine peer's (its server up while the context is), one prompt at a time; None
-    for hf (transformers' batches write its text faster). In bf16 each writes its own text (near-ties)."""
+    plain decoding on static or an engine peer, one prompt at a time; None for hf (transformers' batches are faster)."""
     from dflashkit.decode.backends import backend_for
     from dflashkit.decode.speculative import generate
     from dflashkit.measure.probe import new_session
