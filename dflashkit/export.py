@@ -1,11 +1,6 @@
-"""`dflashkit drafter export`: a trained drafter in the format an engine serves, and what that engine will accept.
-
-A drafter trained over a draft vocabulary is exported with its token map (`d2t`): vLLM reads it from the z-lab
-folder, llama.cpp from the GGUF. `--full-vocab` drops it; engines then draft over every target token, which the
-drafter never trained on, so the export states its tau as trained and as exported (measured on a cache when one
-is given). The GGUF comes from llama.cpp's own converter, so its tensor layout is llama.cpp's by construction.
-It sits above the stages because it uses three of them: drafter (the folder), engines (the GGUF), evaluate (tau).
-"""
+"""`dflashkit drafter export`: a trained drafter in the format an engine serves, with its draft vocabulary's token
+map (`d2t`) unless `--full-vocab`, and its tau as trained and as exported. It sits above the stages because it uses
+three of them: drafter (the folder), engines (the GGUF, from llama.cpp's own converter), evaluate (tau)."""
 
 from __future__ import annotations
 
@@ -56,17 +51,14 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     target = load_target(_target_ref(drafter, target_ref, src), device="cpu") if needs_target else None
     if target is not None:
         check_against_target(drafter.config, target, str(src))
+    if fmt in ("zlab", "transformers"):  # transformers' head is the target's own: a draft vocabulary is refused by name
+        save_drafter(drafter, out, format=fmt, dtype=getattr(torch, dtype), lm_head=target.lm_head.weight if keep_map else None)
     if fmt == "zlab":
-        lm_head = target.lm_head.weight if keep_map else None
-        save_drafter(drafter, out, format="zlab", dtype=getattr(torch, dtype), lm_head=lm_head)
         written = (load_drafter(out).contract or {}).get("draft_vocab")
         if written != (vocab if keep_map else None):
             raise DFlashError(f"{out}: the written token map ({len(written or [])} ids) is not the drafter's "
                               f"({len(vocab or []) if keep_map else 0}); the export is wrong, please report it")
-    elif fmt == "transformers":  # its head is the target's own: a draft vocabulary cannot travel (refused by name)
-        save_drafter(drafter, out, format="transformers", dtype=getattr(torch, dtype),
-                     lm_head=target.lm_head.weight if keep_map else None)
-    else:
+    elif fmt == "gguf":
         from dflashkit.engines.install import require
         from dflashkit.engines.llamacpp import drafter_gguf
 

@@ -190,14 +190,8 @@ def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
     """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence) and under
     row-invariant kernels (a flat tree interleaves masked keys, which changes the order of the sums). Returns (logits
     at every node [n, V], the forward's output, the row of every node [n]); the target KV comes back expanded."""
-    parents, depths = tree.parents.tolist(), tree.depths.tolist()
-    has_child = set(p for p in parents if p >= 0)
-    rows = []
-    for leaf in [i for i in range(len(tree)) if i not in has_child]:
-        row = [leaf]
-        while parents[row[-1]] >= 0:
-            row.append(parents[row[-1]])
-        rows.append(row[::-1])
+    has_child, seen = set(tree.parents.tolist()), tree.ancestor_mask()  # a node's ancestors, in depth order
+    rows = [seen[leaf].nonzero()[:, 0].tolist() for leaf in range(len(tree)) if leaf not in has_child]
     width = max(len(r) for r in rows)
     grid = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows])  # node index per slot; right padding
     row_of = torch.zeros(len(tree), dtype=torch.long)
@@ -211,4 +205,4 @@ def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
         layer.conv_states, layer.recurrent_states = rows_of(layer.conv_states), rows_of(layer.recurrent_states)
     pos = (start + torch.arange(width, device=dev)).expand(n, -1)
     out = target.forward(tree.tokens[grid].to(dev), past_key_values=kv, position_ids=pos, layer_ids=layer_ids)
-    return out.logits[row_of.to(dev), torch.tensor(depths, device=dev)], out, row_of
+    return out.logits[row_of.to(dev), tree.depths.to(dev)], out, row_of

@@ -86,15 +86,16 @@ def parse_methods(spec: str) -> list[str]:
     return ["ar"] + [m for m in names if m != "ar"]
 
 
-def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed: int, cost, session, rows):
-    """One conversation (every turn) of row `label` on the row's backend."""
+def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed: int, cost, session, rows,
+         budget: int = 8):
+    """One conversation (every turn) of row `label` on the row's backend (`generate` decodes with it too)."""
     method, engine = rows.get(label, (label, "hf"))
     gen = torch.Generator(device=target.device).manual_seed(seed)
     ngram = session.lookups.setdefault(label, new_lookup(method)) if kind_of(method) in ("ngram", "hybrid") else None
 
     def one(ids):  # a fresh context per turn: a conversation calls this once per user turn
-        return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen,
-                        cost=cost, ngram=ngram, engine=engine, session=session)
+        return generate(target, ids, method, proposer, budget=budget, max_new_tokens=max_new_tokens, sampling=sampling,
+                        generator=gen, cost=cost, ngram=ngram, engine=engine, session=session)
     with seeded(seed, target.device):  # transformers' generate samples from the global generator
         return decode_conversation(target, item, one)
 

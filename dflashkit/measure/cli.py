@@ -146,16 +146,13 @@ def _prompts(args) -> list:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
-    from dflashkit.decode.conversation import decode_conversation
-    from dflashkit.measure.curve import tree_cost_curve
     from dflashkit.decode.backends import backend_for
+    from dflashkit.decode.speculative import DFlashProposer
+    from dflashkit.measure.bench import _run
+    from dflashkit.measure.curve import tree_cost_curve
     from dflashkit.measure.probe import new_session
     from dflashkit.measure.records import generation_record
-    from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
     from dflashkit.report.requests import write_requests
-    from dflashkit.rng import seeded
     from dflashkit.targets.invariant import kernels_for
 
     sampling = _check(args)
@@ -170,17 +167,10 @@ def cmd_generate(args) -> int:
     engine = backend_for(session, args.engine, args.method)
     with kernels_for(target):  # hf's -auto pruning needs the cost of the kernels decoding runs
         cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
-    ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
-    records, requests = [], []
+    records, requests, rows = [], [], {args.method: (args.method, engine)}
     for i, (pid, item) in enumerate(prompts):
-        gen = torch.Generator(device=target.device).manual_seed(sampling.seed + i)
-
-        def one(ids):  # one turn
-            return generate(target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
-                            sampling=sampling, generator=gen, cost=cost, ngram=ngram, engine=engine, session=session)
-
-        with seeded(sampling.seed + i, target.device):  # transformers' loops sample from the global generator
-            c = decode_conversation(target, item, one)
+        c = _run(target, proposer, item, args.method, args.max_new_tokens, sampling, sampling.seed + i, cost, session,
+                 rows, args.budget)
         g, texts = c.generation, c.answers
         rec = {"id": pid, "category": item.category, "method": g.method, "engine": g.engine, "prompt_tokens": [len(p) for p in c.prompts],
                "tokens": g.tokens, "turns": texts, "text": texts[-1], "accepted": g.accepted,
