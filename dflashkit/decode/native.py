@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from dflashkit import levels
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import home, sha256_file
+from dflashkit.fileio import atomic_path, home, sha256_file, write_text
 
 HERE = Path(__file__).parent
 SOURCE, CORE = HERE / "native.cpp", HERE / "kernels.h"
@@ -63,25 +61,19 @@ def compile_command(out, level: str | None = None, tune: str | None = None) -> l
 
 
 def _build(lib: Path, level: str, tune: str | None) -> None:
-    """Compile to a temporary file, record its digest, then rename both into place: a killed build leaves nothing."""
-    fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
-    os.close(fd)
+    """Compile to a temporary file renamed into place, then write its digest: a killed build leaves nothing a later
+    run would load (a library without its digest is built again)."""
     try:
-        res = subprocess.run(compile_command(tmp, level, tune), capture_output=True, text=True)
-        if res.returncode != 0:
-            raise DFlashError(f"native kernels: building {SOURCE} for level {level} failed; build the decoder with "
-                              f"kernels='reduce' meanwhile. The compiler said:\n{res.stderr[-3000:]}")
-        digest = lib.with_suffix(".sha256")
-        digest_tmp = Path(tmp + ".sha256")
-        digest_tmp.write_text(sha256_file(Path(tmp)))
-        os.replace(tmp, lib)
-        os.replace(digest_tmp, digest)
+        with atomic_path(lib) as tmp:
+            res = subprocess.run(compile_command(tmp, level, tune), capture_output=True, text=True)
+            if res.returncode != 0:
+                raise DFlashError(f"native kernels: building {SOURCE} for level {level} failed; build the decoder with "
+                                  f"kernels='reduce' meanwhile. The compiler said:\n{res.stderr[-3000:]}")
+            digest = sha256_file(tmp)
+        write_text(lib.with_suffix(".sha256"), digest)
     except OSError as e:
         raise DFlashError(f"native kernels: no C++ compiler to build {SOURCE} ({e}); install g++ (inductor needs one "
                           "too), or build the decoder with kernels='reduce'") from e
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-        Path(tmp + ".sha256").unlink(missing_ok=True)
 
 
 def _intact(lib: Path) -> bool:

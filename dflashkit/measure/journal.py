@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
+from dflashkit.fileio import write_text
 
 FORMAT = "dflashkit-bench-journal/1"
 
@@ -45,11 +46,8 @@ class Journal:
 
     def start(self, restored: list[dict]) -> None:
         """Rewrite the file as the header and the restored runs (a cut-off last line goes)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(x) + "\n" for x in [{"format": FORMAT, "settings": self.settings},
-                                                              *restored]))
-        os.replace(tmp, self.path)
+        head = {"format": FORMAT, "settings": self.settings}
+        write_text(self.path, "".join(json.dumps(x) + "\n" for x in [head, *restored]))
 
     def add(self, run: dict) -> None:
         with self.path.open("a") as f:
