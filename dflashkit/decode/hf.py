@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from dflashkit.decode.session import Timer
 from dflashkit.errors import DFlashError
@@ -14,8 +16,6 @@ from dflashkit.tree import Tree, attention_mask, path_tokens
 
 def sliding_layers(target) -> list[int]:
     """The target's sliding-window attention layers, as transformers' DynamicCache reads them from the config."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
     return [i for i, kind in enumerate(get_layer_types_and_kwargs(target.config)[0]) if kind == "sliding_attention"]
 
 
@@ -24,9 +24,6 @@ def new_target_kv(target):
     rejected draft can be cropped off: a sliding-window layer (which keeps only its window, no crop can restore it)
     becomes a full DynamicLayer still marked sliding. Exact: transformers masks a sliding layer by absolute position
     from the offsets its cache layer reports, so it attends to the same keys; the older ones are kept but masked."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
     kv = DynamicCache(config=target.config)
     for i in sliding_layers(target):
         if type(kv.layers[i]) is DynamicSlidingWindowLayer:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from dflashkit import levels
 from dflashkit.errors import DFlashError
@@ -95,8 +96,6 @@ def ensure_built(level: str, tune: str | None = None) -> Path:
     """The level's library, built where missing or not the file its build wrote (one line says so)."""
     if not levels.runs_here(level):
         raise DFlashError(f"native kernels: this CPU cannot run level {level}; use one of {', '.join(levels.runnable())}")
-    from filelock import FileLock
-
     lib = library_path(level, tune)
     lib.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lib.with_suffix(".lock"))):  # a second process starting meanwhile waits for this build

@@ -14,6 +14,7 @@ from dflashkit.decode.backends import open_backend, backend_for
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.session import Backend, DecodeSession, Generation, Timer
+from dflashkit.decode.static import TREE_WIDTHS
 from dflashkit.drafter.head import FEW_ROWS, DraftHead, few_rows_linear
 from dflashkit.drafter.model import block_ids, mix_greedy
 from dflashkit.errors import DFlashError
@@ -370,8 +371,6 @@ def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Pro
         return generate_transformers_dflash(target, proposer, prompt_ids, max_new_tokens, stop_ids)
     name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
     if engine == "static" and kind not in ("ar", "chain") and n != "auto":  # refused before the decoder compiles
-        from dflashkit.decode.static import TREE_WIDTHS
-
         if (most := tree_drafts(method, proposer, budget, None, ngram).most_nodes()) > TREE_WIDTHS[-1]:
             raise DFlashError(f"method {name}: its trees reach {most} nodes, past the static backend's widest verify "
                               f"({TREE_WIDTHS[-1]}); use a smaller budget, its -auto variant or --engine hf")

@@ -12,6 +12,7 @@ from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.measure.curve import CostCurve, cost_report, tree_cost_curve
@@ -298,8 +299,6 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
     """Every method on every prompt after a warm-up, the order rotated per prompt (drift hits all alike), each run
     after `sample(method)`. Also returns plain decoding's turns per prompt (prompt ids per turn, answer lengths),
     which explain_by_rounding reads. A `journal`'s runs are not run again; each new one is appended."""
-    from tqdm import tqdm
-
     runs = journal.done() if journal is not None else []
     if journal is not None:
         journal.start(runs)

@@ -8,7 +8,13 @@ import sys
 from pathlib import Path
 
 from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METHODS_HELP, PRICED, needs_drafter, parse_method
+from dflashkit.decode.sampling import Sampling
 from dflashkit.errors import DFlashError
+from dflashkit.fileio import read_json, sha256_file, write_json, write_text
+from dflashkit.measure.journal import Journal
+from dflashkit.measure.records import generation_record
+from dflashkit.prompts import PromptItem, select_prompts
+from dflashkit.report.requests import write_requests
 from dflashkit.targets.formats import add_weights_option
 from dflashkit.threads import add_threads_option
 
@@ -104,8 +110,6 @@ def _common(p) -> None:
 def _check(args):
     """Every option checked before anything loads; returns the command's one Sampling value, so that nothing below
     reads args' sampling options (and none can be dropped on the way)."""
-    from dflashkit.decode.sampling import Sampling
-
     if args.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if args.block_size is not None and args.block_size < 2:
@@ -138,8 +142,6 @@ def _load(args, need_drafter: bool):
 
 def _prompts(args) -> list:
     """(id, PromptItem) per conversation; multi-turn items are decoded turn after turn (decode/conversation.py)."""
-    from dflashkit.prompts import PromptItem, select_prompts
-
     if getattr(args, "prompt", None) is not None:
         return [("prompt", PromptItem("prompt", ({"role": "user", "content": args.prompt},)))]
     return [(item.id, item) for item in select_prompts(args.prompts, args.num_prompts, args.per_category).items]
@@ -151,8 +153,6 @@ def cmd_generate(args) -> int:
     from dflashkit.measure.bench import _run
     from dflashkit.measure.curve import tree_cost_curve
     from dflashkit.measure.probe import new_session
-    from dflashkit.measure.records import generation_record
-    from dflashkit.report.requests import write_requests
     from dflashkit.targets.invariant import kernels_for
 
     sampling = _check(args)
@@ -208,7 +208,6 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
 def check_offline(offline: dict[str, dict], target, drafter_path: str | None, block_size: int | None) -> None:
     """An offline eval prices bench rows only if it evaluated this target, this drafter and this block size: each
     unlike run is refused by name."""
-    from dflashkit.fileio import sha256_file
     from dflashkit.targets.model import check_same_target
 
     for res in offline.values():
@@ -226,8 +225,6 @@ def check_offline(offline: dict[str, dict], target, drafter_path: str | None, bl
 
 def offline_run(folder: str, for_rows: str = "") -> dict:
     """An eval run's results.json, with where it came from (bench's offline prediction names it)."""
-    from dflashkit.fileio import read_json
-
     path = Path(folder) / "results.json"
     if not path.is_file():
         raise DFlashError(f"--offline {folder}: no results.json there; pass a folder `dflashkit eval --out` wrote")
@@ -242,9 +239,6 @@ def offline_run(folder: str, for_rows: str = "") -> dict:
 def bench_journal(args, target, methods: list[str], prompts: list, sampling):
     """The journal of this bench's finished runs, `<out>/runs.jsonl`, keyed by what the runs depend on."""
     import torch
-
-    from dflashkit.measure.journal import Journal
-    from dflashkit.fileio import sha256_file
 
     weights = Path(args.drafter or "") / "model.safetensors"
     settings = {"target": target.identity(), "dtype": str(target.dtype), "methods": methods, "engine": args.engine,
@@ -327,7 +321,6 @@ def replays_for(models: list) -> dict:
 
 def cmd_cost(args) -> int:
     from dflashkit.measure.costmodel import cost_markdown, cost_plot
-    from dflashkit.fileio import write_json, write_text
     from dflashkit.targets.model import load_target
 
     names = engines_of(args.engine)  # a wrong name fails before the target loads

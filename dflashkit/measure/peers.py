@@ -14,13 +14,15 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.decode.backends import backend_for
 from dflashkit.decode.conversation import decode_conversation
 from dflashkit.decode.methods import PEER_METHODS
 from dflashkit.decode.sampling import GREEDY
 from dflashkit.decode.session import Generation
-from dflashkit.decode.speculative import draft_block
+from dflashkit.decode.speculative import draft_block, generate
 from dflashkit.drafter.config import engine_block
 from dflashkit.errors import DFlashError
+from dflashkit.measure.probe import new_session
 from dflashkit.tree import common_prefix
 
 TAU_TOLERANCE = 0.05  # engine mean acceptance length vs our chain's tau on the same drafter
@@ -207,10 +209,6 @@ def check_tau(summary: dict) -> list[dict]:
 def plain_answers(target, engine: str, max_new_tokens: int, log=None):
     """(the backend, answer(prompt ids, max new tokens) -> (index, greedy completion)...) for `data generate --engine`:
     plain decoding on static or an engine peer, one prompt at a time; None for hf (transformers' batches are faster)."""
-    from dflashkit.decode.backends import backend_for
-    from dflashkit.decode.speculative import generate
-    from dflashkit.measure.probe import new_session
-
     if engine in PEER_METHODS:
         with EnginePeer(engine, target, None, 0, max_new_tokens) as peer:
             yield engine, lambda ids, n, **_: ((i, peer.one(p).tokens) for i, p in enumerate(ids))

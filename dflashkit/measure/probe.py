@@ -15,7 +15,8 @@ import torch
 from dflashkit import __version__, levels
 from dflashkit.decode.session import DecodeSession
 from dflashkit.engines.install import LLAMA_CPP_BUILD, VLLM_VERSION
-from dflashkit.fileio import sha256_json
+from dflashkit.fileio import home, sha256_json
+from dflashkit.targets.invariant import kernels_for
 from dflashkit.threads import cpu_times, usable_cpus
 
 BACKENDS = ("hf", "static")  # what a probe may answer
@@ -28,7 +29,6 @@ def engine_version(engine: str) -> str:
         return f"llama.cpp build {LLAMA_CPP_BUILD}" + (f" (level {levels.chosen()})" if levels.narrower() else "")
     if engine == "vllm":
         return f"vllm {VLLM_VERSION}"
-    import torch
     import transformers
 
     version = f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
@@ -59,8 +59,6 @@ def machine_key(target) -> tuple[str, dict]:
 
 def probe_path(target):
     """Where auto's answer for `target` here is cached, and what it depends on: the machine and these kernels."""
-    from dflashkit.fileio import home
-
     record = {**machine_key(target)[1], "static": engine_version("static")}
     return home() / "engine-probe" / f"{sha256_json(record)[:16]}.json", record
 
@@ -149,8 +147,7 @@ def probe(session: DecodeSession, repeats: int = 9) -> dict:
     speculative round's target). `reprobe` times them again, as does an answer measured under load."""
     from dflashkit.measure.curve import measure_cost_curve
     from dflashkit.decode.static import decoder_for
-    from dflashkit.fileio import write_json
-    from dflashkit.targets.invariant import kernels_for
+    from dflashkit.fileio import write_json  # looked up now: a test makes it fail
 
     target, log = session.target, session.log
     path, record = probe_path(target)
