@@ -1,5 +1,4 @@
-"""Which backend runs a method (`--engine auto|hf|static`): transformers' own forward or our compiled step. Which is
-faster depends on the CPU, so `auto` is answered by a measurement (the session's probe, measure/probe.py)."""
+"""Which backend runs a method (`--engine auto|hf|static`); which is faster depends on the CPU, so `auto` is measured."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ def backend_for(session: DecodeSession, engine: str, method: str) -> str:
 
 
 def open_backend(session: DecodeSession, engine: str, method: str, length: int, proposer=None, cost=None) -> Backend:
-    """The backend that runs `method` (engine resolved): a fresh HfBackend, or one over the session's static decoder
-    (built, or rebuilt longer, for `length` positions)."""
+    """The backend that runs `method` (engine resolved); static's decoder is the session's, rebuilt where too short."""
     from dflashkit.decode.hf import HfBackend
 
     if engine in ("hf", "hf-stock"):

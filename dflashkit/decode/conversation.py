@@ -1,5 +1,4 @@
-"""Multi-turn decoding as MT-Bench and Spec-Bench run it: each user turn is asked after the target's own answer
-to the turn before, and a conversation's decoding counts every answer (tokens, rounds, time)."""
+"""Multi-turn decoding as MT-Bench and Spec-Bench run it: each user turn follows the target's own answer before it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The reference backend: transformers' own forward over a DynamicCache (every family), and the cache surgery the
-loops need on it."""
+"""The reference backend: transformers' own forward over a DynamicCache, and the cache surgery the loops need."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def new_target_kv(target):
 
 def verify_mask(target, tree: Tree, start: int, window: int | None = None):
     """The tree verify's attention mask. transformers hands a custom mask to every layer as it is, so with a `window`
-    the sliding layers get their own, cut to it: one per layer type where the config has layer_types, else the
-    windowed one for all layers (Mistral, Phi-3)."""
+    the sliding layers get their own (per layer type where the config has layer_types, else the windowed one)."""
     full = attention_mask(tree, start, target.dtype, target.device)
     if window is None:
         return full

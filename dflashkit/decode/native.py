@@ -1,6 +1,5 @@
-"""The static decoder's own CPU kernels (`kernels.h`, bound to torch by `native.cpp`), built per ISA level on first
-use (docs/design.md, "Native kernels in detail"). Each build registers its operators under a namespace of its own
-(`torch.ops.dflashkit_v3.linear`), so a process can load several levels; `tune` plants a compiler tuning."""
+"""The static decoder's own CPU kernels (`kernels.h`, bound by `native.cpp`), built per ISA level on first use, each
+under an op namespace of its own so a process can load several (docs/design.md, "Native kernels in detail")."""
 
 from __future__ import annotations
 
@@ -87,8 +86,7 @@ def _intact(lib: Path) -> bool:
 
 
 def load(level: str | None = None, tune: str | None = None) -> str:
-    """Build (once per source, level, tuning and torch) and load a level's kernels (the chosen level's by default);
-    returns their namespace under torch.ops."""
+    """Build once and load a level's kernels (the chosen level's by default); returns their torch.ops namespace."""
     return _load(level or levels.chosen(), tune)
 
 

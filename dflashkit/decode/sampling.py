@@ -1,5 +1,4 @@
-"""How a decode samples, as one value handed whole to bench, generate and the loops, so that no option can be parsed
-and then dropped on the way down."""
+"""How a decode samples, as one value handed whole down to the loops, so that no option is parsed and then dropped."""
 
 from __future__ import annotations
 

@@ -33,8 +33,7 @@ class Generation:
 
 
 class Timer:
-    """Wall time per named section (CUDA synchronized): the loops time prefill, verify and draft; `other` is the rest
-    of the round."""
+    """Wall time per named section (CUDA synchronized); `other` is a round's time outside prefill, verify and draft."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"

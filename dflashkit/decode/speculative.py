@@ -38,9 +38,8 @@ class Proposer(Protocol):
 
 
 class DFlashProposer:
-    """A DFlash drafter: block [anchor, MASK x (B-1)] through the drafter, logits through its DraftHead.
-    Its context KV (the drafter's keys/values of the context, see ContextKV) holds context positions only, so
-    each call passes just the newly committed features."""
+    """A DFlash drafter: block [anchor, MASK x (B-1)] through the drafter, logits through its DraftHead. Its context
+    KV holds context positions only, so each call passes just the newly committed features."""
 
     def __init__(self, target, drafter, block_size: int | None = None, selector_trees: bool = False,
                  slot0: str = "seed"):
@@ -59,9 +58,8 @@ class DFlashProposer:
 
     @torch.no_grad()
     def compiled(self):
-        """The drafter's call compiled, for the static backend (its ~370 small ops cost more than its products), warmed
-        for the context sizes a round passes; drafts equal the eager ones up to rounding, and the verify keeps decoding
-        exact either way."""
+        """The drafter's call compiled for the static backend (its ~370 small ops cost more than its products), warmed
+        for the context sizes a round passes; its drafts differ from eager ones by rounding, which the verify absorbs."""
         if self._compiled is not None:
             return self._compiled
         call = self._compiled = torch.compile(self.drafter, dynamic=True)
@@ -229,8 +227,7 @@ def generate_ar(b: Backend, prompt_ids: list[int], max_new_tokens: int = 256, sa
 @torch.no_grad()
 def generate_chain(b: Backend, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                    sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
-    """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
-    per round; at T>0 the sampling's acceptance picks the rule (draft_block)."""
+    """Chain speculative decoding (docs/design.md section 4): one drafter pass and one B-token verify per round."""
     temperature, accepted = sampling.temperature, []
     with _prefilled(b, prompt_ids, proposer.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (
             timer, feats, bonus, tokens, done, put):
@@ -305,8 +302,7 @@ def _transformers_generate(target, prompt_ids: list[int], max_new_tokens: int, s
 
 def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
                 lookup_tokens: int | None = None, stop_ids=None) -> Generation:
-    """transformers' own `generate`: greedy/sampled (the second baseline) or its prompt-lookup decoding (the peer a
-    user would otherwise pick); end-to-end time only."""
+    """transformers' own `generate`, greedy or sampled, or its prompt-lookup decoding; timed end to end."""
     timer = Timer(target.device)
     _, tokens = _transformers_generate(target, prompt_ids, max_new_tokens, stop_ids, do_sample=temperature > 0,
                                        temperature=temperature or None, prompt_lookup_num_tokens=lookup_tokens)

@@ -20,8 +20,7 @@ from dflashkit.decode import native
 from dflashkit.errors import DFlashError
 from dflashkit.tree import Tree
 
-WIDTHS = (1, 32)  # one token a step; prompts in chunks of 32
-PREFILL = WIDTHS[-1]
+PREFILL = 32  # prompts go in chunks of 32 tokens
 # a tree verify runs on the smallest that holds its nodes (padded; 24: hybrid-8 with its n-gram branch); a wider tree
 # is refused by name, never cut
 TREE_WIDTHS = (4, 8, 16, 24)
@@ -571,8 +570,7 @@ class StaticDecoder:
             cache.index_copy_(2, dst, cache.index_select(2, src))
 
     def tree_cost(self, nodes: int) -> float:
-        """Seconds of a verify of `nodes`: its width's measured step; infinite past the widest, so that a cost-aware
-        tree stays within it."""
+        """Seconds of a verify of `nodes` (its width's measured step); infinite past the widest width."""
         fits = self.tree_widths and nodes <= self.tree_widths[-1]
         return self.step_s[self.tree_width(nodes)] if fits else float("inf")
 

@@ -1,2 +1,1 @@
-"""Measuring decoding, a layer above it: bench, the cost models and their predictions, per-request records, the
-engine peers, and `--engine auto`'s probe."""
+"""Measuring decoding, a layer above it: bench, cost models and predictions, records, engine peers, auto's probe."""

@@ -36,7 +36,7 @@ from dflashkit.report import bar_plot, fmt, hist_plot, line_plot, markdown_table
 from dflashkit.report.parity import brief, parity_markdown, rounding_tolerance
 from dflashkit.report.requests import FILE, write_requests
 from dflashkit.rng import seeded
-from dflashkit.targets.invariant import kernels_for, needs_invariant
+from dflashkit.targets.invariant import needs_invariant
 
 STOCK_AR = "ar@hf-stock"  # plain decoding on torch's own kernels: the speed baseline where `ar` runs invariant ones
 # no drafter: what the speedups are stated against
@@ -199,8 +199,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
 
 
 def _sampler(window: dict, rows: dict, target, proposer, session, peers: dict, spent: dict):
-    """sample(row): a quick sample of the row's engine cost before its run (costmodel.forward_sample), timed against
-    the prediction; one that fails is left out."""
+    """sample(row): a quick sample of the row's engine cost before its run, timed against the prediction."""
     def sample(m):
         t = time.perf_counter()
         with suppress(DFlashError, OSError):
@@ -243,8 +242,7 @@ def _kernels_built_for(decoder) -> str | None:
 
 
 def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -> None:
-    """Each row's backend and method; the engine peers' start, parting and our drafter's tau on the tokens the engine
-    verified; the static backend's parting from hf."""
+    """Each row's backend and method, and the partings and (engine peers) start and predicted tau."""
     for m, info in started.items():
         summary[m].update(engine=info, ar_parting=judged["parting"].get(m))
         if m.endswith("-dflash"):
@@ -274,8 +272,7 @@ def add_fallback(summary: dict, runs: list[dict], rows: dict) -> None:
 
 
 def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling, switched: bool, decoder=None):
-    """(failures, reported divergences, {engine_divergences, parting, static_parting}): each row against its own
-    plain decoding, and static's plain decoding against hf's."""
+    """(failures, reported divergences, {engine_divergences, parting, static_parting}) of the lossless checks."""
     stock = (STOCK_AR,) + TRANSFORMERS if switched else ()  # other kernels
     for r in runs:
         r["backend"] = rows.get(r["method"], (r["method"], r["method"]))[1]
@@ -563,8 +560,7 @@ def hf_curve(target, proposer, rows: dict) -> CostCurve | None:
     cuts = any(e in ("hf", "hf-stock") and parse_method(m)[1] == "auto" for m, e in rows.values())
     if not cuts and rows.get("ar", ("ar", "hf"))[1] == "static":
         return None
-    with kernels_for(target):  # the kernels the speculative methods run
-        return tree_cost_curve(target, proposer.block_size if proposer else 4, extra=(9,))
+    return tree_cost_curve(target, proposer.block_size if proposer else 4, extra=(9,))
 
 
 def backend_cost(target, rows: dict, curve: CostCurve | None, decoder) -> dict | None:
@@ -593,8 +589,7 @@ def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
 
 
 def write_bench(result: dict, out) -> list[Path]:
-    """results.json, requests.jsonl, report.md and the plots under `out`, or under a new temporary folder (said on
-    stderr) where `out` cannot be written, so that the run is not lost."""
+    """The results, records, report and plots under `out`, or a new temporary folder where `out` cannot be written."""
     try:
         return _write_bench(result, Path(out))
     except OSError as e:

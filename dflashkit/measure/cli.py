@@ -1,5 +1,4 @@
-"""`dflashkit generate`, `bench` and `cost` (a backend's or peer's cost model), and the pricing of `eval --engine`:
-thin recipes over dflashkit.decode, dflashkit.evaluate and this package."""
+"""`dflashkit generate`, `bench` and `cost`, and the pricing of `eval --engine`: thin recipes over this package."""
 
 from __future__ import annotations
 
@@ -153,7 +152,6 @@ def cmd_generate(args) -> int:
     from dflashkit.measure.bench import _run
     from dflashkit.measure.curve import tree_cost_curve
     from dflashkit.measure.probe import new_session
-    from dflashkit.targets.invariant import kernels_for
 
     sampling = _check(args)
     try:
@@ -165,8 +163,7 @@ def cmd_generate(args) -> int:
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
     session = new_session(target, proposer, args.reprobe, _say)  # the static decoder and auto's choice
     engine = backend_for(session, args.engine, args.method)
-    with kernels_for(target):  # hf's -auto pruning needs the cost of the kernels decoding runs
-        cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
+    cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
     records, requests, rows = [], [], {args.method: (args.method, engine)}
     for i, (pid, item) in enumerate(prompts):
         c = _run(target, proposer, item, args.method, args.max_new_tokens, sampling, sampling.seed + i, cost, session,
@@ -206,8 +203,7 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
 
 
 def check_offline(offline: dict[str, dict], target, drafter_path: str | None, block_size: int | None) -> None:
-    """An offline eval prices bench rows only if it evaluated this target, this drafter and this block size: each
-    unlike run is refused by name."""
+    """An offline eval prices bench rows only if it evaluated this target, drafter and block size; else refused."""
     from dflashkit.targets.model import check_same_target
 
     for res in offline.values():

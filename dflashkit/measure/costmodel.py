@@ -23,7 +23,6 @@ from dflashkit.measure.curve import CostCurve, tree_cost_curve
 from dflashkit.measure.probe import (engine_version, load_note, load_sample, loaded, machine_key, measured_load,
                                      new_session, say_loaded)
 from dflashkit.report import fmt, line_plot, markdown_table
-from dflashkit.targets.invariant import kernels_for
 
 PROBE_NS = (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)  # chain blocks 4/8/16, DDTree-b verifies b+1
 FORMAT = "dflashkit-cost-model/1"
@@ -170,8 +169,7 @@ def probe_loops(target, proposer, engine: str, session) -> tuple[float | None, d
 def hf_curves(target, proposer, repeats: int) -> tuple[dict, dict | None]:
     """ms of transformers' forward over n tokens after DEPTH ({n: ms}) and, where branching trees go one path a row,
     of such verifies (measure/curve.py), under the kernels decoding runs."""
-    with kernels_for(target):
-        c = tree_cost_curve(target, proposer.block_size if proposer else 4, ns=PROBE_NS, context=DEPTH, repeats=repeats)
+    c = tree_cost_curve(target, proposer.block_size if proposer else 4, ns=PROBE_NS, context=DEPTH, repeats=repeats)
     ms = lambda curve: {n: 1000 * t for n, t in zip(curve.ns, curve.seconds)}
     return ms(c), c.paths and ms(c.paths)
 
@@ -227,8 +225,8 @@ def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
 
 
 def engine_round_ms(engine, target, speculative: bool) -> float:
-    """ms per round (one token plain, one verify with a drafter) of an open engine decoding the probe prompt to
-    PEER_TOKENS, a bench answer's context, less a 1-token answer (the prefill and first token cancel)."""
+    """ms per round of an open engine decoding the probe prompt to PEER_TOKENS, less a 1-token answer (the prefill
+    and first token cancel)."""
     ids, stops = target.chat_ids([{"role": "user", "content": PROBE_PROMPT}]), set(target.stop_token_ids)
     one, full = engine.complete(ids, 1, stops), engine.complete(ids, PEER_TOKENS, stops)
     rounds = full.steps - one.steps if speculative else len(full.tokens) - len(one.tokens)

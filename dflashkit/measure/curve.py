@@ -1,5 +1,4 @@
-"""What a target forward costs as a function of the tokens it verifies, and the memory-bound floor (weight bytes /
-memory bandwidth): speculative decoding pays where a forward over n tokens costs much less than n one-token ones."""
+"""What a target forward costs as a function of the tokens it verifies, and the memory-bound floor."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import torch
 
 from dflashkit.decode.hf import HfBackend, crop_kv, new_target_kv, verify_tree_by_paths
 from dflashkit.decode.session import Timer
+from dflashkit.targets.invariant import kernels_for
 from dflashkit.tree import Tree
 
 DEFAULT_NS = (1, 2, 4, 8, 16, 32)
@@ -76,12 +76,13 @@ def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int =
 
 
 def tree_cost_curve(target, block: int, **kwargs) -> CostCurve:
-    """The curve -auto trees are cut on: a forward over n tokens and, where hf verifies branching trees one path a row
-    (each row a copy of the KV), such verifies of 1..16 paths of `block` tokens."""
-    curve = measure_cost_curve(target, **kwargs)
-    if HfBackend(target).by_paths:
-        p = measure_cost_curve(target, [block * r for r in (1, 2, 4, 8, 16)], kwargs.get("context", 400), 3, paths=block)
-        curve.paths = CostCurve([1] + p.ns, [curve(1)] + p.seconds)
+    """The curve -auto trees are cut on, under the kernels hf decodes on: a forward over n tokens and, where hf
+    verifies branching trees one path a row (each row a copy of the KV), such verifies of 1..16 paths of `block` tokens."""
+    with kernels_for(target):
+        curve = measure_cost_curve(target, **kwargs)
+        if HfBackend(target).by_paths:
+            p = measure_cost_curve(target, [block * r for r in (1, 2, 4, 8, 16)], kwargs.get("context", 400), 3, paths=block)
+            curve.paths = CostCurve([1] + p.ns, [curve(1)] + p.seconds)
     return curve
 
 

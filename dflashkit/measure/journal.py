@@ -13,8 +13,7 @@ FORMAT = "dflashkit-bench-journal/1"
 
 
 class Journal:
-    """`path`: a JSONL file, the bench's settings then one finished run a line. A rerun with the same settings
-    continues it; other settings are refused by name."""
+    """A JSONL file: the bench's settings, then one finished run a line; other settings are refused by name."""
 
     def __init__(self, path, settings: dict):
         self.path, self.settings = Path(path), json.loads(json.dumps(settings))

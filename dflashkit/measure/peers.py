@@ -66,8 +66,7 @@ def start_engine(method: str, target, drafter, block_size: int, ctx: int, workdi
 
 
 class EnginePeer:
-    """One engine method, started on entry (its load timed apart) and held open through the bench, so that the
-    host's drift hits ours and the engine alike."""
+    """One engine method, started on entry and held open through the bench, so that drift hits ours and it alike."""
 
     def __init__(self, method: str, target, drafter, block_size: int, max_new_tokens: int):
         self.method, self.target, self.max_new_tokens = method, target, max_new_tokens
@@ -154,8 +153,7 @@ def check_engines(runs: list[dict]) -> tuple[list[dict], dict]:
 
 
 def ar_parting(runs: list[dict], method: str, against: str = "ar") -> dict:
-    """How `method`'s outputs compare with `against`'s (our ar) on the prompts both ran: how many are equal, and
-    the first token where each other one parts."""
+    """How many of `method`'s outputs equal `against`'s (our ar), and where each other one parts."""
     theirs = {r["prompt"] for r in runs if r["method"] == against}
     parts = {x["prompt"]: x["first_difference"] for x in differences(runs, lambda m: against if m == method else None)}
     n = sum(r["method"] == method and r["prompt"] in theirs for r in runs)

@@ -1,6 +1,5 @@
 """Predicted decoding speed: an acceptance (an offline eval's, or a decode's own rounds) priced on an engine's cost
-model as tokens per round, time per round, tokens per second and the speedup over that engine's plain decoding.
-Formulas: docs/decoding.md, "Predicting an engine's speed before serving"."""
+model (docs/decoding.md, "Predicting an engine's speed before serving")."""
 
 from __future__ import annotations
 
@@ -207,8 +206,8 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
 
 
 def _speedup_errors(rows: dict, summary: dict) -> None:
-    """Each prediction's speedup over its engine's plain decoding against the measured one (`speedup_error`): the
-    machine's speed when the cost model was measured cancels."""
+    """Each prediction's speedup over its engine's plain decoding against the measured one, in which the host's
+    speed when the cost model was measured cancels."""
     plain = {e: summary[label].get("predicted") or {} for label, (m, e) in rows.items() if m in ("ar", e)}
     for s in summary.values():
         p = s.get("predicted") or {}
@@ -268,8 +267,7 @@ def share(seconds: dict | None) -> str:
 
 
 def predicted_points(result: dict) -> dict[str, tuple[float, float]]:
-    """label -> (measured, predicted) decode tokens/s of every bench row that has both (offline where given, else
-    the row's own rounds), for the plot beside the table."""
+    """label -> (measured, predicted) decode tokens/s of every bench row that has both, for the plot."""
     points = {}
     for m, s in result["methods"].items():
         p = s.get("predicted") or {}

@@ -23,8 +23,7 @@ BACKENDS = ("hf", "static")  # what a probe may answer
 
 
 def engine_version(engine: str) -> str:
-    """What a re-measure is due on: our code and torch for the backends (and the static kernels' library), the build
-    for a peer."""
+    """What a re-measure is due on: our code, torch and the kernels for the backends, the build for a peer."""
     if engine == "llama.cpp":
         return f"llama.cpp build {LLAMA_CPP_BUILD}" + (f" (level {levels.chosen()})" if levels.narrower() else "")
     if engine == "vllm":
@@ -44,8 +43,7 @@ def _say(log, message: str) -> None:
 
 
 def machine_key(target) -> tuple[str, dict]:
-    """What a probe's answer depends on: the CPU (model and its vector flags), the target's weights, dtype, threads
-    and torch's version."""
+    """What a probe's answer depends on: the CPU and its vector flags, the target's weights, dtype, threads, torch."""
     name, flags = levels.cpu()
     vector = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     if levels.narrower():  # a level narrower than this CPU's (--isa) is another machine to time

@@ -1,5 +1,4 @@
-"""The per-request records (report/requests.py) of bench's runs and generate's answers: one conversion for every
-source, so each fills the same fields or says why not."""
+"""The per-request records (report/requests.py) of bench's runs and generate's answers, one conversion for all."""
 
 from __future__ import annotations
 
