@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 
+from dflashkit.decode import static
+from dflashkit.decode.hf import HfBackend
 from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, parse_method
 from dflashkit.decode.session import Backend, DecodeSession
 from dflashkit.errors import DFlashError
@@ -11,14 +13,12 @@ from dflashkit.errors import DFlashError
 
 def static_refusal(target) -> str | None:
     """Why the static backend cannot run `target` (its message names the config field), or None."""
-    from dflashkit.decode.static import geometry_of
-
     if target.device.type != "cpu":
         return f"target {target.name} is on {target.device}: the static backend's trees run on CPU kernels"
     if shutil.which("c++") is None:
         return "no C++ compiler (c++) here to build the static backend's kernels: install g++, or use --engine hf"
     try:
-        geometry_of(target)
+        static.geometry_of(target)
     except DFlashError as e:
         return str(e)
     return None
@@ -52,11 +52,7 @@ def backend_for(session: DecodeSession, engine: str, method: str) -> str:
 
 def open_backend(session: DecodeSession, engine: str, method: str, length: int, proposer=None, cost=None) -> Backend:
     """The backend that runs `method` (engine resolved); static's decoder is the session's, rebuilt where too short."""
-    from dflashkit.decode.hf import HfBackend
-
     if engine in ("hf", "hf-stock"):
         return HfBackend(session.target, cost, stock=engine == "hf-stock")
-    from dflashkit.decode.static import StaticBackend, decoder_for
-
     trees = parse_method(method)[0] in TREE_KINDS or session.trees
-    return StaticBackend(decoder_for(session, length, proposer, trees=trees), proposer)
+    return static.StaticBackend(static.decoder_for(session, length, proposer, trees=trees), proposer)

@@ -16,9 +16,13 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.decode import static
+from dflashkit.decode.backends import static_refusal
 from dflashkit.decode.methods import PRICED
+from dflashkit.decode.speculative import generate
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import home, read_json, sha256_json
+from dflashkit.fileio import home, read_json, sha256_json, write_json
+from dflashkit.measure import peers
 from dflashkit.measure.curve import CostCurve, tree_cost_curve
 from dflashkit.measure.probe import (engine_version, load_note, load_sample, loaded, machine_key, measured_load,
                                      new_session, say_loaded)
@@ -125,8 +129,6 @@ def cost_model(engine: str, target, proposer=None, session=None, force: bool = F
     """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now where none is,
     with `force`, or where the cached one was measured under load; not `measure`: a missing one is an error naming
     the command that measures it."""
-    from dflashkit.fileio import write_json
-
     check_model_engine(engine)
     key, record = model_key(target, engine, proposer)
     path = home() / "cost-model" / f"{engine}-{key}.json"
@@ -151,8 +153,6 @@ def cost_model(engine: str, target, proposer=None, session=None, force: bool = F
 
 def probe_loops(target, proposer, engine: str, session) -> tuple[float | None, dict]:
     """(ms of one drafter call, {loop: ms per round of its own work}) from a short decode of each loop on `engine`."""
-    from dflashkit.decode.speculative import generate
-
     ids = target.chat_ids([{"role": "user", "content": PROBE_PROMPT}])
     loops = {"ar": "ar", "chain": "chain", "tree": "ddtree-8"} if proposer is not None else {"ar": "ar", "tree": "ngram"}
     draft, overhead = None, {}
@@ -186,12 +186,9 @@ def probe_hf(target, proposer, session, log=None) -> CostModel:
 
 
 def probe_static(target, proposer, session, log=None) -> CostModel:
-    from dflashkit.decode.backends import static_refusal
-    from dflashkit.decode.static import decoder_for
-
     if why := static_refusal(target):
         raise DFlashError(why)
-    times = static_widths(decoder_for(session, 512, proposer, trees=True), 7)
+    times = static_widths(static.decoder_for(session, 512, proposer, trees=True), 7)
     draft, overhead = probe_loops(target, proposer, "static", session)
     return CostModel("static", list(times), list(times.values()), draft, overhead, rounding="up")
 
@@ -215,10 +212,8 @@ def llama_bench_curve(target, repeats: int = 5) -> tuple[list[int], list[float]]
 
 def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
     """ms per round of an engine peer started for the probe (engine_round_ms)."""
-    from dflashkit.measure.peers import context_length, start_engine
-
     with tempfile.TemporaryDirectory(prefix="dflashkit-cost-") as work:
-        with start_engine(method, target, drafter, block_size, context_length(target), Path(work)) as engine:
+        with peers.start_engine(method, target, drafter, block_size, peers.context_length(target), Path(work)) as engine:
             engine.complete(target.chat_ids([{"role": "user", "content": PROBE_PROMPT}]), 8,
                             set(target.stop_token_ids))  # warm-up
             return engine_round_ms(engine, target, drafter is not None)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dflashkit import __version__, levels
+from dflashkit.decode import native
 from dflashkit.decode.session import DecodeSession
 from dflashkit.engines.install import LLAMA_CPP_BUILD, VLLM_VERSION
 from dflashkit.fileio import home, sha256_json
@@ -32,9 +33,7 @@ def engine_version(engine: str) -> str:
 
     version = f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
     if engine == "static":
-        from dflashkit.decode.native import library_path
-
-        version += f", kernels {library_path().stem}"
+        version += f", kernels {native.library_path().stem}"
     return version
 
 
