@@ -1,6 +1,5 @@
-"""`dflashkit drafter export`: a trained drafter in the format an engine serves, with its draft vocabulary's token
-map (`d2t`) unless `--full-vocab`, and its tau as trained and as exported. It sits above the stages because it uses
-three of them: drafter (the folder), engines (the GGUF, from llama.cpp's own converter), evaluate (tau)."""
+"""`dflashkit drafter export`: a trained drafter in the format an engine serves, with its token map (`d2t`) unless
+`--full-vocab`; it sits above the stages it uses: drafter (the folder), engines (the GGUF), evaluate (tau)."""
 
 from __future__ import annotations
 

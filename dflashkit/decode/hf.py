@@ -19,10 +19,9 @@ def sliding_layers(target) -> list[int]:
 
 
 def new_target_kv(target):
-    """The target KV (a DynamicCache) for an online loop, every attention layer keeping every position so that a
-    rejected draft can be cropped off: a sliding-window layer (which keeps only its window, no crop can restore it)
-    becomes a full DynamicLayer still marked sliding. Exact: transformers masks a sliding layer by absolute position
-    from the offsets its cache layer reports, so it attends to the same keys; the older ones are kept but masked."""
+    """The target KV for an online loop, every position kept so that a rejected draft can be cropped: a sliding layer
+    (which keeps only its window) becomes a full DynamicLayer still marked sliding. Exact: transformers masks it by
+    absolute position from the offsets its cache layer reports, so it attends to the same keys."""
     kv = DynamicCache(config=target.config)
     for i in sliding_layers(target):
         if type(kv.layers[i]) is DynamicSlidingWindowLayer:
@@ -61,11 +60,11 @@ def _linear_layers(kv):
     return [layer for layer in kv.layers if hasattr(layer, "recurrent_states")]
 
 
-def crop_kv(kv, length: int) -> None:
+def crop_kv(kv, length: int, row: int = 0) -> None:
     """Keep the first `length` positions of every attention layer (linear-attention states are restored instead),
-    and batch row 0 only (a hybrid tree verify expands the target KV to one row per path)."""
+    and batch row `row` only (a tree verified by paths expands the target KV to one row per path)."""
     for layer in _attention_layers(kv):
-        layer.keys, layer.values = layer.keys[:1, :, :length], layer.values[:1, :, :length]
+        layer.keys, layer.values = layer.keys[row : row + 1, :, :length], layer.values[row : row + 1, :, :length]
 
 
 def compact_kv(kv, start: int, keep: torch.Tensor) -> None:
@@ -172,9 +171,7 @@ class HfBackend:
                 return rerun(self.target, kv, self.saved, self.tokens.to(idx.device)[idx], start, self.layer_ids)
         if self.paths:  # the accepted path is a prefix of its last node's row: keep that row only
             r = int(self.row_of[keep[-1]])
-            for layer in _attention_layers(kv):
-                layer.keys, layer.values = layer.keys[r : r + 1], layer.values[r : r + 1]
-            crop_kv(kv, start + len(keep))
+            crop_kv(kv, start + len(keep), r)
             return out.features[r : r + 1, : len(keep)] if self.layer_ids is not None else None
         if len(keep) < n:
             compact_kv(kv, start, idx)

@@ -352,9 +352,8 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
              max_new_tokens: int = 256, sampling: Sampling = GREEDY, generator=None, stop_ids=None, cost=None,
              ngram=None, engine: str = "hf", session: DecodeSession | None = None) -> Generation:
-    """One entry point for every method name of `parse_method`, on the backend `engine` (decode/backends.py).
-    `budget` applies to a bare 'ddtree' or 'hybrid'. `session`: what a run keeps across calls (the static decoder,
-    auto's answer). `cost`: hf's cost curve for -auto trees (the static backend reads its own step times)."""
+    """One entry point for every method name of `parse_method`, on the backend `engine`. `budget` applies to a bare
+    'ddtree' or 'hybrid'; `cost` is hf's cost curve for -auto trees (the static backend reads its own step times)."""
     kind, n = parse_method(method)
     session = session or DecodeSession(target, proposer)
     engine = backend_for(session, engine, method)

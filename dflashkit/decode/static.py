@@ -362,11 +362,10 @@ def cpu_kernels(target, geo: Geometry) -> str:
 
 def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geometry, kernels: str,
          ops: str | None, layer_ids, formats: tuple = ()):
-    """The Llama step as a pure function of its inputs (decoders of one geometry share its compile; dynamo guards a
-    few tensors, not every weight): ids [n] at positions pos [n], their K and V written to `kv` at `slots` [n] ->
-    logits [k, V] of the `keep` rows (with `layer_ids`, also those layers' states [1, n, len(layer_ids) * H]). A row
-    attends, with our kernels, to slots 0..pos[0]-1 then its `path` [n, W]; else to the `span` slots up to its
-    position."""
+    """The Llama step as a pure function of its inputs (decoders of one geometry share its compile): ids [n] at
+    positions pos [n], their K and V written to `kv` at `slots` [n] -> logits [k, V] of the `keep` rows (and those
+    `layer_ids`' states [1, n, len(layer_ids) * H]). A row attends, with our kernels, to slots 0..pos[0]-1 then its
+    `path` [n, W]; else to the `span` slots up to its position."""
     layout, stride, tail, _ = geo.layout(formats)
     qlayout, qstride, _ = geo.quant_layout(formats) if formats else ({}, 0, 0)
     linear, attend = kernel_pair(kernels, ops)

@@ -1,6 +1,5 @@
-"""`dflashkit bench`: every decoding method on the same prompts in one process, in an order rotated per prompt, with
-the target's cost curve and memory floor (docs/decoding.md). At temperature 0 every output must equal plain decoding
-token for token; a mismatch fails loudly."""
+"""`dflashkit bench`: every decoding method on the same prompts in one process, in an order rotated per prompt
+(docs/decoding.md). At temperature 0 every output must equal plain decoding token for token, or the bench fails."""
 
 from __future__ import annotations
 
@@ -123,9 +122,8 @@ CHECKED = (2, 64)  # prompts whose first tokens the static step is checked on, a
 
 @torch.no_grad()
 def check_static_step(target, decoder, runs: list[dict], label: str) -> list[dict]:
-    """The static step's logits over the first prompts and answers against transformers' float32 forward over the
-    same weights (the step computes in float32 in every dtype): a gap beyond STEP_TOLERANCE fails. Tokens alone cannot
-    see a slightly wrong step in bf16, whose partings rounding also explains."""
+    """The static step's logits (float32 in every dtype) against transformers' float32 forward on the first prompts:
+    a gap beyond STEP_TOLERANCE fails, as tokens alone cannot tell a slightly wrong bf16 step from rounding."""
     ref = target.model if target.dtype == torch.float32 else copy.deepcopy(target.model).float()
     bad = []
     for r in [r for r in runs if r["method"] == label][: CHECKED[0]]:
@@ -147,9 +145,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
               warmup: bool = True, progress: bool = True, cost: CostCurve | None = None, engine: str = "hf",
               log=None, offline: dict | None = None, predict: bool = True, references: bool = True,
               journal=None, reprobe: bool = False) -> dict:
-    """prompts: (id, prompt token ids or a PromptItem). Returns {"config", "cost", "methods": {name: summary},
-    "categories", "runs", "mismatches", "divergences", ...}. `cost`: a curve measured earlier (else measured here).
-    `engine`: auto, hf, static, or several joined by commas (one row per method and engine). `references`: also
+    """prompts: (id, prompt token ids or a PromptItem). Returns {"config", "cost", "methods", "runs", "mismatches",
+    ...}. `engine`: auto, hf, static, or several joined by commas (one row per method and engine). `references`: also
     ar@hf beside static and ar@hf-stock where kernels are switched. `journal`: the finished runs (measure/journal.py)."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
@@ -293,26 +290,20 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve,
                 peers: dict, session, rows: dict, sample=None, journal=None) -> tuple[list[dict], dict]:
-    """Every method on every prompt after a warm-up, the order rotated per prompt (drift hits all alike), each run
-    after `sample(method)`. Also returns plain decoding's turns per prompt (prompt ids per turn, answer lengths),
-    which explain_by_rounding reads. A `journal`'s runs are not run again; each new one is appended."""
+    """Every method on every prompt after a warm-up, the order rotated per prompt (drift hits all alike); also plain
+    decoding's turns per prompt (prompt ids per turn, answer lengths), which explain_by_rounding reads."""
     runs = journal.done() if journal is not None else []
     if journal is not None:
         journal.start(runs)
         if runs:
             print(f"bench: resuming from {journal.path}: {len(runs)} of {len(prompts) * len(methods)} runs done",
                   file=sys.stderr)
-    finished, turns = {(r["prompt"], r["method"]) for r in runs}, {}
-    for r in runs:
-        if rows.get(r["method"], (r["method"],))[0] == "ar":
-            turns.setdefault(r["prompt"], {})[r["method"]] = (r["turn_prompts"], r["turns"])
+    finished = {(r["prompt"], r["method"]) for r in runs}
 
     def run(m: str, i: int, pid: str, item, n: int) -> dict:
         if m in peers:  # an engine warms on a whole first conversation: its graphs, caches, allocator
             return peers[m].run(pid, item)
         c = _run(target, proposer, item, m, n, sampling, sampling.seed + i, curve, session, rows)
-        if rows.get(m, (m,))[0] == "ar":  # a warm-up's are overwritten by the run of the same prompt
-            turns.setdefault(pid, {})[m] = (c.prompts, c.lengths)
         g = c.generation
         return {"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]), "prompt_ids": c.prompts[0],
                 "turn_prompts": c.prompts, "turns": c.lengths, "tokens": g.tokens, "accepted": g.accepted,
@@ -335,6 +326,10 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
                     journal.add(r)
                 bar.set_postfix_str(f"last {m}: {len(r['tokens']) / r['times']['total']:.1f} tok/s", refresh=False)
                 bar.update()
+    turns = {}
+    for r in runs:
+        if rows.get(r["method"], (r["method"],))[0] == "ar":
+            turns.setdefault(r["prompt"], {})[r["method"]] = (r["turn_prompts"], r["turns"])
     return runs, turns
 
 

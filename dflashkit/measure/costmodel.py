@@ -1,6 +1,5 @@
-"""A cost model per engine, so that an offline acceptance prices a drafter before it is served: a target forward over
-n = 1..64 tokens, one drafter call and the loop's own work per round, probed once and cached per machine and engine
-(docs/design.md, "The cost model in detail"); measure/predict.py turns it into tokens per second."""
+"""A cost model per engine, probed once and cached per machine, so that an offline acceptance prices a drafter before
+it is served (docs/design.md, "The cost model in detail")."""
 
 from __future__ import annotations
 
@@ -127,8 +126,7 @@ def check_model_engine(engine: str) -> None:
 def cost_model(engine: str, target, proposer=None, session=None, force: bool = False, log=None,
                measure: bool = True) -> CostModel:
     """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now where none is,
-    with `force`, or where the cached one was measured under load; not `measure`: a missing one is an error naming
-    the command that measures it."""
+    with `force`, or where the cached one was measured under load; not `measure`: a missing one is an error."""
     check_model_engine(engine)
     key, record = model_key(target, engine, proposer)
     path = home() / "cost-model" / f"{engine}-{key}.json"
@@ -256,9 +254,8 @@ SAMPLED = ("hf", "static", "llama.cpp")  # vLLM's forward is its loop: no quick 
 
 
 def forward_sample(engine: str, target, proposer, session, peer=None, speculative: bool = False) -> dict | None:
-    """One quick sample of `engine`'s cost, taken seconds before a bench's run (a shared host drifts within minutes):
-    our backends' forward per n ({"forward": {n: ms}, "paths": ...}); a llama.cpp `peer`'s own round ({"rounds":
-    {"ar" or "chain": ms}})."""
+    """One quick sample of `engine`'s cost before a bench's run (a shared host drifts within minutes): our backends'
+    {"forward": {n: ms}, "paths": ...}; a llama.cpp `peer`'s own round, {"rounds": {"ar" or "chain": ms}}."""
     if engine == "static":
         return {"forward": static_widths(session.static, 3) if session.static is not None else {}}
     if engine == "hf":

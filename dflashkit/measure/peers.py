@@ -1,7 +1,6 @@
-"""Engine peers in `bench`: llama.cpp and vLLM decode the same prompts, plain and with our drafter exported, each
-started once and answering in the bench's rotation (this process waits on it, so two never compute at once). Their
-outputs are held to their own plain decoding, compared with our `ar` (kernels differ: reported, not failed), and
-their own mean acceptance length against the tau our drafter predicts on their output."""
+"""Engine peers in `bench`: llama.cpp and vLLM decode the same prompts in the bench's rotation (this process waits on
+each answer, so two never compute at once), plain and with our drafter exported, held to their own plain decoding and
+compared with our `ar` (kernels differ: reported, not failed)."""
 
 from __future__ import annotations
 

@@ -140,9 +140,6 @@ def prediction_markdown(rows: dict, model, source: str) -> list[str]:
 
 # ---- bench: predicted beside measured ----------------------------------------------------------------------
 
-NOT_PREDICTED = ("prompt-lookup", "hf-generate")  # stock kernels or transformers' loops: no cost model
-
-
 def measured_decode_tps(runs: list[dict]) -> float | None:
     """Tokens per second after each turn's prefill (its first token comes from the prefill), as bench states."""
     tokens = sum(len(r["tokens"]) - len(r.get("turns") or [1]) for r in runs)
@@ -164,17 +161,16 @@ def _online(label: str, runs: list[dict], summary: dict, model, block_size: int 
 def predicted_engine(label: str, rows: dict) -> str | None:
     """The engine whose cost model prices a bench row; None: stock kernels or transformers' loops (none of ours)."""
     method, engine = rows.get(label, (label, label))
-    if method in NOT_PREDICTED or method.split("-")[0] in ("prompt", "hf") or engine == "hf-stock":
+    if method.split("-")[0] in ("prompt", "hf") or engine == "hf-stock":  # prompt-lookup, hf-generate
         return None
     return engine.removesuffix("-dflash")
 
 
 def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict, session,
                   offline: dict | None = None, log=None, window: dict | None = None) -> dict:
-    """Each row's predicted decode tokens/s beside its measured one (`summary[label]["predicted"]`), from its own
-    rounds and from an offline eval's acceptance where one is given (`offline` {engine, or "" for the rest: an eval's
-    results}). Each row is priced on its engine's cached model over its own runs' minutes (`window` {row: samples});
-    returns the models used, by engine. A model that cannot be had is said on the row."""
+    """Each row's predicted decode tokens/s beside its measured one, from its own rounds and from an offline eval
+    (`offline` {engine, or "" for the rest: an eval's results}), on its engine's model over its own runs' minutes
+    (`window` {row: samples}); returns the models used, by engine. A model that cannot be had is said on the row."""
     B, window = proposer.block_size if proposer is not None else None, window or {}
     models, acceptances = {}, {e: offline_acceptance(o["overall"], o["settings"]["block_size"], o.get(
         "source", "offline eval")) for e, o in (offline or {}).items()}

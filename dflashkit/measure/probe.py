@@ -101,10 +101,9 @@ def _tree_jiffies() -> int:
 
 
 def measured_load(start: tuple, threads: int) -> dict:
-    """The load over a measurement begun at `start` (load_sample) on `threads` threads: `others`, the CPUs other
-    processes kept busy meanwhile (the usable CPUs' busy jiffies less ours; without /proc, the load average). Loaded:
-    others took CPUs our threads needed. Not the load average, which counts our own work before the measurement too.
-    A loaded answer is used for the run, cached marked so, and measured again by the next run."""
+    """The load over a measurement begun at `start` on `threads` threads: `others`, the CPUs other processes kept busy
+    meanwhile (not the load average, which counts our own earlier work too). Loaded: others took CPUs our threads
+    needed; a loaded answer is used for the run, cached marked so, and measured again by the next run."""
     (load0, (b0, t0), j0), cpus = start, len(usable_cpus())
     (b1, t1), j1 = cpu_times(usable_cpus()), _tree_jiffies()
     others = max(0.0, cpus * (b1 - b0 - (j1 - j0)) / (t1 - t0) if t1 > t0 else load0)
