@@ -56,7 +56,7 @@ def asked_isa(argv: list[str]) -> str | None:
 
 
 def use_environment(env=os.environ) -> machine.Machine:
-    """The machine choices a user makes in the environment, read here alone (docs/design.md section 12). Returns the
+    """The machine choices a user makes in the environment, read here alone (docs/design.md section 12); returns the
     machine before, for an in-process caller."""
     def count(name: str, default: int | None) -> int | None:
         value = env.get(name, "").strip()
@@ -70,8 +70,7 @@ def use_environment(env=os.environ) -> machine.Machine:
 
 
 def handler(func):
-    """A command's function, or where one lives ("package.module:name", for a command whose work needs a stage above
-    its own: `drafter export`, `eval --engine`)."""
+    """A command's function, or where one lives ("package.module:name": work done by a stage above its parser's)."""
     if isinstance(func, str):
         module, name = func.split(":")
         return getattr(importlib.import_module(module), name)

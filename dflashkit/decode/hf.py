@@ -129,8 +129,7 @@ class HfBackend:
         return path_tokens(tree) if self.paths else len(tree)
 
     def kernels(self):
-        """Every target forward's kernels (never the drafter's): row-invariant ones in bf16 on a CPU, else plain and
-        speculative decoding part ways on rounding (targets/invariant.py)."""
+        """Every target forward's kernels (never the drafter's): row-invariant ones in bf16 on a CPU (targets/invariant.py)."""
         return kernels_for(self.target, self.stock)
 
     def prefill(self, ids: list[int], layer_ids):

@@ -61,8 +61,7 @@ def compile_command(out, level: str | None = None, tune: str | None = None) -> l
 
 
 def _build(lib: Path, level: str, tune: str | None) -> None:
-    """Compile to a temporary file renamed into place, then write its digest: a killed build leaves nothing a later
-    run would load (a library without its digest is built again)."""
+    """Compile to a temporary file renamed into place, then write its digest (a library without one is built again)."""
     try:
         with atomic_path(lib) as tmp:
             res = subprocess.run(compile_command(tmp, level, tune), capture_output=True, text=True)

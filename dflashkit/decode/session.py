@@ -1,5 +1,4 @@
-"""The contract the decoding loops are written over: a `Backend`, the `DecodeSession` one run keeps across its calls,
-the `Timer` the loops time forwards with, and the `Generation` they return."""
+"""The contract the decoding loops are written over: `Backend`, `DecodeSession`, `Timer` and the `Generation` returned."""
 
 from __future__ import annotations
 

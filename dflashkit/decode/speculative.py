@@ -311,8 +311,7 @@ def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temper
 
 def generate_transformers_dflash(target, proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                                  stop_ids=None) -> Generation:
-    """transformers' own DFlash loop with our drafter as its drafter class (drafter/transformers_format.py): the loop
-    an HF user tries first. Greedy, timed end to end; each round's tokens read off the target's cache length."""
+    """transformers' own DFlash loop, the one an HF user tries first, with our drafter as its drafter class; greedy."""
     from dflashkit.drafter.transformers_format import assistant
 
     timer, helper = Timer(target.device), assistant(proposer.drafter, target)

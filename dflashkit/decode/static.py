@@ -559,8 +559,7 @@ class StaticDecoder:
 
     @torch.no_grad()
     def commit(self, start: int, accepted: list[int]) -> None:
-        """After a tree verify: the accepted nodes (depth order, root excluded) move from slot start + node to
-        start + depth, where plain decoding writes them."""
+        """After a tree verify: the accepted nodes (depth order, root excluded) move to where plain decoding writes them."""
         moved = [(start + node, start + depth) for depth, node in enumerate(accepted, start=1) if node != depth]
         if not moved:
             return
@@ -660,8 +659,7 @@ def collector_paused():
 
 
 class StaticBackend:
-    """Our compiled step as a decode/session.Backend: a chain or any tree up to the widest width in one step whose
-    rows are the one-token step's; in its session the proposer drafts through the drafter call compiled with it."""
+    """Our compiled step as a decode/session.Backend; in its session the drafter runs as compiled with the decoder."""
 
     engine = "static"
     path_cost = None  # trees are verified flat

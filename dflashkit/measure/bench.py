@@ -252,8 +252,7 @@ def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -
 
 
 def add_fallback(summary: dict, runs: list[dict], rows: dict) -> None:
-    """Per speculative row: the share of its rounds that called the drafter, and its worst prompt against plain
-    decoding on its own backend (decode tokens/s), which an aggregate speedup hides."""
+    """Per speculative row: the share of rounds that drafted, and its worst prompt against plain decoding there."""
     for label, (m, engine) in rows.items():
         s, plain = summary.get(label), plain_row(rows, engine)
         if s is None or kind_of(m) in ("ar", *TRANSFORMERS, *PEER_METHODS) or is_engine(m):

@@ -107,8 +107,7 @@ def _common(p) -> None:
 
 
 def _check(args):
-    """Every option checked before anything loads; returns the command's one Sampling value, so that nothing below
-    reads args' sampling options (and none can be dropped on the way)."""
+    """Every option checked before anything loads; returns the command's one Sampling value (none dropped on the way)."""
     if args.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if args.block_size is not None and args.block_size < 2:
@@ -322,8 +321,7 @@ def cmd_cost(args) -> int:
     names = engines_of(args.engine)  # a wrong name fails before the target loads
     target = load_target(args.target, device=args.device, dtype=args.dtype, weights=args.weights)  # as decoding runs it
     models = models_for(names, target, args.drafter, force=args.force)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)  # write_json makes the folder before the plot goes in
     lines = [f"# Cost models: {target.name}", ""] + [line for m in models for line in cost_markdown(m)]
     lines += ["![cost against n](cost.png)", ""]
     table = {m.engine: m.to_dict() for m in models}

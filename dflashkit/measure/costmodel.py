@@ -165,8 +165,7 @@ def probe_loops(target, proposer, engine: str, session) -> tuple[float | None, d
 
 
 def hf_curves(target, proposer, repeats: int) -> tuple[dict, dict | None]:
-    """ms of transformers' forward over n tokens after DEPTH ({n: ms}) and, where branching trees go one path a row,
-    of such verifies (measure/curve.py), under the kernels decoding runs."""
+    """ms of hf's forward over n tokens after DEPTH ({n: ms}), and of its verifies one path a row (or None)."""
     c = tree_cost_curve(target, proposer.block_size if proposer else 4, ns=PROBE_NS, context=DEPTH, repeats=repeats)
     ms = lambda curve: {n: 1000 * t for n, t in zip(curve.ns, curve.seconds)}
     return ms(c), c.paths and ms(c.paths)
@@ -218,8 +217,7 @@ def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
 
 
 def engine_round_ms(engine, target, speculative: bool) -> float:
-    """ms per round of an open engine decoding the probe prompt to PEER_TOKENS, less a 1-token answer (the prefill
-    and first token cancel)."""
+    """ms per round of an open engine on the probe prompt: PEER_TOKENS less a 1-token answer (the prefill cancels)."""
     ids, stops = target.chat_ids([{"role": "user", "content": PROBE_PROMPT}]), set(target.stop_token_ids)
     one, full = engine.complete(ids, 1, stops), engine.complete(ids, PEER_TOKENS, stops)
     rounds = full.steps - one.steps if speculative else len(full.tokens) - len(one.tokens)

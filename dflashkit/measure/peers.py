@@ -101,7 +101,7 @@ class EnginePeer:
             self.counts[k] += getattr(a, k)
         pos, known = self.reported["per_position"], getattr(a, "per_position", None)
         self.reported["per_position"] = (None if known is None or (pos is None and self.turns)
-                                         else add_counts(pos or [], known))
+                                         else [x + y for x, y in zip_longest(pos or [], known, fillvalue=0)])
         self.reported["prefill_known"] &= a.prompt_seconds is not None
         self.turns += 1
         prompt = a.prompt_seconds or 0.0
@@ -117,11 +117,6 @@ class EnginePeer:
         return {"prompt": pid, "method": self.method, "prompt_tokens": len(c.prompts[0]), "turns": c.lengths,
                 "tokens": g.tokens, "accepted": [], "times": g.times, "engine": {**self.counts, **self.reported},
                 "turn_prompts": c.prompts}
-
-
-def add_counts(a: list[int], b: list[int]) -> list[int]:
-    """Per-position counts summed, the shorter list padded with zeros."""
-    return [x + y for x, y in zip_longest(a, b, fillvalue=0)]
 
 
 def engine_tau(runs: list[dict]) -> float | None:
@@ -189,8 +184,7 @@ def predicted_tau(target, proposer, runs: list[dict]) -> float | None:
 
 
 def check_tau(summary: dict) -> list[dict]:
-    """Engine mean acceptance length against the tau our drafter predicts on its output (else our chain's tau): a gap
-    beyond TAU_TOLERANCE means one side computes something else."""
+    """Engine mean acceptance length against the tau our drafter predicts on its output, within TAU_TOLERANCE."""
     chain = (summary.get("chain") or {}).get("tau")
     out = []
     for m, s in summary.items():

@@ -202,8 +202,7 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
 
 
 def _speedup_errors(rows: dict, summary: dict) -> None:
-    """Each prediction's speedup over its engine's plain decoding against the measured one, in which the host's
-    speed when the cost model was measured cancels."""
+    """Each prediction's speedup over its engine's plain decoding against the measured one (the host's speed cancels)."""
     plain = {e: summary[label].get("predicted") or {} for label, (m, e) in rows.items() if m in ("ar", e)}
     for s in summary.values():
         p = s.get("predicted") or {}

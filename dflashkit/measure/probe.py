@@ -61,8 +61,7 @@ def probe_path(target):
 
 
 def cached_probe(path: Path, log=None) -> dict | None:
-    """A probe's cached answer, or None (then timed again) where the file is missing or damaged (one line names
-    it), rather than a traceback on every --engine auto run."""
+    """A probe's cached answer, or None (timed again, one line says why) where the file is missing or damaged."""
     if not path.is_file():
         return None
     try:
@@ -80,8 +79,7 @@ def cached_probe(path: Path, log=None) -> dict | None:
 
 
 def load_sample() -> tuple:
-    """What measured_load compares against, now: the 1-minute load average, the usable CPUs' busy and total jiffies,
-    and the jiffies of this process and its descendants."""
+    """What measured_load compares against: the load average, the CPUs' and our process tree's jiffies, now."""
     return os.getloadavg()[0], cpu_times(usable_cpus()), _tree_jiffies()
 
 

@@ -36,8 +36,7 @@ def run_record(run: dict, index: int, target: dict, dtype: str | None) -> dict:
 
 
 def _engine_record(run: dict, index: int, common: dict) -> dict:
-    """An engine peer's run: its own counters and this process's end-to-end time; what the engine does not report is
-    null, and `missing` names why."""
+    """An engine peer's run: its own counters and our end-to-end time; `missing` names why a field is null."""
     label, counts, t = run["method"], run.get("engine") or {}, run["times"]
     engine, speculative = label.removesuffix("-dflash"), label.endswith("-dflash")
     missing = {"tokens_per_round": f"{engine} reports totals per request, not rounds",
