@@ -61,8 +61,8 @@ def _linear_layers(kv):
 
 
 def crop_kv(kv, length: int, row: int = 0) -> None:
-    """Keep the first `length` positions of every attention layer (linear-attention states are restored instead),
-    and batch row `row` only (a tree verified by paths expands the target KV to one row per path)."""
+    """Keep the first `length` positions of every attention layer, and batch row `row` only (a tree verified by paths
+    expands the target KV to one row per path)."""
     for layer in _attention_layers(kv):
         layer.keys, layer.values = layer.keys[row : row + 1, :, :length], layer.values[row : row + 1, :, :length]
 
@@ -105,9 +105,8 @@ def rerun(target, kv, saved, tokens: torch.Tensor, start: int, layer_ids):
 
 
 class HfBackend:
-    """transformers' own forward as a decode/session.Backend, every family. Hybrid targets re-run their accepted tokens
-    (a recurrent state cannot be cropped); branching trees on hybrids and under row-invariant bf16 kernels go one
-    path per row. `stock` (hf-stock): the model's own kernels even in low precision, the fair speed baseline there."""
+    """transformers' own forward as a decode/session.Backend. Hybrid targets re-run their accepted tokens (a recurrent
+    state cannot be cropped); `stock` (hf-stock): the model's own kernels, the fair speed baseline in low precision."""
 
     widest = None
 
@@ -140,8 +139,7 @@ class HfBackend:
         return out.logits[0, -1:], out.features
 
     def verify(self, tokens: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
-        """Logits [n, V] after each of `tokens` [n] placed from the next position on: a chain (tree None), or the
-        nodes of `tree` (position start + depth, each seeing its ancestors)."""
+        """Logits [n, V] after each of `tokens` [n] from the next position on: a chain (tree None), or `tree`'s nodes."""
         t, kv, start, dev = self.target, self.kv, self.start, self.target.device
         self.tree, self.tokens = tree, tokens
         self.saved = save_linear_states(kv) if t.is_hybrid else None

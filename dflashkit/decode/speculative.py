@@ -141,9 +141,8 @@ def selector_drafts(selector, hidden, logits, anchor, temperature: float, genera
 
 
 def draft_block(proposer, features, anchor, start: int, sampling: Sampling, generator):
-    """(tokens [B-1], q or None). `match` drafts greedily (q None), accepted iff equal to the target's own choice;
-    `rejection` samples them from q at the draft temperature and accepts with min(1, p/q). Any q keeps the output
-    exact; a sharper one suits an under-confident drafter."""
+    """(tokens [B-1], q or None). `match` drafts greedily, accepted iff equal to the target's own choice; `rejection`
+    samples them from q and accepts with min(1, p/q): any q keeps the output exact."""
     t_q, mix = sampling.q_temperature, sampling.draft_mix
     if hasattr(proposer, "draft"):
         return proposer.draft(features, anchor, start, t_q, generator, mix)
@@ -255,8 +254,7 @@ def generate_chain(b: Backend, proposer: Proposer, prompt_ids: list[int], max_ne
 def generate_tree(b: Backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_tokens: int = 256,
                   sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None,
                   method: str = "tree") -> Generation:
-    """Tree verification (docs/design.md section 5): the round's tree is verified in one target forward, and only
-    the accepted path stays in the target KV. A node is accepted iff it is the target's own choice, whatever the
+    """Tree verification (docs/design.md section 5): a node is accepted iff it is the target's own choice, whatever the
     acceptance rule; a tree wider than the backend verifies is refused, never cut."""
     temperature, accepted, widths, drafted = sampling.temperature, [], [], []
     with _prefilled(b, prompt_ids, drafts.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (

@@ -603,9 +603,8 @@ class StaticDecoder:
         return {w: sorted(t)[len(t) // 2] for w, t in times.items()}
 
     def _call(self, width: int, ids, pos, keep, span: int | None = None, slots=None, path=None):
-        """One step of `width` tokens. A prompt's chunk reads `span` slots (its last position + 1, compiled symbolic);
-        the other steps read the whole cache (reduce) or the slots in use (ours). `slots`: where the rows' K and V go
-        (default their positions); `path`: what our attention reads after pos[0]."""
+        """One step of `width` tokens. A prompt's chunk reads `span` slots (compiled symbolic), the other steps the whole
+        cache (reduce) or their `path` after pos[0] (ours); `slots`: where K and V go (default: their positions)."""
         slots = pos.clone() if slots is None else slots  # never the same tensor as pos: dynamo guards on aliasing
         span_slots = self.full_span
         if width == PREFILL:
@@ -623,9 +622,8 @@ class StaticDecoder:
 
 
 def decoder_for(session, length: int, proposer=None, trees: bool = False) -> StaticDecoder:
-    """The session's decoder, shared by plain, chain and tree decoding (`proposer`'s layers and block, tree widths
-    once a method needs them) and compiled before it is returned, with the drafter's call; rebuilt when a turn needs
-    more than its slots, rounded up to 512 (2048 for our CPU kernels: each rebuild adds dynamo an entry per width)."""
+    """The session's decoder, shared by every method and compiled (with the drafter's call) before it is returned;
+    rebuilt when a turn needs more slots, rounded up to 512 (2048 for our CPU kernels: fewer dynamo entries)."""
     target, log = session.target, session.log or (lambda message: None)
     length += max(proposer.block_size if proposer is not None else 0, TREE_WIDTHS[-1] if trees else 0)
     d = session.static

@@ -51,9 +51,8 @@ def parse_engines(spec: str) -> list[str]:
 
 def engine_rows(session, methods: list[str], engines: list[str],
                 references: bool = True) -> dict[str, tuple[str, str]]:
-    """label -> (method, engine) for every row: each of our methods on each engine asked (the first engine's rows keep
-    the plain name, the others' get '@engine'), the other loops once, and plain decoding on every engine a row runs
-    on, each one's lossless reference (and on hf whenever static runs: static's plain decoding is held to hf's)."""
+    """label -> (method, engine): each of our methods on each engine asked (rows past the first engine's named
+    'method@engine'), and plain decoding on every engine a row runs on (and on hf beside static), its reference."""
     rows: dict[str, tuple[str, str]] = {}
     for m in methods:
         if is_engine(m) or parse_method(m)[0] not in STATIC_KINDS:
@@ -101,9 +100,8 @@ def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed
 
 
 def _engine_parting(target, runs: list[dict], rows: dict, turns: dict, decoder=None):
-    """Plain decoding on the static backend against hf's: in float32 any difference fails; in low precision a parting
-    within the dtype's rounding is reported, and the static step's logits are held to a float32 forward
-    (check_static_step). Returns (failures, reported partings, {equal, prompts, parts_at})."""
+    """Plain decoding on static against hf's: any difference fails in float32; in low precision one within rounding
+    is reported. Returns (failures, reported partings, {equal, prompts, parts_at})."""
     hf, st = plain_row(rows, "hf"), plain_row(rows, "static")
     if hf is None or st is None:
         return [], [], {}

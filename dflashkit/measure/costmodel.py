@@ -264,9 +264,8 @@ def forward_sample(engine: str, target, proposer, session, peer=None, speculativ
 
 
 def in_window(model: CostModel, samples: list[dict]) -> CostModel:
-    """`model` over the minutes the samples (forward_sample) were taken in: each sampled curve the samples' median at
-    every n they all hold. The drafter call and the loops' work stay as measured (a backend's drift is not theirs),
-    except where an engine's own rounds were timed: then those rounds' medians less the forwards."""
+    """`model` over the minutes its samples (forward_sample) were taken in: each curve the samples' median. The drafter
+    call and the loops' work stay as measured, except from an engine's own timed rounds (less the forwards)."""
     curves, out = {}, model
     fwd = [s for s in samples if s and s.get("forward")]
     for key in ("forward", "paths"):

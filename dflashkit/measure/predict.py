@@ -34,9 +34,8 @@ def _draft_ms(model) -> float:
 
 
 def predict_offline(acceptance: dict, model, only: str | None = None) -> dict:
-    """{method: predicted row} for ar, chain, every ddtree-b and hybrid-b of the acceptance, and the best budget of
-    each as its -auto (replayed per round where the eval recorded its rounds). `acceptance`: offline_acceptance's.
-    `only`: the one method a caller reads (the per-round replays of the others are skipped)."""
+    """{method: predicted row} for ar, chain, every ddtree-b and hybrid-b of `acceptance` (offline_acceptance's) and
+    their -auto; `only`: the one method a caller reads (the others' per-round replays are skipped)."""
     for field in ("block_size", "chain", "ddtree"):
         if field not in acceptance:
             raise DFlashError(f"acceptance: field {field!r} is missing (an eval results.json's 'overall' gives it)")
