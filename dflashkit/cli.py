@@ -1,7 +1,4 @@
-"""The `dflashkit` command: a thin layer that parses arguments and calls one function per command.
-
-Each stage package contributes its subcommands through `register(subparsers)` in its own `cli.py`.
-"""
+"""The `dflashkit` command: parses arguments and calls one function per command; each stage registers its own."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ import sys
 from dflashkit import machine
 from dflashkit.errors import DFlashError
 
-# The stages a user walks through, in order; each module defines register(subparsers) and declares its commands
-# whole (a handler a stage above does the work of is named by its module path: see `handler`).
+# The stages a user walks through, in order; each module's register(subparsers) declares its commands whole
 STAGES = ["dflashkit.targets.cli", "dflashkit.drafter.cli", "dflashkit.cache.cli",
           "dflashkit.evaluate.cli", "dflashkit.measure.cli", "dflashkit.engines.cli",
           "dflashkit.train.cli", "dflashkit.configs.cli", "dflashkit.demo"]
@@ -47,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def asked_isa(argv: list[str]) -> str | None:
-    """`--isa LEVEL` before the command, else $DFLASHKIT_ISA ($DFLASHKIT_NATIVE_ISA, its earlier name): read before
-    the parser, which imports torch, since torch's own kernels take the level's code path only if told first."""
+    """`--isa LEVEL` before the command, else $DFLASHKIT_ISA (or its earlier name): read before the parser imports
+    torch, whose kernels take the level's code path only if told first."""
     for i, arg in enumerate(argv):
         if not arg.startswith("-"):
             break
@@ -60,8 +56,8 @@ def asked_isa(argv: list[str]) -> str | None:
 
 
 def use_environment(env=os.environ) -> machine.Machine:
-    """The machine choices a user makes in the environment, read here alone and set as this process's values
-    (dflashkit/machine.py; docs/design.md section 12). Returns the machine before, for an in-process caller."""
+    """The machine choices a user makes in the environment, read here alone (docs/design.md section 12); returns the
+    machine before, for an in-process caller."""
     def count(name: str, default: int | None) -> int | None:
         value = env.get(name, "").strip()
         return int(value) if value.isdigit() else default
@@ -74,8 +70,7 @@ def use_environment(env=os.environ) -> machine.Machine:
 
 
 def handler(func):
-    """A command's function, or where one lives ("package.module:name"): a command declared in its stage's parser
-    whose work needs a stage above it (`drafter export`, `eval --engine`) names its handler there."""
+    """A command's function, or where one lives ("package.module:name": work done by a stage above its parser's)."""
     if isinstance(func, str):
         module, name = func.split(":")
         return getattr(importlib.import_module(module), name)

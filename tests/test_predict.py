@@ -327,7 +327,11 @@ def test_eval_with_an_engine_prints_the_prediction(evaluated, home, capsys):
                  "--engine", "hf", "--threads", "1", "--anchors", "walk"]) == 0  # walk: hybrid-auto replayed on hf
     auto = json.loads((root / "walk-hf" / "results.json").read_text())["overall"]["hybrid_auto"]["hf"]
     assert len(auto["accepted"]) == len(auto["nodes"]) == len(auto["drafted"]) > 0
-    assert re.search(r"\| hybrid-auto \|.*budget replayed per round", capsys.readouterr().out)
+    dd = json.loads((root / "walk-hf" / "results.json").read_text())["overall"]["ddtree_auto"]["hf"]
+    assert len(dd["accepted"]) == len(dd["drafted"]) > 0  # ddtree-auto replayed with its gate too (issue 73)
+    out = capsys.readouterr().out
+    assert re.search(r"\| hybrid-auto \|.*budget replayed per round", out)
+    assert re.search(r"\| ddtree-auto \|.*budget replayed per round", out)
     assert main(["eval", "--drafter", str(root / "d"), "--cache", str(cache), "--out", str(root / "run2"),
                  "--engine", "nope"]) == 2
     assert "no cost model for it" in capsys.readouterr().err

@@ -1,8 +1,5 @@
-"""Online speculative decoding against the live target (chain, DDTree, n-gram, hybrid trees) over two backends (hf,
-static); measuring it (the cost curve, bench, cost models, auto's probe) is dflashkit.measure.
-
-Names load lazily so that the CLI's parser does not import torch.
-"""
+"""Online speculative decoding against the live target over two backends (hf, static); measuring it is
+dflashkit.measure. Names load lazily so that the CLI's parser does not import torch."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""Which backend runs a method (`--engine auto|hf|static`): `hf`, transformers' own forward (the reference, every
-family), or `static`, our compiled step (decode/static.py: Llama-type targets). Methods are written once over
-either (decode/speculative.py). Which one is faster depends on the CPU (its ISA level and dtype), so `auto` is
-answered by a measurement (the session's probe, dflashkit/measure/probe.py); where static refuses a target, auto
-says why and runs hf."""
+"""Which backend runs a method (`--engine auto|hf|static`); which is faster depends on the CPU, so `auto` is measured."""
 
 from __future__ import annotations
 
 import shutil
 
+from dflashkit.decode import static
+from dflashkit.decode.hf import HfBackend
 from dflashkit.decode.methods import ENGINES, STATIC_KINDS, TREE_KINDS, parse_method
 from dflashkit.decode.session import Backend, DecodeSession
 from dflashkit.errors import DFlashError
@@ -15,14 +13,12 @@ from dflashkit.errors import DFlashError
 
 def static_refusal(target) -> str | None:
     """Why the static backend cannot run `target` (its message names the config field), or None."""
-    from dflashkit.decode.static import geometry_of
-
     if target.device.type != "cpu":
         return f"target {target.name} is on {target.device}: the static backend's trees run on CPU kernels"
     if shutil.which("c++") is None:
         return "no C++ compiler (c++) here to build the static backend's kernels: install g++, or use --engine hf"
     try:
-        geometry_of(target)
+        static.geometry_of(target)
     except DFlashError as e:
         return str(e)
     return None
@@ -55,14 +51,8 @@ def backend_for(session: DecodeSession, engine: str, method: str) -> str:
 
 
 def open_backend(session: DecodeSession, engine: str, method: str, length: int, proposer=None, cost=None) -> Backend:
-    """The backend that runs `method` (engine already resolved): a fresh HfBackend (hf-stock: the model's own
-    kernels), or the session's static decoder (built, or rebuilt longer, for `length` positions, the drafter's
-    layers and block, and tree widths)."""
-    from dflashkit.decode.hf import HfBackend
-
+    """The backend that runs `method` (engine resolved); static's decoder is the session's, rebuilt where too short."""
     if engine in ("hf", "hf-stock"):
         return HfBackend(session.target, cost, stock=engine == "hf-stock")
-    from dflashkit.decode.static import StaticBackend, decoder_for
-
     trees = parse_method(method)[0] in TREE_KINDS or session.trees
-    return StaticBackend(decoder_for(session, length, proposer, trees=trees), proposer)
+    return static.StaticBackend(static.decoder_for(session, length, proposer, trees=trees), proposer)

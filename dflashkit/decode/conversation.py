@@ -1,5 +1,4 @@
-"""Multi-turn decoding as MT-Bench and Spec-Bench run it: each user turn is asked after the target's own answer
-to the turn before, and a conversation's decoding counts every answer (tokens, rounds, time)."""
+"""Multi-turn decoding as MT-Bench and Spec-Bench run it: each user turn follows the target's own answer before it."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ class Conversation:
 
 
 def decode_conversation(target, item, run) -> Conversation:
-    """`item`: a PromptItem (every user turn, in order) or a single prompt's token ids. `run(prompt_ids)` decodes
-    one turn and returns its Generation. The answer text (special tokens dropped) goes back into the chat for the
-    next turn, as the benchmarks' reference loops do."""
+    """`item`: a PromptItem or a single prompt's token ids; `run(prompt_ids)` decodes one turn. Each answer's text
+    goes back into the chat for the next turn, as the benchmarks' reference loops do."""
     if not hasattr(item, "turn"):
         g = run(list(item))
         return Conversation(g, [list(item)], [len(g.tokens)], [target.decode(g.tokens)])

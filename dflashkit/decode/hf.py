@@ -1,11 +1,12 @@
-"""The reference backend: transformers' own forward over a DynamicCache (every family), and the cache surgery the
-loops need on it: crop a rejected draft off, move an accepted tree path into place, restore a recurrent state."""
+"""The reference backend: transformers' own forward over a DynamicCache, and the cache surgery the loops need."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from dflashkit.decode.session import Timer
 from dflashkit.errors import DFlashError
@@ -14,24 +15,13 @@ from dflashkit.tree import Tree, attention_mask, path_tokens
 
 def sliding_layers(target) -> list[int]:
     """The target's sliding-window attention layers, as transformers' DynamicCache reads them from the config."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
     return [i for i, kind in enumerate(get_layer_types_and_kwargs(target.config)[0]) if kind == "sliding_attention"]
 
 
 def new_target_kv(target):
-    """The target KV (a transformers DynamicCache) for an online loop, every attention layer keeping every position
-    so that crop_kv and compact_kv can cut a rejected draft off.
-
-    transformers' own sliding-window layer keeps only the last window - 1 positions and a length counter, which no
-    crop can restore; here each is a full DynamicLayer instead, still marked sliding (masking_utils sizes the
-    sliding mask on the first layer marked so). That is exact: transformers masks a sliding layer by absolute
-    position (key > query - window, sliding_window_overlay) from the offsets the cache layer reports, 0 and its
-    length for a full layer, so the layer attends to the same keys; the older ones are kept but masked. Chunked
-    attention and layers that mix linear attention with a window are still refused."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
+    """The target KV for an online loop, every position kept so that a rejected draft can be cropped: a sliding layer
+    (which keeps only its window) becomes a full DynamicLayer still marked sliding. Exact: transformers masks it by
+    absolute position from the offsets its cache layer reports, so it attends to the same keys."""
     kv = DynamicCache(config=target.config)
     for i in sliding_layers(target):
         if type(kv.layers[i]) is DynamicSlidingWindowLayer:
@@ -50,10 +40,8 @@ def new_target_kv(target):
 
 
 def verify_mask(target, tree: Tree, start: int, window: int | None = None):
-    """The tree verify's attention mask. transformers hands a custom 4D mask to every layer as it is, so the
-    sliding-window layers of a target with a `window` get their own, cut to it: one mask per layer type where the
-    model reads one per type (config.layer_types: gpt-oss, Gemma, Qwen2/3), else the one windowed mask that the
-    model builds for all of its layers itself (no layer_types: Mistral, Phi-3)."""
+    """The tree verify's attention mask. transformers hands a custom mask to every layer as it is, so with a `window`
+    the sliding layers get their own (per layer type where the config has layer_types, else the windowed one)."""
     full = attention_mask(tree, start, target.dtype, target.device)
     if window is None:
         return full
@@ -72,18 +60,16 @@ def _linear_layers(kv):
     return [layer for layer in kv.layers if hasattr(layer, "recurrent_states")]
 
 
-def crop_kv(kv, length: int) -> None:
-    """Keep the first `length` positions of every attention layer (linear-attention states are restored instead),
-    and batch row 0 only (a hybrid tree verify expands the target KV to one row per path)."""
+def crop_kv(kv, length: int, row: int = 0) -> None:
+    """Keep the first `length` positions of every attention layer, and batch row `row` only (a tree verified by paths
+    expands the target KV to one row per path)."""
     for layer in _attention_layers(kv):
-        layer.keys, layer.values = layer.keys[:1, :, :length], layer.values[:1, :, :length]
+        layer.keys, layer.values = layer.keys[row : row + 1, :, :length], layer.values[row : row + 1, :, :length]
 
 
 def compact_kv(kv, start: int, keep: torch.Tensor) -> None:
-    """Keep positions < start plus the tree slots start + keep (the accepted path, in order): the kept slots
-    move down to start..start+len(keep)-1, then the rest is cropped off. Slots already in place (a path that is
-    the tree's first nodes: every chain, and every round that accepts no draft) are not copied: many small copies
-    add up to a visible share of a round on a CPU."""
+    """Keep positions < start plus the tree slots start + keep (the accepted path), moved down to start.. in order.
+    Slots already in place (every chain) are not copied: many small copies add up to a visible share of a round."""
     order = keep.tolist()
     moved = next((i for i, slot in enumerate(order) if slot != i), len(order))
     if moved < len(order):
@@ -119,12 +105,8 @@ def rerun(target, kv, saved, tokens: torch.Tensor, start: int, layer_ids):
 
 
 class HfBackend:
-    """The reference backend: transformers' own forward over a DynamicCache, every family. The verbs every loop
-    is written over (the static backend, decode/static.py, has the same): `prefill`, `verify` a chain (tree None)
-    or a flat tree at the next position, `commit` the accepted nodes (their features for the drafter), `cost` of
-    a verify of n tokens and `widest` (None: any). Hybrid targets re-run their accepted tokens (a recurrent state
-    cannot be cropped); branching trees on hybrids and under row-invariant bf16 kernels go one path per row.
-    `stock` (the backend hf-stock): the model's own kernels even in low precision, the fair speed baseline there."""
+    """transformers' own forward as a decode/session.Backend. Hybrid targets re-run their accepted tokens (a recurrent
+    state cannot be cropped); `stock` (hf-stock): the model's own kernels, the fair speed baseline in low precision."""
 
     widest = None
 
@@ -146,8 +128,7 @@ class HfBackend:
         return path_tokens(tree) if self.paths else len(tree)
 
     def kernels(self):
-        """What every target forward of this backend runs under: row-invariant kernels in bf16 on a CPU (else plain
-        and speculative decoding part ways on rounding, see targets/invariant.py), never the drafter's calls."""
+        """Every target forward's kernels (never the drafter's): row-invariant ones in bf16 on a CPU (targets/invariant.py)."""
         return kernels_for(self.target, self.stock)
 
     def prefill(self, ids: list[int], layer_ids):
@@ -158,8 +139,7 @@ class HfBackend:
         return out.logits[0, -1:], out.features
 
     def verify(self, tokens: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
-        """Logits [n, V] after each of `tokens` [n] placed from the next position on: a chain (tree None), or the
-        nodes of `tree` (position start + depth, each seeing its ancestors)."""
+        """Logits [n, V] after each of `tokens` [n] from the next position on: a chain (tree None), or `tree`'s nodes."""
         t, kv, start, dev = self.target, self.kv, self.start, self.target.device
         self.tree, self.tokens = tree, tokens
         self.saved = save_linear_states(kv) if t.is_hybrid else None
@@ -188,9 +168,7 @@ class HfBackend:
                 return rerun(self.target, kv, self.saved, self.tokens.to(idx.device)[idx], start, self.layer_ids)
         if self.paths:  # the accepted path is a prefix of its last node's row: keep that row only
             r = int(self.row_of[keep[-1]])
-            for layer in _attention_layers(kv):
-                layer.keys, layer.values = layer.keys[r : r + 1], layer.values[r : r + 1]
-            crop_kv(kv, start + len(keep))
+            crop_kv(kv, start + len(keep), r)
             return out.features[r : r + 1, : len(keep)] if self.layer_ids is not None else None
         if len(keep) < n:
             compact_kv(kv, start, idx)
@@ -198,19 +176,11 @@ class HfBackend:
 
 
 def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
-    """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence at a time) and
-    for branching trees under row-invariant bf16 kernels (a flattened tree interleaves masked keys with visible
-    ones, which changes the order of the softmax and value sums and so the rounding; a path keeps every row's keys
-    exactly as plain decoding sees them). Returns (logits at every node [n, V], the forward's output, the row of
-    every node [n]). The target KV comes back expanded; the caller restores or crops it."""
-    parents, depths = tree.parents.tolist(), tree.depths.tolist()
-    has_child = set(p for p in parents if p >= 0)
-    rows = []
-    for leaf in [i for i in range(len(tree)) if i not in has_child]:
-        row = [leaf]
-        while parents[row[-1]] >= 0:
-            row.append(parents[row[-1]])
-        rows.append(row[::-1])
+    """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence) and under
+    row-invariant kernels (a flat tree interleaves masked keys, which changes the order of the sums). Returns (logits
+    at every node [n, V], the forward's output, the row of every node [n]); the target KV comes back expanded."""
+    has_child, seen = set(tree.parents.tolist()), tree.ancestor_mask()  # a node's ancestors, in depth order
+    rows = [seen[leaf].nonzero()[:, 0].tolist() for leaf in range(len(tree)) if leaf not in has_child]
     width = max(len(r) for r in rows)
     grid = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows])  # node index per slot; right padding
     row_of = torch.zeros(len(tree), dtype=torch.long)
@@ -224,4 +194,4 @@ def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
         layer.conv_states, layer.recurrent_states = rows_of(layer.conv_states), rows_of(layer.recurrent_states)
     pos = (start + torch.arange(width, device=dev)).expand(n, -1)
     out = target.forward(tree.tokens[grid].to(dev), past_key_values=kv, position_ids=pos, layer_ids=layer_ids)
-    return out.logits[row_of.to(dev), torch.tensor(depths, device=dev)], out, row_of
+    return out.logits[row_of.to(dev), tree.depths.to(dev)], out, row_of

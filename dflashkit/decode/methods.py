@@ -42,8 +42,7 @@ def parse_method(name: str) -> tuple[str, int | str | None]:
 
 
 def needs_drafter(method: str) -> bool:
-    """chain, ddtree, hybrid, transformers' DFlash loop and the -dflash engine peers run the drafter; ar, ngram and
-    the other loops do not."""
+    """Whether the method runs the drafter."""
     return parse_method(method)[0] in ("chain", "ddtree", "hybrid", "llama.cpp-dflash", "vllm-dflash",
                                        "transformers-dflash")
 

@@ -1,23 +1,20 @@
-"""The static decoder's own CPU kernels (`kernels.h`, bound to torch by `native.cpp`), built per ISA level
-(dflashkit/levels.py) on first use and cached under a name that says the level (docs/design.md, "Native kernels in
-detail"). Each build registers its operators under a namespace of its own (`torch.ops.dflashkit_v3.linear`), so
-a process can load several levels side by side; `tune` plants a compiler tuning (tests plant Zen's)."""
+"""The static decoder's own CPU kernels (`kernels.h`, bound by `native.cpp`), built per ISA level on first use, each
+under an op namespace of its own so a process can load several (docs/design.md, "Native kernels in detail")."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from dflashkit import levels
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import home, sha256_file
+from dflashkit.fileio import atomic_path, home, sha256_file, write_text
 
 HERE = Path(__file__).parent
 SOURCE, CORE = HERE / "native.cpp", HERE / "kernels.h"
@@ -48,8 +45,7 @@ def tiles_run_here() -> bool:
 
 
 def library_path(level: str | None = None, tune: str | None = None) -> Path:
-    """Where a level's build of this source, with these flags and this torch, lives: named by the level, not by the
-    CPU, so every CPU that runs the level runs the same library."""
+    """Where a level's build of this source, flags and torch lives: named by the level, not by the CPU."""
     level = level or levels.chosen()
     key = "\n".join([SOURCE.read_text(), CORE.read_text(), *cflags(level, tune), torch.__version__, torch.__file__])
     return home() / "native" / f"native-{level}{'-' + tune if tune else ''}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
@@ -65,26 +61,18 @@ def compile_command(out, level: str | None = None, tune: str | None = None) -> l
 
 
 def _build(lib: Path, level: str, tune: str | None) -> None:
-    """Compile to a temporary file, record its digest beside it, then rename both into place: a killed build leaves
-    nothing a later run would load."""
-    fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so.tmp")
-    os.close(fd)
+    """Compile to a temporary file renamed into place, then write its digest (a library without one is built again)."""
     try:
-        res = subprocess.run(compile_command(tmp, level, tune), capture_output=True, text=True)
-        if res.returncode != 0:
-            raise DFlashError(f"native kernels: building {SOURCE} for level {level} failed; build the decoder with "
-                              f"kernels='reduce' meanwhile. The compiler said:\n{res.stderr[-3000:]}")
-        digest = lib.with_suffix(".sha256")
-        digest_tmp = Path(tmp + ".sha256")
-        digest_tmp.write_text(sha256_file(Path(tmp)))
-        os.replace(tmp, lib)
-        os.replace(digest_tmp, digest)
+        with atomic_path(lib) as tmp:
+            res = subprocess.run(compile_command(tmp, level, tune), capture_output=True, text=True)
+            if res.returncode != 0:
+                raise DFlashError(f"native kernels: building {SOURCE} for level {level} failed; build the decoder with "
+                                  f"kernels='reduce' meanwhile. The compiler said:\n{res.stderr[-3000:]}")
+            digest = sha256_file(tmp)
+        write_text(lib.with_suffix(".sha256"), digest)
     except OSError as e:
         raise DFlashError(f"native kernels: no C++ compiler to build {SOURCE} ({e}); install g++ (inductor needs one "
                           "too), or build the decoder with kernels='reduce'") from e
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-        Path(tmp + ".sha256").unlink(missing_ok=True)
 
 
 def _intact(lib: Path) -> bool:
@@ -97,19 +85,14 @@ def _intact(lib: Path) -> bool:
 
 
 def load(level: str | None = None, tune: str | None = None) -> str:
-    """Build (once per source, level, tuning and torch) and load a level's kernels (the chosen level's by default);
-    returns their namespace under torch.ops. A library that is not the file its build wrote is rebuilt, with one
-    line saying so."""
+    """Build once and load a level's kernels (the chosen level's by default); returns their torch.ops namespace."""
     return _load(level or levels.chosen(), tune)
 
 
 def ensure_built(level: str, tune: str | None = None) -> Path:
-    """The level's library, built where missing, and built again (one line says so) where it is not the file its
-    build wrote: a truncated library crashes the process that loads it, and one replaced by text fails to load."""
+    """The level's library, built where missing or not the file its build wrote (one line says so)."""
     if not levels.runs_here(level):
         raise DFlashError(f"native kernels: this CPU cannot run level {level}; use one of {', '.join(levels.runnable())}")
-    from filelock import FileLock
-
     lib = library_path(level, tune)
     lib.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lib.with_suffix(".lock"))):  # a second process starting meanwhile waits for this build

@@ -1,5 +1,4 @@
-"""How a decode samples, as one value: built once (the CLI, a script) and handed whole to bench, generate and the
-loops, so that no option can be parsed and then dropped on the way down (issue 36: bench once lost two)."""
+"""How a decode samples, as one value handed whole down to the loops, so that no option is parsed and then dropped."""
 
 from __future__ import annotations
 
@@ -12,10 +11,9 @@ ACCEPTANCE_RULES = ("match", "rejection")
 
 @dataclass(frozen=True)
 class Sampling:
-    """temperature: 0 = greedy, else the target's softmax(logits / T). acceptance: the chain's rule at T>0 (see
-    speculative.draft_block). draft_temperature: rejection's q temperature (None: T, as the reference).
-    draft_mix: rejection's share of each draft position sampled from q (mix_greedy). seed: prompt i's generator
-    starts at seed + i."""
+    """temperature: 0 = greedy. acceptance: the chain's rule at T>0 (speculative.draft_block). draft_temperature:
+    rejection's q temperature (None: T). draft_mix: rejection's share of draft positions sampled from q (mix_greedy).
+    seed: prompt i's generator starts at seed + i."""
 
     temperature: float = 0.0
     acceptance: str = "match"
@@ -48,8 +46,7 @@ class Sampling:
         return self.temperature if self.draft_temperature is None else self.draft_temperature
 
     def record(self) -> dict:
-        """What shaped the run, for results files: options that had no effect (the rule at T=0, q's settings
-        under match) are None, so two runs that decoded alike record alike."""
+        """What shaped the run, for results files; options that had no effect are None, so alike runs record alike."""
         return {"temperature": self.temperature, "acceptance": self.acceptance if self.temperature > 0 else None,
                 "draft_temperature": self.q_temperature if self.sampled_drafts else None,
                 "draft_mix": self.draft_mix if self.sampled_drafts else None, "seed": self.seed}

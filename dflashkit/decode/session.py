@@ -1,8 +1,8 @@
-"""The contract the decoding loops are written over: a `Backend` (what runs the target), the `DecodeSession` one run
-keeps across its calls, the `Timer` the loops time forwards with, and the `Generation` they return."""
+"""The contract the decoding loops are written over: `Backend`, `DecodeSession`, `Timer` and the `Generation` returned."""
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -32,9 +32,7 @@ class Generation:
 
 
 class Timer:
-    """Wall time per named section; synchronizes CUDA so asynchronous kernels land in the right section.
-    The loops time only forwards: prefill and verify (target), draft (drafter); `other` is the rest of the
-    round (sampling, tree building, masks, target KV cropping, bookkeeping)."""
+    """Wall time per named section (CUDA synchronized); `other` is a round's time outside prefill, verify and draft."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -88,9 +86,8 @@ class Backend(Protocol):
 
 @dataclass
 class DecodeSession:
-    """What one run keeps across its calls (a bench's rows, a conversation's turns): the static decoder it compiled,
-    auto's answer, the n-gram lookups whose statistics carry over between prompts. `probe(session)` answers
-    `--engine auto` (dflashkit/measure/probe.py); a session without one cannot run auto."""
+    """What one run keeps across its calls (a bench's rows, a conversation's turns). `probe(session)` answers
+    `--engine auto` (measure/probe.py); a session without one cannot run auto."""
 
     target: Any
     proposer: Any = None
@@ -103,6 +100,4 @@ class DecodeSession:
     lookups: dict = field(default_factory=dict)  # row label -> its NgramLookup
 
     def say(self, message: str) -> None:
-        import sys
-
         (self.log or (lambda m: print(m, file=sys.stderr)))(message)

@@ -14,6 +14,7 @@ from dflashkit.decode.backends import open_backend, backend_for
 from dflashkit.decode.methods import AUTO_BUDGET, needs_drafter, parse_method
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.session import Backend, DecodeSession, Generation, Timer
+from dflashkit.decode.static import TREE_WIDTHS
 from dflashkit.drafter.head import FEW_ROWS, DraftHead, few_rows_linear
 from dflashkit.drafter.model import block_ids, mix_greedy
 from dflashkit.errors import DFlashError
@@ -37,9 +38,8 @@ class Proposer(Protocol):
 
 
 class DFlashProposer:
-    """A DFlash drafter: block [anchor, MASK x (B-1)] through the drafter, logits through its DraftHead.
-    Its context KV (the drafter's keys/values of the context, see ContextKV) holds context positions only, so
-    each call passes just the newly committed features."""
+    """A DFlash drafter: block [anchor, MASK x (B-1)] through the drafter, logits through its DraftHead. Its context
+    KV holds context positions only, so each call passes just the newly committed features."""
 
     def __init__(self, target, drafter, block_size: int | None = None, selector_trees: bool = False,
                  slot0: str = "seed"):
@@ -58,10 +58,8 @@ class DFlashProposer:
 
     @torch.no_grad()
     def compiled(self):
-        """The drafter's call compiled, for the static backend alone (it runs it in its session, `calling`): its
-        ~370 small ops cost more than its products. Warmed now for the calls a round makes (one, several or, after
-        rounds without a draft, many new positions; a prompt's first call stays eager); drafts equal the eager ones
-        up to float rounding, and the verify keeps decoding exact either way."""
+        """The drafter's call compiled for the static backend (its ~370 small ops cost more than its products), warmed
+        for the context sizes a round passes; its drafts differ from eager ones by rounding, which the verify absorbs."""
         if self._compiled is not None:
             return self._compiled
         call = self._compiled = torch.compile(self.drafter, dynamic=True)
@@ -120,9 +118,8 @@ class DFlashProposer:
 
 
 def sample_drafts(logits, temperature: float, generator, to_tokens, vocab_size: int, mix: float = 1.0):
-    """Drafts from logits [L, V']: argmax at T=0 (q None), else samples of q = softmax(logits / T) (mixed with
-    the argmax when mix < 1, see mix_greedy), with q returned over the full vocabulary [L, vocab_size] (zero
-    outside a draft vocabulary)."""
+    """Drafts from logits [L, V']: argmax at T=0 (q None), else samples of q = softmax(logits / T) (mix_greedy), with
+    q over the full vocabulary [L, vocab_size] (zero outside a draft vocabulary)."""
     if temperature <= 0:
         return to_tokens(logits.argmax(-1)), None
     q = torch.softmax(logits.float() / temperature, dim=-1)
@@ -144,11 +141,8 @@ def selector_drafts(selector, hidden, logits, anchor, temperature: float, genera
 
 
 def draft_block(proposer, features, anchor, start: int, sampling: Sampling, generator):
-    """(tokens [B-1], q or None). `match` drafts greedily (q None): a draft is accepted iff it equals the target's
-    own choice. `rejection` samples the drafts from q at T>0 and accepts them with min(1, p/q); q is the drafter's
-    softmax at the draft temperature (default T, as the reference; any q keeps the output exact, a sharper one
-    suits an under-confident drafter, and 0 makes rejection accept exactly as `match`), of which the draft mix is
-    sampled and the rest kept on the greedy draft (mix_greedy; 1 = the reference)."""
+    """(tokens [B-1], q or None). `match` drafts greedily, accepted iff equal to the target's own choice; `rejection`
+    samples them from q and accepts with min(1, p/q): any q keeps the output exact."""
     t_q, mix = sampling.q_temperature, sampling.draft_mix
     if hasattr(proposer, "draft"):
         return proposer.draft(features, anchor, start, t_q, generator, mix)
@@ -157,11 +151,9 @@ def draft_block(proposer, features, anchor, start: int, sampling: Sampling, gene
 
 
 def rejection_accept(drafts, q, logits, temperature: float, generator) -> tuple[int, torch.Tensor]:
-    """Speculative sampling over a chain (docs/design.md section 4): draft i is accepted with probability
-    min(1, p_i / q_i); at the first rejection a the next token is drawn from normalise(max(p_a - q_a, 0)); if
-    every draft is accepted, from p after the last. drafts [L]; q [L, V]; logits [L+1, V] of the verify; a
-    leading batch dimension on all three decides that many chains at once (what the exactness test runs).
-    Returns (accepted count, next token [1]): tensors [b] and [b, 1] when batched."""
+    """Speculative sampling over a chain (docs/design.md section 4). drafts [L]; q [L, V]; logits [L+1, V] of the
+    verify; a leading batch dimension on all three decides that many chains at once. Returns (accepted count, next
+    token [1]): tensors [b] and [b, 1] when batched."""
     batched = drafts.dim() == 2
     if not batched:
         drafts, q, logits = drafts[None], q[None], logits[None]
@@ -201,9 +193,8 @@ def emit(out: list[int], new: list[int], stops: set[int], max_new_tokens: int) -
 @contextmanager
 def _prefilled(b: Backend, prompt_ids: list[int], layer_ids, max_new_tokens: int, sampling: Sampling, generator,
                stop_ids):
-    """Every loop starts here: the backend in its session, with a timer it times its own re-runs on, after the
-    prefill. Yields (timer, features, the first new token [1], the new tokens, whether they are done, put(new) ->
-    done: emit into them)."""
+    """Every loop starts here: the backend in its session, after the prefill. Yields (timer, features, the first new
+    token [1], the new tokens, whether they are done, put(new) -> done)."""
     timer, stops, tokens = Timer(b.target.device), set(b.target.stop_token_ids if stop_ids is None else stop_ids), []
     with b.session(timer):
         with timer("prefill"):
@@ -235,9 +226,7 @@ def generate_ar(b: Backend, prompt_ids: list[int], max_new_tokens: int = 256, sa
 @torch.no_grad()
 def generate_chain(b: Backend, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                    sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None) -> Generation:
-    """Chain speculative decoding (docs/design.md section 4): one drafter pass and one target forward over B tokens
-    per round. At T>0, the sampling's acceptance picks the rule (see draft_block); both keep the target's
-    distribution."""
+    """Chain speculative decoding (docs/design.md section 4): one drafter pass and one B-token verify per round."""
     temperature, accepted = sampling.temperature, []
     with _prefilled(b, prompt_ids, proposer.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (
             timer, feats, bonus, tokens, done, put):
@@ -265,11 +254,8 @@ def generate_chain(b: Backend, proposer: Proposer, prompt_ids: list[int], max_ne
 def generate_tree(b: Backend, drafts: TreeDrafts, prompt_ids: list[int], max_new_tokens: int = 256,
                   sampling: Sampling = GREEDY, generator: torch.Generator | None = None, stop_ids=None,
                   method: str = "tree") -> Generation:
-    """Tree verification (docs/design.md section 5): whatever tree the round proposes (DDTree nodes, an n-gram branch,
-    both) is verified in one target forward over root + nodes (position start + depth, ancestor-only mask); the
-    walk picks the accepted path, and only that path stays in the target KV. A node is accepted iff it is the
-    target's own choice, whatever the sampling's acceptance rule (that one is the chain's). A tree wider than the
-    backend verifies is refused, never cut."""
+    """Tree verification (docs/design.md section 5): a node is accepted iff it is the target's own choice, whatever the
+    acceptance rule; a tree wider than the backend verifies is refused, never cut."""
     temperature, accepted, widths, drafted = sampling.temperature, [], [], []
     with _prefilled(b, prompt_ids, drafts.layer_ids, max_new_tokens, sampling, generator, stop_ids) as (
             timer, feats, bonus, tokens, done, put):
@@ -298,67 +284,57 @@ def generate_tree(b: Backend, drafts: TreeDrafts, prompt_ids: list[int], max_new
     return Generation(method, tokens, accepted, timer.finish(), b.engine, widths, drafted)
 
 
-@torch.no_grad()
-def _stops_and_pad(target, stop_ids) -> tuple[list[int], int]:
-    """transformers' generate wants the stop ids and a pad id (the tokenizer's, else the first stop id)."""
+def _transformers_generate(target, prompt_ids: list[int], max_new_tokens: int, stop_ids, **options):
+    """transformers' `generate` with our stop ids and a pad id (the tokenizer's, else the first stop id): its output,
+    and the new tokens cut where plain decoding stops."""
     stops = sorted(set(target.stop_token_ids if stop_ids is None else stop_ids))
     pad = target.tokenizer.pad_token_id
-    return stops, pad if pad is not None else (stops[0] if stops else 0)
+    ids = torch.tensor([prompt_ids], device=target.device)
+    out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                eos_token_id=stops or None, top_k=None, top_p=None,
+                                pad_token_id=pad if pad is not None else (stops[0] if stops else 0), **options)
+    tokens: list[int] = []
+    emit(tokens, out[0, len(prompt_ids):].tolist(), set(stops), max_new_tokens)
+    return out, tokens
 
 
 def generate_hf(target, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
                 lookup_tokens: int | None = None, stop_ids=None) -> Generation:
-    """transformers' own `generate`: greedy/sampled (the second baseline) or its prompt-lookup decoding (the peer a
-    user would otherwise pick); end-to-end time only."""
+    """transformers' own `generate`, greedy or sampled, or its prompt-lookup decoding; timed end to end."""
     timer = Timer(target.device)
-    stops, pad = _stops_and_pad(target, stop_ids)
-    sampling = dict(do_sample=temperature > 0, temperature=temperature or None, top_k=None, top_p=None,
-                    prompt_lookup_num_tokens=lookup_tokens)
-    ids = torch.tensor([prompt_ids], device=target.device)
-    out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                eos_token_id=stops or None, pad_token_id=pad, **sampling)
-    tokens: list[int] = []
-    emit(tokens, out[0, len(prompt_ids):].tolist(), set(stops), max_new_tokens)
+    _, tokens = _transformers_generate(target, prompt_ids, max_new_tokens, stop_ids, do_sample=temperature > 0,
+                                       temperature=temperature or None, prompt_lookup_num_tokens=lookup_tokens)
     return Generation(f"prompt-lookup-{lookup_tokens}" if lookup_tokens else "hf-generate", tokens, [], timer.finish())
 
 
 def generate_transformers_dflash(target, proposer, prompt_ids: list[int], max_new_tokens: int = 256,
                                  stop_ids=None) -> Generation:
-    """transformers' own DFlash loop, `generate(..., assistant_model=drafter, speculation_type="dflash")`, with our
-    drafter as transformers' drafter class (drafter/transformers_format.py): the loop an HF user tries first. Greedy;
-    timed end to end; each round's committed tokens read off the target's cache length at its forwards."""
+    """transformers' own DFlash loop, the one an HF user tries first, with our drafter as its drafter class; greedy."""
     from dflashkit.drafter.transformers_format import assistant
 
     timer, helper = Timer(target.device), assistant(proposer.drafter, target)
-    stops, pad = _stops_and_pad(target, stop_ids)
-    ids = torch.tensor([prompt_ids], device=target.device)
     cached = []  # the target cache's length as each of its forwards starts: the prefill, then one per round
     hook = target.model.register_forward_pre_hook(lambda m, a, kw: cached.append(
         kw["past_key_values"].get_seq_length() if kw.get("past_key_values") is not None else 0), with_kwargs=True)
     try:
-        out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=helper,
-                                    speculation_type="dflash", max_new_tokens=max_new_tokens, do_sample=False,
-                                    top_k=None, top_p=None, temperature=None, eos_token_id=stops or None,
-                                    pad_token_id=pad)
+        out, tokens = _transformers_generate(target, prompt_ids, max_new_tokens, stop_ids, assistant_model=helper,
+                                             speculation_type="dflash", do_sample=False, temperature=None)
     finally:
         hook.remove()
-    tokens: list[int] = []
-    emit(tokens, out[0, len(prompt_ids):].tolist(), set(stops), max_new_tokens)
     ends = cached[1:] + [out.shape[1] - 1]
     return Generation("transformers-dflash", tokens, [b - a for a, b in zip(ends, ends[1:])], timer.finish())
 
 
 def new_lookup(method: str):
-    """The n-gram lookup a method uses: plain `ngram` proposes one 10-token continuation (what transformers' prompt
-    lookup does); cost-aware trees get longer continuations from two occurrences and keep what pays."""
+    """The n-gram lookup of a method: one 10-token continuation (as transformers' prompt lookup); -auto trees get
+    longer ones from two occurrences and keep what pays."""
     return NgramLookup(max_tokens=16, branches=2) if parse_method(method)[1] == "auto" else NgramLookup()
 
 
 def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=None, ngram=None,
                 path_cost=None) -> TreeDrafts:
-    """The round proposer of a tree method: ddtree[-N|-auto], ngram, hybrid[-N|-auto]. `ngram` may be a shared
-    NgramLookup (its acceptance statistics then carry over between prompts); `cost` is required for -auto, and
-    `path_cost` prices a tree its backend verifies one path a row."""
+    """The round proposer of a tree method. `ngram`: a shared NgramLookup (its statistics carry over between prompts);
+    `cost` is required for -auto; `path_cost` prices a tree its backend verifies one path a row."""
     kind, n = parse_method(method)
     auto = n == "auto"
     if auto and cost is None:
@@ -373,12 +349,8 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,
              max_new_tokens: int = 256, sampling: Sampling = GREEDY, generator=None, stop_ids=None, cost=None,
              ngram=None, engine: str = "hf", session: DecodeSession | None = None) -> Generation:
-    """One entry point for every method name of `parse_method`, on the backend `engine` (hf, hf-stock, static, or
-    auto where the session has a probe: decode/backends.py; the Generation records which ran). `budget` applies to
-    a bare 'ddtree' or 'hybrid'; the sampling's acceptance is the chain's rule at T>0 (trees accept a node iff it is
-    the target's own sample), and transformers' loops take its temperature only. `session`: what a run keeps across
-    calls (the static decoder, auto's answer); without one a static call builds its decoder anew. `cost`: hf's cost
-    curve for -auto trees (the static backend reads its own step times)."""
+    """One entry point for every method name of `parse_method`, on the backend `engine`. `budget` applies to a bare
+    'ddtree' or 'hybrid'; `cost` is hf's cost curve for -auto trees (the static backend reads its own step times)."""
     kind, n = parse_method(method)
     session = session or DecodeSession(target, proposer)
     engine = backend_for(session, engine, method)
@@ -391,8 +363,6 @@ def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Pro
         return generate_transformers_dflash(target, proposer, prompt_ids, max_new_tokens, stop_ids)
     name = method if n is not None or kind == "ngram" else f"{kind}-{budget}"
     if engine == "static" and kind not in ("ar", "chain") and n != "auto":  # refused before the decoder compiles
-        from dflashkit.decode.static import TREE_WIDTHS
-
         if (most := tree_drafts(method, proposer, budget, None, ngram).most_nodes()) > TREE_WIDTHS[-1]:
             raise DFlashError(f"method {name}: its trees reach {most} nodes, past the static backend's widest verify "
                               f"({TREE_WIDTHS[-1]}); use a smaller budget, its -auto variant or --engine hf")

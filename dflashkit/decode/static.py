@@ -1,7 +1,6 @@
-"""Plain and speculative decoding in the shape of gpt-fast (issue 38): a static KV cache sized to the run, the Llama
-step written out over the target's weights, compiled once per width (one token, a chain's block, tree widths, prompt
-chunks). The step is a pure function of its inputs, its kernels chosen by name; why it beats `ar` and why its kernels
-are our own: docs/design.md, "The static decoder in detail"."""
+"""Plain and speculative decoding in the shape of gpt-fast: a static KV cache sized to the run, the Llama step written
+out over the target's weights, compiled once per width; why it beats `ar` and why its kernels are our own:
+docs/design.md, "The static decoder in detail"."""
 
 from __future__ import annotations
 
@@ -11,24 +10,22 @@ import functools
 import gc
 import time
 import types
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflashkit.decode import native
 from dflashkit.errors import DFlashError
+from dflashkit.tree import Tree
 
-WIDTHS = (1, 32)  # one token a step; prompts in chunks of 32
-PREFILL = WIDTHS[-1]
-# a tree verify runs on the smallest of these that holds its nodes (padded): a budget-16 DDTree, an n-gram's
-# 10-token branch, a hybrid-8 tree with its branch (19 nodes); a wider tree is refused by name, never cut. Each width
-# compiles as its own function, so dynamo's 8 entries a function bound lengths, not widths
+PREFILL = 32  # prompts go in chunks of 32 tokens
+# a tree verify runs on the smallest that holds its nodes (padded; 24: hybrid-8 with its n-gram branch); a wider tree
+# is refused by name, never cut
 TREE_WIDTHS = (4, 8, 16, 24)
-# inductor's C++ wrapper calls the step's kernels without Python between them (a faster token); passed per
-# compile, so nothing outside this decoder changes
-# On CUDA, CUDA graphs (gpt-fast's reduce-overhead): one replay a step; the KV and weights are marked static
-# addresses so that their in-place writes do not keep the step out of a graph
+# CPU: inductor's C++ wrapper runs the kernels without Python between them; CUDA: one graph replay a step (the KV and
+# weights are marked static addresses so that their in-place writes keep the step in the graph)
 COMPILE_OPTIONS = {"cpu": {"cpp_wrapper": True}, "cuda": {"triton.cudagraphs": True}}
 LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ALIGN = 64  # elements: every weight in the arena starts on a cache line (and a vector load) boundary
@@ -70,12 +67,11 @@ class Geometry(NamedTuple):
 
     def slots(self) -> list[tuple[str, tuple[int, ...]]]:
         """One layer's weights, in arena order."""
-        qkv = self.q_size + 2 * self.kv_size
-        s = [("n1", (self.hidden,)), ("n2", (self.hidden,)), ("qkv", (qkv, self.hidden))]
-        s += [("qkv_bias", (qkv,))] if self.bias else []
+        m = self.matrices()
+        s = [("n1", (self.hidden,)), ("n2", (self.hidden,)), ("qkv", m["qkv"])]
+        s += [("qkv_bias", (m["qkv"][0],))] if self.bias else []
         s += [("q_norm", (self.head_dim,)), ("k_norm", (self.head_dim,))] if self.qk_norm else []
-        return s + [("o", (self.hidden, self.q_size)), ("gu", (2 * self.inter, self.hidden)),
-                    ("down", (self.hidden, self.inter))]
+        return s + [(name, m[name]) for name in ("o", "gu", "down")]
 
     def layout(self, formats: tuple = ()) -> tuple[dict, int, dict, int]:
         """Offsets in the arena: one layer's {name: (offset, shape)}, the distance between layers, the final
@@ -129,10 +125,8 @@ def _refuse(target, field: str, value, why: str):
 
 
 def geometry_of(target, max_len: int | None = None) -> Geometry:
-    """The target's geometry, or a refusal naming the config field the static step does not compute. Audited
-    (tests/test_static_config.py holds each against transformers' forward or its refusal): model type, sliding
-    windows, hidden_act, RoPE type and partial_rotary_factor (frequencies and scaling read from the model's rotary
-    embedding), attention scaling, biases (q/k/v only), Qwen3's q/k norms, rms_norm_eps, head_dim, tied embeddings."""
+    """The target's geometry, or a refusal naming the config field the static step does not compute (each held
+    against transformers' forward or its refusal in tests/test_static_config.py)."""
     cfg = target.config
     kind = getattr(cfg, "model_type", "?")
     if kind not in LLAMA_TYPES:
@@ -174,9 +168,8 @@ def geometry_of(target, max_len: int | None = None) -> Geometry:
 
 
 def rope_tables(target, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [max_len, head_dim] as the model's own rotary embedding computes them at these positions: its
-    frequencies for any RoPE type (default, linear, yarn, llama3; dynamic and longrope below their switch) and its
-    attention scaling (yarn's), in float32."""
+    """(cos, sin) [max_len, head_dim] in float32 from the model's own rotary embedding: its frequencies for any RoPE
+    type (dynamic and longrope below their switch) and its attention scaling (yarn's)."""
     rot = target.decoder.rotary_emb
     inv = getattr(rot, "original_inv_freq", rot.inv_freq).float()
     f = torch.outer(torch.arange(max_len, device=inv.device).float(), inv)
@@ -198,9 +191,7 @@ def _layer_weights(layer) -> dict:
 
 def tiles_fit(geo: Geometry) -> bool:
     """Whether every weight divides into tiles: inputs in 32s (16 pairs of k), outputs in 16s."""
-    ins = (geo.hidden, geo.q_size, geo.inter)
-    outs = (geo.q_size + 2 * geo.kv_size, geo.hidden, 2 * geo.inter, geo.vocab)
-    return all(k % 32 == 0 for k in ins) and all(o % 16 == 0 for o in outs)
+    return all(o % 16 == 0 and k % 32 == 0 for o, k in geo.matrices().values())
 
 
 def tile_order(w: torch.Tensor) -> torch.Tensor:
@@ -219,9 +210,8 @@ def panel_order(w: torch.Tensor) -> torch.Tensor:
 
 
 def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
-    """An untouched buffer; on a Linux CPU the kernel is first asked to back it with 2 MiB pages (madvise): a step
-    streams every weight once, and on 4 KiB pages the TLB misses cost a measurable share of it.
-    Where the hint is refused, 4 KiB pages: same numbers, a little slower."""
+    """An untouched buffer, on a Linux CPU backed by 2 MiB pages where madvise allows (a step streams every weight
+    once, and on 4 KiB pages the TLB misses cost a measurable share of it)."""
     nbytes = numel * dtype.itemsize
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
@@ -298,9 +288,8 @@ def pack_quant(target, geo: Geometry, formats: tuple) -> torch.Tensor:
 
 
 def pack_weights(target, geo: Geometry, kernels: str = "mm", formats: tuple = ()) -> torch.Tensor:
-    """The target's weights in the step's layout, one buffer (its own copy: q, k, v and gate, up are
-    concatenated, so a step reads each layer's weights as four matrices; for our kernels each matrix in the order
-    they read it, tiles or panels). Matrices in `formats` are left to pack_quant."""
+    """The target's weights in the step's layout, one buffer (q, k, v and gate, up concatenated; for our kernels each
+    matrix in the order they read it). Matrices in `formats` are left to pack_quant."""
     layer, stride, tail, size = geo.layout(formats)
     arena = _empty_arena(size, target.dtype, target.device)
     order = {"tiles": tile_order, "native": panel_order}.get(kernels)
@@ -326,9 +315,8 @@ def _rope(x, cos, sin):
 
 
 def attend_reduce(q, k, v, mask, kvh):
-    """Softmax attention written out over the whole static cache (grouped heads, float32), its two products
-    as reductions like the linears: a query's output then does not depend on how many share the step, and
-    compiled it fuses into a few kernels (SDPA's CPU kernel is slow on a long static cache)."""
+    """Softmax attention over the whole static cache (grouped heads, float32), its products as reductions: a query's
+    output then does not depend on how many share the step (SDPA's CPU kernel is slow on a long static cache)."""
     (_, nh, n, hd), g = q.shape, q.shape[1] // kvh
     qg = q.reshape(1, kvh, g * n, 1, hd)
     s = (qg * k[:, :, None]).sum(-1) * hd ** -0.5  # [1, kvh, g*n, L]
@@ -338,8 +326,7 @@ def attend_reduce(q, k, v, mask, kvh):
 
 
 def attend_mm(q, k, v, mask, kvh):
-    """The same attention with its products as batched matrix products: for a prompt's 32-token chunk, where the
-    reductions would cost a large share of the chunk's time."""
+    """The same attention with batched matrix products: for a prompt's 32-token chunk."""
     (_, nh, n, hd), g = q.shape, q.shape[1] // kvh
     s = (q.reshape(1, kvh, g * n, hd) @ k.transpose(-1, -2)) * hd ** -0.5
     s = s.view(1, kvh, g, n, -1).masked_fill(~mask, float("-inf"))
@@ -347,21 +334,15 @@ def attend_mm(q, k, v, mask, kvh):
 
 
 def native_op(name: str):
-    """`NAME` of the chosen ISA level's build of native.cpp (loaded on first use). linear: weights in panel order;
-    linear_tiles: AMX tile products over bf16 weights in tile order, x in two bf16 parts; attend: each row reads
-    slots 0..start-1, then its own path (its ancestors' and its own). Each row's sums have one order whatever rows
-    share the call, so a verify row is the one-token step's bit for bit; attention reads only the slots in use."""
-    from dflashkit.decode import native
-
+    """`name` of the chosen level's build of native.cpp. Each row's sums have one order whatever rows share the call,
+    so a verify row is the one-token step's bit for bit; attend reads slots 0..start-1, then the row's own path."""
     return lambda *args: getattr(native.ops(), name)(*args)
 
 
 linear_native, linear_tiles, attend_native = native_op("linear"), native_op("linear_tiles"), native_op("attend")
 
 
-# a step's kernels by name: (linear, attention). `native` and `tiles` are ours (a level's build, named by its op
-# namespace), used by the one-token and verify steps on a CPU (`tiles` with AMX and bf16 weights); both attend by
-# path (each row its own slots), the others by mask
+# a step's kernels by name: (linear, attention); ours (BY_PATH, on a CPU) attend by path, the others by mask
 KERNELS = {"mm": (linear_mm, attend_mm), "reduce": (linear_reduce, attend_reduce)}
 BY_PATH = ("native", "tiles")
 
@@ -376,20 +357,15 @@ def kernel_pair(kernels: str, ops: str | None):
 
 def cpu_kernels(target, geo: Geometry) -> str:
     """`tiles` where they run and pay (bf16 weights whose shapes tile, a CPU with AMX at level v4), else `native`."""
-    from dflashkit.decode.native import tiles_run_here
-
-    return "tiles" if tiles_run_here() and target.dtype == torch.bfloat16 and tiles_fit(geo) else "native"
+    return "tiles" if native.tiles_run_here() and target.dtype == torch.bfloat16 and tiles_fit(geo) else "native"
 
 
 def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geometry, kernels: str,
          ops: str | None, layer_ids, formats: tuple = ()):
-    """The Llama step as a pure function of its inputs, so that decoders of one geometry share its compile and
-    dynamo guards a handful of tensors, not every weight: the packed weights, the embedding table, rope's
-    (cos, sin), the caches `kv` (per-layer K and V lists, written in place), ids [n] at absolute positions pos [n],
-    their K and V written to cache `slots` [n] -> logits [k, V] of the `keep` rows (and, with `layer_ids`, those
-    layers' hidden states of all n rows [1, n, len(layer_ids) * H]). What a row attends to: with native kernels,
-    slots 0..pos[0]-1 and then its `path` [n, W] (attend_native); else the first len(`span`) slots (span =
-    0..S-1) up to its position. `ops`: the op namespace of our kernels' build (kernel_pair)."""
+    """The Llama step as a pure function of its inputs (decoders of one geometry share its compile): ids [n] at
+    positions pos [n], their K and V written to `kv` at `slots` [n] -> logits [k, V] of the `keep` rows (and those
+    `layer_ids`' states [1, n, len(layer_ids) * H]). A row attends, with our kernels, to slots 0..pos[0]-1 then its
+    `path` [n, W]; else to the `span` slots up to its position."""
     layout, stride, tail, _ = geo.layout(formats)
     qlayout, qstride, _ = geo.quant_layout(formats) if formats else ({}, 0, 0)
     linear, attend = kernel_pair(kernels, ops)
@@ -435,9 +411,8 @@ def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, g
 @functools.cache
 def compiled_step(geo: Geometry, kernels: str, layer_ids: tuple | None, device_type: str = "cpu", width: int = 0,
                   ops: str | None = None, formats: tuple = ()):
-    """`step` for one geometry and width, compiled on its first call. One per geometry and width in a process,
-    shared by every decoder of it; each width is its own copy of the function (dynamo keeps 8 compiled entries per
-    function), so a decoder rebuilt for a longer run adds one entry to each, and seven widths fit."""
+    """`step` for one geometry and width, compiled on its first call and shared by every decoder of it; each width is
+    its own code object, as dynamo keeps 8 compiled entries per code."""
     code = step.__code__.replace(co_name=f"step_{width}")  # its own code object: dynamo counts entries per code
     f = types.FunctionType(code, step.__globals__, f"step_{width}")
     f.__kwdefaults__ = {"geo": geo, "kernels": kernels, "ops": ops, "layer_ids": layer_ids, "formats": formats}
@@ -451,9 +426,8 @@ def chain_path(pos: torch.Tensor) -> torch.Tensor:
 
 
 class StaticDecoder:
-    """One target, one run length: `forward(ids, pos)` (and `prefill`, `verify`, `verify_tree`) write the KV of
-    the tokens given and return logits. Rejected positions need no crop: a row sees only the slots before its
-    position and its own path, and the next write overwrites them."""
+    """One target, one run length: `forward`, `prefill`, `verify`, `verify_tree` write the KV of the tokens given and
+    return logits. Rejected positions need no crop: a row sees only the slots before it and its own path."""
 
     def __init__(self, target, max_len: int, kernels: str = "auto", compile: bool = True,
                  layer_ids: list[int] | None = None, verify_width: int | None = None, trees: bool = False,
@@ -477,29 +451,22 @@ class StaticDecoder:
         if kernels in BY_PATH and target.device.type != "cpu":
             raise DFlashError(f"kernels {kernels!r} run on a CPU; target {target.name} is on {target.device}: "
                               "use kernels='reduce' (or auto)")
-        ops = None
-        if kernels in BY_PATH:  # our kernels at an ISA level: the process's chosen one, or `level` (tests: each)
-            from dflashkit.decode import native
-
-            ops = native.load(level, tune)
+        ops = native.load(level, tune) if kernels in BY_PATH else None  # the chosen level, or `level` (tests)
         dev = target.device
         self.target, self.max_len, self.kernels, self.ops = target, max_len, kernels, ops
         self.formats = formats_of(target) if kernels == "native" else ()  # quantized: in their blocks (kernels.h)
         self.arena, self.embed = pack_weights(target, geo, kernels, self.formats), target.embed_tokens.weight
         self.quants = pack_quant(target, geo, self.formats)
         self.rope = tuple(t.to(dev) for t in rope_tables(target, max_len))
-        # activations and KV in float32, only weights in the target's dtype: inductor keeps or skips a bf16 rounding
-        # between ops as it fuses them, differently per width; with none, verify rows equal the one-token step's.
-        # One buffer per layer: writing into a view of one stacked buffer makes inductor copy it whole; one flat
-        # buffer written by index costs 15% of a step (SmolLM2). One slot spare: a prompt chunk's symbolic span
-        # then never equals the buffer (which would specialise its compile on that case).
+        # activations and KV in float32 (a bf16 rounding that inductor keeps or fuses away per width would part verify
+        # rows from the one-token step); one buffer per layer (a stacked one is copied whole); one slot spare, so a
+        # prompt chunk's symbolic span never equals the buffer
         self.kv = tuple([torch.zeros(1, geo.kv_heads, max_len + 1, geo.head_dim, device=dev)
                          for _ in range(geo.layers)] for _ in "kv")
         self.full_span = torch.arange(max_len, device=dev)
         self.first = torch.zeros(1, dtype=torch.long, device=dev)  # a one-token step keeps its only row
-        # per width, its kernels and whether it returns features: a prompt's chunks use matrix products (mm reads
-        # each weight once for all 32 rows, a reduction 32 times); a verify uses the one-token step's kernels,
-        # so that each of its rows is bit for bit what plain decoding computes (tests/test_static_decoder.py)
+        # per width, its kernels and whether it returns features: a prompt's chunks use matrix products; a verify the
+        # one-token step's kernels, so each of its rows is bit for bit what plain decoding computes
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
         ids = tuple(self.layer_ids) if self.layer_ids is not None else None
         kinds = {1: (kernels, ids if trees else None), PREFILL: (kernels if kernels in BY_PATH else "mm", ids)}
@@ -535,9 +502,8 @@ class StaticDecoder:
 
     @torch.no_grad()
     def prefill(self, ids: list[int], pos: int = 0):
-        """A prompt in chunks of PREFILL, the last one padded (padding writes slots past the real ones, which the
-        mask hides and the next write replaces): the last token's logits [V] (and with layer_ids, every prompt
-        position's features [1, len(ids), F])."""
+        """A prompt in chunks of PREFILL, the last one padded (the next write replaces those slots): the last token's
+        logits [V] (and with layer_ids, every position's features [1, len(ids), F])."""
         self._check_room(pos, len(ids))
         dev, feats = self.embed.device, []
         for s in range(0, len(ids), PREFILL):
@@ -571,11 +537,9 @@ class StaticDecoder:
 
     @torch.no_grad()
     def verify_tree(self, tree, start: int):
-        """Every node of `tree` (its root the last committed token, at `start`) in one step, flat: node i's K and V
-        go to slot start + i, its position is start + its depth, and it attends to the committed slots, then its
-        ancestors' in depth order, so its logits are the one-token step's there. The step is the smallest compiled
-        width that holds the tree (padded with root-only rows, dropped). Returns logits [n, V] and, with layer_ids,
-        features [1, n, F]; `commit` then moves the accepted path's K and V to where plain decoding writes them."""
+        """Every node of `tree` (its root at `start`) in one step, flat: node i's K and V go to slot start + i at
+        position start + its depth, and it attends to the committed slots, then its ancestors', so its logits are the
+        one-token step's there. Returns logits [n, V] and, with layer_ids, features [1, n, F]."""
         n = len(tree)
         w = self.tree_width(n)
         self._check_room(start, w)
@@ -595,8 +559,7 @@ class StaticDecoder:
 
     @torch.no_grad()
     def commit(self, start: int, accepted: list[int]) -> None:
-        """After a tree verify: the accepted nodes (in depth order, root excluded) move from slots start + node to
-        start + depth, where plain decoding writes them, so later rows see them as a sequence."""
+        """After a tree verify: the accepted nodes (depth order, root excluded) move to where plain decoding writes them."""
         moved = [(start + node, start + depth) for depth, node in enumerate(accepted, start=1) if node != depth]
         if not moved:
             return
@@ -605,16 +568,14 @@ class StaticDecoder:
             cache.index_copy_(2, dst, cache.index_select(2, src))
 
     def tree_cost(self, nodes: int) -> float:
-        """Seconds a verify of `nodes` costs: its compiled width's measured step (warm() measures them); past the
-        widest width, infinite, so that a cost-aware tree stays within it."""
+        """Seconds of a verify of `nodes` (its width's measured step); infinite past the widest width."""
         fits = self.tree_widths and nodes <= self.tree_widths[-1]
         return self.step_s[self.tree_width(nodes)] if fits else float("inf")
 
     @torch.no_grad()  # as every call after it: grad mode is in dynamo's guards, so a warm-up with it on compiles twice
     def warm(self, timed: int = 5) -> None:
-        """Compile (or load from inductor's cache) every width now, then time each `timed` times (the median is
-        `step_s`, what tree_cost reads) after up to 200 slots of context: a verify's rows each read the slots before
-        them, so a wide tree at a real context costs more than at none. The next prompt overwrites the slots."""
+        """Compile every width now, then time each `timed` times after up to 200 slots of context (a wide tree costs
+        more at a real context than at none): the medians are `step_s`, what tree_cost reads."""
         for w in self.steps:
             if w not in self.compile_s:
                 self._call(w, *self._probe_args(w, 0))
@@ -628,10 +589,8 @@ class StaticDecoder:
 
     @torch.no_grad()
     def time_widths(self, depth: int = 0, timed: int = 5) -> dict[int, float]:
-        """Median seconds of a verify width's step with up to `depth` slots before it (fewer where the run's length
-        leaves no room; native attention reads the slots in use, so the cost model times a realistic context); no
-        prompt chunks. Writes slots from there on. The widths take turns, so that a shared host's drift falls on all
-        alike (timed one after another, a wider width can time below a narrower one)."""
+        """Median seconds of each verify width's step with up to `depth` slots before it (writes slots from there on).
+        The widths take turns, so that a shared host's drift falls on all alike."""
         depth = max(0, min(depth, self.max_len - 2 * max(self.steps)))
         args = {w: self._probe_args(w, depth) for w in self.steps if w != PREFILL and timed}
         times = {w: [] for w in args}
@@ -644,11 +603,8 @@ class StaticDecoder:
         return {w: sorted(t)[len(t) // 2] for w, t in times.items()}
 
     def _call(self, width: int, ids, pos, keep, span: int | None = None, slots=None, path=None):
-        """One step of `width` tokens. A prompt's chunk attends to the slots up to its last position, that length
-        compiled symbolic (a short prompt then reads only its slots); the decode and verify steps read the whole
-        cache (reduce kernels; a symbolic length made the one-token step slower) or the slots in use (native).
-        `span`: the slots a prompt chunk reads (its last position + 1); `slots`: where the rows' K and V go (default
-        their positions); `path`: what native attention reads after pos[0]."""
+        """One step of `width` tokens. A prompt's chunk reads `span` slots (compiled symbolic), the other steps the whole
+        cache (reduce) or their `path` after pos[0] (ours); `slots`: where K and V go (default: their positions)."""
         slots = pos.clone() if slots is None else slots  # never the same tensor as pos: dynamo guards on aliasing
         span_slots = self.full_span
         if width == PREFILL:
@@ -665,22 +621,9 @@ class StaticDecoder:
         return out
 
 
-@runtime_checkable
-class Compilable(Protocol):
-    """A proposer whose drafter the static backend compiles and runs as its own (decode/speculative.DFlashProposer)."""
-
-    def compiled(self): ...
-
-    def calling(self, call): ...
-
-
 def decoder_for(session, length: int, proposer=None, trees: bool = False) -> StaticDecoder:
-    """The session's decoder (decode/session.py) for its target (with `proposer`'s layers and block, and tree
-    widths once a method needs them, so plain, chain and tree decoding share one set of steps), compiled before it
-    is returned (no answer's time includes it), rebuilt when a turn needs more slots: `length` (prompt + new
-    tokens) plus room for the last verify, rounded up to 512, or 2048 on native kernels, which read only the slots
-    in use (fewer rebuilds: each adds dynamo an entry per width, and it keeps 8 a function). The proposer's drafter
-    is compiled with it, as this backend's own call (StaticBackend runs it)."""
+    """The session's decoder, shared by every method and compiled (with the drafter's call) before it is returned;
+    rebuilt when a turn needs more slots, rounded up to 512 (2048 for our CPU kernels: fewer dynamo entries)."""
     target, log = session.target, session.log or (lambda message: None)
     length += max(proposer.block_size if proposer is not None else 0, TREE_WIDTHS[-1] if trees else 0)
     d = session.static
@@ -695,7 +638,7 @@ def decoder_for(session, length: int, proposer=None, trees: bool = False) -> Sta
             "with native kernels, 3 without; seconds once inductor's cache holds it)")
         d.warm()
         t0 = time.perf_counter()
-        if isinstance(proposer, Compilable):  # a test's oracle proposer has no drafter to compile
+        if hasattr(proposer, "compiled"):  # a test's oracle proposer has no drafter to compile
             proposer.compiled()
         log(f"compiled in {sum(d.compile_s.values()) + time.perf_counter() - t0:.0f} s")
     return d
@@ -703,9 +646,8 @@ def decoder_for(session, length: int, proposer=None, trees: bool = False) -> Sta
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's cyclic garbage collector off for one decode loop, then back as it was (also on an error). A loaded
-    target and tokenizer are ~500k tracked objects: collections a step's allocations trigger cost a visible share
-    of a step, and the loop makes no cyclic garbage worth collecting."""
+    """The cyclic garbage collector off for one decode loop: a loaded target is ~500k tracked objects, collections
+    cost a visible share of a step, and the loop makes no cyclic garbage."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -715,10 +657,7 @@ def collector_paused():
 
 
 class StaticBackend:
-    """Our compiled step as a backend of decode/speculative.py's loops (decode/session.Backend): a chain of the
-    verify width, or any tree up to the widest compiled width, in one step whose rows are the one-token step's;
-    `commit` moves the accepted path's KV where plain decoding writes it. Rejected slots are overwritten by the next
-    write. In its session the proposer drafts through the drafter call compiled with the decoder."""
+    """Our compiled step as a decode/session.Backend; in its session the drafter runs as compiled with the decoder."""
 
     engine = "static"
     path_cost = None  # trees are verified flat
@@ -730,7 +669,7 @@ class StaticBackend:
     def session(self, timer):
         stack = contextlib.ExitStack()
         stack.enter_context(collector_paused())
-        if isinstance(self.proposer, Compilable):
+        if hasattr(self.proposer, "compiled"):
             stack.enter_context(self.proposer.calling(self.proposer.compiled()))
         return stack
 
@@ -758,8 +697,6 @@ class StaticBackend:
             raise DFlashError(f"static decoder built for block {d.verify_width}; the drafter needs block {n}"
                               if tree is None else "static decoder: built without tree widths; build it with trees=True")
         if tree is None:  # a chain of another width runs as a tree
-            from dflashkit.tree import Tree
-
             tree = self.tree = Tree.chain(tokens)
         logits, self.feats = d.verify_tree(tree, self.start)
         return logits

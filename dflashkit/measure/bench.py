@@ -1,16 +1,17 @@
-"""`dflashkit bench`: every decoding method on the same prompts in one process, with the gap to the bound: the
-target's cost curve and memory floor, then each method after a warm-up in an order rotated per prompt; per method
-tau, tokens/s, speedups, where the time goes and the ceiling (docs/decoding.md). At temperature 0 every output must
-equal plain decoding token for token; a mismatch fails loudly."""
+"""`dflashkit bench`: every decoding method on the same prompts in one process, in an order rotated per prompt
+(docs/decoding.md). At temperature 0 every output must equal plain decoding token for token, or the bench fails."""
 
 from __future__ import annotations
 
+import copy
 import sys
+import tempfile
 import time
 from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dflashkit.decode.conversation import decode_conversation, turn_of
 from dflashkit.measure.curve import CostCurve, cost_report, tree_cost_curve
@@ -24,16 +25,17 @@ from dflashkit.measure.peers import (TAU_TOLERANCE, ar_parting, check_engines, c
 from dflashkit.targets.formats import describe as describe_weights
 from dflashkit.measure.predict import (measured_decode_tps, predict_bench, predicted_engine, predicted_markdown,
                                      predicted_plot)
-from dflashkit.measure.records import TRANSFORMERS, kind_of, plain_row  # TRANSFORMERS: transformers' own loops
+from dflashkit.measure.records import TRANSFORMERS, bench_parity, bench_records, kind_of, plain_row
 from dflashkit.decode.sampling import GREEDY, Sampling
 from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import write_json, write_text
 from dflashkit.prompts import PromptItem
 from dflashkit.report import bar_plot, fmt, hist_plot, line_plot, markdown_table
-from dflashkit.report.parity import rounding_tolerance
+from dflashkit.report.parity import brief, parity_markdown, rounding_tolerance
+from dflashkit.report.requests import FILE, write_requests
 from dflashkit.rng import seeded
-from dflashkit.targets.invariant import kernels_for, needs_invariant
+from dflashkit.targets.invariant import needs_invariant
 
 STOCK_AR = "ar@hf-stock"  # plain decoding on torch's own kernels: the speed baseline where `ar` runs invariant ones
 # no drafter: what the speedups are stated against
@@ -49,10 +51,8 @@ def parse_engines(spec: str) -> list[str]:
 
 def engine_rows(session, methods: list[str], engines: list[str],
                 references: bool = True) -> dict[str, tuple[str, str]]:
-    """label -> (method, engine) for every row of the run: each of our methods on each engine asked (auto made
-    concrete; the first engine's rows keep the plain name, the others' get '@engine'), transformers' loops and the
-    engine peers once; and plain decoding on every engine a row runs on, each method's lossless reference (and on
-    hf whenever static runs: the static backend's own plain decoding is held to the reference backend's)."""
+    """label -> (method, engine): each of our methods on each engine asked (rows past the first engine's named
+    'method@engine'), and plain decoding on every engine a row runs on (and on hf beside static), its reference."""
     rows: dict[str, tuple[str, str]] = {}
     for m in methods:
         if is_engine(m) or parse_method(m)[0] not in STATIC_KINDS:
@@ -85,26 +85,23 @@ def parse_methods(spec: str) -> list[str]:
     return ["ar"] + [m for m in names if m != "ar"]
 
 
-def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed: int, cost, session, rows):
-    """One conversation (every turn, conversation.py) of row `label` on the row's backend (hf-stock and transformers'
-    loops on torch's own kernels, ours on the kernels that keep them exact)."""
+def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed: int, cost, session, rows,
+         budget: int = 8):
+    """One conversation (every turn) of row `label` on the row's backend (`generate` decodes with it too)."""
     method, engine = rows.get(label, (label, "hf"))
     gen = torch.Generator(device=target.device).manual_seed(seed)
     ngram = session.lookups.setdefault(label, new_lookup(method)) if kind_of(method) in ("ngram", "hybrid") else None
 
     def one(ids):  # a fresh context per turn: a conversation calls this once per user turn
-        return generate(target, ids, method, proposer, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen,
-                        cost=cost, ngram=ngram, engine=engine, session=session)
+        return generate(target, ids, method, proposer, budget=budget, max_new_tokens=max_new_tokens, sampling=sampling,
+                        generator=gen, cost=cost, ngram=ngram, engine=engine, session=session)
     with seeded(seed, target.device):  # transformers' generate samples from the global generator
         return decode_conversation(target, item, one)
 
 
 def _engine_parting(target, runs: list[dict], rows: dict, turns: dict, decoder=None):
-    """Plain decoding on the static backend against hf's: in float32 any difference fails; in low precision a
-    parting at a near-tie within the dtype's rounding is reported and a wider one fails, and the static step's own
-    logits are held to a float32 forward (check_static_step), which sees a wrong step that tokens would pass as
-    rounding. Returns (failures, reported partings, {equal, prompts, parts_at}). (An early parting is no sign of a
-    bug in bf16: hf's own bf16 logits can tie exactly within an answer's first tokens.)"""
+    """Plain decoding on static against hf's: any difference fails in float32; in low precision one within rounding
+    is reported. Returns (failures, reported partings, {equal, prompts, parts_at})."""
     hf, st = plain_row(rows, "hf"), plain_row(rows, "static")
     if hf is None or st is None:
         return [], [], {}
@@ -123,12 +120,8 @@ CHECKED = (2, 64)  # prompts whose first tokens the static step is checked on, a
 
 @torch.no_grad()
 def check_static_step(target, decoder, runs: list[dict], label: str) -> list[dict]:
-    """The static step's logits, a token at a time over the first prompts and their answers, against transformers'
-    forward in float32 over the same weights (the step computes in float32, so the two agree to float32's summation
-    order in every dtype): a gap beyond STEP_TOLERANCE of the largest logit fails, naming the first position past
-    it. Tokens alone cannot see a slightly wrong step in bf16, whose near-tie partings rounding also explains."""
-    import copy
-
+    """The static step's logits (float32 in every dtype) against transformers' float32 forward on the first prompts:
+    a gap beyond STEP_TOLERANCE fails, as tokens alone cannot tell a slightly wrong bf16 step from rounding."""
     ref = target.model if target.dtype == torch.float32 else copy.deepcopy(target.model).float()
     bad = []
     for r in [r for r in runs if r["method"] == label][: CHECKED[0]]:
@@ -150,20 +143,14 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
               warmup: bool = True, progress: bool = True, cost: CostCurve | None = None, engine: str = "hf",
               log=None, offline: dict | None = None, predict: bool = True, references: bool = True,
               journal=None, reprobe: bool = False) -> dict:
-    """prompts: (id, prompt token ids or a PromptItem, whose user turns each follow the method's own answer to the
-    one before). Returns {"config", "cost", "methods": {name: summary}, "categories": {category: {name: summary}},
-    "runs", "mismatches", "divergences"}. `cost`: a curve measured earlier on this target (else measured here).
-    `sampling` reaches every method whole (prompt i seeded sampling.seed + i) and is recorded.
-    `engine`: the backend(s) our methods run on (auto, hf, static, or several joined by commas: one row per method
-    and engine); every row records its engine, and each is held to plain decoding on its own engine. `references`:
-    also ar@hf beside static and ar@hf-stock where kernels are switched (a run's second suite can leave them out).
-    `journal` (measure/journal.py): the finished runs, appended as they end, an interrupted bench's not run again."""
+    """prompts: (id, prompt token ids or a PromptItem). Returns {"config", "cost", "methods", "runs", "mismatches",
+    ...}. `engine`: auto, hf, static, or several joined by commas (one row per method and engine). `references`: also
+    ar@hf beside static and ar@hf-stock where kernels are switched. `journal`: the finished runs (measure/journal.py)."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
     switched, t0 = needs_invariant(target.model), time.perf_counter()
-    # per run: the static decoder (one for every method: tree widths when a tree method runs; auto's probe builds
-    # the one the run then uses) and auto's choice, its probe timed again with `reprobe` (the cached answer replaced)
+    # one static decoder for every method (tree widths when a tree method runs) and auto's choice
     session = new_session(target, proposer, reprobe, log, trees=any(kind_of(m) in TREE_KINDS for m in methods))
     rows = engine_rows(session, methods, parse_engines(engine), references)
     if references and switched and STOCK_AR not in rows:  # the fair speed baseline: torch's own kernels
@@ -207,8 +194,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
 
 
 def _sampler(window: dict, rows: dict, target, proposer, session, peers: dict, spent: dict):
-    """sample(row): a quick sample of the row's engine cost seconds before its run (measure/predict.py), timed
-    against the prediction; one that fails is left out (the cached model stands where none is taken)."""
+    """sample(row): a quick sample of the row's engine cost before its run, timed against the prediction."""
     def sample(m):
         t = time.perf_counter()
         with suppress(DFlashError, OSError):
@@ -234,11 +220,7 @@ def _config(target, drafter, B, methods, engine, rows, session, prompts, categor
 
 
 def _add_parity(target, rows: dict, sampling: Sampling, result: dict) -> dict:
-    """The per-request records of every run (requests.jsonl) and, at temperature 0, each row's parity against its
-    plain baseline (report/parity.py), beside the lossless check's failures, which stay as they were."""
-    from dflashkit.measure.records import bench_parity, bench_records
-    from dflashkit.report.parity import brief
-
+    """The per-request records of every run and, at temperature 0, each row's parity against its plain baseline."""
     result["requests"] = bench_records(result)
     result["parity"] = bench_parity(target, result["requests"], rows) if sampling.temperature == 0 else {}
     for label, p in result["parity"].items():
@@ -255,8 +237,7 @@ def _kernels_built_for(decoder) -> str | None:
 
 
 def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -> None:
-    """Each row's backend and method; the engine peers' start, parting and (-dflash) our drafter's tau on the very
-    tokens the engine verified; the static backend's parting from hf."""
+    """Each row's backend and method, and the partings and (engine peers) start and predicted tau."""
     for m, info in started.items():
         summary[m].update(engine=info, ar_parting=judged["parting"].get(m))
         if m.endswith("-dflash"):
@@ -269,9 +250,7 @@ def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -
 
 
 def add_fallback(summary: dict, runs: list[dict], rows: dict) -> None:
-    """Per speculative row: the share of its rounds that called the drafter (an -auto method's others fell back to
-    plain decoding or the n-gram branch) and its worst prompt against plain decoding on its own backend (decode
-    tokens/s), which an aggregate speedup hides."""
+    """Per speculative row: the share of rounds that drafted, and its worst prompt against plain decoding there."""
     for label, (m, engine) in rows.items():
         s, plain = summary.get(label), plain_row(rows, engine)
         if s is None or kind_of(m) in ("ar", *TRANSFORMERS, *PEER_METHODS) or is_engine(m):
@@ -287,8 +266,7 @@ def add_fallback(summary: dict, runs: list[dict], rows: dict) -> None:
 
 
 def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling, switched: bool, decoder=None):
-    """(failures, reported divergences, {engine_divergences, parting, static_parting}): ours against plain decoding
-    on its own backend, the static backend's plain decoding against hf's, the engine peers against their own."""
+    """(failures, reported divergences, {engine_divergences, parting, static_parting}) of the lossless checks."""
     stock = (STOCK_AR,) + TRANSFORMERS if switched else ()  # other kernels
     for r in runs:
         r["backend"] = rows.get(r["method"], (r["method"], r["method"]))[1]
@@ -309,30 +287,20 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve,
                 peers: dict, session, rows: dict, sample=None, journal=None) -> tuple[list[dict], dict]:
-    """Every method on every prompt after a warm-up, the method order rotated per prompt (drift hits all alike),
-    each run after `sample(method)` (its engine's cost, seconds before), under a progress bar (tqdm: it also prints
-    where the output is not a terminal). Also returns plain decoding's turns per prompt: (prompt ids per turn, answer
-    lengths), what a divergence is explained from. With a `journal`, the runs it holds are not run again and each
-    new one is appended as it ends."""
-    from tqdm import tqdm
-
+    """Every method on every prompt after a warm-up, the order rotated per prompt (drift hits all alike); also plain
+    decoding's turns per prompt (prompt ids per turn, answer lengths), which explain_by_rounding reads."""
     runs = journal.done() if journal is not None else []
     if journal is not None:
         journal.start(runs)
         if runs:
             print(f"bench: resuming from {journal.path}: {len(runs)} of {len(prompts) * len(methods)} runs done",
                   file=sys.stderr)
-    finished, turns = {(r["prompt"], r["method"]) for r in runs}, {}
-    for r in runs:
-        if rows.get(r["method"], (r["method"],))[0] == "ar":
-            turns.setdefault(r["prompt"], {})[r["method"]] = (r["turn_prompts"], r["turns"])
+    finished = {(r["prompt"], r["method"]) for r in runs}
 
     def run(m: str, i: int, pid: str, item, n: int) -> dict:
         if m in peers:  # an engine warms on a whole first conversation: its graphs, caches, allocator
             return peers[m].run(pid, item)
         c = _run(target, proposer, item, m, n, sampling, sampling.seed + i, curve, session, rows)
-        if rows.get(m, (m,))[0] == "ar":  # a warm-up's are overwritten by the run of the same prompt
-            turns.setdefault(pid, {})[m] = (c.prompts, c.lengths)
         g = c.generation
         return {"prompt": pid, "method": m, "prompt_tokens": len(c.prompts[0]), "prompt_ids": c.prompts[0],
                 "turn_prompts": c.prompts, "turns": c.lengths, "tokens": g.tokens, "accepted": g.accepted,
@@ -355,20 +323,21 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
                     journal.add(r)
                 bar.set_postfix_str(f"last {m}: {len(r['tokens']) / r['times']['total']:.1f} tok/s", refresh=False)
                 bar.update()
+    turns = {}
+    for r in runs:
+        if rows.get(r["method"], (r["method"],))[0] == "ar":
+            turns.setdefault(r["prompt"], {})[r["method"]] = (r["turn_prompts"], r["turns"])
     return runs, turns
 
 
 def exact_kernels(target) -> bool:
-    """Where the kernels make speculative decoding equal plain decoding token for token (docs/design.md section 8):
-    float32 anywhere, and a CPU target (row-invariant kernels in low precision). CUDA in bf16 has none yet."""
+    """Where the kernels make speculative decoding equal plain decoding token for token (docs/design.md section 8)."""
     return target.dtype == torch.float32 or target.device.type == "cpu"
 
 
 def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[dict], reference: str = "ar"):
-    """Split mismatches into (unexplained, divergences): at the first differing token, plain decoding's logits of
-    its own token and of the speculative one; a gap within rounding_tolerance is a reported divergence (with its
-    margin), a larger one stays a failure. turns: prompt id -> (plain decoding's prompt ids per turn, answer
-    lengths), from _timed_runs."""
+    """Split mismatches into (unexplained, divergences): a gap between plain decoding's logits of its own and the
+    speculative token, at the first difference, within rounding_tolerance is a reported divergence."""
     tokens = {(r["prompt"], r["method"]): r["tokens"] for r in runs}
     failed, explained = [], []
     for x in mismatches:
@@ -389,8 +358,8 @@ def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[
 
 
 def check_lossless(runs: list[dict], rows: dict | None = None) -> list[dict]:
-    """Every output must equal plain decoding's on its own engine (temperature 0): one entry per differing
-    (prompt, method). `rows`: label -> (method, engine) (bench's rows; default: every run on one engine)."""
+    """One entry per (prompt, method) whose output differs from plain decoding's on its own engine. `rows`: label ->
+    (method, engine) (default: every run on one engine)."""
     rows = {label: (rows or {}).get(label, (label, "hf")) for label in dict.fromkeys(r["method"] for r in runs)}
     return differences(runs, lambda label: plain_row(rows, rows[label][1], "ar"))
 
@@ -493,8 +462,6 @@ def bench_markdown(result: dict) -> str:
               "target forwards / decode time.", ""]
     lines += category_markdown(result)
     if result.get("parity"):
-        from dflashkit.report.parity import parity_markdown
-
         lines += parity_markdown(result["parity"])
     if c["temperature"] == 0:
         divergences = result.get("divergences") or []
@@ -581,18 +548,15 @@ def category_markdown(result: dict, image: str = "categories.png") -> list[str]:
 
 
 def hf_curve(target, proposer, rows: dict) -> CostCurve | None:
-    """hf's cost curve where an -auto row runs on hf (its trees are cut by it) or plain decoding does (the report
-    shows it); a bench whose plain decoding and -auto rows run on static measures none."""
+    """hf's cost curve where an -auto row or plain decoding runs on hf; else none."""
     cuts = any(e in ("hf", "hf-stock") and parse_method(m)[1] == "auto" for m, e in rows.values())
     if not cuts and rows.get("ar", ("ar", "hf"))[1] == "static":
         return None
-    with kernels_for(target):  # the kernels the speculative methods run
-        return tree_cost_curve(target, proposer.block_size if proposer else 4, extra=(9,))
+    return tree_cost_curve(target, proposer.block_size if proposer else 4, extra=(9,))
 
 
 def backend_cost(target, rows: dict, curve: CostCurve | None, decoder) -> dict | None:
-    """The cost section: the curve of the backend plain decoding ran on (static: its own step per compiled width,
-    as measured after 200 slots of context; hf: transformers' forward after 400), with the memory-bound floor."""
+    """The cost section: the curve of the backend plain decoding ran on, with the memory-bound floor."""
     backend = rows.get("ar", ("ar", "hf"))[1]
     if backend == "static" and decoder is not None and decoder.step_s:
         widths = sorted(decoder.step_s)
@@ -617,11 +581,7 @@ def cost_markdown(cost: dict | None, image: str = "cost.png") -> list[str]:
 
 
 def write_bench(result: dict, out) -> list[Path]:
-    """results.json, requests.jsonl, report.md and the plots under `out`; where `out` cannot be written at the end of
-    a run, under a new temporary folder instead (said on stderr), so that the run is not lost."""
-    import sys
-    import tempfile
-
+    """The results, records, report and plots under `out`, or a new temporary folder where `out` cannot be written."""
     try:
         return _write_bench(result, Path(out))
     except OSError as e:
@@ -633,8 +593,6 @@ def write_bench(result: dict, out) -> list[Path]:
 
 def _write_bench(result: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    from dflashkit.report.requests import FILE, write_requests
-
     write_json(out / "results.json", {k: v for k, v in result.items() if k != "requests"})  # those: requests.jsonl
     write_text(out / "report.md", bench_markdown(result))
     paths = [out / "results.json", out / "report.md"]

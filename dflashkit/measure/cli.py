@@ -1,5 +1,4 @@
-"""`dflashkit generate`, `bench` and `cost` (a backend's or peer's cost model), and the pricing of `eval --engine`:
-thin recipes over dflashkit.decode, dflashkit.evaluate and this package."""
+"""`dflashkit generate`, `bench` and `cost`, and the pricing of `eval --engine`: thin recipes over this package."""
 
 from __future__ import annotations
 
@@ -7,8 +6,14 @@ import json
 import sys
 from pathlib import Path
 
-from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METHODS_HELP, PRICED
+from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METHODS_HELP, PRICED, needs_drafter, parse_method
+from dflashkit.decode.sampling import Sampling
 from dflashkit.errors import DFlashError
+from dflashkit.fileio import read_json, sha256_file, write_json, write_text
+from dflashkit.measure.journal import Journal
+from dflashkit.measure.records import generation_record
+from dflashkit.prompts import PromptItem, select_prompts
+from dflashkit.report.requests import write_requests
 from dflashkit.targets.formats import add_weights_option
 from dflashkit.threads import add_threads_option
 
@@ -102,10 +107,7 @@ def _common(p) -> None:
 
 
 def _check(args):
-    """Every option checked before anything loads; returns the command's one Sampling value (its __post_init__
-    checks every field): nothing below reads args' sampling options, so this is the only place one can be dropped."""
-    from dflashkit.decode.sampling import Sampling
-
+    """Every option checked before anything loads; returns the command's one Sampling value (none dropped on the way)."""
     if args.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if args.block_size is not None and args.block_size < 2:
@@ -138,26 +140,17 @@ def _load(args, need_drafter: bool):
 
 def _prompts(args) -> list:
     """(id, PromptItem) per conversation; multi-turn items are decoded turn after turn (decode/conversation.py)."""
-    from dflashkit.prompts import PromptItem, select_prompts
-
     if getattr(args, "prompt", None) is not None:
         return [("prompt", PromptItem("prompt", ({"role": "user", "content": args.prompt},)))]
     return [(item.id, item) for item in select_prompts(args.prompts, args.num_prompts, args.per_category).items]
 
 
 def cmd_generate(args) -> int:
-    import torch
-
-    from dflashkit.decode.conversation import decode_conversation
-    from dflashkit.measure.curve import tree_cost_curve
     from dflashkit.decode.backends import backend_for
+    from dflashkit.decode.speculative import DFlashProposer
+    from dflashkit.measure.bench import _run
+    from dflashkit.measure.curve import tree_cost_curve
     from dflashkit.measure.probe import new_session
-    from dflashkit.decode.methods import needs_drafter, parse_method
-    from dflashkit.measure.records import generation_record
-    from dflashkit.decode.speculative import DFlashProposer, generate, new_lookup
-    from dflashkit.report.requests import write_requests
-    from dflashkit.rng import seeded
-    from dflashkit.targets.invariant import kernels_for
 
     sampling = _check(args)
     try:
@@ -167,23 +160,13 @@ def cmd_generate(args) -> int:
     prompts = _prompts(args)  # a bad prompt file fails before the target loads
     target, drafter = _load(args, need_drafter=needs_drafter(args.method))
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
-    log = lambda m: print(m, file=sys.stderr)
-    # the static decoder (compiled on the first prompt; auto's probe builds it for the drafter) and auto's choice
-    session = new_session(target, proposer, args.reprobe, log)
+    session = new_session(target, proposer, args.reprobe, _say)  # the static decoder and auto's choice
     engine = backend_for(session, args.engine, args.method)
-    with kernels_for(target):  # hf's -auto pruning needs the cost of the kernels decoding runs
-        cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
-    ngram = new_lookup(args.method) if parse_method(args.method)[0] in ("ngram", "hybrid") else None
-    records, requests = [], []
+    cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
+    records, requests, rows = [], [], {args.method: (args.method, engine)}
     for i, (pid, item) in enumerate(prompts):
-        gen = torch.Generator(device=target.device).manual_seed(sampling.seed + i)
-
-        def one(ids):  # one turn
-            return generate(target, ids, args.method, proposer, budget=args.budget, max_new_tokens=args.max_new_tokens,
-                            sampling=sampling, generator=gen, cost=cost, ngram=ngram, engine=engine, session=session)
-
-        with seeded(sampling.seed + i, target.device):  # transformers' loops sample from the global generator
-            c = decode_conversation(target, item, one)
+        c = _run(target, proposer, item, args.method, args.max_new_tokens, sampling, sampling.seed + i, cost, session,
+                 rows, args.budget)
         g, texts = c.generation, c.answers
         rec = {"id": pid, "category": item.category, "method": g.method, "engine": g.engine, "prompt_tokens": [len(p) for p in c.prompts],
                "tokens": g.tokens, "turns": texts, "text": texts[-1], "accepted": g.accepted,
@@ -205,8 +188,6 @@ def cmd_generate(args) -> int:
 
 def offline_runs(args: list[str]) -> dict[str, dict]:
     """{engine, or "" for every engine: an eval run's results} of `--offline [ENGINE=]RUN` (each given once)."""
-    from dflashkit.decode.methods import PRICED
-
     runs: dict[str, dict] = {}
     for arg in args:
         engine, _, folder = arg.rpartition("=")
@@ -221,9 +202,7 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
 
 
 def check_offline(offline: dict[str, dict], target, drafter_path: str | None, block_size: int | None) -> None:
-    """An offline eval prices bench rows only if it evaluated this target, this drafter and this block size: each
-    unlike run is refused by name (one of another target put a chain 43% off, without a word)."""
-    from dflashkit.fileio import sha256_file
+    """An offline eval prices bench rows only if it evaluated this target, drafter and block size; else refused."""
     from dflashkit.targets.model import check_same_target
 
     for res in offline.values():
@@ -241,8 +220,6 @@ def check_offline(offline: dict[str, dict], target, drafter_path: str | None, bl
 
 def offline_run(folder: str, for_rows: str = "") -> dict:
     """An eval run's results.json, with where it came from (bench's offline prediction names it)."""
-    from dflashkit.fileio import read_json
-
     path = Path(folder) / "results.json"
     if not path.is_file():
         raise DFlashError(f"--offline {folder}: no results.json there; pass a folder `dflashkit eval --out` wrote")
@@ -258,9 +235,6 @@ def bench_journal(args, target, methods: list[str], prompts: list, sampling):
     """The journal of this bench's finished runs, `<out>/runs.jsonl`, keyed by what the runs depend on."""
     import torch
 
-    from dflashkit.measure.journal import Journal
-    from dflashkit.fileio import sha256_file
-
     weights = Path(args.drafter or "") / "model.safetensors"
     settings = {"target": target.identity(), "dtype": str(target.dtype), "methods": methods, "engine": args.engine,
                 "prompts": [pid for pid, _ in prompts], "max_new_tokens": args.max_new_tokens,
@@ -271,7 +245,6 @@ def bench_journal(args, target, methods: list[str], prompts: list, sampling):
 
 def cmd_bench(args) -> int:
     from dflashkit.measure.bench import bench_markdown, parse_methods, run_bench, write_bench
-    from dflashkit.decode.methods import needs_drafter
 
     sampling = _check(args)
     methods = parse_methods(args.methods or DEFAULT_METHODS)
@@ -286,7 +259,7 @@ def cmd_bench(args) -> int:
                          "(another --out starts anew)")
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, sampling=sampling, engine=args.engine,
-                       log=lambda m: print(m, file=sys.stderr), offline=offline, predict=not args.no_predict,
+                       log=_say, offline=offline, predict=not args.no_predict,
                        journal=journal, reprobe=args.reprobe)
     paths = write_bench(result, args.out)
     journal.finish()
@@ -319,8 +292,7 @@ def engines_of(spec: str) -> list[str]:
 
 
 def models_for(names: list[str], target, drafter_ref=None, force: bool = False) -> list:
-    """The cost model of each engine named (auto made concrete for the drafter's methods, or plain decoding), the
-    drafter's call priced where one is given."""
+    """The cost model of each engine named (auto made concrete), the drafter's call priced where one is given."""
     from dflashkit.measure.costmodel import cost_model
     from dflashkit.decode.backends import backend_for
     from dflashkit.measure.probe import new_session
@@ -344,14 +316,12 @@ def replays_for(models: list) -> dict:
 
 def cmd_cost(args) -> int:
     from dflashkit.measure.costmodel import cost_markdown, cost_plot
-    from dflashkit.fileio import write_json, write_text
     from dflashkit.targets.model import load_target
 
     names = engines_of(args.engine)  # a wrong name fails before the target loads
     target = load_target(args.target, device=args.device, dtype=args.dtype, weights=args.weights)  # as decoding runs it
     models = models_for(names, target, args.drafter, force=args.force)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)  # write_json makes the folder before the plot goes in
     lines = [f"# Cost models: {target.name}", ""] + [line for m in models for line in cost_markdown(m)]
     lines += ["![cost against n](cost.png)", ""]
     table = {m.engine: m.to_dict() for m in models}

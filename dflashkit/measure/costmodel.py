@@ -1,6 +1,5 @@
-"""A cost model per engine (issue 50), so that an offline acceptance prices a drafter before it is served: a target
-forward over n = 1..64 tokens, one drafter call and the loop's own work per round, probed once and cached per machine
-and engine (docs/design.md, "The cost model in detail"); measure/predict.py turns it into tokens per second."""
+"""A cost model per engine, probed once and cached per machine, so that an offline acceptance prices a drafter before
+it is served (docs/design.md, "The cost model in detail")."""
 
 from __future__ import annotations
 
@@ -8,23 +7,33 @@ import json
 import math
 import statistics
 import subprocess
+import tempfile
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
+from dflashkit.decode import static
+from dflashkit.decode.backends import static_refusal
 from dflashkit.decode.methods import PRICED
+from dflashkit.decode.speculative import generate
 from dflashkit.errors import DFlashError
-from dflashkit.measure.probe import engine_version, new_session
+from dflashkit.fileio import home, read_json, sha256_json, write_json
+from dflashkit.measure import peers
+from dflashkit.measure.curve import CostCurve, tree_cost_curve
+from dflashkit.measure.probe import (engine_version, load_note, load_sample, loaded, machine_key, measured_load,
+                                     new_session, say_loaded)
+from dflashkit.report import fmt, line_plot, markdown_table
 
 PROBE_NS = (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)  # chain blocks 4/8/16, DDTree-b verifies b+1
 FORMAT = "dflashkit-cost-model/1"
 FIX = "delete the file to measure again (`dflashkit cost ... --force`)"
 PROBE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
 PROBE_TOKENS, PEER_TOKENS = 48, 256  # our loops' probe decode; an engine peer's (peer_round_ms)
-# tokens of context before a timed forward: about a bench answer's mean (a ~50-token prompt and half of 256 new
-# tokens). A much longer context overprices the one-token step (attention reads the KV in use), and with it plain
-# decoding
+# tokens of context before a timed forward: about a bench answer's mean (a much longer one overprices the one-token
+# step, as attention reads the KV in use)
 DEPTH = 200
 
 
@@ -45,8 +54,6 @@ class CostModel:
 
     def forward(self, n: int) -> float:
         """ms of one target forward over n tokens; infinite past an engine's widest verify ('up')."""
-        from dflashkit.measure.curve import CostCurve
-
         if self.rounding == "up":
             i = bisect_left(self.ns, n)
             return self.forward_ms[i] if i < len(self.ns) else float("inf")
@@ -54,8 +61,6 @@ class CostModel:
 
     def forward_paths(self, n: int) -> float:
         """ms of a tree verify over n = leaves x (depth + 1) tokens one path a row; forward(n) where trees are flat."""
-        from dflashkit.measure.curve import CostCurve
-
         return CostCurve(self.paths["ns"], self.paths["ms"])(n) if self.paths else self.forward(n)
 
     def overhead(self, loop: str) -> float:
@@ -92,8 +97,6 @@ class CostModel:
 
 
 def load_model(path) -> CostModel:
-    from dflashkit.fileio import read_json
-
     model = CostModel.from_dict(read_json(path, fix=FIX), str(path))
     model.path = Path(path)
     return model
@@ -110,9 +113,6 @@ def drafter_shape(proposer) -> dict | None:
 
 
 def model_key(target, engine: str, proposer=None) -> tuple[str, dict]:
-    from dflashkit.measure.probe import machine_key
-    from dflashkit.fileio import sha256_json
-
     record = {**machine_key(target)[1], "engine": engine, "engine_version": engine_version(engine),
               "device": str(target.device), "drafter": drafter_shape(proposer), "depth": DEPTH, "probe": 3}
     return sha256_json(record)[:16], record
@@ -125,13 +125,8 @@ def check_model_engine(engine: str) -> None:
 
 def cost_model(engine: str, target, proposer=None, session=None, force: bool = False, log=None,
                measure: bool = True) -> CostModel:
-    """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now (and cached)
-    where none is, with `force`, or where the cached one was measured under load (measure/probe.py, measured_load;
-    then a line says so); not `measure`: a missing one is an error naming the command that measures it.
-    `session`: the run's decode session (decode/session.py)."""
-    from dflashkit.measure.probe import load_sample, loaded, measured_load, say_loaded
-    from dflashkit.fileio import home, write_json
-
+    """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now where none is,
+    with `force`, or where the cached one was measured under load; not `measure`: a missing one is an error."""
     check_model_engine(engine)
     key, record = model_key(target, engine, proposer)
     path = home() / "cost-model" / f"{engine}-{key}.json"
@@ -156,8 +151,6 @@ def cost_model(engine: str, target, proposer=None, session=None, force: bool = F
 
 def probe_loops(target, proposer, engine: str, session) -> tuple[float | None, dict]:
     """(ms of one drafter call, {loop: ms per round of its own work}) from a short decode of each loop on `engine`."""
-    from dflashkit.decode.speculative import generate
-
     ids = target.chat_ids([{"role": "user", "content": PROBE_PROMPT}])
     loops = {"ar": "ar", "chain": "chain", "tree": "ddtree-8"} if proposer is not None else {"ar": "ar", "tree": "ngram"}
     draft, overhead = None, {}
@@ -172,14 +165,8 @@ def probe_loops(target, proposer, engine: str, session) -> tuple[float | None, d
 
 
 def hf_curves(target, proposer, repeats: int) -> tuple[dict, dict | None]:
-    """ms of transformers' forward over n tokens after DEPTH ({n: ms}) and, where branching trees go one path a row,
-    of such verifies over 1..16 paths of the drafter's block (they cost more than a flat forward over as many
-    tokens), under the kernels decoding runs (low-precision CPU targets switch)."""
-    from dflashkit.measure.curve import tree_cost_curve
-    from dflashkit.targets.invariant import kernels_for
-
-    with kernels_for(target):
-        c = tree_cost_curve(target, proposer.block_size if proposer else 4, ns=PROBE_NS, context=DEPTH, repeats=repeats)
+    """ms of hf's forward over n tokens after DEPTH ({n: ms}), and of its verifies one path a row (or None)."""
+    c = tree_cost_curve(target, proposer.block_size if proposer else 4, ns=PROBE_NS, context=DEPTH, repeats=repeats)
     ms = lambda curve: {n: 1000 * t for n, t in zip(curve.ns, curve.seconds)}
     return ms(c), c.paths and ms(c.paths)
 
@@ -196,20 +183,15 @@ def probe_hf(target, proposer, session, log=None) -> CostModel:
 
 
 def probe_static(target, proposer, session, log=None) -> CostModel:
-    from dflashkit.decode.backends import static_refusal
-    from dflashkit.decode.static import decoder_for
-
     if why := static_refusal(target):
         raise DFlashError(why)
-    times = static_widths(decoder_for(session, 512, proposer, trees=True), 7)
+    times = static_widths(static.decoder_for(session, 512, proposer, trees=True), 7)
     draft, overhead = probe_loops(target, proposer, "static", session)
     return CostModel("static", list(times), list(times.values()), draft, overhead, rounding="up")
 
 
 def llama_bench_curve(target, repeats: int = 5) -> tuple[list[int], list[float]]:
     """llama.cpp's own forward over n tokens after DEPTH of context (`llama-bench -p n -d DEPTH`), ms per n."""
-    import torch
-
     from dflashkit.engines.install import require
     from dflashkit.engines.llamacpp import target_gguf
 
@@ -226,22 +208,16 @@ def llama_bench_curve(target, repeats: int = 5) -> tuple[list[int], list[float]]
 
 
 def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
-    """ms per round of an engine peer started for the probe (engine_round_ms; a round costs more at a longer
-    context)."""
-    import tempfile
-
-    from dflashkit.measure.peers import context_length, start_engine
-
+    """ms per round of an engine peer started for the probe (engine_round_ms)."""
     with tempfile.TemporaryDirectory(prefix="dflashkit-cost-") as work:
-        with start_engine(method, target, drafter, block_size, context_length(target), Path(work)) as engine:
+        with peers.start_engine(method, target, drafter, block_size, peers.context_length(target), Path(work)) as engine:
             engine.complete(target.chat_ids([{"role": "user", "content": PROBE_PROMPT}]), 8,
                             set(target.stop_token_ids))  # warm-up
             return engine_round_ms(engine, target, drafter is not None)
 
 
 def engine_round_ms(engine, target, speculative: bool) -> float:
-    """ms per round (one token plain, one verify with a drafter) of an open engine decoding the probe prompt to
-    PEER_TOKENS, a bench answer's context, less a 1-token answer (the prefill and first token cancel)."""
+    """ms per round of an open engine on the probe prompt: PEER_TOKENS less a 1-token answer (the prefill cancels)."""
     ids, stops = target.chat_ids([{"role": "user", "content": PROBE_PROMPT}]), set(target.stop_token_ids)
     one, full = engine.complete(ids, 1, stops), engine.complete(ids, PEER_TOKENS, stops)
     rounds = full.steps - one.steps if speculative else len(full.tokens) - len(one.tokens)
@@ -276,10 +252,8 @@ SAMPLED = ("hf", "static", "llama.cpp")  # vLLM's forward is its loop: no quick 
 
 
 def forward_sample(engine: str, target, proposer, session, peer=None, speculative: bool = False) -> dict | None:
-    """One quick sample of `engine`'s cost, taken seconds before a bench's run: a shared host drifts within minutes,
-    and a probe of seconds read that as the prediction's error. Our backends: the forward per n (ms; {"forward":
-    {n: ms}, "paths": hf's verifies one path a row}); a llama.cpp `peer`: its own round on the probe prompt
-    ({"rounds": {"ar" or "chain": ms}}: an older probe's price drifts too)."""
+    """One quick sample of `engine`'s cost before a bench's run (a shared host drifts within minutes): our backends'
+    {"forward": {n: ms}, "paths": ...}; a llama.cpp `peer`'s own round, {"rounds": {"ar" or "chain": ms}}."""
     if engine == "static":
         return {"forward": static_widths(session.static, 3) if session.static is not None else {}}
     if engine == "hf":
@@ -290,10 +264,8 @@ def forward_sample(engine: str, target, proposer, session, peer=None, speculativ
 
 
 def in_window(model: CostModel, samples: list[dict]) -> CostModel:
-    """`model` over the minutes the samples (forward_sample) were taken in: each sampled curve the samples' median
-    at every n they all hold. The drafter call and the loops' work stay as measured (they run our torch code on every
-    backend, and a backend's own drift, hf's 9% where the drafter's did not, is not theirs), but where an engine's
-    own rounds were timed: its loop's work and drafter call are then those rounds' medians less the forwards."""
+    """`model` over the minutes its samples (forward_sample) were taken in: each curve the samples' median. The drafter
+    call and the loops' work stay as measured, except from an engine's own timed rounds (less the forwards)."""
     curves, out = {}, model
     fwd = [s for s in samples if s and s.get("forward")]
     for key in ("forward", "paths"):
@@ -318,9 +290,6 @@ def in_window(model: CostModel, samples: list[dict]) -> CostModel:
 
 
 def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> list[str]:
-    from dflashkit.measure.probe import load_note
-    from dflashkit.report import fmt, markdown_table
-
     one = model.forward(1)
     rows = [[n, model.forward(n), model.forward(n) / one] for n in ns]
     r = model.record
@@ -336,8 +305,6 @@ def cost_markdown(model: CostModel, ns=(1, 2, 4, 8, 9, 16, 17, 32, 33, 64)) -> l
 
 def cost_plot(path, models: list[CostModel], title: str) -> Path:
     """ms of a forward over n = 1..64 tokens, one line per engine (a static width past its widest is left off)."""
-    from dflashkit.report import line_plot
-
     series = {}
     for m in models:
         ns = [n for n in range(1, 65) if m.forward(n) != float("inf")]

@@ -1,10 +1,4 @@
-"""What a target forward costs as a function of the tokens it verifies, and the memory-bound floor.
-
-Speculative decoding pays when one forward over n tokens costs much less than n one-token forwards. On a CPU
-or GPU at batch 1 the weights are read once per forward whatever n is, so the curve is flat at first and the
-floor is weight bytes / memory bandwidth. The curve is measured with a realistic target KV, and methods that
-size their trees by expected tokens per second read it.
-"""
+"""What a target forward costs as a function of the tokens it verifies, and the memory-bound floor."""
 
 from __future__ import annotations
 
@@ -17,6 +11,7 @@ import torch
 
 from dflashkit.decode.hf import HfBackend, crop_kv, new_target_kv, verify_tree_by_paths
 from dflashkit.decode.session import Timer
+from dflashkit.targets.invariant import kernels_for
 from dflashkit.tree import Tree
 
 DEFAULT_NS = (1, 2, 4, 8, 16, 32)
@@ -81,12 +76,13 @@ def measure_cost_curve(target, ns=DEFAULT_NS, context: int = 400, repeats: int =
 
 
 def tree_cost_curve(target, block: int, **kwargs) -> CostCurve:
-    """The curve -auto trees are cut on: a forward over n tokens and, where the reference backend verifies branching
-    trees one path a row (each row a copy of the KV), such verifies of 1..16 paths of `block` tokens."""
-    curve = measure_cost_curve(target, **kwargs)
-    if HfBackend(target).by_paths:
-        p = measure_cost_curve(target, [block * r for r in (1, 2, 4, 8, 16)], kwargs.get("context", 400), 3, paths=block)
-        curve.paths = CostCurve([1] + p.ns, [curve(1)] + p.seconds)
+    """The curve -auto trees are cut on, under the kernels hf decodes on: a forward over n tokens and, where hf
+    verifies branching trees one path a row (each row a copy of the KV), such verifies of 1..16 paths of `block` tokens."""
+    with kernels_for(target):
+        curve = measure_cost_curve(target, **kwargs)
+        if HfBackend(target).by_paths:
+            p = measure_cost_curve(target, [block * r for r in (1, 2, 4, 8, 16)], kwargs.get("context", 400), 3, paths=block)
+            curve.paths = CostCurve([1] + p.ns, [curve(1)] + p.seconds)
     return curve
 
 
@@ -98,8 +94,7 @@ def weight_bytes(model) -> int:
 
 @functools.lru_cache(maxsize=None)
 def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second of a streaming read (a sum over a buffer far larger than the caches); measured once per
-    device and process, as the machine does not change between benches."""
+    """Bytes per second of a streaming read (a sum over a buffer far larger than the caches), once per device."""
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     times = [_seconds(device, x.sum) for _ in range(repeats + 1)]
     return x.numel() * 4 / statistics.median(times[1:])

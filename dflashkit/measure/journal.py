@@ -1,5 +1,4 @@
-"""A bench's finished runs, appended as each one ends, so an interrupted bench loses nothing it finished and the
-same command resumes it (a bench on a demo suite takes many minutes on a small CPU)."""
+"""A bench's finished runs, appended as each one ends, so that the same command resumes an interrupted bench."""
 
 from __future__ import annotations
 
@@ -8,14 +7,13 @@ import os
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
+from dflashkit.fileio import write_text
 
 FORMAT = "dflashkit-bench-journal/1"
 
 
 class Journal:
-    """`path`: a JSONL file whose first line is the bench's settings, then one finished run a line. A rerun with
-    the same settings continues it; other settings are refused by name; a last line cut off by a kill is dropped
-    (that run had not finished)."""
+    """A JSONL file: the bench's settings, then one finished run a line; other settings are refused by name."""
 
     def __init__(self, path, settings: dict):
         self.path, self.settings = Path(path), json.loads(json.dumps(settings))
@@ -47,11 +45,8 @@ class Journal:
 
     def start(self, restored: list[dict]) -> None:
         """Rewrite the file as the header and the restored runs (a cut-off last line goes)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(x) + "\n" for x in [{"format": FORMAT, "settings": self.settings},
-                                                              *restored]))
-        os.replace(tmp, self.path)
+        head = {"format": FORMAT, "settings": self.settings}
+        write_text(self.path, "".join(json.dumps(x) + "\n" for x in [head, *restored]))
 
     def add(self, run: dict) -> None:
         with self.path.open("a") as f:

@@ -1,12 +1,6 @@
-"""Engine peers in `bench`: llama.cpp and vLLM decode the same prompts, plain and with our drafter exported.
-
-Each engine starts once per method (a server or a worker process, its load not timed) and stays up through the
-bench: it answers a warm-up, then every conversation turn by turn (decode/conversation.py) in the bench's
-rotation beside our methods. While it answers, this process waits on it, so two never compute at once. The
-engine's outputs are checked against its own plain decoding (lossless there) and compared with our `ar`
-(kernels differ across engines: reported, not failed), and its mean acceptance length, counted by the engine
-itself, against our chain's tau on the same drafter.
-"""
+"""Engine peers in `bench`: llama.cpp and vLLM decode the same prompts in the bench's rotation (this process waits on
+each answer, so two never compute at once), plain and with our drafter exported, held to their own plain decoding and
+compared with our `ar` (kernels differ: reported, not failed)."""
 
 from __future__ import annotations
 
@@ -14,17 +8,20 @@ import contextlib
 import tempfile
 import time
 from contextlib import ExitStack
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
 
+from dflashkit.decode.backends import backend_for
 from dflashkit.decode.conversation import decode_conversation
 from dflashkit.decode.methods import PEER_METHODS
 from dflashkit.decode.sampling import GREEDY
 from dflashkit.decode.session import Generation
-from dflashkit.decode.speculative import draft_block
+from dflashkit.decode.speculative import draft_block, generate
 from dflashkit.drafter.config import engine_block
 from dflashkit.errors import DFlashError
+from dflashkit.measure.probe import new_session
 from dflashkit.tree import common_prefix
 
 TAU_TOLERANCE = 0.05  # engine mean acceptance length vs our chain's tau on the same drafter
@@ -68,9 +65,7 @@ def start_engine(method: str, target, drafter, block_size: int, ctx: int, workdi
 
 
 class EnginePeer:
-    """One engine method, started on entry (its load timed apart) and held open through the bench, so that the
-    host's drift hits ours and the engine alike (on a noisy host an engine's speed alone varies from one run to the
-    next)."""
+    """One engine method, started on entry and held open through the bench, so that drift hits ours and it alike."""
 
     def __init__(self, method: str, target, drafter, block_size: int, max_new_tokens: int):
         self.method, self.target, self.max_new_tokens = method, target, max_new_tokens
@@ -99,14 +94,14 @@ class EnginePeer:
         self._stack.__exit__(*exc)
 
     def one(self, ids: list[int]) -> Generation:
-        """One turn: the engine's answer, timed by this process end to end (its prompt time apart, where the
-        engine reports it); its per-position acceptance summed over turns (None once a turn has none)."""
+        """One turn: the engine's answer, timed end to end (its prompt time apart, where the engine reports it); its
+        per-position acceptance summed over turns (None once a turn has none)."""
         a = self.engine.complete(ids, self.max_new_tokens, self.stops)
         for k in self.counts:
             self.counts[k] += getattr(a, k)
         pos, known = self.reported["per_position"], getattr(a, "per_position", None)
         self.reported["per_position"] = (None if known is None or (pos is None and self.turns)
-                                         else add_counts(pos or [], known))
+                                         else [x + y for x, y in zip_longest(pos or [], known, fillvalue=0)])
         self.reported["prefill_known"] &= a.prompt_seconds is not None
         self.turns += 1
         prompt = a.prompt_seconds or 0.0
@@ -115,20 +110,13 @@ class EnginePeer:
                            "total": a.seconds})
 
     def run(self, pid: str, item) -> dict:
-        """One conversation as a bench run record, with the engine's own draft counters (and, for the
-        per-request record, what it reported per draft position and whether it timed its prompt)."""
+        """One conversation as a bench run record, with the engine's own draft counters."""
         self.fresh()
         c = decode_conversation(self.target, item, self.one)
         g = c.generation
         return {"prompt": pid, "method": self.method, "prompt_tokens": len(c.prompts[0]), "turns": c.lengths,
                 "tokens": g.tokens, "accepted": [], "times": g.times, "engine": {**self.counts, **self.reported},
                 "turn_prompts": c.prompts}
-
-
-def add_counts(a: list[int], b: list[int]) -> list[int]:
-    """Per-position counts summed, the shorter list padded with zeros."""
-    n = max(len(a), len(b))
-    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
 def engine_tau(runs: list[dict]) -> float | None:
@@ -152,16 +140,14 @@ def differences(runs: list[dict], against) -> list[dict]:
 
 
 def check_engines(runs: list[dict]) -> tuple[list[dict], dict]:
-    """(mismatches of each engine's speculative output against its own plain one, {method: how its outputs compare
-    with our ar: prompts equal and the first token where each other one parts})."""
+    """(mismatches of each engine's speculative output against its own plain one, {method: ar_parting})."""
     engines = dict.fromkeys(r["method"] for r in runs if is_engine(r["method"]))
     parting = {m: p for m in engines if (p := ar_parting(runs, m))["prompts"]}
     return differences(runs, lambda m: plain_of(m) if m in engines else None), parting
 
 
 def ar_parting(runs: list[dict], method: str, against: str = "ar") -> dict:
-    """How `method`'s outputs compare with `against`'s (our ar) on the prompts both ran: how many are equal, and
-    the first token where each other one parts."""
+    """How many of `method`'s outputs equal `against`'s (our ar), and where each other one parts."""
     theirs = {r["prompt"] for r in runs if r["method"] == against}
     parts = {x["prompt"]: x["first_difference"] for x in differences(runs, lambda m: against if m == method else None)}
     n = sum(r["method"] == method and r["prompt"] in theirs for r in runs)
@@ -171,8 +157,7 @@ def ar_parting(runs: list[dict], method: str, against: str = "ar") -> dict:
 @torch.no_grad()
 def forced_chain_rounds(target, proposer, prompt_ids: list[int], answer: list[int]) -> list[int]:
     """Accepted drafts + 1 per round of a chain loop with our drafter whose target chose `answer` (an engine's own
-    greedy output): the tau our drafter predicts on exactly the tokens the engine verified. Engines and we part
-    in bf16 after a few dozen tokens, and tau measured on two different texts differs by several percent."""
+    output): the tau our drafter predicts on the tokens the engine verified (tau on two texts differs by percents)."""
     seq, dev = list(prompt_ids) + list(answer), target.device
     feats = target.forward(torch.tensor([seq], device=dev), layer_ids=proposer.layer_ids).features
     proposer.reset(prompt_ids)
@@ -199,9 +184,7 @@ def predicted_tau(target, proposer, runs: list[dict]) -> float | None:
 
 
 def check_tau(summary: dict) -> list[dict]:
-    """Engine mean acceptance length against the tau our drafter predicts on the engine's own output (our chain's
-    tau on our own output where that is missing): a gap beyond TAU_TOLERANCE means one side computes something
-    else."""
+    """Engine mean acceptance length against the tau our drafter predicts on its output, within TAU_TOLERANCE."""
     chain = (summary.get("chain") or {}).get("tau")
     out = []
     for m, s in summary.items():
@@ -216,12 +199,7 @@ def check_tau(summary: dict) -> list[dict]:
 @contextlib.contextmanager
 def plain_answers(target, engine: str, max_new_tokens: int, log=None):
     """(the backend, answer(prompt ids, max new tokens) -> (index, greedy completion)...) for `data generate --engine`:
-    our plain decoding on static or an engine peer's (its server up while the context is), one prompt at a time; None
-    for hf (transformers' batches write its text faster). In bf16 each writes its own text (near-ties)."""
-    from dflashkit.decode.backends import backend_for
-    from dflashkit.decode.speculative import generate
-    from dflashkit.measure.probe import new_session
-
+    plain decoding on static or an engine peer, one prompt at a time; None for hf (transformers' batches are faster)."""
     if engine in PEER_METHODS:
         with EnginePeer(engine, target, None, 0, max_new_tokens) as peer:
             yield engine, lambda ids, n, **_: ((i, peer.one(p).tokens) for i, p in enumerate(ids))

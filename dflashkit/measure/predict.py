@@ -1,16 +1,18 @@
-"""Predicted decoding speed: an acceptance (an offline eval's, both halves predicted, or a decode's own rounds, the
-cost half alone) priced on an engine's cost model (measure/costmodel.py) as tokens per round, time per round, tokens
-per second and the speedup over that engine's plain decoding. Formulas: docs/decoding.md, "Predicting an engine's
-speed before serving"."""
+"""Predicted decoding speed: an acceptance (an offline eval's, or a decode's own rounds) priced on an engine's cost
+model (docs/decoding.md, "Predicting an engine's speed before serving")."""
 
 from __future__ import annotations
 
 import math
 
-from dflashkit.decode.methods import PEERS
+from dflashkit.decode.methods import AUTO_BUDGET, PEERS
+from dflashkit.decode.speculative import new_lookup
 from dflashkit.errors import DFlashError
+from dflashkit.measure.costmodel import cost_model, in_window
+from dflashkit.report import fmt, markdown_table, scatter_against_measured
+from dflashkit.tree import best_cut
 
-ERROR_BAR = 0.10  # |predicted - measured| / measured the prediction is held to (issue 50)
+ERROR_BAR = 0.10  # |predicted - measured| / measured the prediction is held to
 
 
 def _row(tokens: float, draft: float, verify: float, overhead: float, **extra) -> dict:
@@ -32,11 +34,8 @@ def _draft_ms(model) -> float:
 
 
 def predict_offline(acceptance: dict, model, only: str | None = None) -> dict:
-    """{method: predicted row} for ar, chain, every ddtree-b and hybrid-b of the acceptance, and the best budget of
-    each as its -auto (the online trees are cut per round, so they can do a little better). `acceptance`: {"block_size":
-    B, "chain": [P(streak >= k), k = 1..B-1], "ddtree": {b: mean accepted depth}, "hybrid": {b: the replayed rounds'
-    "accepted", "nodes", "path_tokens"}} (evaluate/offline.py, walk anchors). `only`: the one method a caller
-    reads (the per-round replays of the others are skipped)."""
+    """{method: predicted row} for ar, chain, every ddtree-b and hybrid-b of `acceptance` (offline_acceptance's) and
+    their -auto; `only`: the one method a caller reads (the others' per-round replays are skipped)."""
     for field in ("block_size", "chain", "ddtree"):
         if field not in acceptance:
             raise DFlashError(f"acceptance: field {field!r} is missing (an eval results.json's 'overall' gives it)")
@@ -50,27 +49,32 @@ def predict_offline(acceptance: dict, model, only: str | None = None) -> dict:
     depths = sorted((int(b), d) for b, d in acceptance["ddtree"].items() if d is not None)
     trees = {f"ddtree-{b}": _row(1.0 + d, draft, verify(b), model.overhead("tree"), width=paths.get(b, b + 1),
                                  **(why if model.paths and b not in paths else {})) for b, d in depths}
-    hybrids = {f"hybrid-{b}": predict_rounds([d + 1 for d in h["accepted"]], h["path_tokens" if model.paths else
-               "nodes"], [True] * len(h["accepted"]), model, "tree") for b, h in acceptance.get("hybrid", {}).items()}
+    hybrids = {f"hybrid-{b}": _replayed(h, [True] * len(h["accepted"]), model)
+               for b, h in acceptance.get("hybrid", {}).items()}
     for kind, rows in (("ddtree", trees), ("hybrid", hybrids)):
         out.update(rows)
         if paying := [(r["tokens_per_s"], m) for m, r in rows.items() if r["tokens_per_s"]]:
             out[f"{kind}-auto"] = {**rows[max(paying)[1]], "budget": int(max(paying)[1].split("-")[1])}
-    if acceptance.get("cuts") and only in (None, "ddtree-auto"):  # each round's tree cut as decoding cuts it
+    if only in (None, "ddtree-auto") and (dd := (acceptance.get("ddtree_auto") or {}).get(model.engine)):
+        out["ddtree-auto"] = {**_replayed(dd, dd["drafted"], model), "budget": "replayed per round"}  # gate included
+    elif acceptance.get("cuts") and only in (None, "ddtree-auto"):  # each round's tree cut as decoding cuts it
         out["ddtree-auto"] = replay_cuts(acceptance["cuts"], model, draft)
     if only in (None, "hybrid-auto") and (auto := (acceptance.get("hybrid_auto") or {}).get(model.engine)):
-        out["hybrid-auto"] = {**predict_rounds([d + 1 for d in auto["accepted"]], auto["path_tokens" if model.paths
-                              else "nodes"], auto["drafted"], model, "tree"), "budget": "replayed per round"}
+        out["hybrid-auto"] = {**_replayed(auto, auto["drafted"], model), "budget": "replayed per round"}
     for r in out.values():
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if r["tokens_per_s"] and base["tokens_per_s"] else None
     return out
 
 
-def replay_cuts(cuts: dict, model, draft: float) -> dict:
-    """ddtree-auto over the walk's rounds: each round's 32-node tree cut where decoding would cut it on this engine
-    (tree.best_cut), committing the accepted path's nodes inside the cut (`cuts`: evaluate/offline.py)."""
-    from dflashkit.tree import best_cut
+def _replayed(rounds: dict, drafted: list[bool], model) -> dict:
+    """A tree walk's replayed rounds ("accepted" depths, "nodes", "path_tokens") priced by the model."""
+    widths = rounds["path_tokens" if model.paths else "nodes"]
+    return predict_rounds([d + 1 for d in rounds["accepted"]], widths, drafted, model, "tree")
 
+
+def replay_cuts(cuts: dict, model, draft: float) -> dict:
+    """ddtree-auto over the walk's rounds: each round's tree cut where decoding would cut it on this engine, committing
+    the accepted path's nodes inside the cut (`cuts`: evaluate/offline.py)."""
     fixed, flat, accepted, widths = draft + model.overhead("tree"), not model.paths, [], []
     for gains, tokens, path in zip(cuts["gains"], cuts["tokens"], cuts["path"]):
         n = best_cut(gains, tokens, model.forward, fixed, None if flat else model.forward_paths)
@@ -80,11 +84,8 @@ def replay_cuts(cuts: dict, model, draft: float) -> dict:
 
 
 def hybrid_replay(model) -> dict:
-    """What the offline walk needs to replay hybrid-auto as decoding runs it on this engine (evaluate/offline.py,
-    hybrid_walk): the drafter's most nodes, the method's own n-gram lookup, and the engine's prices in ms."""
-    from dflashkit.decode.methods import AUTO_BUDGET
-    from dflashkit.decode.speculative import new_lookup
-
+    """What the offline walk needs to replay the -auto methods as decoding runs them on this engine
+    (evaluate/offline.py, hybrid_walk): the drafter's most nodes, hybrid-auto's own n-gram lookup, the prices in ms."""
     return {"budget": AUTO_BUDGET, "lookup": new_lookup("hybrid-auto"), "price": {
         "cost": model.forward, "path_cost": model.forward_paths if model.paths else None, "draft": _draft_ms(model),
         "fixed": model.overhead("tree")}}
@@ -101,7 +102,7 @@ def offline_acceptance(overall: dict, block_size: int, source: str = "offline ev
     paths = {int(b): n for b, n in (overall.get("budget_curve_paths") or {}).items() if n is not None}
     return {"block_size": block_size, "chain": overall["acc_cumulative"], "ddtree": ddtree, "paths": paths,
             "hybrid": {int(b): h for b, h in (overall.get("hybrid") or {}).items()}, "cuts": overall.get("ddtree_cuts"),
-            "hybrid_auto": overall.get("hybrid_auto"), "source": source}
+            "hybrid_auto": overall.get("hybrid_auto"), "ddtree_auto": overall.get("ddtree_auto"), "source": source}
 
 
 def loop_of(method: str) -> str:
@@ -127,8 +128,6 @@ def error(predicted: float | None, measured: float | None) -> float | None:
 
 
 def prediction_markdown(rows: dict, model, source: str) -> list[str]:
-    from dflashkit.report import markdown_table
-
     table = [[m, r["tokens_per_round"], r["ms_per_round"]["draft"], r["ms_per_round"]["verify"],
               r["ms_per_round"]["overhead"], r["tokens_per_s"], r.get("speedup")]
              + ([f"budget {r['budget']}"] if "budget" in r else [""]) for m, r in rows.items()]
@@ -141,9 +140,6 @@ def prediction_markdown(rows: dict, model, source: str) -> list[str]:
 
 
 # ---- bench: predicted beside measured ----------------------------------------------------------------------
-
-NOT_PREDICTED = ("prompt-lookup", "hf-generate")  # stock kernels or transformers' loops: no cost model
-
 
 def measured_decode_tps(runs: list[dict]) -> float | None:
     """Tokens per second after each turn's prefill (its first token comes from the prefill), as bench states."""
@@ -166,22 +162,16 @@ def _online(label: str, runs: list[dict], summary: dict, model, block_size: int 
 def predicted_engine(label: str, rows: dict) -> str | None:
     """The engine whose cost model prices a bench row; None: stock kernels or transformers' loops (none of ours)."""
     method, engine = rows.get(label, (label, label))
-    if method in NOT_PREDICTED or method.split("-")[0] in ("prompt", "hf") or engine == "hf-stock":
+    if method.split("-")[0] in ("prompt", "hf") or engine == "hf-stock":  # prompt-lookup, hf-generate
         return None
     return engine.removesuffix("-dflash")
 
 
 def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict, session,
                   offline: dict | None = None, log=None, window: dict | None = None) -> dict:
-    """Each row's predicted decode tokens/s beside its measured one (`summary[label]["predicted"]`): from its own
-    rounds (the cost half), and from an offline eval's acceptance where one is given (both halves: `offline` {engine,
-    or "" for the rest: an eval's results}, so a backend's rows read an eval on its own answers); returns the
-    cost models used, by engine: the cached one (measured now where none is; vLLM's only cached, its probe starts
-    the server) over the bench's own minutes (costmodel.in_window over all its rows' samples); each row is priced on
-    the model over its own runs' minutes (`window` {row: samples of its engine's cost, each taken before a run}). A
-    model that cannot be had (an engine not installed) is said on the row."""
-    from dflashkit.measure.costmodel import cost_model, in_window
-
+    """Each row's predicted decode tokens/s beside its measured one, from its own rounds and from an offline eval
+    (`offline` {engine, or "" for the rest: an eval's results}), on its engine's model over its own runs' minutes
+    (`window` {row: samples}); returns the models used, by engine. A model that cannot be had is said on the row."""
     B, window = proposer.block_size if proposer is not None else None, window or {}
     models, acceptances = {}, {e: offline_acceptance(o["overall"], o["settings"]["block_size"], o.get(
         "source", "offline eval")) for e, o in (offline or {}).items()}
@@ -213,8 +203,7 @@ def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict,
 
 
 def _speedup_errors(rows: dict, summary: dict) -> None:
-    """Each prediction's speedup over its engine's plain decoding against the measured one (`speedup_error`): the
-    machine's speed when the cost model was measured cancels (a shared host drifts by 20-40% within an hour)."""
+    """Each prediction's speedup over its engine's plain decoding against the measured one (the host's speed cancels)."""
     plain = {e: summary[label].get("predicted") or {} for label, (m, e) in rows.items() if m in ("ar", e)}
     for s in summary.values():
         p = s.get("predicted") or {}
@@ -229,8 +218,6 @@ def _speedup_errors(rows: dict, summary: dict) -> None:
 
 def predicted_markdown(result: dict) -> list[str]:
     """The bench's predicted-beside-measured table (decode tokens/s, prefill excluded), with each error."""
-    from dflashkit.report import fmt, markdown_table
-
     rows, sources = [], {}
     for m, s in result["methods"].items():
         if not (p := s.get("predicted")):
@@ -276,8 +263,7 @@ def share(seconds: dict | None) -> str:
 
 
 def predicted_points(result: dict) -> dict[str, tuple[float, float]]:
-    """label -> (measured, predicted) decode tokens/s of every bench row that has both (offline where given, else
-    the row's own rounds), for the plot beside the table."""
+    """label -> (measured, predicted) decode tokens/s of every bench row that has both, for the plot."""
     points = {}
     for m, s in result["methods"].items():
         p = s.get("predicted") or {}
@@ -289,8 +275,6 @@ def predicted_points(result: dict) -> dict[str, tuple[float, float]]:
 
 def predicted_plot(result: dict, path):
     """predicted.png: predicted against measured decode tokens/s with the 10% band; None without predictions."""
-    from dflashkit.report import scatter_against_measured
-
     points = predicted_points(result)
     if not points:
         return None

@@ -1,6 +1,5 @@
-"""`--engine auto`'s answer, measured: both backends timed on this machine once (a one-token step and an 8-node
-verify, plus the static step's compile), cached per CPU, target, dtype and threads with the load it was measured
-under; and that load, sampled the same way for every measurement of ours (cost models too)."""
+"""`--engine auto`'s answer, measured: both backends timed on this machine once, cached per CPU, target, dtype and
+threads with the load it was measured under; and that load, sampled alike for every measurement of ours."""
 
 from __future__ import annotations
 
@@ -14,29 +13,27 @@ from pathlib import Path
 import torch
 
 from dflashkit import __version__, levels
+from dflashkit.decode import native
 from dflashkit.decode.session import DecodeSession
 from dflashkit.engines.install import LLAMA_CPP_BUILD, VLLM_VERSION
-from dflashkit.fileio import sha256_json
+from dflashkit.fileio import home, sha256_json
+from dflashkit.targets.invariant import kernels_for
 from dflashkit.threads import cpu_times, usable_cpus
 
 BACKENDS = ("hf", "static")  # what a probe may answer
 
 
 def engine_version(engine: str) -> str:
-    """What a re-measure is due on: our own code and torch for the backends (the static one's C++ kernels by their
-    library, which names their source, flags and CPU), the build for a peer."""
+    """What a re-measure is due on: our code, torch and the kernels for the backends, the build for a peer."""
     if engine == "llama.cpp":
         return f"llama.cpp build {LLAMA_CPP_BUILD}" + (f" (level {levels.chosen()})" if levels.narrower() else "")
     if engine == "vllm":
         return f"vllm {VLLM_VERSION}"
-    import torch
     import transformers
 
     version = f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
     if engine == "static":
-        from dflashkit.decode.native import library_path
-
-        version += f", kernels {library_path().stem}"
+        version += f", kernels {native.library_path().stem}"
     return version
 
 
@@ -45,8 +42,7 @@ def _say(log, message: str) -> None:
 
 
 def machine_key(target) -> tuple[str, dict]:
-    """What a probe's answer depends on: the CPU (model and its vector flags), the target's weights, dtype, threads
-    and torch's version."""
+    """What a probe's answer depends on: the CPU and its vector flags, the target's weights, dtype, threads, torch."""
     name, flags = levels.cpu()
     vector = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     if levels.narrower():  # a level narrower than this CPU's (--isa) is another machine to time
@@ -59,18 +55,13 @@ def machine_key(target) -> tuple[str, dict]:
 
 
 def probe_path(target):
-    """Where auto's answer for `target` here is cached, and what it depends on: the machine and these kernels (a
-    new build of ours, whose library names its source, flags and CPU, is timed again)."""
-    from dflashkit.fileio import home
-
+    """Where auto's answer for `target` here is cached, and what it depends on: the machine and these kernels."""
     record = {**machine_key(target)[1], "static": engine_version("static")}
     return home() / "engine-probe" / f"{sha256_json(record)[:16]}.json", record
 
 
 def cached_probe(path: Path, log=None) -> dict | None:
-    """A probe's cached answer, or None (then timed again) where the file is missing or damaged, with one line
-    naming the file: garbage, a missing field or a backend that does not exist would otherwise end every --engine
-    auto run with a traceback, or with an error about a flag the user never passed."""
+    """A probe's cached answer, or None (timed again, one line says why) where the file is missing or damaged."""
     if not path.is_file():
         return None
     try:
@@ -88,8 +79,7 @@ def cached_probe(path: Path, log=None) -> dict | None:
 
 
 def load_sample() -> tuple:
-    """What measured_load compares against: the 1-minute load average, /proc/stat's busy and total jiffies of the
-    usable CPUs, and the jiffies this process and its descendants ran, now."""
+    """What measured_load compares against: the load average, the CPUs' and our process tree's jiffies, now."""
     return os.getloadavg()[0], cpu_times(usable_cpus()), _tree_jiffies()
 
 
@@ -109,14 +99,9 @@ def _tree_jiffies() -> int:
 
 
 def measured_load(start: tuple, threads: int) -> dict:
-    """The machine's load over a measurement begun at `start` (load_sample) on `threads` threads: the 1-minute load
-    average at its start and end, the usable CPUs, and `others`, the CPUs other processes kept busy meanwhile
-    (/proc/stat's busy jiffies of the usable CPUs less those of this process and its descendants; where /proc has
-    nothing, the load average at the start). Loaded: `others` > usable CPUs - `threads` (at least 0) + 0.5, i.e.
-    other work took CPUs the measurement's threads needed (a cost model measured beside a benchmark ran
-    several times slow). Not the load average itself: it counts this process's own work before the measurement too (after a
-    bench's runs, about its threads), so every cost model measured there would be called loaded. A loaded answer
-    is cached marked so, used for the run, and measured again by the next run."""
+    """The load over a measurement begun at `start` on `threads` threads: `others`, the CPUs other processes kept busy
+    meanwhile (not the load average, which counts our own earlier work too). Loaded: others took CPUs our threads
+    needed; a loaded answer is used for the run, cached marked so, and measured again by the next run."""
     (load0, (b0, t0), j0), cpus = start, len(usable_cpus())
     (b1, t1), j1 = cpu_times(usable_cpus()), _tree_jiffies()
     others = max(0.0, cpus * (b1 - b0 - (j1 - j0)) / (t1 - t0) if t1 > t0 else load0)
@@ -152,13 +137,11 @@ def probe_note(found: dict, more: str = "") -> str:
 
 
 def probe(session: DecodeSession, repeats: int = 9) -> dict:
-    """Time both backends on this machine (cached under the dflashkit home's engine-probe): the one-token step (what
-    plain decoding runs) and one-token + 8-node verify (what a speculative round spends on the target). The
-    session's `reprobe` (--reprobe) times them again; so does an answer measured under load (measured_load)."""
+    """Time both backends here (cached): the one-token step (plain decoding) and one-token + 8-node verify (a
+    speculative round's target). `reprobe` times them again, as does an answer measured under load."""
     from dflashkit.measure.curve import measure_cost_curve
     from dflashkit.decode.static import decoder_for
-    from dflashkit.fileio import write_json
-    from dflashkit.targets.invariant import kernels_for
+    from dflashkit.fileio import write_json  # looked up now: a test makes it fail
 
     target, log = session.target, session.log
     path, record = probe_path(target)
@@ -189,6 +172,5 @@ def probe(session: DecodeSession, repeats: int = 9) -> dict:
 
 
 def new_session(target, proposer=None, reprobe: bool = False, log=None, trees: bool = False) -> DecodeSession:
-    """A run's decode session whose `--engine auto` is answered by `probe` (looked up at call time: tests replace
-    it)."""
+    """A run's decode session whose `--engine auto` is answered by `probe` (looked up at call time: tests replace it)."""
     return DecodeSession(target, proposer, trees=trees, reprobe=reprobe, log=log, probe=lambda s: probe(s))

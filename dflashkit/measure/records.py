@@ -1,12 +1,11 @@
-"""The per-request records (dflashkit/report/requests.py) of bench's runs and generate's answers: one conversion
-for our loops, transformers' loops and the engine peers, so every source fills the same fields or says why not."""
+"""The per-request records (report/requests.py) of bench's runs and generate's answers, one conversion for all."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from dflashkit.decode.methods import PEER_METHODS, parse_method
-from dflashkit.report.requests import request_record
+from dflashkit.report.requests import add_margin, request_record
 
 TRANSFORMERS = ("prompt-lookup", "hf-generate", "transformers-dflash")  # transformers' own loops: timed end to end
 END_TO_END = "timed end to end by transformers' generate: no draft/verify split"
@@ -37,8 +36,7 @@ def run_record(run: dict, index: int, target: dict, dtype: str | None) -> dict:
 
 
 def _engine_record(run: dict, index: int, common: dict) -> dict:
-    """An engine peer's run: its own counters (llama.cpp's server timings, vLLM's spec-decode metrics) and this
-    process's end-to-end time; what the engine does not report is null, and `missing` names why."""
+    """An engine peer's run: its own counters and our end-to-end time; `missing` names why a field is null."""
     label, counts, t = run["method"], run.get("engine") or {}, run["times"]
     engine, speculative = label.removesuffix("-dflash"), label.endswith("-dflash")
     missing = {"tokens_per_round": f"{engine} reports totals per request, not rounds",
@@ -82,9 +80,8 @@ def plain_row(rows: dict, engine: str = "hf", default: str | None = None) -> str
 
 
 def baseline_of(label: str, rows: dict) -> str | None:
-    """The plain decoding a row is held to: an engine's -dflash its own plain decoding, a plain engine our ar; our
-    methods plain decoding on their own backend; plain decoding on a second backend the reference backend's (hf);
-    None for the reference itself."""
+    """The plain decoding a row is held to: an engine's own, our ar for a plain engine, plain decoding on its own
+    backend for ours, hf's for plain decoding on another backend; None for the reference itself."""
     if label in PEER_METHODS:
         return label.removesuffix("-dflash") if label.endswith("-dflash") else "ar"
     method, engine = rows.get(label, (label, "hf"))
@@ -95,11 +92,9 @@ def baseline_of(label: str, rows: dict) -> str | None:
 
 
 def bench_parity(target, records: list[dict], rows: dict) -> dict:
-    """Every row against its plain baseline (baseline_of), prompt by prompt: equal or the first divergence, the text
-    there and the target's top-2 margin at it on the baseline's tokens (recorded into the baseline's record, as
-    `parity` reads it). Returns {label: parity with its "against"}."""
-    from dflashkit.report.parity import first_divergence, parity, top2_at
-    from dflashkit.report.requests import add_margin
+    """Every row against its plain baseline (baseline_of), prompt by prompt, with the target's top-2 margin at a
+    divergence recorded into the baseline's record. Returns {label: parity with its "against"}."""
+    from dflashkit.report.parity import first_divergence, parity, top2_at  # looked up now: a test spies on top2_at
 
     by = {(r["prompt"], r["method"]): r for r in records}
     out = {}
