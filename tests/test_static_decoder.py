@@ -5,6 +5,8 @@ tests run the same step eagerly (compiling costs a minute)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -556,3 +558,23 @@ def test_a_static_bench_shows_static_s_cost_and_times_no_hf_forward(tiny_targets
     widths = res["cost"]["ns"]
     assert res["cost"]["backend"] == "static" and widths == sorted(widths) and widths[0] == 1 and len(widths) > 2
     assert "## Cost of one target forward (static backend)" in bench.bench_markdown(res)
+
+
+def test_the_drafter_compiled_with_the_decoder_drafts_in_its_session_only(tiny_targets):
+    """Issue 70: decoder_for compiled the shared proposer's drafter, so hf rows of a run that touched static drafted
+    compiled too. The compiled call is the decoder's: the proposer drafts through it in a static session alone, and
+    only when it is the same drafter's."""
+    from dflashkit.decode.session import Timer
+    from dflashkit.decode.speculative import DFlashProposer
+    from helpers import drafter_and_prompts
+
+    t, d, _ = drafter_and_prompts(tiny_targets["llama"])
+    proposer, other = DFlashProposer(t, d), DFlashProposer(t, copy.deepcopy(d))
+    dec = StaticDecoder(t, 64, compile=False)
+    compiled = lambda *a, **k: None  # noqa: E731 (stands for the compiled call)
+    dec.drafter_call = (d, compiled)
+    with StaticBackend(dec, proposer).session(Timer(t.device)):
+        assert proposer.call is compiled
+    assert proposer.call is d
+    with StaticBackend(dec, other).session(Timer(t.device)):
+        assert other.call is other.drafter  # another drafter of the same shape keeps its own

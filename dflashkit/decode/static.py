@@ -482,6 +482,7 @@ class StaticDecoder:
                                                         layer_ids=f, formats=self.formats)
                       for w, (k, f) in kinds.items()}
         self.compile_s, self.step_s = {}, {}  # seconds per width: the first call's; a step's median, by warm()
+        self.drafter_call = (None, None)  # (drafter, its compiled call), set by decoder_for
 
     def _check_room(self, pos: int, n: int) -> None:
         if pos + n > self.max_len:
@@ -639,7 +640,7 @@ def decoder_for(session, length: int, proposer=None, trees: bool = False) -> Sta
         d.warm()
         t0 = time.perf_counter()
         if hasattr(proposer, "compiled"):  # a test's oracle proposer has no drafter to compile
-            proposer.compiled()
+            d.drafter_call = (proposer.drafter, proposer.compiled())  # this backend's, run in its session
         log(f"compiled in {sum(d.compile_s.values()) + time.perf_counter() - t0:.0f} s")
     return d
 
@@ -669,8 +670,9 @@ class StaticBackend:
     def session(self, timer):
         stack = contextlib.ExitStack()
         stack.enter_context(collector_paused())
-        if hasattr(self.proposer, "compiled"):
-            stack.enter_context(self.proposer.calling(self.proposer.compiled()))
+        drafter, call = self.d.drafter_call
+        if call is not None and getattr(self.proposer, "drafter", None) is drafter:  # compiled with the decoder
+            stack.enter_context(self.proposer.calling(call))
         return stack
 
     def verified_tokens(self, tree) -> int:
