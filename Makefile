@@ -40,9 +40,10 @@ test: $(STAMP)
 	$(BIN)/dflashkit target prepare smollm2-135m >/dev/null
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "not engines and not e2e" $(PYTEST_ARGS)
 
-# The end-to-end tests (marked e2e): the static program and the drafter compiled by inductor (what users run, held
-# to the eager steps and to hf), the demo pipeline, the built wheel in a fresh venv, torchrun: about 4 min on 2 cores
-# without inductor's cache, so apart from `make test` (under 3 min on a 2-core float32-only CPU); CI runs both.
+# The end-to-end tests (marked e2e): the real SmolLM2 target, the static program and the drafter compiled by inductor
+# (what users run, held to the eager steps and to hf), the demo pipeline, the built wheel in a fresh venv, torchrun:
+# about 4 min on 2 cores without inductor's cache, so apart from `make test` (under 3 min on a 2-core float32-only
+# CPU); CI runs both.
 test-e2e: $(STAMP)
 	$(BIN)/dflashkit target prepare smollm2-135m >/dev/null
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "e2e and not engines" $(PYTEST_ARGS)

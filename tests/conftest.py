@@ -123,25 +123,38 @@ def one_thread():
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Every test of the real SmolLM2 target runs on one xdist worker (`--dist loadgroup`): loaded once, not twice.
+    """Every test of the real SmolLM2 target is end to end (`make test-e2e`) and runs on one xdist worker (`--dist
+    loadgroup`): loaded once, not twice.
     xdist deals out the groups first (most tests first), then single tests in collection order: the tests marked
     slow (up to 15 s each) go first, so that none starts last and leaves the other worker idle until it ends."""
     for item in items:
         if "smollm2" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group(name="smollm2"))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: collection order otherwise
+        if "smollm2" in item.fixturenames or item.name.startswith("test_smollm2"):  # the real target: `make test-e2e`
+            item.add_marker(pytest.mark.e2e)
+    # then the tests of the other levels' builds last, which the background build makes while the rest run
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, other_build(item)))  # stable otherwise
+
+
+def other_build(item) -> bool:
+    """Whether a test runs kernels of a level other than the chosen one (or v3 with Zen's tuning planted)."""
+    values = str(getattr(getattr(item, "callspec", None), "params", {}))
+    return any(name in values for name in ("'portable'", "'v4'", "'znver3'"))
 
 
 # Every ISA level's kernels (and v3 with Zen's tuning planted, tests/test_static_decoder.py) built once, one after
 # another, by one process beside the workers: without it both workers met the same missing library at once, and
 # one built it while the other waited (7 s a level on 2 cores). A library already built is only checked.
 BUILD_LEVELS = """
-import sys
+import os, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 from dflashkit import levels
+levels.choose(os.environ.get("DFLASHKIT_ISA") or None)
 from dflashkit.decode import native
-for level in levels.runnable():
+from helpers import exercised_levels
+for level in sorted(exercised_levels(), key=lambda lv: lv != levels.chosen()):  # the chosen level first
     native.ensure_built(level)
-if levels.runs_here("v3"):
+if "v3" in exercised_levels():
     native.ensure_built("v3", "znver3")
 """
 
@@ -152,7 +165,7 @@ def pytest_configure(config):
 
     if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
         return
-    config._dflashkit_builds = subprocess.Popen([sys.executable, "-c", BUILD_LEVELS])
+    config._dflashkit_builds = subprocess.Popen([sys.executable, "-c", BUILD_LEVELS], cwd=str(config.rootpath))
 
 
 def pytest_unconfigure(config):

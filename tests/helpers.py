@@ -176,3 +176,13 @@ def drafter_and_prompts(t, texts=ENGINE_TEXTS):
     torch.manual_seed(0)
     d = new_drafter(t, num_layers=1, target_layer_ids=[1, 3], block_size=4).eval()
     return t, d, [(x, t.chat_ids([{"role": "user", "content": x}])) for x in texts]
+
+
+def exercised_levels() -> list[str]:
+    """The ISA levels the suite exercises: every one this CPU runs, up to the one asked for, so that `make test
+    ISA=v3` runs as a float32-only CPU does (it has no v4); v3 built with Zen 1-3's tuning planted joins them
+    wherever v3 is one (tests/test_static_decoder.py)."""
+    from dflashkit import levels
+
+    here = levels.runnable()
+    return here[: here.index(levels.chosen()) + 1] if levels.chosen() in here else here

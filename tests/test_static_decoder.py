@@ -17,11 +17,10 @@ from dflashkit.decode import native, static
 from dflashkit.decode.static import (StaticDecoder, attend_mm, attend_native, attend_reduce, StaticBackend,
                                      linear_native, linear_reduce, linear_tiles, panel_order,
                                      tile_order)
-from dflashkit import levels
 from dflashkit.errors import DFlashError
 from tiny_targets import make_tiny_target
 from dflashkit.targets.model import load_target
-from helpers import eager_decoders
+from helpers import eager_decoders, exercised_levels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 AMX = native.tiles_run_here()
@@ -29,8 +28,8 @@ needs_amx = pytest.mark.skipif(not AMX, reason="the tile kernels need a CPU with
 # Every ISA level this machine runs (v3 and portable on any x86-64, v4 with AVX-512), and v3 built with Zen 1-3's
 # tuning planted (GCC's avoid-fma-max-bits: single-chain loops left unfused where fusion is merely allowed): the
 # exactness tests hold on each, so a green run here is green on the CPUs of those levels
-BUILDS = [pytest.param((lv, None), id=lv) for lv in levels.runnable()] + \
-    ([pytest.param(("v3", "znver3"), id="v3-znver3")] if levels.runs_here("v3") else [])
+BUILDS = [pytest.param((lv, None), id=lv) for lv in exercised_levels()] + \
+    ([pytest.param(("v3", "znver3"), id="v3-znver3")] if "v3" in exercised_levels() else [])
 
 
 def prompt(t):

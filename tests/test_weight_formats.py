@@ -12,7 +12,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
 
-from dflashkit import levels
 from dflashkit.decode import native
 from dflashkit.decode.speculative import generate_ar, generate_tree
 from dflashkit.decode.static import StaticBackend, StaticDecoder, panel_order, quant_order
@@ -20,9 +19,10 @@ from dflashkit.errors import DFlashError
 from dflashkit.targets import formats
 from dflashkit.targets.model import load_target
 from dflashkit.targets.registry import MARKER
+from helpers import exercised_levels
 
-BUILDS = [pytest.param((lv, None), id=lv) for lv in levels.runnable()] + \
-    ([pytest.param(("v3", "znver3"), id="v3-znver3")] if levels.runs_here("v3") else [])
+BUILDS = [pytest.param((lv, None), id=lv) for lv in exercised_levels()] + \
+    ([pytest.param(("v3", "znver3"), id="v3-znver3")] if "v3" in exercised_levels() else [])
 CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 
 
