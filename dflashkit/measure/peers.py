@@ -88,7 +88,7 @@ class EnginePeer:
         self._stack.__exit__(*exc)
 
     def one(self, ids: list[int]) -> Generation:
-        """One turn: the engine's answer timed end to end (prompt time apart where told); acceptance summed per turn."""
+        """One turn: the engine's answer, timed end to end (prompt time apart where reported); acceptance summed."""
         a = self.engine.complete(ids, self.max_new_tokens, self.stops)
         for k in self.counts:
             self.counts[k] += getattr(a, k)

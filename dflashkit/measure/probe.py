@@ -98,7 +98,7 @@ def _tree_jiffies() -> int:
 
 def measured_load(start: tuple, threads: int) -> dict:
     """`others`: the CPUs other processes kept busy since `start` (the load average counts our own earlier work too).
-    Loaded: they took CPUs our `threads` needed; its answer serves this run, cached marked so, measured again next."""
+    Loaded: they took CPUs our `threads` needed; such an answer serves the run, is cached marked so, measured again."""
     (load0, (b0, t0), j0), cpus = start, len(usable_cpus())
     (b1, t1), j1 = cpu_times(usable_cpus()), _tree_jiffies()
     others = max(0.0, cpus * (b1 - b0 - (j1 - j0)) / (t1 - t0) if t1 > t0 else load0)
