@@ -26,17 +26,14 @@ class NgramLookup:
 
     def propose_all(self, k: int | None = None) -> list[tuple[list[int], int]]:
         """Up to k distinct (continuation, matched suffix length), longest match first, then the most recent."""
-        k = k or self.branches
-        out, seen = [], set()
+        k, out = k or self.branches, {}  # continuation -> (it, matched length), the first found kept
         for n in range(min(self.max_ngram, len(self.tokens)), 0, -1):
             for end in reversed(self.index.get(tuple(self.tokens[-n:]), ())):
                 cont = self.tokens[end + 1 : end + 1 + self.max_tokens]
-                if tuple(cont) not in seen:
-                    seen.add(tuple(cont))
-                    out.append((cont, n))
-                    if len(out) == k:
-                        return out
-        return out
+                out.setdefault(tuple(cont), (cont, n))
+                if len(out) == k:
+                    return list(out.values())
+        return list(out.values())
 
     def probs(self, match: int, length: int) -> list[float]:
         """Estimated chance that the proposal's first 1..length tokens are all accepted."""

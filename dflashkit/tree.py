@@ -38,17 +38,15 @@ class Tree:
     def children(self) -> list[dict[int, int]]:
         """Per node, token -> child index; cached because the verify walk needs it per step."""
         if self._children is None:
-            kids: list[dict[int, int]] = [{} for _ in range(len(self))]
+            self._children = [{} for _ in range(len(self))]
             for i, (t, p) in enumerate(zip(self.tokens.tolist(), self.parents.tolist())):
                 if p >= 0:
-                    kids[p][t] = i
-            self._children = kids
+                    self._children[p][t] = i
         return self._children
 
     def ancestor_mask(self) -> Tensor:
         """[n, n] bool verify mask: node i sees node j iff j is i or one of its ancestors (root included)."""
-        n = len(self)
-        mask = torch.eye(n, dtype=torch.bool)
+        mask = torch.eye(len(self), dtype=torch.bool)
         for i, p in enumerate(self.parents.tolist()):
             if p >= 0:  # parents come first, so their row is already complete
                 mask[i] |= mask[p]
@@ -78,19 +76,14 @@ def walk(tree: Tree, choice: Sequence[int]) -> list[int]:
 
 def add_branch(tree: Tree, branch: Sequence[int], log_prob: float = 0.0) -> tuple[Tree, list[int]]:
     """The tree plus a root path `branch`, merged where it shares a prefix, and the branch's node indices."""
-    tokens, depths, parents, lps = (t.tolist() for t in (tree.tokens, tree.depths, tree.parents, tree.log_probs))
-    kids = [dict(k) for k in tree.children()]
-    node, nodes = 0, []
-    for tok in branch:
-        child = kids[node].get(int(tok))
-        if child is None:
-            child = len(tokens)
-            tokens.append(int(tok)), depths.append(depths[node] + 1), parents.append(node), lps.append(log_prob)
-            kids[node][int(tok)] = child
-            kids.append({})
-        nodes.append(child)
-        node = child
-    return Tree.of(tokens, depths, parents, lps), nodes
+    branch = [int(t) for t in branch]
+    shared = accepted_path(tree, branch)  # the nodes the tree holds already; the rest hangs below as a new chain
+    top, n, new = (shared or [0])[-1], len(tree), branch[len(shared):]
+    depth = int(tree.depths[top])
+    grown = Tree.of(tree.tokens.tolist() + new, tree.depths.tolist() + list(range(depth + 1, depth + 1 + len(new))),
+                    tree.parents.tolist() + [top if i == n else i - 1 for i in range(n, n + len(new))],
+                    tree.log_probs.tolist() + [log_prob] * len(new))
+    return grown, shared + list(range(n, n + len(new)))
 
 
 def subtree(tree: Tree, keep: Sequence[int]) -> Tree:
@@ -136,13 +129,8 @@ def best_cut(gains: Sequence[float], tokens: Sequence[int], cost, fixed: float =
 def prune_by_cost(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, path_cost=None) -> Tree:
     """The cut that maximizes (1 + kept probabilities) / (fixed + cost(nodes + 1)), or + path_cost(leaves x (depth
     + 1)) for a batch row per root-to-leaf path: exact for the flat cost, greedy for paths (docs/design.md section 5)."""
-    return subtree(tree, best_nodes(tree, probs, cost, fixed, path_cost))
-
-
-def best_nodes(tree: Tree, probs: Sequence[float], cost, fixed: float = 0.0, path_cost=None) -> list[int]:
-    """The nodes prune_by_cost keeps (root excluded)."""
     order, gains, tokens = cut_candidates(tree, probs)
-    return order[:best_cut(gains, tokens, cost, fixed, path_cost)]
+    return subtree(tree, order[:best_cut(gains, tokens, cost, fixed, path_cost)])
 
 
 def draft_tree(logits: Tensor, budget: int, anchor: Tensor, to_tokens) -> Tree:
@@ -169,13 +157,12 @@ def build_tree(logits: Tensor, budget: int, root_token: int = -1) -> Tree:
         raise ValueError(f"build_tree expects logits [L, V], got shape {tuple(logits.shape)}")
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    return build_tree_topk(*top_logprobs(logits, min(budget, logits.shape[1])), budget, root_token)
+    lp, idx = (t.tolist() for t in top_logprobs(logits, min(budget, logits.shape[1])))
+    return build_tree_topk(lp, idx, budget, root_token)
 
 
-def build_tree_topk(logprobs, token_ids, budget: int, root_token: int = -1) -> Tree:
-    """build_tree from each position's top-k log-probs and ids ([L, k], descending): one top-k serves many budgets."""
-    lp = logprobs.tolist() if isinstance(logprobs, Tensor) else logprobs
-    idx = token_ids.tolist() if isinstance(token_ids, Tensor) else token_ids
+def build_tree_topk(lp: list, idx: list, budget: int, root_token: int = -1) -> Tree:
+    """build_tree from each position's top-k log-probs and ids (lists [L][k], descending): one top-k, many budgets."""
     L = len(lp)
     rows = [(root_token, 0, -1, 0.0)]  # (token, depth, parent, score) per node
     if budget > 0 and L > 0:
@@ -216,14 +203,11 @@ def width_streak(logits: Tensor, labels: Tensor, k: int) -> Tensor:
 
 def topk_paths(logits: Tensor, k: int) -> list[tuple[list[int], float]]:
     """The k most probable complete drafts with log-probs, best first (beam search is exact for a product distribution)."""
-    L, V = logits.shape
-    kk = min(k, V)
-    lp, idx = (t.tolist() for t in top_logprobs(logits, kk))
+    kk = min(k, logits.shape[1])
     beams: list[tuple[float, list[int]]] = [(0.0, [])]
-    for pos in range(L):
-        cand = [(s + lp[pos][r], toks + [idx[pos][r]]) for s, toks in beams for r in range(kk)]
-        cand.sort(key=lambda c: -c[0])  # stable: ties keep beam-then-rank order
-        beams = cand[:k]
+    for lp, idx in zip(*(t.tolist() for t in top_logprobs(logits, kk))):  # per position
+        cand = [(s + lp[r], toks + [idx[r]]) for s, toks in beams for r in range(kk)]
+        beams = sorted(cand, key=lambda c: -c[0])[:k]  # stable: ties keep beam-then-rank order
     return [(toks, s) for s, toks in beams]
 
 
@@ -234,17 +218,15 @@ def paths_streak(logits: Tensor, labels: Tensor, k: int) -> int:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Where two token sequences first differ (their common prefix's length)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def parse_tree_spec(spec: str) -> tuple[str, int]:
     """'budget:8' | 'paths:4' | 'width:4' | 'selector:8' (DFlash2's CandidateSelector.tree) | '8' -> (family, K >= 1)."""
-    allowed = ("expected 'budget:N', 'paths:N', 'width:N', 'selector:N' (DFlash2) or a bare 'N' (= budget:N), "
-               "with integer N >= 1")
     m = re.fullmatch(r"(?:(budget|paths|width|selector):)?([0-9]+)", str(spec).strip())
     if m is None or int(m.group(2)) < 1:
-        raise ValueError(f"bad tree spec {spec!r}: {allowed}")
+        raise ValueError(f"bad tree spec {spec!r}: expected 'budget:N', 'paths:N', 'width:N', 'selector:N' (DFlash2) "
+                         "or a bare 'N' (= budget:N), with integer N >= 1")
     return m.group(1) or "budget", int(m.group(2))
 
 
@@ -311,7 +293,7 @@ class TreeDrafts:
             tree = (self.drafter.tree(logits, self.budget, bonus) if hasattr(self.drafter, "tree")
                     else draft_tree(logits, self.budget, bonus, self.drafter.to_tokens))
         else:
-            tree = Tree(bonus.cpu(), torch.zeros(1, dtype=torch.long), torch.tensor([-1]), torch.zeros(1))
+            tree = Tree.chain(bonus)  # the root alone
         probs = tree.log_probs.double().exp().tolist()
         for cont, _, qs in found:
             tree, nodes = add_branch(tree, cont, log_prob=float("-inf"))
@@ -320,8 +302,8 @@ class TreeDrafts:
                 probs[node] = 1 - (1 - probs[node]) * (1 - q)  # independent proposers agreeing on a token
         self.branches = [(cont, match) for cont, match, _ in found]
         if self.cost is not None:  # the cut, on probabilities scaled by what the drafter's promises achieved
-            kept = best_nodes(tree, self.calibrated(tree, probs) if self.gated else probs, self.cost,
-                              self.fixed + self.drafted * self.t_draft, self.path_cost)
+            order, gains, tokens = cut_candidates(tree, self.calibrated(tree, probs) if self.gated else probs)
+            kept = order[:best_cut(gains, tokens, self.cost, self.fixed + self.drafted * self.t_draft, self.path_cost)]
             depths = tree.depths.tolist()
             self.promised = [min(1.0, sum(probs[i] for i in kept if depths[i] == d)) for d in range(1, 1 + max(
                 (depths[i] for i in kept), default=0))] if self.gated else []
@@ -340,19 +322,14 @@ class TreeDrafts:
         """Draft unless what the drafter adds at this n-gram confidence does not pay for its forward (retried idle)."""
         if not self.gated:
             return True
-        q1 = max((qs[0] for _, _, qs in found), default=0.0)
-        self.bucket = 0 if not found else 1 + int(4 * q1)
+        self.bucket = 0 if not found else 1 + int(4 * max(qs[0] for _, _, qs in found))  # by the surest first token
         stat = self.added.setdefault(self.bucket, [*ADDED_PRIOR, 0, RETRY])
         total, weight, idle, wait = stat
         if not self.t_draft:
             return True
-        gain, n = 1.0, 1  # expected tokens and verified tokens of the best n-gram prefix (root included)
-        for _, _, qs in found:
-            g = 1.0
-            for depth, q in enumerate(qs, start=1):
-                g += q
-                if g / (self.fixed + self.cost(depth + 1)) > gain / (self.fixed + self.cost(n)):
-                    gain, n = g, depth + 1
+        # expected and verified tokens (root included) of each n-gram prefix; the best by tokens per second
+        prefixes = [(g, n) for _, _, qs in found for n, g in enumerate(itertools.accumulate(qs, initial=1.0), start=1)]
+        gain, n = max([(1.0, 1), *prefixes], key=lambda p: p[0] / (self.fixed + self.cost(p[1])))
         without = gain / (self.fixed + self.cost(n))
         with_ = (gain + total / weight) / (self.fixed + self.t_draft + self.cost(n + 4))
         if with_ > without:
@@ -372,10 +349,8 @@ class TreeDrafts:
                 self.ngram.observe(match, len(cont), depth)
                 best = max(best, depth)
         table = self.calibration[self.drafted]
-        for d, promised in enumerate(self.promised, start=1):  # the round's promises against the target
-            if len(table) < d:
-                table.append([0.0, 0.0])
-            c = table[d - 1]
+        table += [[0.0, 0.0] for _ in range(len(self.promised) - len(table))]
+        for d, (c, promised) in enumerate(zip(table, self.promised), start=1):  # promised against accepted
             c[:] = [CALIBRATION_DECAY * c[0] + (len(new) >= d), CALIBRATION_DECAY * c[1] + promised]
         self.promised = []
         if self.gated and self.bucket in self.added:

@@ -96,9 +96,8 @@ def cmd_ls(args) -> int:
     from dflashkit.cache.store import cache_size, find_caches, read_manifest
     from dflashkit.errors import DFlashError
 
-    for d in args.dirs:
-        if not Path(d).is_dir():
-            raise DFlashError(f"{d}: no such folder")
+    if missing := [d for d in args.dirs if not Path(d).is_dir()]:
+        raise DFlashError(f"{missing[0]}: no such folder")
     found = find_caches(args.dirs)
     for path in found:
         try:
@@ -179,10 +178,7 @@ def cmd_diff(args) -> int:
     r = diff_caches(args.a, args.b, min_cosine=args.min_cosine, progress=True)
     text = format_diff(r)
     result = {**r, "layers": {str(k): v for k, v in r["layers"].items()}}
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(text, end="")
+    print(json.dumps(result, indent=2) + "\n" if args.json else text, end="")
     if args.out:
         write_json(args.out, result)
     if args.md_out:

@@ -15,13 +15,6 @@ SETTINGS_SHOWN = ("dtype", "device", "attention", "linear_attention", "max_new_t
                   "target_config_hash", "layer_ids")
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
-    p = common_prefix(a.tolist(), b.tolist())
-    if p < min(len(a), len(b)):
-        return f"token sequences differ from position {p} ({int(a[p])} vs {int(b[p])})"
-    return f"token sequences differ in length ({len(a)} vs {len(b)} tokens)"
-
-
 def layer_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
     """Sums and extremes, in float64, of per-token cosine and element-wise |a-b| for a, b [T, H] of the same tokens."""
     a, b = a.double(), b.double()
@@ -48,11 +41,13 @@ def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -
                     leave=False):
         ra, rb = ca.record(pid), cb.record(pid)
         if not torch.equal(ra.tokens, rb.tokens):
-            skipped[pid] = _first_difference(ra.tokens, rb.tokens)
+            ta, tb = ra.tokens.tolist(), rb.tokens.tolist()
+            p = common_prefix(ta, tb)
+            skipped[pid] = (f"token sequences differ from position {p} ({ta[p]} vs {tb[p]})" if p < min(len(ta), len(tb))
+                            else f"token sequences differ in length ({len(ta)} vs {len(tb)} tokens)")
             continue
-        fa, fb = ra.features(layers), rb.features(layers)
-        for k, l in enumerate(layers):
-            stats[l].append(layer_stats(fa[:, k * H:(k + 1) * H], fb[:, k * H:(k + 1) * H]))
+        for l, fa, fb in zip(layers, ra.features(layers).split(H, dim=-1), rb.features(layers).split(H, dim=-1)):
+            stats[l].append(layer_stats(fa, fb))
         compared.append(pid)
     if not compared:
         why = "; ".join(f"{p}: {r}" for p, r in list(skipped.items())[:5]) or "no prompt id in common"
@@ -73,7 +68,6 @@ def diff_caches(a, b, min_cosine: float | None = None, progress: bool = False) -
 
 
 def format_diff(r: dict) -> str:
-    """Markdown report of diff_caches' result."""
     differ = "; ".join(f"{k} {va!r} vs {vb!r}" for k, (va, vb) in r["settings_differ"].items())
     ntok = next(iter(r["layers"].values()))["tokens"]
     lines = [f"# cache diff: {r['a']} vs {r['b']}", "", f"settings that differ: {differ or 'none recorded'}",
@@ -82,9 +76,8 @@ def format_diff(r: dict) -> str:
         if ids:
             body = "; ".join(f"{p} ({why})" for p, why in ids.items()) if isinstance(ids, dict) else ", ".join(ids)
             lines.append(f"{label} ({len(ids)}): {body}")
-    for label, ls in (("layers only in A", r["layers_only_in_a"]), ("layers only in B", r["layers_only_in_b"])):
-        if ls:
-            lines.append(f"{label}: {ls}")
+    lines += [f"{label}: {ls}" for label, ls in (("layers only in A", r["layers_only_in_a"]),
+                                                 ("layers only in B", r["layers_only_in_b"])) if ls]
     rows = [[l, f"{s['cos_mean']:.6f}", f"{s['cos_min']:.6f}", f"{s['mean_abs']:.3e}", f"{s['max_abs']:.3e}",
              f"{s['rel_err']:.3e}"] for l, s in r["layers"].items()]
     lines += ["", markdown_table(["layer", "cos mean", "cos min", "mean |a-b|", "max |a-b|", "rel err"], rows),

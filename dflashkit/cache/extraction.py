@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -145,9 +146,8 @@ def _start_or_resume(out: Path, settings: dict, fresh: dict, d: Dist) -> str:
             if (out / MANIFEST).is_file():
                 manifest = store.read_manifest(out)
                 old = manifest.get("settings", {})
-                diffs = [f"{k} {settings[k]!r} now vs {old.get(k)!r} in the cache"
-                         for k in settings if old.get(k) != settings[k]]
-                if diffs:
+                if diffs := [f"{k} {settings[k]!r} now vs {old.get(k)!r} in the cache"
+                             for k in settings if old.get(k) != settings[k]]:
                     raise DFlashError(f"{out / MANIFEST}: this cache was extracted with different settings "
                                       f"({'; '.join(diffs)}); mixing them would make one cache hold two kinds of "
                                       "features: choose a new --out folder, or rerun with the cache's settings")
@@ -172,10 +172,9 @@ def _find_done(run: _Run, layer_ids, hidden: int) -> None:
         f, p = run.out / record_name(i, run.pids[i], run.sharded), run.prompts[i]
         if not f.is_file():
             continue
-        try:
+        head = None
+        with suppress(DFlashError):  # read_header turns any unreadable file into a DFlashError
             head = read_header(f, layer_ids, hidden, tokens=True)
-        except DFlashError:  # read_header turns any unreadable file into a DFlashError
-            head = None
         if head is None or head["id"] != run.pids[i] or head["prompt_len"] != len(p) or head["tokens"][:len(p)] != p:
             f.unlink()
             continue
@@ -185,16 +184,20 @@ def _find_done(run: _Run, layer_ids, hidden: int) -> None:
 
 def _find_completions(run: _Run, reused: dict, completions_from) -> None:
     """Completions from earlier runs' logs or --completions-from, for the same prompt tokens (required for the latter)."""
-    known = _read_logs(run.out)
+    known = {}
+    for f in sorted(run.out.glob(LOG_GLOB)):  # persisted by earlier (possibly killed) runs; a torn last line is ignored
+        for line in f.read_text().splitlines():
+            with suppress(json.JSONDecodeError, KeyError, TypeError):
+                rec = json.loads(line)
+                known[rec["id"]] = rec
     for i in run.mine:
         rec = known.get(run.pids[i]) or reused.get(run.pids[i])
         if i not in run.completions and rec is not None and rec["prompt_ids"] == run.prompts[i]:
             run.completions[i] = list(rec["completion_ids"])
-    if completions_from is not None:
-        lost = [run.pids[i] for i in run.mine if i not in run.completions and i not in run.sampled]
-        if lost:
-            raise DFlashError(f"--completions-from {completions_from}: no completion with the same prompt tokens for "
-                              f"{len(lost)} prompts ({', '.join(lost[:5])}); use a cache of the same suite and target")
+    lost = [run.pids[i] for i in run.mine if i not in run.completions and i not in run.sampled]
+    if completions_from is not None and lost:
+        raise DFlashError(f"--completions-from {completions_from}: no completion with the same prompt tokens for "
+                          f"{len(lost)} prompts ({', '.join(lost[:5])}); use a cache of the same suite and target")
 
 
 def _generate_missing(run: _Run, target, layer_ids, max_new_tokens: int, batch_size: int, log: Path, show: bool,
@@ -318,19 +321,6 @@ def _manifest(target, suite, settings: dict, requested_backend: str, batch_size:
     }
 
 
-def _read_logs(out: Path) -> dict[str, dict]:
-    """Completions persisted by earlier (possibly killed) runs; a torn last line is ignored."""
-    known = {}
-    for f in sorted(out.glob(LOG_GLOB)):
-        for line in f.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-                known[rec["id"]] = rec
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-    return known
-
-
 def _completions_from(path, target, prompt_ids: list[str]) -> tuple[dict, str]:
     """Completions of another cache (compare backends on identical tokens) or of a sequences JSONL, and their source."""
     if Path(path).is_file():
@@ -379,9 +369,8 @@ def _write_record(file: Path, tokens: list[int], prompt_len: int, pid: str, feat
 def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: int):
     """Consecutive groups of length-sorted items: at most batch_size items and max_tokens padded tokens."""
     batch: list[int] = []
-    for i in order:
-        width = max([lengths[j] for j in batch] + [lengths[i]])
-        if batch and (len(batch) >= batch_size or width * (len(batch) + 1) > max_tokens):
+    for i in order:  # the widest so far is the newest
+        if batch and (len(batch) >= batch_size or lengths[i] * (len(batch) + 1) > max_tokens):
             yield batch
             batch = []
         batch.append(i)

@@ -8,24 +8,19 @@ import os
 from functools import partial
 from pathlib import Path
 
+from tqdm import tqdm
+
 from dflashkit.errors import DFlashError
+from dflashkit.prompts import PromptSuite, load_prompts
+from dflashkit.targets.generation import iter_generate_greedy
+from dflashkit.targets.model import identity_mismatch
 
 FORMAT = "dflashkit-sequences/1"
 
 
 def same_target(a: dict | None, b: dict | None) -> bool:
     """Both identities are known and match (target.model.identity_mismatch), wherever the folder lives."""
-    from dflashkit.targets.model import identity_mismatch
-
     return a is not None and b is not None and not identity_mismatch(a, b)
-
-
-def _repair_tail(path: Path) -> None:
-    """Drop a half-written last line (a run killed mid-append); complete lines stay."""
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
 
 
 def read_sequences(path) -> tuple[dict, list[dict]]:
@@ -50,9 +45,8 @@ def read_sequences(path) -> tuple[dict, list[dict]]:
                                       f"format {FORMAT!r}); write it with `dflashkit data generate`")
                 header = obj
                 continue
-            for key in ("id", "prompt_ids", "completion_ids"):
-                if key not in obj:
-                    raise DFlashError(f"{path}:{lineno}: record lacks {key!r}; each line needs id, prompt_ids, completion_ids")
+            if lost := [k for k in ("id", "prompt_ids", "completion_ids") if k not in obj]:
+                raise DFlashError(f"{path}:{lineno}: record lacks {lost[0]!r}; each line needs id, prompt_ids, completion_ids")
             records.append(obj)
     if header is None:
         raise DFlashError(f"{path}: empty sequences file; write it with `dflashkit data generate`")
@@ -84,11 +78,6 @@ def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_si
                        answered_by=None) -> Path:
     """Greedy responses to every user turn of a suite, each after the target's own earlier answers, appended batch by
     batch (a rerun skips the turns done); `answered_by`: (name, answer) of another backend (measure/peers)."""
-    from tqdm import tqdm
-
-    from dflashkit.prompts import PromptSuite, load_prompts
-    from dflashkit.targets.generation import iter_generate_greedy
-
     try:
         suite = prompts if isinstance(prompts, PromptSuite) else load_prompts(prompts)
     except ValueError as e:
@@ -111,8 +100,7 @@ def generate_sequences(target, prompts, out, max_new_tokens: int = 256, batch_si
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pending))
             f.flush()
             os.fsync(f.fileno())
-        for r in pending:
-            done[r["id"]] = r
+        done.update((r["id"], r) for r in pending)
         bar.update(len(pending))
         pending.clear()
 
@@ -142,7 +130,10 @@ def _start_or_resume(out: Path, header: dict, target) -> dict[str, dict]:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(header) + "\n")
         return {}
-    _repair_tail(out)
+    data = out.read_bytes()
+    if not data.endswith(b"\n"):  # a run killed mid-append: drop its half-written last line
+        with open(out, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
     old, records = read_sequences(out)
     for key in ("prompts_hash", "max_new_tokens", "enable_thinking", "responses", "engine"):
         was = old.get(key, {"responses": "target", "engine": "hf"}.get(key))  # files from before the flag

@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import suppress
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -67,23 +68,19 @@ def read_header(file: Path, layer_ids, hidden_size: int, tokens: bool = False) -
     """Open one prompt file and check its tensors' names and shapes; returns its metadata and length (and tokens)."""
     try:
         with safe_open(str(file), framework="pt") as f:
-            meta = f.metadata() or {}
-            keys = set(f.keys())
-            want = {"tokens"} | {f"layer_{l}" for l in layer_ids}
-            if not want <= keys:
-                raise DFlashError(f"{file}: missing tensors {sorted(want - keys)}; the file does not match the manifest's "
-                                  "layer ids: run `dflashkit cache verify` and re-extract")
-            T = f.get_slice("tokens").get_shape()[0]
-            for l in layer_ids:
-                shape = list(f.get_slice(f"layer_{l}").get_shape())
-                if shape != [T, hidden_size]:
-                    raise DFlashError(f"{file}: layer_{l} has shape {shape}, expected [{T}, {hidden_size}]")
-            toks = f.get_tensor("tokens").tolist() if tokens else None
-    except DFlashError:
-        raise
+            meta, shapes = f.metadata() or {}, {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+            toks = f.get_tensor("tokens").tolist() if tokens and "tokens" in shapes else None
     except Exception as e:  # safetensors raises several types for truncated or corrupt headers
         raise DFlashError(f"{file}: cannot read ({str(e).splitlines()[0]}); the file is truncated or corrupt: "
                           "run `dflashkit cache verify` and rerun the extraction to replace it") from e
+    want = {"tokens"} | {f"layer_{l}" for l in layer_ids}
+    if not want <= shapes.keys():
+        raise DFlashError(f"{file}: missing tensors {sorted(want - shapes.keys())}; the file does not match the manifest's "
+                          "layer ids: run `dflashkit cache verify` and re-extract")
+    T = shapes["tokens"][0]
+    for l in layer_ids:
+        if shapes[f"layer_{l}"] != [T, hidden_size]:
+            raise DFlashError(f"{file}: layer_{l} has shape {shapes[f'layer_{l}']}, expected [{T}, {hidden_size}]")
     return {"id": meta.get("prompt_id"), "prompt_len": int(meta.get("prompt_len", -1)), "num_tokens": int(T),
             "tokens": toks}
 
@@ -97,7 +94,7 @@ class CacheRecord:
         self.prompt_len: int = int(entry["prompt_len"])
         self.num_tokens: int = int(entry["num_tokens"])
         self.file: Path = cache.path / entry["file"]
-        self._cache, self._tokens = cache, None
+        self._cache = cache
 
     def _read(self, names: list[str]) -> list[torch.Tensor]:
         try:
@@ -114,12 +111,10 @@ class CacheRecord:
                               "run `dflashkit cache verify`")
         return out
 
-    @property
+    @cached_property
     def tokens(self) -> torch.Tensor:
         """LongTensor [T]: prompt ids followed by the target's greedy completion."""
-        if self._tokens is None:
-            self._tokens = self._read(["tokens"])[0].long()
-        return self._tokens
+        return self._read(["tokens"])[0].long()
 
     def features(self, layer_ids=None) -> torch.Tensor:
         """float32 [T, K*H]: row p holds the features of position p, layers concatenated in the given order."""
@@ -152,8 +147,7 @@ class Cache:
         self.prompt_ids: list[str] = [e["id"] for e in entries]
 
     def check_layers(self, layer_ids) -> None:
-        missing = [l for l in layer_ids if l not in self.layer_ids]
-        if missing:
+        if missing := [l for l in layer_ids if l not in self.layer_ids]:
             raise DFlashError(f"cache {self.path} holds target layers {self.layer_ids} but layers {missing} were "
                               f"asked for (requested {list(layer_ids)}); extract a cache with `--target-layers "
                               f"{','.join(map(str, layer_ids))}` or use a drafter trained on the cached layers")
@@ -181,13 +175,12 @@ def _list(ids, n: int = 5) -> str:
 
 def describe_nearby(path, target: dict) -> str:
     """Sibling caches in the parent folder, the most prompts first: where the right cache often is."""
-    path, found, siblings = Path(path), [], []
+    path, found = Path(path), []
     with suppress(OSError):
-        siblings = sorted(path.parent.iterdir())
-    for d in siblings:
-        if d.name != path.name and (d / MANIFEST).is_file():
-            with suppress(DFlashError):  # an unreadable one is no hint
-                found.append((d, read_manifest(d)))
+        for d in sorted(path.parent.iterdir()):
+            if d.name != path.name and (d / MANIFEST).is_file():
+                with suppress(DFlashError):  # an unreadable one is no hint
+                    found.append((d, read_manifest(d)))
     found.sort(key=lambda dm: -len(dm[1].get("prompts", [])) if dm[1].get("status") == "complete" else 1)
     parts = []
     for d, m in found[:5]:
@@ -282,14 +275,11 @@ def content_digest(path) -> str:
     """What a cache holds, not when it was written, so a rebuild of the same features digests the same; '' if unreadable."""
     path = Path(path)
     try:
-        m = {k: v for k, v in read_json(path / "manifest.json").items() if k not in ("created", "finished")}
-    except (OSError, DFlashError):
-        return ""
-    m["prompts"] = [{k: v for k, v in e.items() if k != "sha256"} for e in m.get("prompts", [])]
-    files = [f for f in sorted(path.rglob("*")) if f.is_file() and f.name != "manifest.json"]
-    try:
+        m = {k: v for k, v in read_json(path / MANIFEST).items() if k not in ("created", "finished")}
+        m["prompts"] = [{k: v for k, v in e.items() if k != "sha256"} for e in m.get("prompts", [])]
+        files = [f for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST]
         rows = [(str(f.relative_to(path)), record_digest(f) if f.suffix == ".safetensors" else sha256_file(f)) for f in files]
-    except (OSError, SafetensorError):  # a truncated or unreadable record: not what was built
+    except (OSError, DFlashError, SafetensorError):  # no manifest, or a truncated record: not what was built
         return ""
     return sha256_json([m, rows])
 
@@ -333,17 +323,14 @@ def verify_cache(path, progress: bool = False) -> tuple[list[str], dict]:
         problems.append(f"{cf}: missing; the manifest says the extraction finished")
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         problems.append(f"{cf}: unreadable ({e})")
-    listed, tokens = set(), 0
-    for e in tqdm(entries, desc="verify", unit="file", disable=not progress, leave=False):
-        listed.add((path / e["file"]).resolve())
-        tokens += _check_record(path, e, m, comps, complete, problems)
-    for f in sorted(path.rglob("*.safetensors")):
-        if f.resolve() not in listed:
-            problems.append(f"{f}: not listed in {path / MANIFEST}" + ("" if complete else " under the expected name"))
+    bar = tqdm(entries, desc="verify", unit="file", disable=not progress, leave=False)
+    tokens = sum(_check_record(path, e, m, comps, complete, problems) for e in bar)
+    listed = {(path / e["file"]).resolve() for e in entries}
+    problems += [f"{f}: not listed in {path / MANIFEST}" + ("" if complete else " under the expected name")
+                 for f in sorted(path.rglob("*.safetensors")) if f.resolve() not in listed]
     if complete and m.get("totals", {}).get("tokens") not in (None, tokens) and not any("missing" in p for p in problems):
         problems.append(f"{path / MANIFEST}: totals.tokens is {m['totals']['tokens']} but the files hold {tokens}")
-    summary = {"prompts": len(entries), "tokens": tokens, "complete": complete, "suite_prompts": len(suite_ids)}
-    return problems, summary
+    return problems, {"prompts": len(entries), "tokens": tokens, "complete": complete, "suite_prompts": len(suite_ids)}
 
 
 def _check_record(path: Path, e: dict, m: dict, comps: dict, complete: bool, problems: list[str]) -> int:
@@ -362,9 +349,8 @@ def _check_record(path: Path, e: dict, m: dict, comps: dict, complete: bool, pro
     except DFlashError as err:
         problems.append(str(err))
         return 0
-    for key in ("id", "prompt_len", "num_tokens"):
-        if e.get(key) is not None and head[key] != e[key]:
-            problems.append(f"{f}: {key} is {head[key]!r} in the file but {e[key]!r} in the manifest")
+    problems += [f"{f}: {key} is {head[key]!r} in the file but {e[key]!r} in the manifest"
+                 for key in ("id", "prompt_len", "num_tokens") if e.get(key) is not None and head[key] != e[key]]
     if complete and c is None and comps:
         problems.append(f"{cf}: no entry for prompt {e['id']!r}")
     elif c is not None and head["tokens"] != c["prompt_ids"] + c["completion_ids"]:

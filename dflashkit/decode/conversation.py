@@ -20,12 +20,10 @@ class Conversation:
 def decode_conversation(target, item, run) -> Conversation:
     """`item`: a PromptItem or a single prompt's token ids; `run(prompt_ids)` decodes one turn. Each answer's text
     goes back into the chat for the next turn, as the benchmarks' reference loops do."""
-    if not hasattr(item, "turn"):
-        g = run(list(item))
-        return Conversation(g, [list(item)], [len(g.tokens)], [target.decode(g.tokens)])
+    chat = hasattr(item, "turn")  # else a one-turn conversation
     out = Conversation(Generation("", [], []))
-    for k in range(item.num_turns):
-        ids = target.chat_ids(item.turn(k, out.answers))
+    for k in range(item.num_turns if chat else 1):
+        ids = target.chat_ids(item.turn(k, out.answers)) if chat else list(item)
         g = run(ids)
         out.answers.append(target.decode(g.tokens))
         out.prompts.append(ids)

@@ -19,9 +19,8 @@ def sliding_layers(target) -> list[int]:
 
 
 def new_target_kv(target):
-    """The target KV for an online loop, every position kept so that a rejected draft can be cropped: a sliding layer
-    (which keeps only its window) becomes a full DynamicLayer still marked sliding. Exact: transformers masks it by
-    absolute position from the offsets its cache layer reports, so it attends to the same keys."""
+    """The target KV of an online loop, every position kept so that a rejected draft can be cropped: a sliding layer
+    becomes a full DynamicLayer still marked sliding, which transformers masks by absolute position (so exact)."""
     kv = DynamicCache(config=target.config)
     for i in sliding_layers(target):
         if type(kv.layers[i]) is DynamicSlidingWindowLayer:
@@ -47,9 +46,7 @@ def verify_mask(target, tree: Tree, start: int, window: int | None = None):
         return full
     windowed = attention_mask(tree, start, target.dtype, target.device, window)
     types = getattr(target.config, "layer_types", None)
-    if types is None:
-        return windowed
-    return {kind: windowed if kind == "sliding_attention" else full for kind in set(types)}
+    return windowed if types is None else {k: windowed if k == "sliding_attention" else full for k in set(types)}
 
 
 def _attention_layers(kv):
@@ -61,8 +58,7 @@ def _linear_layers(kv):
 
 
 def crop_kv(kv, length: int, row: int = 0) -> None:
-    """Keep the first `length` positions of every attention layer, and batch row `row` only (a tree verified by paths
-    expands the target KV to one row per path)."""
+    """Keep every attention layer's first `length` positions and only batch row `row` (a path verify makes many)."""
     for layer in _attention_layers(kv):
         layer.keys, layer.values = layer.keys[row : row + 1, :, :length], layer.values[row : row + 1, :, :length]
 
@@ -93,15 +89,6 @@ def save_linear_states(kv) -> list:
 def load_linear_states(kv, saved) -> None:
     for layer, (conv, rec, prev) in zip(_linear_layers(kv), saved):
         layer.conv_states, layer.recurrent_states, layer.has_previous_state = _cloned(conv), _cloned(rec), dict(prev)
-
-
-def rerun(target, kv, saved, tokens: torch.Tensor, start: int, layer_ids):
-    """Hybrid commit: roll the target KV back to `start` and run the accepted tokens [n] again. Returns features."""
-    crop_kv(kv, start)
-    load_linear_states(kv, saved)
-    pos = (start + torch.arange(len(tokens), device=tokens.device))[None]
-    return target.forward(tokens[None], layer_ids=layer_ids, past_key_values=kv, position_ids=pos,
-                          compute_logits=False).features
 
 
 class HfBackend:
@@ -139,17 +126,16 @@ class HfBackend:
         return out.logits[0, -1:], out.features
 
     def verify(self, tokens: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
-        """Logits [n, V] after each of `tokens` [n] from the next position on: a chain (tree None), or `tree`'s nodes."""
         t, kv, start, dev = self.target, self.kv, self.start, self.target.device
         self.tree, self.tokens = tree, tokens
         self.saved = save_linear_states(kv) if t.is_hybrid else None
         branching = tree is not None and int(tree.depths.max()) < len(tree) - 1
-        self.paths = branching and (self.saved is not None or self.invariant)
+        self.paths = branching and self.by_paths
         with self.kernels():
             if self.paths:
                 logits, self.out, self.row_of = verify_tree_by_paths(t, kv, tree, start, self.layer_ids)
                 return logits
-            pos = start + (torch.arange(len(tokens)) if tree is None or not branching else tree.depths)
+            pos = start + (tree.depths if branching else torch.arange(len(tokens)))
             mask = verify_mask(t, tree, start, self.window) if branching else None  # a chain: the causal mask
             self.out = t.forward(tokens[None].to(dev), layer_ids=self.layer_ids, past_key_values=kv,
                                  position_ids=pos[None].to(dev), attention_mask=mask)
@@ -161,11 +147,15 @@ class HfBackend:
         kv, start, n, out = self.kv, self.start, len(self.tokens), self.out
         self.start += len(keep)
         idx = torch.tensor(keep, device=self.target.device)
-        if self.saved is not None:  # a recurrent state: restore it and re-run the accepted tokens
+        if self.saved is not None:  # a recurrent state: roll the KV back to start and re-run the accepted tokens
             if len(keep) == n and self.tree is None:
                 return out.features
+            pos = start + torch.arange(len(keep), device=idx.device)
             with self.timer("verify"), self.kernels():
-                return rerun(self.target, kv, self.saved, self.tokens.to(idx.device)[idx], start, self.layer_ids)
+                crop_kv(kv, start)
+                load_linear_states(kv, self.saved)
+                return self.target.forward(self.tokens.to(idx.device)[idx][None], layer_ids=self.layer_ids,
+                                           past_key_values=kv, position_ids=pos[None], compute_logits=False).features
         if self.paths:  # the accepted path is a prefix of its last node's row: keep that row only
             r = int(self.row_of[keep[-1]])
             crop_kv(kv, start + len(keep), r)
@@ -176,9 +166,8 @@ class HfBackend:
 
 
 def verify_tree_by_paths(target, kv, tree: Tree, start: int, layer_ids=None):
-    """One batch row per root-to-leaf path: for hybrid targets (a recurrent layer reads one sequence) and under
-    row-invariant kernels (a flat tree interleaves masked keys, which changes the order of the sums). Returns (logits
-    at every node [n, V], the forward's output, the row of every node [n]); the target KV comes back expanded."""
+    """One batch row per root-to-leaf path, for hybrid targets (a recurrent layer reads one sequence) and row-invariant
+    kernels (a flat tree reorders sums). Returns (logits [n, V], the output, each node's row [n]); KV left expanded."""
     has_child, seen = set(tree.parents.tolist()), tree.ancestor_mask()  # a node's ancestors, in depth order
     rows = [seen[leaf].nonzero()[:, 0].tolist() for leaf in range(len(tree)) if leaf not in has_child]
     width = max(len(r) for r in rows)

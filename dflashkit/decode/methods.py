@@ -42,7 +42,6 @@ def parse_method(name: str) -> tuple[str, int | str | None]:
 
 
 def needs_drafter(method: str) -> bool:
-    """Whether the method runs the drafter."""
     return parse_method(method)[0] in ("chain", "ddtree", "hybrid", "llama.cpp-dflash", "vllm-dflash",
                                        "transformers-dflash")
 

@@ -77,9 +77,8 @@ def _build(lib: Path, level: str, tune: str | None) -> None:
 
 def _intact(lib: Path) -> bool:
     """The library is the file its build wrote (a truncated or replaced one would crash the process on load)."""
-    digest = lib.with_suffix(".sha256")
     try:
-        return lib.is_file() and digest.read_text().strip() == sha256_file(lib)
+        return lib.is_file() and lib.with_suffix(".sha256").read_text().strip() == sha256_file(lib)
     except OSError:
         return False
 
@@ -111,11 +110,8 @@ def _load(level: str, tune: str | None) -> str:
     for op in ("linear", "linear_tiles"):
         torch.library.register_fake(f"{ns}::{op}")(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]))
     torch.library.register_fake(f"{ns}::linear_quant")(lambda x, w, f, outs: x.new_empty(*x.shape[:-1], outs))
-
-    @torch.library.register_fake(f"{ns}::attend")
-    def _(q, k, v, start, path):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-
+    torch.library.register_fake(f"{ns}::attend")(
+        lambda q, k, v, start, path: torch.empty_like(q, memory_format=torch.contiguous_format))
     return ns
 
 

@@ -39,21 +39,20 @@ class Timer:
         self.times: dict[str, float] = defaultdict(float)
         self.t0 = perf_counter()
 
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return perf_counter()
+
     @contextmanager
     def __call__(self, name: str):
-        if self.cuda:
-            torch.cuda.synchronize()
-        t = perf_counter()
+        t = self.now()
         yield
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.times[name] += perf_counter() - t
+        self.times[name] += self.now() - t
 
     def finish(self) -> dict[str, float]:
-        if self.cuda:
-            torch.cuda.synchronize()
         out = {k: self.times.get(k, 0.0) for k in ("prefill", "draft", "verify")}
-        out["total"] = perf_counter() - self.t0
+        out["total"] = self.now() - self.t0
         out["other"] = max(0.0, out["total"] - out["prefill"] - out["draft"] - out["verify"])
         return out
 

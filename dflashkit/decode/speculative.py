@@ -32,7 +32,6 @@ class Proposer(Protocol):
     def propose(self, features: torch.Tensor, anchor: torch.Tensor, start: int) -> torch.Tensor:
         """features [1, n, K*H] of the n newly committed positions start-n..start-1; anchor [1] the bonus token
         at position `start`. Returns float32 logits [B-1, V'] for positions start+1..start+B-1."""
-        ...
 
     def to_tokens(self, idx: torch.Tensor) -> torch.Tensor: ...
 
@@ -125,8 +124,7 @@ def sample_drafts(logits, temperature: float, generator, to_tokens, vocab_size: 
     q = torch.softmax(logits.float() / temperature, dim=-1)
     idx, q = mix_greedy(q, torch.multinomial(q, 1, generator=generator)[:, 0], mix, generator)
     all_ids = to_tokens(torch.arange(q.shape[1], device=q.device))
-    full = torch.zeros(q.shape[0], vocab_size, device=q.device).index_copy_(1, all_ids, q)
-    return to_tokens(idx), full
+    return to_tokens(idx), torch.zeros(q.shape[0], vocab_size, device=q.device).index_copy_(1, all_ids, q)
 
 
 def selector_drafts(selector, hidden, logits, anchor, temperature: float, generator, to_tokens, vocab_size: int,
@@ -134,10 +132,8 @@ def selector_drafts(selector, hidden, logits, anchor, temperature: float, genera
     """DFlash2's drafts for b blocks (hidden [b, L, H], logits [b, L, V'], anchor [b]): the candidate selector's
     path [b, L] and its q scattered over the full vocabulary [b, L, vocab_size] (None at T=0)."""
     path, candidates, q = selector.select(hidden, logits, anchor, temperature, to_tokens, generator, mix)
-    if q is None:
-        return path, None
-    full = torch.zeros(*q.shape[:2], vocab_size, device=q.device)
-    return path, full.scatter_(2, candidates, q)
+    full = None if q is None else torch.zeros(*q.shape[:2], vocab_size, device=q.device).scatter_(2, candidates, q)
+    return path, full
 
 
 def draft_block(proposer, features, anchor, start: int, sampling: Sampling, generator):
@@ -151,9 +147,8 @@ def draft_block(proposer, features, anchor, start: int, sampling: Sampling, gene
 
 
 def rejection_accept(drafts, q, logits, temperature: float, generator) -> tuple[int, torch.Tensor]:
-    """Speculative sampling over a chain (docs/design.md section 4). drafts [L]; q [L, V]; logits [L+1, V] of the
-    verify; a leading batch dimension on all three decides that many chains at once. Returns (accepted count, next
-    token [1]): tensors [b] and [b, 1] when batched."""
+    """Speculative sampling over a chain (docs/design.md section 4): drafts [L], q [L, V], logits [L+1, V] of the
+    verify, or b chains at once ([b, ...] each). Returns (accepted count, next token [1]), or tensors [b] and [b, 1]."""
     batched = drafts.dim() == 2
     if not batched:
         drafts, q, logits = drafts[None], q[None], logits[None]
@@ -326,8 +321,7 @@ def generate_transformers_dflash(target, proposer, prompt_ids: list[int], max_ne
 
 
 def new_lookup(method: str):
-    """The n-gram lookup of a method: one 10-token continuation (as transformers' prompt lookup); -auto trees get
-    longer ones from two occurrences and keep what pays."""
+    """A method's n-gram lookup: one 10-token continuation as transformers' prompt lookup; -auto trees cut two of 16."""
     return NgramLookup(max_tokens=16, branches=2) if parse_method(method)[1] == "auto" else NgramLookup()
 
 
@@ -342,8 +336,7 @@ def tree_drafts(method: str, proposer: Proposer | None, budget: int = 8, cost=No
     lookup = (ngram or new_lookup(method)) if kind in ("ngram", "hybrid") else None
     drafter = proposer if kind in ("ddtree", "hybrid") else None
     size = AUTO_BUDGET if auto else (n or budget)
-    return TreeDrafts(drafter, size if drafter is not None else 0, lookup, cost if auto else None,
-                      path_cost=path_cost)
+    return TreeDrafts(drafter, size if drafter is not None else 0, lookup, cost if auto else None, path_cost=path_cost)
 
 
 def generate(target, prompt_ids: list[int], method: str = "chain", proposer: Proposer | None = None, budget: int = 8,

@@ -21,8 +21,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.tree import Tree
 
 PREFILL = 32  # prompts go in chunks of 32 tokens
-# a tree verify runs on the smallest that holds its nodes (padded; 24: hybrid-8 with its n-gram branch); a wider tree
-# is refused by name, never cut
+# a tree verify runs on the smallest width that holds it (padded; 24: hybrid-8 with its n-gram branch), never cut
 TREE_WIDTHS = (4, 8, 16, 24)
 # CPU: inductor's C++ wrapper runs the kernels without Python between them; CUDA: one graph replay a step (the KV and
 # weights are marked static addresses so that their in-place writes keep the step in the graph)
@@ -33,7 +32,6 @@ HUGE_PAGE = 2 << 20
 
 
 def linear_mm(x, w):
-    """x (float32) @ w.T in the weights' dtype, back to float32."""
     return (x.to(w.dtype) @ w.t()).float()
 
 
@@ -56,14 +54,6 @@ class Geometry(NamedTuple):
     qk_norm: bool  # per-head RMS norms of q and k (Qwen3)
     eps: float
     act: str = "silu"  # the MLP's activation (ACTIVATIONS)
-
-    @property
-    def q_size(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.kv_heads * self.head_dim
 
     def slots(self) -> list[tuple[str, tuple[int, ...]]]:
         """One layer's weights, in arena order."""
@@ -91,12 +81,12 @@ class Geometry(NamedTuple):
 
     def matrices(self) -> dict[str, tuple[int, int]]:
         """The step's matrices: name -> (outputs, inputs)."""
-        return {"qkv": (self.q_size + 2 * self.kv_size, self.hidden), "o": (self.hidden, self.q_size),
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"qkv": (q + 2 * kv, self.hidden), "o": (self.hidden, q),
                 "gu": (2 * self.inter, self.hidden), "down": (self.hidden, self.inter), "head": (self.vocab, self.hidden)}
 
     def quant_layout(self, formats: tuple) -> tuple[dict, int, int]:
-        """Where the quantized matrices lie in their arena: {name: (byte offset, outs, bytes)} of layer 0 (and the
-        head's), the distance between layers, the arena's size."""
+        """The quantized arena: {name: (byte offset, outs, bytes)} in layer 0 (and the head), layer stride, size."""
         sizes = {n: (o // 16 * (k // 32) * BLOCK_BYTES[f], o) for n, f in formats for o, k in [self.matrices()[n]]}
         offs, off = {}, 0
         for name in [n for n, _ in formats if n != "head"]:
@@ -189,11 +179,6 @@ def _layer_weights(layer) -> dict:
         o=a.o_proj.weight, gu=torch.cat([p.gate_proj.weight, p.up_proj.weight]), down=p.down_proj.weight)
 
 
-def tiles_fit(geo: Geometry) -> bool:
-    """Whether every weight divides into tiles: inputs in 32s (16 pairs of k), outputs in 16s."""
-    return all(o % 16 == 0 and k % 32 == 0 for o, k in geo.matrices().values())
-
-
 def tile_order(w: torch.Tensor) -> torch.Tensor:
     """w [out, in] with its elements in the order linear_tiles reads them (native.cpp): per block of 16 outputs and
     32 inputs, a tile of 16 input pairs x 16 outputs x 2."""
@@ -202,8 +187,7 @@ def tile_order(w: torch.Tensor) -> torch.Tensor:
 
 
 def panel_order(w: torch.Tensor) -> torch.Tensor:
-    """w [out, in] in the order dflashkit::linear reads it (native.cpp): each 16 outputs as a panel [in][16], the last
-    out % 16 as [in][rest]."""
+    """w [out, in] in dflashkit::linear's order (native.cpp): panels [in][16] of 16 outputs, the rest as [in][rest]."""
     full = w.shape[0] // 16 * 16
     panels = w[:full].reshape(-1, 16, w.shape[1]).transpose(1, 2)
     return torch.cat([panels.reshape(-1), w[full:].t().reshape(-1)]).reshape(w.shape)
@@ -217,11 +201,9 @@ def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=device)
     raw = torch.empty(nbytes + 2 * HUGE_PAGE, dtype=torch.uint8)  # big enough that malloc maps it fresh
     start = -raw.data_ptr() % HUGE_PAGE
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # raised where the C library is not glibc
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(-(-nbytes // HUGE_PAGE) * HUGE_PAGE), 14)
-    except (OSError, AttributeError):
-        pass  # not glibc
     return raw[start: start + nbytes].view(dtype)
 
 
@@ -232,9 +214,8 @@ GGUF_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # a block of 32 in the file: 
 
 
 def quant_order(fmt: str, raw: np.ndarray) -> np.ndarray:
-    """GGUF blocks [outs, k / 32 * bytes] in the order linear_quant reads them (kernels.h): per panel of 16 outputs
-    and block of 32 inputs, the scales widened to float32 (d, and m for q4_1), then the quants [32 inputs][16
-    outputs], a 4-bit pair of inputs a byte (the even input low)."""
+    """GGUF blocks [outs, k / 32 * bytes] in linear_quant's order (kernels.h): per panel of 16 outputs and block of 32
+    inputs, float32 scales (d; m for q4_1), then quants [32 inputs][16 outputs], two 4-bit ones a byte (even low)."""
     outs = raw.shape[0]
     blocks = raw.reshape(outs // 16, 16, -1, GGUF_BYTES[fmt])  # [panel, output, block, bytes]
     scales = 2 if fmt == "q4_1" else 1
@@ -259,14 +240,12 @@ def formats_of(target) -> tuple:
     blocks = getattr(target, "blocks", None)
     if not blocks:
         return ()
-    out = {"head": {blocks["head"].format}}
-    for name, mats in FUSED.items():
-        out[name] = {blocks[f"{i}.{m}"].format for i in range(len(target.decoder.layers)) for m in mats}
-    mixed = {n: sorted(f) for n, f in out.items() if len(f) > 1}
-    if mixed:
+    out = {name: {blocks[f"{i}.{m}"].format for i in range(len(target.decoder.layers)) for m in mats}
+           for name, mats in FUSED.items()} | {"head": {blocks["head"].format}}
+    if mixed := {n: sorted(f) for n, f in out.items() if len(f) > 1}:
         raise DFlashError(f"target {target.name}: the static step reads each of qkv, o, gate+up, down and the head in "
                           f"one format; these mix: {mixed} (use --weights float or q8_0)")
-    return tuple((n, f.pop()) for n, f in out.items() if n != "head") + (("head", out["head"].pop()),)
+    return tuple((n, f.pop()) for n, f in out.items())
 
 
 def pack_quant(target, geo: Geometry, formats: tuple) -> torch.Tensor:
@@ -275,15 +254,13 @@ def pack_quant(target, geo: Geometry, formats: tuple) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.uint8)
     offs, stride, size = geo.quant_layout(formats)
     arena = _empty_arena(size, torch.uint8, target.device)
-    for i in range(geo.layers):
-        for name, (off, _, _) in offs.items():
-            if name != "head":
-                raw = np.concatenate([target.blocks[f"{i}.{m}"].raw for m in FUSED[name]])
-                packed = torch.from_numpy(quant_order(dict(formats)[name], raw))
-                arena[i * stride + off: i * stride + off + packed.numel()].copy_(packed)
-    if "head" in offs:
-        packed = torch.from_numpy(quant_order(dict(formats)["head"], target.blocks["head"].raw))
-        arena[offs["head"][0]: offs["head"][0] + packed.numel()].copy_(packed)
+    for name, (off, _, _) in offs.items():
+        for i in [None] if name == "head" else range(geo.layers):
+            raw = (target.blocks["head"].raw if i is None
+                   else np.concatenate([target.blocks[f"{i}.{m}"].raw for m in FUSED[name]]))
+            packed = torch.from_numpy(quant_order(dict(formats)[name], raw))
+            start = off + (i or 0) * stride
+            arena[start: start + packed.numel()].copy_(packed)
     return arena
 
 
@@ -347,29 +324,21 @@ KERNELS = {"mm": (linear_mm, attend_mm), "reduce": (linear_reduce, attend_reduce
 BY_PATH = ("native", "tiles")
 
 
-def kernel_pair(kernels: str, ops: str | None):
-    """(linear, attention) of `kernels`; ours from the build whose operators live under torch.ops.`ops`."""
-    if kernels in BY_PATH:
-        lib = getattr(torch.ops, ops)
-        return (lib.linear_tiles if kernels == "tiles" else lib.linear), lib.attend
-    return KERNELS[kernels]
-
-
 def cpu_kernels(target, geo: Geometry) -> str:
     """`tiles` where they run and pay (bf16 weights whose shapes tile, a CPU with AMX at level v4), else `native`."""
-    return "tiles" if native.tiles_run_here() and target.dtype == torch.bfloat16 and tiles_fit(geo) else "native"
+    tiled = all(o % 16 == 0 and k % 32 == 0 for o, k in geo.matrices().values())  # inputs in 32s, outputs in 16s
+    return "tiles" if native.tiles_run_here() and target.dtype == torch.bfloat16 and tiled else "native"
 
 
 def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, geo: Geometry, kernels: str,
          ops: str | None, layer_ids, formats: tuple = ()):
-    """The Llama step as a pure function of its inputs (decoders of one geometry share its compile): ids [n] at
-    positions pos [n], their K and V written to `kv` at `slots` [n] -> logits [k, V] of the `keep` rows (and those
-    `layer_ids`' states [1, n, len(layer_ids) * H]). A row attends, with our kernels, to slots 0..pos[0]-1 then its
-    `path` [n, W]; else to the `span` slots up to its position."""
+    """The Llama step as a pure function of its inputs (decoders of one geometry share its compile): ids [n] at pos [n],
+    K and V written to `kv` at `slots` [n] -> logits [k, V] of the `keep` rows (and `layer_ids`' states [1, n, F]). A
+    row attends, on our kernels, to slots 0..pos[0]-1 then its `path` [n, W]; else to the `span` slots up to it."""
     layout, stride, tail, _ = geo.layout(formats)
     qlayout, qstride, _ = geo.quant_layout(formats) if formats else ({}, 0, 0)
-    linear, attend = kernel_pair(kernels, ops)
-
+    lib = getattr(torch.ops, ops) if kernels in BY_PATH else None  # ours: the build under torch.ops.`ops`
+    linear, attend = KERNELS.get(kernels) or (lib.linear_tiles if kernels == "tiles" else lib.linear, lib.attend)
     kinds = dict(formats)
 
     def lin(x, i, name, w):  # a float matrix from the arena, or a quantized one's bytes (layer i; -1: the head)
@@ -377,7 +346,7 @@ def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, g
             return linear(x, w[name])
         off, outs, size = qlayout[name]
         off += max(i, 0) * qstride
-        return getattr(torch.ops, ops).linear_quant(x, quants[off: off + size], QUANT_CODES[kinds[name]], outs)
+        return lib.linear_quant(x, quants[off: off + size], QUANT_CODES[kinds[name]], outs)
     n, eps, nh, kvh, hd = ids.shape[0], geo.eps, geo.heads, geo.kv_heads, geo.head_dim
     x = F.embedding(ids, embed)[None].float()
     cos, sin = rope[0][pos][None, None], rope[1][pos][None, None]
@@ -389,7 +358,7 @@ def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, g
         qkv = lin(_rms(x, w["n1"], eps), i, "qkv", w)
         if geo.bias:
             qkv = qkv + w["qkv_bias"].float()
-        q, k, v = qkv.split([geo.q_size, geo.kv_size, geo.kv_size], -1)
+        q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], -1)
         q, k = q.view(1, n, nh, hd), k.view(1, n, kvh, hd)
         if geo.qk_norm:
             q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
@@ -398,7 +367,7 @@ def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, g
         kv[1][i].index_copy_(2, slots, v.view(1, n, kvh, hd).transpose(1, 2))
         o = attend(q, kv[0][i], kv[1][i], pos[:1], path) if kernels in BY_PATH else \
             attend(q, kv[0][i][:, :, :S], kv[1][i][:, :, :S], mask, kvh)
-        x = x + lin(o.transpose(1, 2).reshape(1, n, geo.q_size), i, "o", w)
+        x = x + lin(o.transpose(1, 2).reshape(1, n, nh * hd), i, "o", w)
         g, u = lin(_rms(x, w["n2"], eps), i, "gu", w).chunk(2, -1)
         x = x + lin(ACTIVATIONS[geo.act](g) * u, i, "down", w)
         if layer_ids is not None and i in layer_ids:
@@ -453,7 +422,7 @@ class StaticDecoder:
                               "use kernels='reduce' (or auto)")
         ops = native.load(level, tune) if kernels in BY_PATH else None  # the chosen level, or `level` (tests)
         dev = target.device
-        self.target, self.max_len, self.kernels, self.ops = target, max_len, kernels, ops
+        self.target, self.max_len, self.kernels = target, max_len, kernels
         self.formats = formats_of(target) if kernels == "native" else ()  # quantized: in their blocks (kernels.h)
         self.arena, self.embed = pack_weights(target, geo, kernels, self.formats), target.embed_tokens.weight
         self.quants = pack_quant(target, geo, self.formats)
@@ -477,9 +446,8 @@ class StaticDecoder:
         if dev.type == "cuda":
             for t in [self.arena, *self.kv[0], *self.kv[1]]:
                 torch._dynamo.mark_static_address(t)
-        self.steps = {w: compiled_step(geo, k, f, dev.type, w, ops if k in BY_PATH else None, self.formats)
-                      if compile else functools.partial(step, geo=geo, kernels=k, ops=ops if k in BY_PATH else None,
-                                                        layer_ids=f, formats=self.formats)
+        self.steps = {w: compiled_step(geo, k, f, dev.type, w, ops, self.formats) if compile
+                      else functools.partial(step, geo=geo, kernels=k, ops=ops, layer_ids=f, formats=self.formats)
                       for w, (k, f) in kinds.items()}
         self.compile_s, self.step_s = {}, {}  # seconds per width: the first call's; a step's median, by warm()
         self.drafter_call = (None, None)  # (drafter, its compiled call), set by decoder_for
@@ -538,9 +506,8 @@ class StaticDecoder:
 
     @torch.no_grad()
     def verify_tree(self, tree, start: int):
-        """Every node of `tree` (its root at `start`) in one step, flat: node i's K and V go to slot start + i at
-        position start + its depth, and it attends to the committed slots, then its ancestors', so its logits are the
-        one-token step's there. Returns logits [n, V] and, with layer_ids, features [1, n, F]."""
+        """Every node of `tree` (root at `start`) in one flat step: node i at slot start + i, position start + depth,
+        sees the committed slots then its ancestors', as a one-token step. Returns (logits [n, V], features or None)."""
         n = len(tree)
         w = self.tree_width(n)
         self._check_room(start, w)
@@ -550,10 +517,7 @@ class StaticDecoder:
         for i, seen in enumerate(tree.ancestor_mask()):  # parents precede children: index order is depth order
             nodes = seen.nonzero()[:, 0]
             path[i, : len(nodes)] = start + nodes
-        ids = torch.zeros(w, dtype=torch.long)
-        ids[:n] = tree.tokens
-        pos = torch.full((w,), start, dtype=torch.long)
-        pos[:n] += tree.depths
+        ids, pos = F.pad(tree.tokens, (0, w - n)), start + F.pad(tree.depths, (0, w - n))  # pad rows: token 0 at start
         out = self._call(w, ids.to(dev), pos.to(dev), torch.arange(w, device=dev), None,
                          torch.arange(start, start + w, device=dev), path.to(dev))
         return (out[:n], None) if self.layer_ids is None else (out[0][:n], out[1][:, :n])
@@ -628,9 +592,8 @@ def decoder_for(session, length: int, proposer=None, trees: bool = False) -> Sta
     target, log = session.target, session.log or (lambda message: None)
     length += max(proposer.block_size if proposer is not None else 0, TREE_WIDTHS[-1] if trees else 0)
     d = session.static
-    other_drafter = proposer is not None and (d is not None and (d.layer_ids != proposer.layer_ids
-                                                                  or d.verify_width != proposer.block_size))
-    if d is None or d.max_len < length or trees and not d.trees or other_drafter:
+    if d is None or d.max_len < length or trees and not d.trees or proposer is not None and (
+            d.layer_ids != proposer.layer_ids or d.verify_width != proposer.block_size):  # or another drafter
         trees = trees or (d is not None and d.trees)
         drafting = {} if proposer is None else {"layer_ids": proposer.layer_ids, "verify_width": proposer.block_size}
         unit = 2048 if target.device.type == "cpu" else 512  # native kernels on a CPU

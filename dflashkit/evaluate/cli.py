@@ -1,8 +1,8 @@
-"""`dflashkit eval` (a drafter on cached target states), `dflashkit compare` (runs side by side) and `dflashkit
-parity` (two decoding runs token for token)."""
+"""`dflashkit eval`, `dflashkit compare` and `dflashkit parity`."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -93,8 +93,6 @@ def cmd_compare(args) -> int:
 
 def cmd_parity(args) -> int:
     """Exit 1 when a prompt parts other than at a numerics near-tie (docs/design.md section 11: a failed check)."""
-    import json
-
     from dflashkit.evaluate.parity import parity_markdown, run_parity, write_parity
 
     res = run_parity(args.run_a, args.run_b, args.method, args.against, args.target)

@@ -7,16 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
+from dflashkit.evaluate.parity import load_records
 from dflashkit.evaluate.runs import tree_label, write_plots
-from dflashkit.fileio import read_json
+from dflashkit.fileio import atomic_dir, read_json, write_json, write_text
+from dflashkit.report import bar_plot, markdown_table
 from dflashkit.report.requests import FILE
 
-# what must agree, and how to read it from results.json
-MUST_MATCH = {
-    "cache (manifest hash)": lambda r: r["cache"]["manifest_hash"], "prompts": lambda r: r["cache"]["prompt_ids"],
-    "anchors": lambda r: r["settings"]["anchors"], "block size": lambda r: r["settings"]["block_size"],
-    "max blocks per prompt": lambda r: r["settings"]["max_blocks"],
-}
+# what must agree, and where results.json holds it
+MUST_MATCH = {"cache (manifest hash)": ("cache", "manifest_hash"), "prompts": ("cache", "prompt_ids"),
+              "anchors": ("settings", "anchors"), "block size": ("settings", "block_size"),
+              "max blocks per prompt": ("settings", "max_blocks")}
 
 
 def load_run(path) -> dict:
@@ -32,9 +32,7 @@ def load_run(path) -> dict:
 def run_names(paths) -> list[str]:
     """Each run's folder name, numbered where two are alike."""
     names = [Path(p).resolve().name for p in paths]
-    if len(set(names)) < len(names):
-        names = [f"{i + 1}:{n}" for i, n in enumerate(names)]
-    return names
+    return [f"{i + 1}:{n}" for i, n in enumerate(names)] if len(set(names)) < len(names) else names
 
 
 def default_out(run_dirs) -> Path:
@@ -44,18 +42,13 @@ def default_out(run_dirs) -> Path:
 def _short(v) -> str:
     if isinstance(v, list):
         return f"{len(v)} prompts [{', '.join(map(str, v[:3]))}{', ...' if len(v) > 3 else ''}]"
-    if isinstance(v, str) and len(v) > 16:
-        return v[:12]
-    return str(v)
+    return v[:12] if isinstance(v, str) and len(v) > 16 else str(v)
 
 
 def differences(runs: list[dict], names: list[str]) -> list[str]:
-    out = []
-    for key, get in MUST_MATCH.items():
-        vals = [get(r) for r in runs]
-        if any(v != vals[0] for v in vals[1:]):
-            out.append(f"{key}: " + ", ".join(f"{n} {_short(v)}" for n, v in zip(names, vals)))
-    return out
+    vals = {key: [r[part][field] for r in runs] for key, (part, field) in MUST_MATCH.items()}
+    return [f"{key}: " + ", ".join(f"{n} {_short(v)}" for n, v in zip(names, vs))
+            for key, vs in vals.items() if any(v != vs[0] for v in vs[1:])]
 
 
 _ratio = lambda a, ref: None if a is None or not ref else a / ref
@@ -105,8 +98,6 @@ def _labels(trees) -> dict:
 
 
 def _markdown(res: dict, runs: list[dict], run_dirs, names: list[str]) -> str:
-    from dflashkit.report import markdown_table
-
     ref, others, label = names[0], names[1:], _labels(res["trees"])
     overall, ratios, expected = res["overall"], res["ratios"], res["expected"]
 
@@ -117,10 +108,9 @@ def _markdown(res: dict, runs: list[dict], run_dirs, names: list[str]) -> str:
     if res["differences"]:
         md += [f"**NOT COMPARABLE (compared with --force)**: the runs differ in {'; '.join(res['differences'])}.", ""]
     md += [f"Reference: `{ref}`; differences are run - reference, ratios run / reference.", ""]
-    for n, p, r in zip(names, run_dirs, runs):
-        o = r["overall"]
-        md.append(f"- `{n}`: {p} ({o['prompts']} prompts, {o['blocks']} blocks, {r['settings']['anchors']} anchors, "
-                  f"block {r['settings']['block_size']}; drafter {r['drafter']['path']})")
+    md += [f"- `{n}`: {p} ({r['overall']['prompts']} prompts, {r['overall']['blocks']} blocks, "
+           f"{r['settings']['anchors']} anchors, block {r['settings']['block_size']}; drafter {r['drafter']['path']})"
+           for n, p, r in zip(names, run_dirs, runs)]
     md += ["", "## Overall", ""]
     heads = ["metric"] + names + [h for n in others for h in (f"{n} - {ref}", f"{n} / {ref}")]
     rows = []
@@ -144,9 +134,6 @@ def _markdown(res: dict, runs: list[dict], run_dirs, names: list[str]) -> str:
 
 def write_compare(out, res: dict, runs: dict | None = None) -> list[str]:
     """compare.md, compare.json and, for eval runs ({name: results}), the plots, atomically; returns the file names."""
-    from dflashkit.fileio import atomic_dir, write_json, write_text
-    from dflashkit.report import bar_plot
-
     with atomic_dir(out) as tmp:
         files = ["compare.md", "compare.json"]
         if runs is not None:
@@ -175,14 +162,12 @@ def holds_requests(path) -> bool:
 def _overall(recs: list[dict]) -> dict:
     """One method's requests of one run, totalled; a total over a field some request lacks is None."""
     def total(k):
-        vals = [r[k] for r in recs]
-        return None if any(v is None for v in vals) else sum(vals)
+        return None if any(r[k] is None for r in recs) else sum(r[k] for r in recs)
 
     rounds, accepted, seconds = total("rounds"), total("accepted"), total("total_s")
     pos = [r["accepted_per_position"] for r in recs]
-    per_pos = None
-    if rounds and all(p is not None for p in pos):
-        per_pos = [sum(p[k] for p in pos if k < len(p)) / rounds for k in range(max(map(len, pos), default=0))]
+    per_pos = ([sum(p[k] for p in pos if k < len(p)) / rounds for k in range(max(map(len, pos), default=0))]
+               if rounds and None not in pos else None)
     return {"requests": len(recs), "new_tokens": total("new_tokens"), "rounds": rounds,
             "tau": 1 + accepted / rounds if rounds and accepted is not None else None,
             "accepted_per_position": per_pos, "draft_s": total("draft_s"), "verify_s": total("verify_s"),
@@ -191,8 +176,6 @@ def _overall(recs: list[dict]) -> dict:
 
 def compare_requests(paths, out=None) -> dict:
     """The runs' records side by side: totals per method and run, and one line per request."""
-    from dflashkit.evaluate.parity import load_records
-
     names = run_names(paths)
     runs = {n: load_records(p) for n, p in zip(names, paths)}
     methods = list(dict.fromkeys(r["method"] for recs in runs.values() for r in recs))
@@ -218,8 +201,6 @@ def compare_requests(paths, out=None) -> dict:
 
 
 def requests_markdown(res: dict, names: list[str]) -> str:
-    from dflashkit.report import markdown_table
-
     md = ["# Per-request comparison", "", f"Reference: `{res['reference']}` (token equality is against it). "
           "tau = 1 + accepted drafts / rounds, as each source counts them; '-': the source does not give it "
           "(its records say why in `missing`).", ""]
@@ -233,14 +214,12 @@ def requests_markdown(res: dict, names: list[str]) -> str:
     md += ["", "## Overall", "", markdown_table(heads, rows)]
     heads = ["prompt", "method"] + [h for n in names for h in (f"{n} tau", f"{n} rounds", f"{n} draft/verify s",
                                                                f"{n} equal")]
-    rows = []
-    for line in res["lines"]:
-        cells = []
-        for n in names:
-            r = line[n] or {}
-            dv = None if not r or r["draft_s"] is None else f"{r['draft_s']:.3f}/{r['verify_s']:.3f}"
-            cells += [r.get("tau"), r.get("rounds"), dv, {True: "yes", False: "no"}.get(r.get("equal_to_reference"))]
-        rows.append([line["prompt"], line["method"]] + cells)
+
+    def cells(r: dict) -> list:
+        dv = None if not r or r["draft_s"] is None else f"{r['draft_s']:.3f}/{r['verify_s']:.3f}"
+        return [r.get("tau"), r.get("rounds"), dv, {True: "yes", False: "no"}.get(r.get("equal_to_reference"))]
+
+    rows = [[line["prompt"], line["method"]] + [c for n in names for c in cells(line[n] or {})] for line in res["lines"]]
     md += ["## Per request", "", markdown_table(heads, rows)]
     return "\n".join(md) + "\n"
 

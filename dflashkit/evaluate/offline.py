@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from tqdm import tqdm
 
 from dflashkit.drafter.checkpoint import check_against_target, check_feature_layers
 from dflashkit.drafter.head import LOGIT_ELEMENTS, DraftHead
@@ -48,8 +49,7 @@ def check_mode(anchors: str, max_blocks) -> None:
 
 def stride_anchors(prompt_len: int, num_tokens: int, block_size: int, max_blocks: int | None = None) -> list[int]:
     """a = prompt_len, prompt_len + B, ... while a + 1 is still a completion position (a <= T - 2)."""
-    out = list(range(prompt_len, num_tokens - 1, block_size))
-    return out if max_blocks is None else out[:max_blocks]
+    return list(range(prompt_len, num_tokens - 1, block_size))[:max_blocks]
 
 
 def _labels(tokens, anchors: list[int], B: int) -> torch.Tensor:
@@ -87,17 +87,11 @@ def _score(hit, lp, idx, logits, labels, label_index, trees, selector_curve=None
     curve = {b: sum(1 for node in path if node <= b) for b in budgets}
     expected = {b: probs[1 : b + 1].sum().item() for b in budgets}
     order, gains, cut_tokens = cut_candidates(tree, probs.tolist())  # what a cost-aware tree chooses among
-    out_trees, out_expected = {}, {}
-    for spec in trees:
-        family, k = parse_tree_spec(spec)
-        if family == "budget":
-            out_trees[spec], out_expected[spec] = curve[k], expected[k]
-        elif family == "paths":
-            out_trees[spec] = paths_streak(logits, label_index, k)
-        elif family == "selector":
-            out_trees[spec] = selector_curve[k]
-        else:
-            out_trees[spec] = int(width_streak(logits, label_index, k))
+    by_family = {"budget": lambda k: curve[k], "paths": lambda k: paths_streak(logits, label_index, k),
+                 "selector": lambda k: selector_curve[k], "width": lambda k: int(width_streak(logits, label_index, k))}
+    specs = [(spec, *parse_tree_spec(spec)) for spec in trees]
+    out_trees = {spec: by_family[family](k) for spec, family, k in specs}
+    out_expected = {spec: expected[k] for spec, family, k in specs if family == "budget"}
     chain = [row[0] for row in lp] if lp and lp[0] else []  # the greedy draft's log-prob at each position
     predicted = torch.tensor(chain, dtype=torch.float64).cumsum(0).exp().tolist()  # its P(streak >= k), as drafted
     return {"n_labels": n_labels, "streak": int(hit.long().cumprod(0).sum()), "matches": hit[:n_labels].int().tolist(),
@@ -240,14 +234,9 @@ def hybrid_walk(drafter, head, embed_tokens, tokens, features, prompt_len: int, 
     return _walk(drafter, embed, tokens, features.to(p.device, p.dtype), prompt_len, max_blocks, score, "accepted")
 
 
-def replay_hybrids(drafter, head, embed_tokens, tokens, feats, prompt_len, max_blocks, budgets, replays, hybrid, auto,
-                   dd_auto):
-    """Each budget's hybrid, and each engine's hybrid-auto and ddtree-auto, replayed on one text into `hybrid`,
-    `auto` and `dd_auto`."""
-    runs = [(hybrid, str(b), b, None, None, True) for b in budgets] + [
-        (store, e, r["budget"], r["lookup"], r["price"], ngram) for e, r in replays.items()
-        for store, ngram in ((auto, True), (dd_auto, False))]
-    for store, key, budget, lookup, price, ngram in runs:
+def replay_hybrids(drafter, head, embed_tokens, tokens, feats, prompt_len, max_blocks, walks):
+    """Each walk (store, key, budget, lookup, price, ngram) replayed on one text, its rounds appended to store[key]."""
+    for store, key, budget, lookup, price, ngram in walks:
         for r in hybrid_walk(drafter, head, embed_tokens, tokens, feats, prompt_len, budget, max_blocks, lookup, price,
                              ngram):
             for k in ("accepted", "nodes", "path_tokens") + (("drafted",) if price else ()):
@@ -279,17 +268,14 @@ def aggregate(blocks: list[dict], block_size: int, trees) -> dict:
             "acc_cumulative": cum, "acc_conditional": cond, "acc_predicted": pred,
             "histogram": [c / n for c in counts] if n else [],
             "histogram_counts": counts,
-            "budget_curve": {str(b): _mean(x["curve"][str(b)] for x in blocks) for b in CURVE_BUDGETS},
-            "budget_curve_expected": {str(b): _mean(x["curve_expected"][str(b)] for x in blocks) for b in CURVE_BUDGETS},
-            "budget_curve_paths": {str(b): _mean(x["curve_paths"][str(b)] for x in blocks) for b in CURVE_BUDGETS}}
+            **{f"budget_{k}": {str(b): _mean(x[k][str(b)] for x in blocks) for b in CURVE_BUDGETS}
+               for k in ("curve", "curve_expected", "curve_paths")}}
 
 
 def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride", max_blocks: int | None = None,
              progress: bool = False, on_prompt=None, replays: dict | None = None) -> dict:
     """Evaluate `drafter` on an opened cache; on_prompt(summary, records) runs after each prompt; `replays` {engine:
     its -auto budget, lookup and price} (walk only) adds "hybrid_auto" and "ddtree_auto", each replayed as it runs."""
-    from tqdm import tqdm
-
     check_mode(anchors, max_blocks)
     trees = parse_trees(trees)
     cfg = drafter.config
@@ -299,6 +285,10 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
             if head.vocab_ids is not None and anchors == "stride" and cfg.arch == "dflash" else None)
     B = cfg.block_size
     per_prompt, blocks, hybrid, cuts, auto, dd_auto = [], [], {}, {}, {}, {}
+    # walk only: each budget's hybrid, and each engine's hybrid-auto and ddtree-auto
+    walks = [(hybrid, str(b), b, None, None, True) for f, b in map(parse_tree_spec, trees) if f == "budget"] + [
+        (store, e, r["budget"], r["lookup"], r["price"], ngram) for e, r in (replays or {}).items()
+        for store, ngram in ((auto, True), (dd_auto, False))]
     for rec in tqdm(cache, total=len(cache), desc="eval", unit="prompt", disable=not progress, leave=False):
         t0 = time.perf_counter()
         tokens, feats = rec.tokens, rec.features(cfg.target_layer_ids)  # read once: the hybrid replays reuse them
@@ -310,10 +300,9 @@ def evaluate(drafter, target, cache, trees=DEFAULT_TREES, anchors: str = "stride
                 cuts.setdefault(key, []).append(cut[key])
         summary = {"id": rec.id, "category": rec.category, "prompt_len": rec.prompt_len, "tokens": int(tokens.shape[0]),
                    "seconds": time.perf_counter() - t0, **aggregate(recs, B, trees)}
-        if anchors == "walk":  # and each budget's hybrid, each engine's hybrid-auto, replayed
+        if anchors == "walk":  # and the walks, replayed
             summary["accepted"] = [r["streak"] + 1 for r in recs]
-            replay_hybrids(drafter, head, target.embed, tokens, feats, rec.prompt_len, max_blocks, [
-                k for f, k in map(parse_tree_spec, trees) if f == "budget"], replays or {}, hybrid, auto, dd_auto)
+            replay_hybrids(drafter, head, target.embed, tokens, feats, rec.prompt_len, max_blocks, walks)
         per_prompt.append(summary)
         blocks += recs
         if on_prompt is not None:

@@ -1,13 +1,14 @@
-"""`dflashkit parity RUN_A RUN_B`: reads two bench or generate outputs (any engines), finds a tokenizer and writes
-the report of their comparison (report/parity.py)."""
+"""`dflashkit parity RUN_A RUN_B`: two bench or generate outputs of any engines, compared by report/parity.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from dflashkit.errors import DFlashError
+from dflashkit.fileio import write_json, write_text
 from dflashkit.report.parity import VERDICTS, describe, parity
 from dflashkit.report.requests import FILE, read_requests
+from dflashkit.targets.registry import resolve
 
 PASS = ("equal", "prefix", "numerics")  # verdicts a parity run accepts (exit 0); any other divergence exits 1
 
@@ -19,8 +20,7 @@ def load_records(path) -> list[dict]:
     if not f.is_file():
         raise DFlashError(f"{path}: no {FILE if p.is_dir() else 'such file'}; pass a folder written by `dflashkit bench "
                           "--out` or a file written by `dflashkit generate --out`")
-    recs = read_requests(f)
-    if not recs:
+    if not (recs := read_requests(f)):
         raise DFlashError(f"{f}: no records; rerun the bench or generate that wrote it")
     return recs
 
@@ -71,10 +71,7 @@ def tokenizer_for(records: list[dict], target: str | None = None):
     try:
         from transformers import AutoTokenizer
 
-        if target is not None:
-            from dflashkit.targets.registry import resolve
-
-            where = resolve(target)[1]
+        where = where if target is None else resolve(target)[1]
         if not Path(where).is_dir():
             return None
         tok = AutoTokenizer.from_pretrained(where)
@@ -82,7 +79,7 @@ def tokenizer_for(records: list[dict], target: str | None = None):
         if target is not None:
             raise DFlashError(f"--target {target}: no tokenizer there ({str(e).splitlines()[0]}); pass the target folder")
         return None
-    return lambda ids: tok.decode(ids)
+    return tok.decode
 
 
 def run_parity(path_a, path_b, method: str | None = None, against: str | None = None,
@@ -125,8 +122,6 @@ def parity_markdown(res: dict) -> str:
 
 
 def write_parity(res: dict, out) -> list[Path]:
-    from dflashkit.fileio import write_json, write_text
-
     out = Path(out)
     write_json(out / "parity.json", res)
     write_text(out / "parity.md", parity_markdown(res))

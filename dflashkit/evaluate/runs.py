@@ -1,10 +1,10 @@
-"""An eval run as a user sees it: console lines, the run folder (results.json, summary.md, plots, log) and
-`run_eval`, what `dflashkit eval` does. The scoring itself is evaluate/offline.py."""
+"""An eval run as a user sees it: console lines and the run folder; the scoring itself is evaluate/offline.py."""
 
 from __future__ import annotations
 
 import os
 import time
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -84,8 +84,7 @@ def summary_markdown(result: dict, header: list[str], plots: bool = True) -> str
     cols = lambda x: [x["blocks"], x["streak"], x["tau"], x["pos1_acc"]] + [x.get(t) for t in trees]
     rows = [[p["id"], *cols(p)] for p in result["per_prompt"]] + [["**overall**", *cols(o)]]
     md = ["# Offline evaluation", "", "```", *header, "```", "", markdown_table(heads, rows), ""]
-    per_cat = result.get("per_category") or {}
-    if per_cat:
+    if per_cat := result.get("per_category"):
         rows = [[c, v["prompts"], *cols(v)] for c, v in per_cat.items()] + [["**overall**", o["prompts"], *cols(o)]]
         md += ["## Per category", "", markdown_table(["category", "prompts"] + heads[1:], rows),
                "![tau per category](categories.png)" if plots else "", ""]
@@ -95,17 +94,15 @@ def summary_markdown(result: dict, header: list[str], plots: bool = True) -> str
                   f"the token map (engines drafting over the full {x['vocabulary']} tokens): tau {_f(x['tau'])}. "
                   "`dflashkit drafter export` keeps the map (vLLM and llama.cpp read it).")
     md.append(f"Trees: {tree_note(trees)}." + (f" {hybrid_line(o)} (tau per round)." if o.get("hybrid") else ""))
-    exp = [f"{tree_label(t)} {_f(o['expected'][t])}" for t in trees if t in o["expected"]]
-    if exp:
+    if exp := [f"{tree_label(t)} {_f(o['expected'][t])}" for t in trees if t in o["expected"]]:
         md.append(f"Drafter-expected accepted depth (sum of tree-node probabilities): {', '.join(exp)}.")
     if sf := result.get("shortfall"):
         md.append(f"\n**Partial: {sf['present']} of {sf['requested']} requested prompts** (missing: {', '.join(sf['missing'])}).")
     md += ["", "## Per-position accuracy", "",
            markdown_table(["position", "cumulative P(streak>=k)", "drafter-predicted (calibration)",
                            "conditional P(k given k-1)"],
-                          [[k + 1, c, pr, d] for k, (c, pr, d) in enumerate(zip(
-                              o["acc_cumulative"], o.get("acc_predicted") or [None] * len(o["acc_cumulative"]),
-                              o["acc_conditional"]))]),
+                          [[k, *v] for k, v in enumerate(zip_longest(
+                              o["acc_cumulative"], o.get("acc_predicted") or [], o["acc_conditional"]), 1)]),
            "## DDTree budget curve", "",
            markdown_table(["budget", "accepted depth", "drafter-expected"],
                           [[b, o["budget_curve"][b], o["budget_curve_expected"][b]] for b in o["budget_curve"]]),
@@ -140,8 +137,7 @@ def write_plots(out_dir, results: dict[str, dict]) -> list[str]:
     return files
 
 
-def header_lines(drafter_info: dict, load_report: list[str], target_ident: dict, cache_info: dict, settings: dict,
-                 blocks: int | None) -> list[str]:
+def header_lines(drafter_info: dict, target_ident: dict, cache_info: dict, settings: dict, blocks: int | None) -> list[str]:
     """What was evaluated, stated so that nobody mistakes a partial run for a full one."""
     sf = cache_info.get("shortfall")
     n = len(cache_info["prompt_ids"])
@@ -152,7 +148,7 @@ def header_lines(drafter_info: dict, load_report: list[str], target_ident: dict,
     vocab = f", draft vocabulary {settings['draft_vocab']} tokens" if settings.get("draft_vocab") else ""
     return [
         f"drafter  {drafter_info['path']}  (model.safetensors sha256 {drafter_info['sha256'][:12]})",
-        *[f"  {line}" for line in load_report],
+        *[f"  {line}" for line in drafter_info["load_report"]],
         f"target   {target_ident['name']}  {target_ident['path']}",
         f"cache    {cache_info['path']}  (manifest {cache_info['manifest_hash'][:12]})",
         f"prompts  {prompts}",
@@ -201,7 +197,7 @@ def run_eval(drafter_path, target, cache, run_dir, anchors: str = "stride", tree
             say(line)
             log.append(line)
 
-    out(*header_lines(drafter_info, drafter.load_report, target.identity(), info, settings, blocks))
+    out(*header_lines(drafter_info, target.identity(), info, settings, blocks))
     width = max((len(p) for p in cache.prompt_ids), default=8)
 
     def on_prompt(summary, recs):
@@ -214,8 +210,7 @@ def run_eval(drafter_path, target, cache, run_dir, anchors: str = "stride", tree
                       progress=progress, on_prompt=on_prompt, replays=replays)
     out(*overall_lines(result))
     out(f"evaluated in {time.perf_counter() - t0:.1f}s; run folder {run_dir}")
-    header = header_lines(drafter_info, drafter.load_report, target.identity(), info, result["settings"],
-                          result["overall"]["blocks"])
+    header = header_lines(drafter_info, target.identity(), info, result["settings"], result["overall"]["blocks"])
     result = {"format": "dflashkit-eval/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "header": header,
               "drafter": drafter_info, "target": target.identity(), **result}
     save_run(run_dir, result, log, ckpt, plots)

@@ -51,8 +51,7 @@ def parse_engines(spec: str) -> list[str]:
 
 def engine_rows(session, methods: list[str], engines: list[str],
                 references: bool = True) -> dict[str, tuple[str, str]]:
-    """label -> (method, engine): each of our methods on each engine asked (rows past the first engine's named
-    'method@engine'), and plain decoding on every engine a row runs on (and on hf beside static), its reference."""
+    """label -> (method, engine): each method on each engine ('method@engine' past the first), and ar on each used."""
     rows: dict[str, tuple[str, str]] = {}
     for m in methods:
         if is_engine(m) or parse_method(m)[0] not in STATIC_KINDS:
@@ -100,8 +99,7 @@ def _run(target, proposer, item, label, max_new_tokens, sampling: Sampling, seed
 
 
 def _engine_parting(target, runs: list[dict], rows: dict, turns: dict, decoder=None):
-    """Plain decoding on static against hf's: any difference fails in float32; in low precision one within rounding
-    is reported. Returns (failures, reported partings, {equal, prompts, parts_at})."""
+    """Static's plain decoding vs hf's: a difference fails in float32; below it, one within rounding is reported."""
     hf, st = plain_row(rows, "hf"), plain_row(rows, "static")
     if hf is None or st is None:
         return [], [], {}
@@ -129,8 +127,7 @@ def check_static_step(target, decoder, runs: list[dict], label: str) -> list[dic
         want = ref(torch.tensor([ids], device=target.device)).logits[0].float()
         got = torch.stack([decoder.forward([t], i) for i, t in enumerate(ids)])
         gap = (got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1.0)
-        past = (gap > STEP_TOLERANCE).nonzero()
-        if len(past):
+        if len(past := (gap > STEP_TOLERANCE).nonzero()):
             i = int(past[0])
             bad.append({"prompt": r["prompt"], "method": label, "against": "float32 reference",
                         "first_difference": max(0, i - r["prompt_tokens"] + 1), "position": i,
@@ -143,9 +140,8 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
               warmup: bool = True, progress: bool = True, cost: CostCurve | None = None, engine: str = "hf",
               log=None, offline: dict | None = None, predict: bool = True, references: bool = True,
               journal=None, reprobe: bool = False) -> dict:
-    """prompts: (id, prompt token ids or a PromptItem). Returns {"config", "cost", "methods", "runs", "mismatches",
-    ...}. `engine`: auto, hf, static, or several joined by commas (one row per method and engine). `references`: also
-    ar@hf beside static and ar@hf-stock where kernels are switched. `journal`: the finished runs (measure/journal.py)."""
+    """prompts: (id, prompt token ids or a PromptItem). `engine`: auto, hf, static, or several joined by commas (a row
+    per method and engine). `references`: also ar@hf beside static and ar@hf-stock where kernels are switched."""
     proposer = DFlashProposer(target, drafter, block_size) if drafter is not None else None
     if proposer is None and any(needs_drafter(m) for m in methods):
         raise DFlashError(f"methods {', '.join(m for m in methods if needs_drafter(m))} need --drafter")
@@ -161,22 +157,25 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
     engines = sorted((m for m in methods if is_engine(m)), key=lambda m: (plain_of(m), m != plain_of(m)))
     if engines and sampling.temperature != 0:
         raise DFlashError(f"--methods {', '.join(engines)}: the engine peers run greedy only (--temperature 0)")
+    B = proposer.block_size if proposer else None
     with ExitStack() as stack:  # the engines up through the whole rotation, idle but for their own turns
-        peers = {m: stack.enter_context(EnginePeer(m, target, drafter, proposer.block_size if proposer else 0,
-                                                   max_new_tokens)) for m in engines}
+        peers = {m: stack.enter_context(EnginePeer(m, target, drafter, B or 0, max_new_tokens)) for m in engines}
         window = {m: [] for m in methods if predict and predicted_engine(m, rows) in SAMPLED}
         spent = {"predict": 0.0}  # seconds the prediction cost the bench: its samples, its cost models
-        sample = _sampler(window, rows, target, proposer, session, peers, spent)
+
+        def sample(m):  # a quick sample of the row's engine cost before its run, timed against the prediction
+            t = time.perf_counter()
+            with suppress(DFlashError, OSError):
+                if m in window and (got := forward_sample(predicted_engine(m, rows), target, proposer, session,
+                                                          peers.get(m), m.endswith("-dflash"))):
+                    window[m].append(got)
+            spent["predict"] += time.perf_counter() - t
         runs, turns = _timed_runs(target, proposer, prompts, ours + engines, max_new_tokens, sampling, warmup,
                                   progress, curve, peers, session, rows, sample, journal)
-    started = {m: p.info for m, p in peers.items()}
     mismatches, divergences, judged = _judge(target, runs, rows, turns, sampling, switched, session.static)
-    B = proposer.block_size if proposer else None
     categories = {pid: getattr(item, "category", None) for pid, item in prompts}
     summary = summarize_methods(runs, methods, B)
-    _annotate(summary, rows, started, judged,
-              lambda m: predicted_tau(target, proposer, [r for r in runs if r["method"] == m]))
-    add_fallback(summary, runs, rows)
+    _annotate(summary, runs, rows, {m: p.info for m, p in peers.items()}, judged, target, proposer)
     # predicted beside measured (measure/predict.py): each row's own rounds, and `offline` ({engine: an eval}) given
     t1 = time.perf_counter()
     models = predict_bench(target, proposer, runs, rows, summary, session, offline, log, window) if predict else {}
@@ -193,24 +192,11 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
         "tau_checks": check_tau(summary), "runs": runs})
 
 
-def _sampler(window: dict, rows: dict, target, proposer, session, peers: dict, spent: dict):
-    """sample(row): a quick sample of the row's engine cost before its run, timed against the prediction."""
-    def sample(m):
-        t = time.perf_counter()
-        with suppress(DFlashError, OSError):
-            if m in window and (got := forward_sample(predicted_engine(m, rows), target, proposer, session,
-                                                      peers.get(m), m.endswith("-dflash"))):
-                window[m].append(got)
-        spent["predict"] += time.perf_counter() - t
-    return sample
-
-
 def _config(target, drafter, B, methods, engine, rows, session, prompts, categories, turns, max_new_tokens,
             sampling: Sampling) -> dict:
     return {"target": target.name, "target_identity": target.identity(), "device": str(target.device),
             "dtype": str(target.dtype).removeprefix("torch."), "weights": describe_weights(target), "block_size": B,
-            "methods": methods,
-            "engine": engine, "backends": {label: e for label, (m, e) in rows.items()},
+            "methods": methods, "engine": engine, "backends": {label: e for label, (m, e) in rows.items()},
             "auto": session.auto and probe_note(session.auto),
             "threads": torch.get_num_threads(), "static_kernels": _kernels_built_for(session.static),
             "prompts": [p for p, _ in prompts], "categories": categories,
@@ -223,9 +209,8 @@ def _add_parity(target, rows: dict, sampling: Sampling, result: dict) -> dict:
     """The per-request records of every run and, at temperature 0, each row's parity against its plain baseline."""
     result["requests"] = bench_records(result)
     result["parity"] = bench_parity(target, result["requests"], rows) if sampling.temperature == 0 else {}
-    for label, p in result["parity"].items():
-        if label in result["methods"]:
-            result["methods"][label]["parity"] = brief(p)
+    for label in result["parity"].keys() & result["methods"].keys():
+        result["methods"][label]["parity"] = brief(result["parity"][label])
     return result
 
 
@@ -236,26 +221,20 @@ def _kernels_built_for(decoder) -> str | None:
     return f"{decoder.kernels}, {' '.join(f for f in cflags() if f.startswith('-m'))} on this CPU: {instruction_set()}"
 
 
-def _annotate(summary: dict, rows: dict, started: dict, judged: dict, predict) -> None:
-    """Each row's backend and method, and the partings and (engine peers) start and predicted tau."""
+def _annotate(summary: dict, runs: list[dict], rows: dict, started: dict, judged: dict, target, proposer) -> None:
+    """Each row's backend, method and partings; engine peers' start and predicted tau; per speculative row the share
+    of rounds that drafted, and its worst prompt against plain decoding there."""
     for m, info in started.items():
         summary[m].update(engine=info, ar_parting=judged["parting"].get(m))
         if m.endswith("-dflash"):
-            summary[m]["predicted_tau"] = predict(m)
-    for label, (m, e) in rows.items():
-        if label in summary:
-            summary[label].update(backend=e, method_name=m)
-    if judged["static_parting"]:
-        summary[plain_row(rows, "static")]["ar_parting"] = judged["static_parting"]
-
-
-def add_fallback(summary: dict, runs: list[dict], rows: dict) -> None:
-    """Per speculative row: the share of rounds that drafted, and its worst prompt against plain decoding there."""
+            summary[m]["predicted_tau"] = predicted_tau(target, proposer, [r for r in runs if r["method"] == m])
     for label, (m, engine) in rows.items():
-        s, plain = summary.get(label), plain_row(rows, engine)
-        if s is None or kind_of(m) in ("ar", *TRANSFORMERS, *PEER_METHODS) or is_engine(m):
+        if (s := summary.get(label)) is None:
             continue
-        mine = [r for r in runs if r["method"] == label]
+        s.update(backend=engine, method_name=m)
+        if kind_of(m) in ("ar", *TRANSFORMERS, *PEER_METHODS):
+            continue
+        plain, mine = plain_row(rows, engine), [r for r in runs if r["method"] == label]
         drafted = [d for r in mine for d in r.get("drafted") or ()]
         s["drafted_share"] = sum(drafted) / len(drafted) if drafted else None
         base = {r["prompt"]: measured_decode_tps([r]) for r in runs if r["method"] == plain}
@@ -263,6 +242,8 @@ def add_fallback(summary: dict, runs: list[dict], rows: dict) -> None:
                   if (tps := measured_decode_tps([r])) and base.get(r["prompt"])}
         worst = min(ratios, key=ratios.get, default=None)
         s["worst_prompt"] = {"prompt": worst, "vs": plain, "ratio": ratios[worst]} if worst else None
+    if judged["static_parting"]:
+        summary[plain_row(rows, "static")]["ar_parting"] = judged["static_parting"]
 
 
 def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling, switched: bool, decoder=None):
@@ -286,15 +267,12 @@ def _judge(target, runs: list[dict], rows: dict, turns: dict, sampling: Sampling
 
 
 def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, warmup, progress, curve,
-                peers: dict, session, rows: dict, sample=None, journal=None) -> tuple[list[dict], dict]:
-    """Every method on every prompt after a warm-up, the order rotated per prompt (drift hits all alike); also plain
-    decoding's turns per prompt (prompt ids per turn, answer lengths), which explain_by_rounding reads."""
-    runs = journal.done() if journal is not None else []
-    if journal is not None:
-        journal.start(runs)
-        if runs:
-            print(f"bench: resuming from {journal.path}: {len(runs)} of {len(prompts) * len(methods)} runs done",
-                  file=sys.stderr)
+                peers: dict, session, rows: dict, sample, journal=None) -> tuple[list[dict], dict]:
+    """Each method on each prompt after a warm-up, in an order rotated per prompt (drift hits all alike); ar's turns."""
+    runs = journal.resume() if journal is not None else []
+    if runs:
+        print(f"bench: resuming from {journal.path}: {len(runs)} of {len(prompts) * len(methods)} runs done",
+              file=sys.stderr)
     finished = {(r["prompt"], r["method"]) for r in runs}
 
     def run(m: str, i: int, pid: str, item, n: int) -> dict:
@@ -316,8 +294,7 @@ def _timed_runs(target, proposer, prompts, methods, max_new_tokens, sampling, wa
                     bar.update()
                     continue
                 bar.set_description(f"bench {pid} {m}")
-                if sample is not None:
-                    sample(m)
+                sample(m)
                 runs.append(r := run(m, i, pid, item, max_new_tokens))
                 if journal is not None:
                     journal.add(r)
@@ -336,8 +313,7 @@ def exact_kernels(target) -> bool:
 
 
 def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[dict], reference: str = "ar"):
-    """Split mismatches into (unexplained, divergences): a gap between plain decoding's logits of its own and the
-    speculative token, at the first difference, within rounding_tolerance is a reported divergence."""
+    """(unexplained, divergences): a divergence's two tokens lie within rounding_tolerance in plain decoding's logits."""
     tokens = {(r["prompt"], r["method"]): r["tokens"] for r in runs}
     failed, explained = [], []
     for x in mismatches:
@@ -358,8 +334,7 @@ def explain_by_rounding(target, turns: dict, runs: list[dict], mismatches: list[
 
 
 def check_lossless(runs: list[dict], rows: dict | None = None) -> list[dict]:
-    """One entry per (prompt, method) whose output differs from plain decoding's on its own engine. `rows`: label ->
-    (method, engine) (default: every run on one engine)."""
+    """Each (prompt, method) whose output differs from plain decoding's on its engine (in `rows`, else hf)."""
     rows = {label: (rows or {}).get(label, (label, "hf")) for label in dict.fromkeys(r["method"] for r in runs)}
     return differences(runs, lambda label: plain_row(rows, rows[label][1], "ar"))
 
@@ -399,8 +374,7 @@ def summarize(runs: list[dict], block_size: int | None = None) -> dict:
 
 
 def add_ratios(summary: dict) -> None:
-    """Speedups against plain decoding (the faster of ar and ar@hf-stock, when the stock kernels differ from ours),
-    transformers' generate and prompt lookup, and the ceiling tau * t_ar / (t_draft + t_verify)."""
+    """Speedups against plain decoding (the faster of ar and ar@hf-stock), hf-generate, prompt lookup; the ceiling."""
     ar = max((s for s in (summary.get(STOCK_AR), summary["ar"]) if s), key=lambda s: s["tokens_per_s"] or 0)
     pl = next((s for m, s in summary.items() if m.startswith("prompt-lookup")), None)
     hf = summary.get("hf-generate")
@@ -428,8 +402,7 @@ def bench_weights(c: dict) -> str:
 
 def bench_markdown(result: dict) -> str:
     c = result["config"]
-    weights = bench_weights(c)
-    lines = [f"# Decoding benchmark: {c['target']} on {c['device']} ({c['dtype']}{weights})", "",
+    lines = [f"# Decoding benchmark: {c['target']} on {c['device']} ({c['dtype']}{bench_weights(c)})", "",
              f"{len(c['prompts'])} prompts, up to {c['max_new_tokens']} new tokens, "
              f"{c.get('sampling') or 'temperature ' + str(c['temperature'])}, seed {c.get('seed')}, "
              f"block size {c['block_size']}; methods run in rotated order per prompt after a warm-up; "

@@ -19,6 +19,7 @@ from dflashkit.threads import add_threads_option
 
 ENGINE_CHOICES = "auto, " + ", ".join(PRICED)
 REPROBE_HELP = "auto: time the backends again (a probe cached from a busy hour), replacing the cached answer"
+DTYPE_HELP = "auto (bf16 on CUDA and on CPUs with native bf16, else float32) | float32 | bfloat16"
 
 
 def register(sub) -> None:
@@ -64,8 +65,7 @@ def register(sub) -> None:
     c.add_argument("--engine", default="auto", help=f"{ENGINE_CHOICES}, several joined by commas; auto: the backend "
                    "speculative decoding picks here (measure/probe.py)")
     c.add_argument("--device", default="auto")
-    c.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
-                   "float32 | bfloat16")
+    c.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     add_weights_option(c)
     c.add_argument("--out", default="runs/cost", help="folder for cost.json, cost.md and cost.png")
     c.add_argument("--json", action="store_true", help="print the cost models as JSON")
@@ -100,8 +100,7 @@ def _common(p) -> None:
                    "greedy choice (1 = the reference; 0 accepts exactly as match)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with native bf16, else float32) | "
-                   "float32 | bfloat16")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     add_weights_option(p)
     add_threads_option(p)
 
@@ -179,15 +178,14 @@ def cmd_generate(args) -> int:
             for k, text in enumerate(texts):
                 print(f"-- turn {k + 1} --\n{text}" if len(texts) > 1 else text)
     if args.json:
-        json.dump(records, sys.stdout, indent=1)
-        print()
+        print(json.dumps(records, indent=1))
     if args.out:
         print(f"wrote {write_requests(args.out, requests)}", file=sys.stderr)
     return 0
 
 
 def offline_runs(args: list[str]) -> dict[str, dict]:
-    """{engine, or "" for every engine: an eval run's results} of `--offline [ENGINE=]RUN` (each given once)."""
+    """{engine, or "" for every engine: an eval run's results.json, its "source" added} of `--offline [ENGINE=]RUN`."""
     runs: dict[str, dict] = {}
     for arg in args:
         engine, _, folder = arg.rpartition("=")
@@ -197,7 +195,14 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
         if engine in runs:
             raise DFlashError(f"--offline {arg}: {'engine ' + engine if engine else 'a run for every engine'} is "
                               "given twice; pass one eval run each")
-        runs[engine] = offline_run(folder, f" for the {engine} rows" if engine else "")
+        path = Path(folder) / "results.json"
+        if not path.is_file():
+            raise DFlashError(f"--offline {folder}: no results.json there; pass a folder `dflashkit eval --out` wrote")
+        res = runs[engine] = read_json(path, fix="rerun `dflashkit eval` to rewrite it")
+        if "overall" not in res or "settings" not in res:
+            raise DFlashError(f"--offline {folder}: {path} has no 'overall' or 'settings'; it is not an eval run")
+        res["source"] = (f"offline eval {folder} ({res['settings'].get('anchors')} anchors, "
+                         f"{res['overall'].get('blocks')} blocks)" + (f" for the {engine} rows" if engine else ""))
     return runs
 
 
@@ -218,32 +223,9 @@ def check_offline(offline: dict[str, dict], target, drafter_path: str | None, bl
                               f"{block_size}; pass an eval run at the bench's block size (or --block-size)")
 
 
-def offline_run(folder: str, for_rows: str = "") -> dict:
-    """An eval run's results.json, with where it came from (bench's offline prediction names it)."""
-    path = Path(folder) / "results.json"
-    if not path.is_file():
-        raise DFlashError(f"--offline {folder}: no results.json there; pass a folder `dflashkit eval --out` wrote")
-    res = read_json(path, fix="rerun `dflashkit eval` to rewrite it")
-    if "overall" not in res or "settings" not in res:
-        raise DFlashError(f"--offline {folder}: {path} has no 'overall' or 'settings'; it is not an eval run")
-    s, o = res["settings"], res["overall"]
-    res["source"] = f"offline eval {folder} ({s.get('anchors')} anchors, {o.get('blocks')} blocks){for_rows}"
-    return res
-
-
-def bench_journal(args, target, methods: list[str], prompts: list, sampling):
-    """The journal of this bench's finished runs, `<out>/runs.jsonl`, keyed by what the runs depend on."""
+def cmd_bench(args) -> int:
     import torch
 
-    weights = Path(args.drafter or "") / "model.safetensors"
-    settings = {"target": target.identity(), "dtype": str(target.dtype), "methods": methods, "engine": args.engine,
-                "prompts": [pid for pid, _ in prompts], "max_new_tokens": args.max_new_tokens,
-                "block_size": args.block_size, "sampling": repr(sampling), "threads": torch.get_num_threads(),
-                "drafter": sha256_file(weights) if args.drafter and weights.is_file() else args.drafter}
-    return Journal(Path(args.out) / "runs.jsonl", settings)
-
-
-def cmd_bench(args) -> int:
     from dflashkit.measure.bench import bench_markdown, parse_methods, run_bench, write_bench
 
     sampling = _check(args)
@@ -254,13 +236,18 @@ def cmd_bench(args) -> int:
     offline = offline_runs(args.offline or [])  # a bad run folder fails before the target loads
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
     check_offline(offline, target, args.drafter, args.block_size or (drafter.config.block_size if drafter else None))
-    journal = bench_journal(args, target, methods, prompts, sampling)
+    weights = Path(args.drafter or "") / "model.safetensors"
+    # the finished runs, keyed by what they depend on
+    journal = Journal(Path(args.out) / "runs.jsonl", {
+        "target": target.identity(), "dtype": str(target.dtype), "methods": methods, "engine": args.engine,
+        "prompts": [pid for pid, _ in prompts], "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
+        "sampling": repr(sampling), "threads": torch.get_num_threads(),
+        "drafter": sha256_file(weights) if args.drafter and weights.is_file() else args.drafter})
     args.on_interrupt = (f"interrupted; the finished runs are in {journal.path}: the same command resumes from there "
                          "(another --out starts anew)")
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
-                       block_size=args.block_size, sampling=sampling, engine=args.engine,
-                       log=_say, offline=offline, predict=not args.no_predict,
-                       journal=journal, reprobe=args.reprobe)
+                       block_size=args.block_size, sampling=sampling, engine=args.engine, log=_say, offline=offline,
+                       predict=not args.no_predict, journal=journal, reprobe=args.reprobe)
     paths = write_bench(result, args.out)
     journal.finish()
     print(bench_markdown(result))
@@ -273,8 +260,7 @@ def cmd_bench(args) -> int:
     if off:  # the engine and our loop accept differently on the same drafter: one of them computes something else
         print("error: " + "; ".join(f"{t['method']} mean acceptance length {t['engine_tau']:.3f} vs the "
                                     f"{t['predicted_tau']:.3f} our drafter predicts on its output "
-                                    f"({100 * t['gap']:+.1f}%, beyond 5%)" for t in off),
-              file=sys.stderr)
+                                    f"({100 * t['gap']:+.1f}%, beyond 5%)" for t in off), file=sys.stderr)
         return 1
     return 0
 
@@ -283,11 +269,10 @@ def engines_of(spec: str) -> list[str]:
     from dflashkit.measure.costmodel import check_model_engine
 
     names = [e.strip() for e in spec.split(",") if e.strip()]
-    for name in names:
-        if name != "auto":
-            check_model_engine(name)
     if not names:
         raise DFlashError(f"--engine {spec!r}: name one of {ENGINE_CHOICES}")
+    for name in [n for n in names if n != "auto"]:
+        check_model_engine(name)
     return names
 
 
@@ -302,8 +287,7 @@ def models_for(names: list[str], target, drafter_ref=None, force: bool = False) 
     proposer = DFlashProposer(target, load_drafter(drafter_ref, target=target, device=target.device,
                                                    dtype=target.dtype)) if drafter_ref else None
     session = new_session(target, proposer, log=_say, trees=True)
-    method = "chain" if proposer else "ar"
-    concrete = [backend_for(session, "auto", method) if n == "auto" else n for n in names]
+    concrete = [backend_for(session, "auto", "chain" if proposer else "ar") if n == "auto" else n for n in names]
     return [cost_model(e, target, proposer, session, force=force, log=_say) for e in dict.fromkeys(concrete)]
 
 

@@ -7,7 +7,6 @@ import json
 import math
 import statistics
 import subprocess
-import tempfile
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field, replace
@@ -97,9 +96,7 @@ class CostModel:
 
 
 def load_model(path) -> CostModel:
-    model = CostModel.from_dict(read_json(path, fix=FIX), str(path))
-    model.path = Path(path)
-    return model
+    return replace(CostModel.from_dict(read_json(path, fix=FIX), str(path)), path=Path(path))
 
 
 def drafter_shape(proposer) -> dict | None:
@@ -112,12 +109,6 @@ def drafter_shape(proposer) -> dict | None:
             "vocab": proposer.head.size}
 
 
-def model_key(target, engine: str, proposer=None) -> tuple[str, dict]:
-    record = {**machine_key(target)[1], "engine": engine, "engine_version": engine_version(engine),
-              "device": str(target.device), "drafter": drafter_shape(proposer), "depth": DEPTH, "probe": 3}
-    return sha256_json(record)[:16], record
-
-
 def check_model_engine(engine: str) -> None:
     if engine not in PRICED:
         raise DFlashError(f"--engine {engine!r}: no cost model for it; use one of auto, {', '.join(PRICED)}")
@@ -128,8 +119,9 @@ def cost_model(engine: str, target, proposer=None, session=None, force: bool = F
     """The cached cost model of `engine` here for `target` (and `proposer`'s drafter), measured now where none is,
     with `force`, or where the cached one was measured under load; not `measure`: a missing one is an error."""
     check_model_engine(engine)
-    key, record = model_key(target, engine, proposer)
-    path = home() / "cost-model" / f"{engine}-{key}.json"
+    record = {**machine_key(target)[1], "engine": engine, "engine_version": engine_version(engine),
+              "device": str(target.device), "drafter": drafter_shape(proposer), "depth": DEPTH, "probe": 3}
+    path = home() / "cost-model" / f"{engine}-{sha256_json(record)[:16]}.json"
     model = load_model(path) if path.is_file() and not force else None
     if model is not None and not (measure and loaded(model.record)):
         return model
@@ -140,7 +132,7 @@ def cost_model(engine: str, target, proposer=None, session=None, force: bool = F
     (log or (lambda m: None))(f"cost model: measuring {engine} on this machine (cached in {path})"
                               + (" again: it was measured under load" if model else ""))
     t0, start = time.perf_counter(), load_sample()
-    model = PROBES[engine](target, proposer, session or new_session(target, proposer, log=log), log)
+    model = PROBES[engine](target, proposer, session or new_session(target, proposer, log=log))
     model.record = {**record, "probe_s": round(time.perf_counter() - t0, 1),
                     "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "load": measured_load(start, record["threads"])}
     write_json(path, model.to_dict())
@@ -176,13 +168,13 @@ def static_widths(decoder, timed: int) -> dict[int, float]:
     return {w: 1000 * t for w, t in sorted(decoder.time_widths(depth=DEPTH, timed=timed).items())}
 
 
-def probe_hf(target, proposer, session, log=None) -> CostModel:
+def probe_hf(target, proposer, session) -> CostModel:
     (forward, paths), (draft, overhead) = hf_curves(target, proposer, 5), probe_loops(target, proposer, "hf", session)
     return CostModel("hf", list(forward), list(forward.values()), draft, overhead,
                      paths=paths and {"ns": list(paths), "ms": list(paths.values())})
 
 
-def probe_static(target, proposer, session, log=None) -> CostModel:
+def probe_static(target, proposer, session) -> CostModel:
     if why := static_refusal(target):
         raise DFlashError(why)
     times = static_widths(static.decoder_for(session, 512, proposer, trees=True), 7)
@@ -190,30 +182,11 @@ def probe_static(target, proposer, session, log=None) -> CostModel:
     return CostModel("static", list(times), list(times.values()), draft, overhead, rounding="up")
 
 
-def llama_bench_curve(target, repeats: int = 5) -> tuple[list[int], list[float]]:
-    """llama.cpp's own forward over n tokens after DEPTH of context (`llama-bench -p n -d DEPTH`), ms per n."""
-    from dflashkit.engines.install import require
-    from dflashkit.engines.llamacpp import target_gguf
-
-    engine = require("llama.cpp")
-    gguf = target_gguf(engine, target, str(target.dtype).removeprefix("torch."))
-    cmd = [str(engine.binary("llama-bench")), "-m", str(gguf), "-t", str(torch.get_num_threads()), "-n", "0", "-r",
-           str(repeats), "-o", "json", "-d", str(DEPTH), "-p", ",".join(map(str, PROBE_NS))]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise DFlashError(f"llama-bench failed ({' '.join(cmd)}): {res.stderr.strip()[-300:]}")
-    rows = {int(r["n_prompt"]): r["avg_ns"] / 1e6 for r in json.loads(res.stdout) if r.get("n_prompt")}
-    ns = sorted(rows)
-    return ns, [rows[n] for n in ns]
-
-
 def peer_round_ms(method: str, target, drafter, block_size: int) -> float:
     """ms per round of an engine peer started for the probe (engine_round_ms)."""
-    with tempfile.TemporaryDirectory(prefix="dflashkit-cost-") as work:
-        with peers.start_engine(method, target, drafter, block_size, peers.context_length(target), Path(work)) as engine:
-            engine.complete(target.chat_ids([{"role": "user", "content": PROBE_PROMPT}]), 8,
-                            set(target.stop_token_ids))  # warm-up
-            return engine_round_ms(engine, target, drafter is not None)
+    with peers.EnginePeer(method, target, drafter, block_size, 8) as peer:
+        peer.one(target.chat_ids([{"role": "user", "content": PROBE_PROMPT}]))  # warm-up
+        return engine_round_ms(peer.engine, target, drafter is not None)
 
 
 def engine_round_ms(engine, target, speculative: bool) -> float:
@@ -224,11 +197,21 @@ def engine_round_ms(engine, target, speculative: bool) -> float:
     return 1000 * (full.seconds - one.seconds) / max(1, rounds)
 
 
-def probe_llama_cpp(target, proposer, session, log=None) -> CostModel:
-    """The forward curve from llama-bench; the loop's work per token is the server's plain round less its
-    one-token forward; the drafter's call, its speculative round less the verify and that work."""
-    ns, ms = llama_bench_curve(target)
-    model = CostModel("llama.cpp", ns, ms, None, {})
+def probe_llama_cpp(target, proposer, session) -> CostModel:
+    """The forward curve from llama-bench (n tokens after DEPTH of context); the loop's work per token is the server's
+    plain round less its one-token forward; the drafter's call, its speculative round less the verify and that work."""
+    from dflashkit.engines.install import require
+    from dflashkit.engines.llamacpp import target_gguf
+
+    engine = require("llama.cpp")
+    gguf = target_gguf(engine, target, str(target.dtype).removeprefix("torch."))
+    cmd = [str(engine.binary("llama-bench")), "-m", str(gguf), "-t", str(torch.get_num_threads()), "-n", "0", "-r",
+           "5", "-o", "json", "-d", str(DEPTH), "-p", ",".join(map(str, PROBE_NS))]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise DFlashError(f"llama-bench failed ({' '.join(cmd)}): {res.stderr.strip()[-300:]}")
+    ms = {int(r["n_prompt"]): r["avg_ns"] / 1e6 for r in json.loads(res.stdout) if r.get("n_prompt")}
+    model = CostModel("llama.cpp", sorted(ms), [ms[n] for n in sorted(ms)], None, {})
     model.overhead_ms = {"ar": max(0.0, peer_round_ms("llama.cpp", target, None, 0) - model.forward(1))}
     if proposer is not None:
         B = proposer.block_size
@@ -237,7 +220,7 @@ def probe_llama_cpp(target, proposer, session, log=None) -> CostModel:
     return model
 
 
-def probe_vllm(target, proposer, session, log=None) -> CostModel:
+def probe_vllm(target, proposer, session) -> CostModel:
     """vLLM's forward is not reachable apart from its loop: its plain round stands for forward(1) and, with a
     drafter, its speculative round for forward(B) (drafter and loop included, so both are 0 here)."""
     ns, ms = [1], [peer_round_ms("vllm", target, None, 0)]
@@ -252,8 +235,7 @@ SAMPLED = ("hf", "static", "llama.cpp")  # vLLM's forward is its loop: no quick 
 
 
 def forward_sample(engine: str, target, proposer, session, peer=None, speculative: bool = False) -> dict | None:
-    """One quick sample of `engine`'s cost before a bench's run (a shared host drifts within minutes): our backends'
-    {"forward": {n: ms}, "paths": ...}; a llama.cpp `peer`'s own round, {"rounds": {"ar" or "chain": ms}}."""
+    """One quick sample of `engine`'s cost before a bench's run (a shared host drifts within minutes); None for vLLM."""
     if engine == "static":
         return {"forward": static_widths(session.static, 3) if session.static is not None else {}}
     if engine == "hf":

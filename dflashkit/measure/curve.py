@@ -86,12 +86,6 @@ def tree_cost_curve(target, block: int, **kwargs) -> CostCurve:
     return curve
 
 
-def weight_bytes(model) -> int:
-    """Bytes one forward must read at least once (tied embeddings counted once: the lm_head reads them)."""
-    first = {p.data_ptr(): p for p in reversed(list(model.parameters()))}  # one per storage: the first named
-    return sum(p.numel() * p.element_size() for p in first.values())
-
-
 @functools.lru_cache(maxsize=None)
 def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes per second of a streaming read (a sum over a buffer far larger than the caches), once per device."""
@@ -101,8 +95,9 @@ def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def cost_report(target, curve: CostCurve) -> dict:
-    """The curve plus the memory-bound floor of a one-token forward (weight bytes / measured bandwidth)."""
-    nbytes, bw = weight_bytes(target.model), measure_bandwidth(target.device)
+    """The curve plus the memory-bound floor of a one-token forward: its weight bytes (tied ones once) / bandwidth."""
+    first = {p.data_ptr(): p for p in reversed(list(target.model.parameters()))}  # one per storage: the first named
+    nbytes, bw = sum(p.numel() * p.element_size() for p in first.values()), measure_bandwidth(target.device)
     floor = nbytes / bw
     return {**curve.to_dict(), "weight_bytes": nbytes, "bandwidth_gb_s": bw / 1e9, "floor_ms": 1000 * floor,
             "one_token_vs_floor": curve.seconds[0] / floor}

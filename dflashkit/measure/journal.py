@@ -18,19 +18,19 @@ class Journal:
     def __init__(self, path, settings: dict):
         self.path, self.settings = Path(path), json.loads(json.dumps(settings))
 
-    def done(self) -> list[dict]:
-        """The runs an earlier, interrupted bench of these settings finished (none where there was none)."""
-        if not self.path.is_file():
-            return []
-        lines = self.path.read_text().splitlines()
+    def resume(self) -> list[dict]:
+        """The runs an earlier, interrupted bench of these settings finished (none where there was none), the file
+        rewritten as the header and those runs (a cut-off last line goes)."""
+        head = {"format": FORMAT, "settings": self.settings}
+        lines = self.path.read_text().splitlines() if self.path.is_file() else [json.dumps(head)]
         try:
-            head = json.loads(lines[0]) if lines else {}
+            found = json.loads(lines[0]) if lines else {}
         except json.JSONDecodeError:
-            head = {}
-        if head.get("format") != FORMAT:
+            found = {}
+        if found.get("format") != FORMAT:
             raise DFlashError(f"{self.path}: not a bench journal (its first line); delete it to start over")
-        differ = sorted(k for k in set(head["settings"]) | set(self.settings)
-                        if head["settings"].get(k) != self.settings.get(k))
+        differ = sorted(k for k in set(found["settings"]) | set(self.settings)
+                        if found["settings"].get(k) != self.settings.get(k))
         if differ:
             raise DFlashError(f"{self.path} holds an interrupted bench of other settings ({', '.join(differ)} "
                               "differ); rerun it as it was to finish it, pass another --out, or delete the file to "
@@ -41,12 +41,8 @@ class Journal:
                 runs.append(json.loads(line))
             except json.JSONDecodeError:  # cut off mid-write: that run had not finished
                 break
+        write_text(self.path, "".join(json.dumps(x) + "\n" for x in [head, *runs]))
         return runs
-
-    def start(self, restored: list[dict]) -> None:
-        """Rewrite the file as the header and the restored runs (a cut-off last line goes)."""
-        head = {"format": FORMAT, "settings": self.settings}
-        write_text(self.path, "".join(json.dumps(x) + "\n" for x in [head, *restored]))
 
     def add(self, run: dict) -> None:
         with self.path.open("a") as f:

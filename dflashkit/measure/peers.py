@@ -1,14 +1,12 @@
-"""Engine peers in `bench`: llama.cpp and vLLM decode the same prompts in the bench's rotation (this process waits on
-each answer, so two never compute at once), plain and with our drafter exported, held to their own plain decoding and
-compared with our `ar` (kernels differ: reported, not failed)."""
+"""Engine peers in `bench`: llama.cpp and vLLM decode the same prompts in the bench's rotation (one answer at a time),
+plain and with our drafter exported, held to their own plain decoding; partings from our `ar` reported, not failed."""
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 import time
-from contextlib import ExitStack
-from itertools import zip_longest
+from contextlib import ExitStack, contextmanager
+from itertools import accumulate, zip_longest
 from pathlib import Path
 
 import torch
@@ -33,11 +31,6 @@ def is_engine(method: str) -> bool:
 
 def plain_of(method: str) -> str:
     return method.removesuffix("-dflash")
-
-
-def context_length(target) -> int:
-    """Room for every turn of a conversation (prompts and answers); 4,096 or the target's own limit."""
-    return min(4096, int(getattr(target.config, "max_position_embeddings", None) or 4096))
 
 
 def start_engine(method: str, target, drafter, block_size: int, ctx: int, workdir: Path):
@@ -69,8 +62,9 @@ class EnginePeer:
 
     def __init__(self, method: str, target, drafter, block_size: int, max_new_tokens: int):
         self.method, self.target, self.max_new_tokens = method, target, max_new_tokens
-        self.drafter, self.block_size = drafter, block_size
-        self.ctx, self.stops = context_length(target), set(target.stop_token_ids)
+        self.drafter, self.block_size, self.stops = drafter, block_size, set(target.stop_token_ids)
+        # room for every turn of a conversation (prompts and answers): 4,096 or the target's own limit
+        self.ctx = min(4096, int(getattr(target.config, "max_position_embeddings", None) or 4096))
         self.fresh()
 
     def fresh(self) -> None:  # a conversation's own counters: the engine's drafts and what it reported per position
@@ -94,8 +88,7 @@ class EnginePeer:
         self._stack.__exit__(*exc)
 
     def one(self, ids: list[int]) -> Generation:
-        """One turn: the engine's answer, timed end to end (its prompt time apart, where the engine reports it); its
-        per-position acceptance summed over turns (None once a turn has none)."""
+        """One turn: the engine's answer, timed end to end (prompt time apart where reported); acceptance summed."""
         a = self.engine.complete(ids, self.max_new_tokens, self.stops)
         for k in self.counts:
             self.counts[k] += getattr(a, k)
@@ -126,8 +119,7 @@ def engine_tau(runs: list[dict]) -> float | None:
 
 
 def differences(runs: list[dict], against) -> list[dict]:
-    """One entry per run whose tokens differ from those of its baseline `against(label)` (None or itself: none) on
-    the same prompt; "against" named unless it is our ar."""
+    """Each run whose tokens differ from its baseline's `against(label)` (None or itself: none) on the same prompt."""
     by = {(r["prompt"], r["method"]): r["tokens"] for r in runs}
     bad = []
     for r in runs:
@@ -176,10 +168,8 @@ def predicted_tau(target, proposer, runs: list[dict]) -> float | None:
     """forced_chain_rounds over every turn of an engine's runs, as one mean."""
     rounds = []
     for r in runs:
-        offset = 0
-        for prompt, n in zip(r.get("turn_prompts") or [], r["turns"]):
-            rounds += forced_chain_rounds(target, proposer, prompt, r["tokens"][offset : offset + n])
-            offset += n
+        for prompt, n, at in zip(r.get("turn_prompts") or [], r["turns"], accumulate(r["turns"], initial=0)):
+            rounds += forced_chain_rounds(target, proposer, prompt, r["tokens"][at : at + n])
     return sum(rounds) / len(rounds) if rounds else None
 
 
@@ -196,7 +186,7 @@ def check_tau(summary: dict) -> list[dict]:
     return out
 
 
-@contextlib.contextmanager
+@contextmanager
 def plain_answers(target, engine: str, max_new_tokens: int, log=None):
     """(the backend, answer(prompt ids, max new tokens) -> (index, greedy completion)...) for `data generate --engine`:
     plain decoding on static or an engine peer, one prompt at a time; None for hf (transformers' batches are faster)."""

@@ -39,8 +39,7 @@ def predict_offline(acceptance: dict, model, only: str | None = None) -> dict:
     for field in ("block_size", "chain", "ddtree"):
         if field not in acceptance:
             raise DFlashError(f"acceptance: field {field!r} is missing (an eval results.json's 'overall' gives it)")
-    draft, base = _draft_ms(model), plain(model)
-    B = int(acceptance["block_size"])
+    draft, base, B = _draft_ms(model), plain(model), int(acceptance["block_size"])
     chain = 1.0 + sum(p for p in acceptance["chain"] if p is not None)  # the bonus + each draft reached and kept
     out = {"ar": base, "chain": _row(chain, draft, model.forward(B), model.overhead("chain"), width=B)}
     paths = acceptance.get("paths", {}) if model.paths else {}  # a branching tree's tokens, one path a row
@@ -73,8 +72,7 @@ def _replayed(rounds: dict, drafted: list[bool], model) -> dict:
 
 
 def replay_cuts(cuts: dict, model, draft: float) -> dict:
-    """ddtree-auto over the walk's rounds: each round's tree cut where decoding would cut it on this engine, committing
-    the accepted path's nodes inside the cut (`cuts`: evaluate/offline.py)."""
+    """ddtree-auto over the walk's `cuts`: each round's tree cut where decoding cuts it here, accepted nodes inside."""
     fixed, flat, accepted, widths = draft + model.overhead("tree"), not model.paths, [], []
     for gains, tokens, path in zip(cuts["gains"], cuts["tokens"], cuts["path"]):
         n = best_cut(gains, tokens, model.forward, fixed, None if flat else model.forward_paths)
@@ -84,16 +82,14 @@ def replay_cuts(cuts: dict, model, draft: float) -> dict:
 
 
 def hybrid_replay(model) -> dict:
-    """What the offline walk needs to replay the -auto methods as decoding runs them on this engine
-    (evaluate/offline.py, hybrid_walk): the drafter's most nodes, hybrid-auto's own n-gram lookup, the prices in ms."""
+    """What the offline walk (evaluate/offline.py, hybrid_walk) needs to replay -auto as decoding runs it here."""
     return {"budget": AUTO_BUDGET, "lookup": new_lookup("hybrid-auto"), "price": {
         "cost": model.forward, "path_cost": model.forward_paths if model.paths else None, "draft": _draft_ms(model),
         "fixed": model.overhead("tree")}}
 
 
 def offline_acceptance(overall: dict, block_size: int, source: str = "offline eval") -> dict:
-    """The acceptance of an eval's `overall` (evaluate/offline.py): per-position streak acceptance and the mean
-    accepted depth of every budget it measured (its budget curve and its budget:b trees)."""
+    """An eval's `overall` (evaluate/offline.py) as acceptance: per position (chain), and the mean depth per budget."""
     for field in ("acc_cumulative", "budget_curve"):
         if field not in overall:
             raise DFlashError(f"{source}: field 'overall.{field}' is missing; rerun `dflashkit eval` to rewrite it")
@@ -103,14 +99,6 @@ def offline_acceptance(overall: dict, block_size: int, source: str = "offline ev
     return {"block_size": block_size, "chain": overall["acc_cumulative"], "ddtree": ddtree, "paths": paths,
             "hybrid": {int(b): h for b, h in (overall.get("hybrid") or {}).items()}, "cuts": overall.get("ddtree_cuts"),
             "hybrid_auto": overall.get("hybrid_auto"), "ddtree_auto": overall.get("ddtree_auto"), "source": source}
-
-
-def loop_of(method: str) -> str:
-    """Which loop's work a method pays per round: plain decoding, the chain or a tree."""
-    name = method.split("@")[0].removesuffix("-dflash")
-    if name in ("ar",) + PEERS:
-        return "ar"
-    return "chain" if name == "chain" or method.endswith("-dflash") else "tree"
 
 
 def predict_rounds(accepted: list[int], widths: list[int], drafted: list[bool], model, loop: str) -> dict:
@@ -156,22 +144,21 @@ def _online(label: str, runs: list[dict], summary: dict, model, block_size: int 
         return _row(summary["tau"] or 1.0, _draft_ms(model), model.forward(block_size), model.overhead("chain"),
                     width=block_size)
     pick = lambda key: [x for r in runs for x in (r.get(key) or [])]
-    return predict_rounds(pick("accepted"), pick("widths"), pick("drafted"), model, loop_of(label))
+    loop = {"ar": "ar", "chain": "chain"}.get(label.split("@")[0], "tree")  # whose work a round pays
+    return predict_rounds(pick("accepted"), pick("widths"), pick("drafted"), model, loop)
 
 
 def predicted_engine(label: str, rows: dict) -> str | None:
     """The engine whose cost model prices a bench row; None: stock kernels or transformers' loops (none of ours)."""
     method, engine = rows.get(label, (label, label))
-    if method.split("-")[0] in ("prompt", "hf") or engine == "hf-stock":  # prompt-lookup, hf-generate
-        return None
-    return engine.removesuffix("-dflash")
+    ours = method.split("-")[0] not in ("prompt", "hf") and engine != "hf-stock"  # not prompt-lookup, hf-generate
+    return engine.removesuffix("-dflash") if ours else None
 
 
 def predict_bench(target, proposer, runs: list[dict], rows: dict, summary: dict, session,
                   offline: dict | None = None, log=None, window: dict | None = None) -> dict:
-    """Each row's predicted decode tokens/s beside its measured one, from its own rounds and from an offline eval
-    (`offline` {engine, or "" for the rest: an eval's results}), on its engine's model over its own runs' minutes
-    (`window` {row: samples}); returns the models used, by engine. A model that cannot be had is said on the row."""
+    """Each row's predicted decode tokens/s beside its measured one, from its own rounds and from `offline` {engine, or
+    "" for the rest: an eval's results}, on its engine's model over its runs' minutes (`window` {row: samples})."""
     B, window = proposer.block_size if proposer is not None else None, window or {}
     models, acceptances = {}, {e: offline_acceptance(o["overall"], o["settings"]["block_size"], o.get(
         "source", "offline eval")) for e, o in (offline or {}).items()}
@@ -275,8 +262,7 @@ def predicted_points(result: dict) -> dict[str, tuple[float, float]]:
 
 def predicted_plot(result: dict, path):
     """predicted.png: predicted against measured decode tokens/s with the 10% band; None without predictions."""
-    points = predicted_points(result)
-    if not points:
+    if not (points := predicted_points(result)):
         return None
     return scatter_against_measured(path, points, f"Predicted vs measured ({result['config']['target']}, "
                                     f"{result['config']['dtype']})", "decode tokens/s", ERROR_BAR)

@@ -31,10 +31,8 @@ def engine_version(engine: str) -> str:
         return f"vllm {VLLM_VERSION}"
     import transformers
 
-    version = f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
-    if engine == "static":
-        version += f", kernels {native.library_path().stem}"
-    return version
+    return (f"dflashkit {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
+            + (f", kernels {native.library_path().stem}" if engine == "static" else ""))
 
 
 def _say(log, message: str) -> None:
@@ -99,9 +97,8 @@ def _tree_jiffies() -> int:
 
 
 def measured_load(start: tuple, threads: int) -> dict:
-    """The load over a measurement begun at `start` on `threads` threads: `others`, the CPUs other processes kept busy
-    meanwhile (not the load average, which counts our own earlier work too). Loaded: others took CPUs our threads
-    needed; a loaded answer is used for the run, cached marked so, and measured again by the next run."""
+    """`others`: the CPUs other processes kept busy since `start` (the load average counts our own earlier work too).
+    Loaded: they took CPUs our `threads` needed; such an answer serves the run, is cached marked so, measured again."""
     (load0, (b0, t0), j0), cpus = start, len(usable_cpus())
     (b1, t1), j1 = cpu_times(usable_cpus()), _tree_jiffies()
     others = max(0.0, cpus * (b1 - b0 - (j1 - j0)) / (t1 - t0) if t1 > t0 else load0)

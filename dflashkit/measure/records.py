@@ -17,22 +17,20 @@ def kind_of(label: str) -> str:
 
 
 def run_record(run: dict, index: int, target: dict, dtype: str | None) -> dict:
-    """One bench run (or a generate answer in the same shape: prompt, method, tokens, accepted, times, turns,
-    turn_prompts, backend) as a per-request record; `target`: the target's identity (name, path)."""
+    """One bench run (or a generate answer in its shape) as a per-request record; `target`: identity (name, path)."""
     label = run["method"]
     common = dict(target=target.get("name"), target_path=target.get("path"), dtype=dtype, turn_tokens=run.get("turns"),
                   prompt_ids=run.get("turn_prompts"))
     if label in PEER_METHODS:
         return _engine_record(run, index, common)
-    t = run["times"]
     if kind_of(label) in TRANSFORMERS:  # timed end to end; its DFlash loop's rounds counted at the target's forwards
         rounds = list(run["accepted"]) or None
         why = {k: END_TO_END for k in ("draft_s", "verify_s", "prefill_s", *(() if rounds else (
             "tokens_per_round", "rounds", "accepted", "accepted_per_position", "tau")))}
         return request_record(run["prompt"], index, label, "transformers", run.get("backend", "hf"), run["tokens"],
-                              tokens_per_round=rounds, times={"total": t["total"]}, missing=why, **common)
+                              tokens_per_round=rounds, times={"total": run["times"]["total"]}, missing=why, **common)
     return request_record(run["prompt"], index, label, "dflashkit", run.get("backend", "hf"), run["tokens"],
-                          tokens_per_round=list(run["accepted"]), times=t, **common)
+                          tokens_per_round=list(run["accepted"]), times=run["times"], **common)
 
 
 def _engine_record(run: dict, index: int, common: dict) -> dict:
@@ -44,16 +42,14 @@ def _engine_record(run: dict, index: int, common: dict) -> dict:
                "verify_s": f"{engine} does not time its verify apart"}
     if not counts.get("prefill_known", True):
         missing["prefill_s"] = f"{engine} does not report its prompt time apart"
-    per_pos = counts.get("per_position")
-    if per_pos is None:
+    if counts.get("per_position") is None:
         missing["accepted_per_position"] = f"{engine} does not report acceptance per draft position"
     if not speculative:
         missing.update(rounds="plain decoding in the engine: no draft rounds", accepted="no drafts",
                        accepted_per_position="no drafts", tau="no drafts")
-    return request_record(run["prompt"], index, label, engine, engine, run["tokens"],
-                          rounds=counts.get("steps") if speculative else None,
-                          accepted=counts.get("accepted") if speculative else None,
-                          accepted_per_position=per_pos if speculative else None,
+    drafts = counts if speculative else {}
+    return request_record(run["prompt"], index, label, engine, engine, run["tokens"], rounds=drafts.get("steps"),
+                          accepted=drafts.get("accepted"), accepted_per_position=drafts.get("per_position"),
                           times={"total": t["total"], "prefill": t["prefill"] if "prefill_s" not in missing else None},
                           missing=missing, **common)
 
@@ -92,8 +88,7 @@ def baseline_of(label: str, rows: dict) -> str | None:
 
 
 def bench_parity(target, records: list[dict], rows: dict) -> dict:
-    """Every row against its plain baseline (baseline_of), prompt by prompt, with the target's top-2 margin at a
-    divergence recorded into the baseline's record. Returns {label: parity with its "against"}."""
+    """{label: parity against its baseline (baseline_of)}; the top-2 margin at a divergence goes into the baseline's."""
     from dflashkit.report.parity import first_divergence, parity, top2_at  # looked up now: a test spies on top2_at
 
     by = {(r["prompt"], r["method"]): r for r in records}

@@ -8,9 +8,7 @@ from dflashkit.fileio import atomic_path
 
 
 def fmt(v, digits: int = 3) -> str:
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return "" if v is None else str(v)
+    return f"{v:.{digits}f}" if isinstance(v, float) else "" if v is None else str(v)
 
 
 def markdown_table(headers: list[str], rows: list[list], digits: int = 3) -> str:

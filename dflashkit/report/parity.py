@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from dflashkit.report import markdown_table
+
 EPS = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}  # torch.finfo(dtype).eps
 CONTEXT = 8  # tokens shown on each side of a divergence
 # Between engines, the relative logit gap bench holds our static step to against transformers' float32 forward
@@ -57,15 +59,12 @@ def verdict(index: int | None, a: list[int], b: list[int], margin: dict | None, 
 def around(a: list[int], b: list[int], i: int, decode=None) -> dict:
     """The tokens (and, with `decode`, the text) before token i, which both share, and from i on in each run."""
     part = {"before": a[max(0, i - CONTEXT):i], "a": a[i:i + CONTEXT], "b": b[i:i + CONTEXT]}
-    if decode is not None:
-        part.update({f"{k}_text": decode(v) for k, v in list(part.items())})
-    return part
+    return part if decode is None else part | {f"{k}_text": decode(v) for k, v in part.items()}
 
 
 def looser(*dtypes: str | None) -> str | None:
     """Of two runs' dtypes, the one whose rounding explains more (bf16 against float32: bf16)."""
-    known = [d for d in dtypes if d]
-    return max(known, key=lambda d: EPS.get(d, EPS["float32"])) if known else None
+    return max((d for d in dtypes if d), key=lambda d: EPS.get(d, EPS["float32"]), default=None)
 
 
 def compare_pair(ra: dict, rb: dict, decode=None) -> dict:
@@ -86,10 +85,9 @@ def parity(a: list[dict], b: list[dict], decode=None) -> dict:
     by_b = {r["prompt"]: r for r in b}
     rows = [compare_pair(r, by_b[r["prompt"]], decode) for r in a if r["prompt"] in by_b]
     parted = [x for x in rows if not x["equal"]]
-    verdicts = dict(Counter(x["verdict"] for x in rows))
     return {"prompts": len(rows), "equal": len(rows) - len(parted), "diverged": len(parted),
-            "first": min(parted, key=lambda x: x["index"]) if parted else None, "verdicts": verdicts,
-            "per_prompt": rows}
+            "first": min(parted, key=lambda x: x["index"], default=None),
+            "verdicts": dict(Counter(x["verdict"] for x in rows)), "per_prompt": rows}
 
 
 def describe(x: dict) -> str:
@@ -118,8 +116,6 @@ VERDICTS = ("equal: the same tokens; prefix: one stops where the other goes on w
 
 def parity_markdown(table: dict[str, dict], title: str = "## Parity") -> list[str]:
     """One row per compared pair (label -> parity with its `against`), then each divergence with its text."""
-    from dflashkit.report import markdown_table
-
     rows, lines = [], []
     for label, p in table.items():
         b = brief(p)

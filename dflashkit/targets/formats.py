@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dflashkit.errors import DFlashError
+from dflashkit.targets.registry import MARKER
 
 if TYPE_CHECKING:  # torch loads with a target, not with the CLI's parser
     import torch
@@ -31,16 +32,12 @@ class Blocks:
     raw: np.ndarray
     k: int
 
-    @property
-    def outs(self) -> int:
-        return self.raw.shape[0]
-
     def dequantized(self) -> torch.Tensor:
         """The float32 values GGUF's reference dequantizer gives (the prepared copy's, bit for bit)."""
         import torch
         from gguf import dequantize
 
-        return torch.from_numpy(dequantize(self.raw, _qtype(self.format)).reshape(self.outs, self.k).copy())
+        return torch.from_numpy(dequantize(self.raw, _qtype(self.format)).reshape(-1, self.k).copy())
 
 
 def add_weights_option(p) -> None:
@@ -77,8 +74,6 @@ def resolve(weights: str, target) -> str:
 
 def gguf_source(folder) -> Path | None:
     """The GGUF file a prepared target folder was prepared from (its marker says which), or None."""
-    from dflashkit.targets.registry import MARKER
-
     try:
         rec = json.loads((Path(folder) / MARKER).read_text())
         path = Path(rec["source"])
@@ -112,8 +107,7 @@ def read_gguf(path: Path, target) -> dict[str, Blocks]:
                               "(use --weights float, or q8_0 to quantize the float copy)")
         raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)
         if name.endswith((".q", ".k")):
-            heads = cfg.num_attention_heads if name.endswith(".q") else cfg.num_key_value_heads
-            raw = _unpermute(raw, heads)
+            raw = _unpermute(raw, cfg.num_attention_heads if name.endswith(".q") else cfg.num_key_value_heads)
         out[name] = Blocks(fmt, np.ascontiguousarray(raw), int(t.shape[0]))
     return out
 
@@ -158,8 +152,8 @@ def apply(target, weights: str) -> str:
     with torch.no_grad():
         for name, b in blocks.items():
             w = modules[name].weight
-            if tuple(w.shape) != (b.outs, b.k):
-                raise DFlashError(f"--weights {weights}: {name} is {b.outs}x{b.k} in the GGUF, {tuple(w.shape)} in "
+            if tuple(w.shape) != (b.raw.shape[0], b.k):
+                raise DFlashError(f"--weights {weights}: {name} is {b.raw.shape[0]}x{b.k} in the GGUF, {tuple(w.shape)} in "
                                   f"target {target.name}; prepare the target again (dflashkit target prepare --force)")
             w.copy_(b.dequantized().to(w.dtype))
     target.blocks = blocks
@@ -171,5 +165,4 @@ def describe(target) -> str:
     if not target.blocks:
         return f"{str(target.dtype).removeprefix('torch.')} (float)"
     kinds = sorted({b.format for b in target.blocks.values()})
-    head = target.blocks["head"].format
-    return f"{target.weights}: {'/'.join(kinds)} (head {head}), widened to float32"
+    return f"{target.weights}: {'/'.join(kinds)} (head {target.blocks['head'].format}), widened to float32"

@@ -6,21 +6,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 def _batches(target, prompts: list[list[int]], batch_size: int):
     """(prompt indices, left-padded ids, attention mask) per batch, shortest prompts first."""
     todo = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    pad = _pad_id(target)
     for s in range(0, len(todo), batch_size):
         idx = todo[s : s + batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        att = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            p = prompts[i]
-            ids[r, width - len(p):] = torch.tensor(p)
-            att[r, width - len(p):] = 1
+        rows = [torch.tensor(prompts[i], dtype=torch.long) for i in idx]
+        ids = pad_sequence(rows, batch_first=True, padding_value=_pad_id(target), padding_side="left")
+        att = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
         yield idx, ids.to(target.device), att.to(target.device)
 
 

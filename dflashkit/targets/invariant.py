@@ -27,7 +27,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """scaled_dot_product_attention in float64, rounded once to the query's dtype (inference: no dropout)."""
-    out_dtype = query.dtype
     q, k, v = query.double(), key.double(), value.double()
     if k.shape[-3] != q.shape[-3]:  # grouped key/value heads
         groups = q.shape[-3] // k.shape[-3]
@@ -40,7 +39,7 @@ def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, hidden) if attn_mask.dtype == torch.bool \
             else scores + attn_mask.double()
-    return (torch.softmax(scores, dim=-1) @ v).to(out_dtype)
+    return (torch.softmax(scores, dim=-1) @ v).to(query.dtype)
 
 
 def _low(fn):

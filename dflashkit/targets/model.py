@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import sha256_json
@@ -90,7 +91,6 @@ class Target:
         self.mask_token_id, self.mask_token_source = choose_mask_token(tokenizer, self.vocab_size)
         self.stop_token_ids = _stop_tokens(model, tokenizer)
         self._capture: dict[int, torch.Tensor] | None = None
-        self._recording = False  # inside recording(): hooks append every forward's output instead of keeping one
         self._weights_hash: str | None = None
         self.weights, self.blocks = "float", {}  # quantized matrices, by targets/formats.apply
         for i, layer in enumerate(self.layers):
@@ -127,8 +127,7 @@ class Target:
 
     def check_layer_ids(self, layer_ids, allow_final: bool = False) -> list[int]:
         ids = [int(i) for i in layer_ids]
-        bad = [i for i in ids if not 0 <= i < self.num_layers]
-        if bad:
+        if bad := [i for i in ids if not 0 <= i < self.num_layers]:
             raise DFlashError(f"target layer ids {bad} out of range for {self.name} (layers 0..{self.num_layers - 1})")
         late = [i for i in ids if i >= self.num_layers - 2]
         if late and not allow_final:
@@ -158,7 +157,7 @@ class Target:
         def hook(module, args, output):
             if self._capture is not None and i in self._capture:
                 out = output[0] if isinstance(output, tuple) else output
-                if self._recording:
+                if isinstance(self._capture[i], list):  # inside recording(): every forward's output, in order
                     self._capture[i].append(out)
                 else:
                     self._capture[i] = out
@@ -167,11 +166,11 @@ class Target:
     @contextmanager
     def recording(self, layer_ids):
         """Inside, every forward (generate's included) appends the layers' outputs [b, t, H] to the yielded lists."""
-        self._capture, self._recording = {int(i): [] for i in layer_ids}, True
+        self._capture = {int(i): [] for i in layer_ids}
         try:
             yield self._capture
         finally:
-            self._capture, self._recording = None, False
+            self._capture = None
 
     @torch.no_grad()
     def forward(self, input_ids, layer_ids=None, past_key_values=None, position_ids=None, attention_mask=None,
@@ -192,13 +191,10 @@ class Target:
         padding "left" (as generation batches) masks it and counts positions from each row's first real token."""
         if padding not in ("right", "left"):
             raise DFlashError(f"padding={padding!r}: use right or left")
-        T = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), T, dtype=torch.long)
-        mask = torch.zeros(len(seqs), T, dtype=torch.long)
-        for r, s in enumerate(seqs):
-            at = slice(0, len(s)) if padding == "right" else slice(T - len(s), T)
-            ids[r, at] = torch.as_tensor(s, dtype=torch.long)
-            mask[r, at] = 1
+        rows = [torch.as_tensor(s, dtype=torch.long) for s in seqs]
+        ids = pad_sequence(rows, batch_first=True, padding_side=padding)
+        mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side=padding)
+        T = ids.shape[1]
         same = all(len(s) == T for s in seqs)
         pos = None if padding == "right" or same else (mask.cumsum(1) - 1).clamp(min=0).to(self.device)
         feats = self.forward(ids.to(self.device), layer_ids=layer_ids, use_cache=False, compute_logits=False,
@@ -260,8 +256,7 @@ def check_loading_info(path, info: dict) -> None:
     for key, what in (("missing_keys", "missing from the checkpoint (they would be random)"),
                       ("unexpected_keys", "in the checkpoint but not in the model (they would be dropped)"),
                       ("mismatched_keys", "of another shape in the checkpoint than in the model")):
-        names = sorted(k if isinstance(k, str) else str(k[0]) for k in info.get(key) or ())
-        if names:
+        if names := sorted(k if isinstance(k, str) else str(k[0]) for k in info.get(key) or ()):
             shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
             problems.append(f"{len(names)} weight(s) {what}: {shown}")
     if problems:
@@ -270,11 +265,8 @@ def check_loading_info(path, info: dict) -> None:
 
 
 def _stop_tokens(model, tokenizer) -> list[int]:
-    ids = set()
-    for src in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(src, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    return sorted(int(i) for i in ids)
+    eos = [getattr(src, "eos_token_id", None) for src in (getattr(model, "generation_config", None), tokenizer)]
+    return sorted({int(i) for e in eos if e is not None for i in (e if isinstance(e, (list, tuple)) else [e])})
 
 
 def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:

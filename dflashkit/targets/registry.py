@@ -111,13 +111,6 @@ def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
     return path.name, path
 
 
-def weight_files(path) -> list[Path]:
-    """The files transformers loads the weights from: the safetensors files, else the torch pickles."""
-    path = Path(path)
-    found = sorted(path.glob("*.safetensors"))
-    return found or sorted(p for pat in ("*.bin", "*.pt", "*.pth") for p in path.glob(pat))
-
-
 MEMO_MIN_BYTES = 64 << 20  # smaller files are always hashed: cheap, and rewritable within one timestamp tick
 
 
@@ -125,13 +118,14 @@ def weights_hash(path) -> str | None:
     """Content hash (16 hex) of a folder's weight files, None without any; a large file's sha256 is remembered under
     $DFLASHKIT_HOME/weight-hashes by (name, size, mtime, ctime, inode), so only a changed file is read again."""
     path = Path(path)
-    files = weight_files(path)
+    # the files transformers loads the weights from: the safetensors files, else the torch pickles
+    files = sorted(path.glob("*.safetensors")) or sorted(p for pat in ("*.bin", "*.pt", "*.pth") for p in path.glob(pat))
     if not files:
         return None
     memo_path = home() / "weight-hashes" / f"{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]}.json"
     memo = {}
-    with suppress(DFlashError, OSError):  # an unreadable memo only costs the hashes again
-        memo = read_json(memo_path) if memo_path.is_file() else {}
+    with suppress(DFlashError, OSError):  # a missing or unreadable memo only costs the hashes again
+        memo = read_json(memo_path)
     known = memo.get("files", {}) if isinstance(memo, dict) and memo.get("folder") == str(path.resolve()) else {}
     entries = {}
     for f in files:
