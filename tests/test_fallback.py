@@ -59,8 +59,11 @@ def test_bench_reports_the_share_of_drafted_rounds_and_the_worst_prompt(tiny_tar
 
     t = tiny_targets["llama"]
     prompts = [(p, t.chat_ids([{"role": "user", "content": p}])) for p in ("def add(a, b):", "sort a list")]
+    # a fixed, rising cost: a tiny target's measured curve is noise on a busy host, and one that falls past n = 1
+    # makes drafting look free there
+    cost = CostCurve([1, 4, 8, 16], [0.004, 0.005, 0.006, 0.009])
     res = run_bench(t, random_proposer(t).drafter, prompts, ["ar", "chain", "ddtree-auto"], max_new_tokens=60,
-                    progress=False, warmup=False, predict=False)
+                    progress=False, warmup=False, predict=False, cost=cost)
     auto, chain = res["methods"]["ddtree-auto"], res["methods"]["chain"]
     assert 0 < auto["drafted_share"] < 0.5 and chain["drafted_share"] == 1.0  # chain drafts every round
     assert auto["worst_prompt"]["vs"] == "ar" and auto["worst_prompt"]["prompt"] in ("def add(a, b):", "sort a list")

@@ -161,7 +161,7 @@ def cmd_generate(args) -> int:
     proposer = DFlashProposer(target, drafter, args.block_size) if drafter is not None else None
     session = new_session(target, proposer, args.reprobe, _say)  # the static decoder and auto's choice
     engine = backend_for(session, args.engine, args.method)
-    cost = tree_cost_curve(target, args.block_size, repeats=3) if size == "auto" and engine == "hf" else None
+    cost = tree_cost_curve(target, proposer.block_size, repeats=3) if size == "auto" and engine == "hf" else None
     records, requests, rows = [], [], {args.method: (args.method, engine)}
     for i, (pid, item) in enumerate(prompts):
         c = _run(target, proposer, item, args.method, args.max_new_tokens, sampling, sampling.seed + i, cost, session,
