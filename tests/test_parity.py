@@ -170,7 +170,7 @@ def test_generate_writes_the_same_records_and_compare_reads_them(tiny_dirs, setu
 
 
 def test_parity_refuses_runs_it_cannot_pair(bench, tmp_path):
-    from dflashkit.evaluate.parity import run_parity
+    from dflashkit.evaluate.compare import run_parity
 
     write_bench(bench, tmp_path / "a")
     with pytest.raises(DFlashError, match="RUN_B has no method 'hybrid-8'"):
@@ -204,7 +204,7 @@ def peer_record(t, method: str, answer, prompt) -> dict:
 def test_parity_refuses_two_targets_and_other_prompt_ids_and_passes_a_shorter_run(tmp_path):
     """Issue 72: two targets' runs are refused by name (they part at token 0, or look equal by chance); a prompt asked
     with other token ids is refused; a run that is a prefix of the other (another --max-new-tokens) passes as such."""
-    from dflashkit.evaluate.parity import run_parity
+    from dflashkit.evaluate.compare import run_parity
     from dflashkit.report.requests import request_record, write_requests
 
     def run(name, target="tiny-a", ids=(1, 2, 3), tokens=(5, 6, 7, 8)):

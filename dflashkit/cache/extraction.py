@@ -26,7 +26,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_path, sha256_file, write_json
 from dflashkit.prompts import PromptItem, PromptSuite
 from dflashkit.rng import seeded
-from dflashkit.targets.backends import linear_attention as la_backend, resolve_backend
+from dflashkit.targets.linear_attention import linear_attention as la_backend, resolve_backend
 from dflashkit.targets.generation import iter_generate_with_features
 
 LOG_GLOB = ".completions.rank*.jsonl"

@@ -93,7 +93,7 @@ def cmd_compare(args) -> int:
 
 def cmd_parity(args) -> int:
     """Exit 1 when a prompt parts other than at a numerics near-tie (docs/design.md section 11: a failed check)."""
-    from dflashkit.evaluate.parity import parity_markdown, run_parity, write_parity
+    from dflashkit.evaluate.compare import parity_markdown, run_parity, write_parity
 
     res = run_parity(args.run_a, args.run_b, args.method, args.against, args.target)
     print(json.dumps(res, indent=1) if args.json else parity_markdown(res))
