@@ -3,12 +3,12 @@ was trained under, so a mismatched target or cache is refused instead of silentl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflashkit.drafter import transformers_format as tf
 from dflashkit.drafter.config import ARCH_CLASS, SCALING_OFF, DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter, rotary_dim
 from dflashkit.errors import DFlashError
@@ -45,13 +45,11 @@ def save_drafter(drafter: DFlashDrafter, path, format: str = "dflashkit", target
         tensors["lm_head.weight"] = lm_head.detach()[ids.to(lm_head.device)].to(dtype or lm_head.dtype).contiguous().cpu()
         cfg["draft_vocab_size"] = len(ids)
     if format == "transformers":
-        from dflashkit.drafter import transformers_format as tf
-
         if why := tf.refusal(drafter.config, bool(vocab) and lm_head is not None):
             raise DFlashError(f"transformers format: {why}")
         cfg, tensors = tf.to_transformers(drafter, tensors, cfg["dtype"])
     with atomic_dir(path) as tmp:
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        write_json(tmp / "config.json", cfg)
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         if format == "dflashkit":
             write_json(tmp / CONTRACT_FILE, contract(drafter, target_identity, **contract_extra))
@@ -64,7 +62,7 @@ RUN_POINTER = "latest.json"  # in a training run folder: {"step", "checkpoint", 
 def run_latest(run) -> Path | None:
     """The drafter folder a training run's latest.json points at; None when `run` is not a run folder."""
     f = Path(run) / RUN_POINTER
-    return Path(run) / json.loads(f.read_text())["checkpoint"] if f.is_file() else None
+    return Path(run) / read_json(f)["checkpoint"] if f.is_file() else None
 
 
 def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: bool = False, device="cpu",
@@ -74,15 +72,13 @@ def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: 
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     raw, tensors = _read_folder(path, cfg_file, weights)
-    from_tf = raw.get("model_type") == "muse_glimmer_assistant"
-    if from_tf:  # transformers' own DFlash drafter (drafter/transformers_format.py)
-        from dflashkit.drafter.transformers_format import from_transformers
-
-        raw, tensors = from_transformers(raw, tensors, str(cfg_file))
+    from_tf = raw.get("model_type") == tf.MODEL_TYPE
+    if from_tf:  # transformers' own DFlash drafter
+        raw, tensors = tf.from_transformers(raw, tensors, str(cfg_file))
     cfg, report = _config_for_weights(raw, tensors, cfg_file, weights)
     if from_tf:
         report.insert(0, "Format: transformers' DFlash drafter (muse_glimmer_assistant), read as DFlash")
-    con = json.loads((path / CONTRACT_FILE).read_text()) if (path / CONTRACT_FILE).is_file() else None
+    con = read_json(path / CONTRACT_FILE) if (path / CONTRACT_FILE).is_file() else None
     vocab = token_map(raw, tensors, weights)
     if con:
         check_contract(con, cfg, path / CONTRACT_FILE)
@@ -156,9 +152,8 @@ def _config_for_weights(raw: dict, tensors: dict, cfg_file: Path, weights: Path)
     if not hidden or fc_in % hidden:
         raise DFlashError(f"{weights}: fc.weight input width {fc_in} is not a multiple of config hidden_size {hidden}")
     k = fc_in // hidden
-    report = [f"Detected fc input: {fc_in} = {k} target layers x {hidden}"]
     cfg, notes = DrafterConfig.from_zlab(raw, str(cfg_file), fc_features=k)
-    report += notes
+    report = [f"Detected fc input: {fc_in} = {k} target layers x {hidden}", *notes]
     if cfg.num_features != k:
         raise DFlashError(f"{cfg_file}: dflash_config.target_layer_ids has {cfg.num_features} layers "
                           f"{cfg.target_layer_ids} but fc.weight expects {k} ({fc_in} = {k} x {hidden}); fix "
@@ -178,9 +173,8 @@ def describe(cfg: DrafterConfig) -> str:
            f"{cfg.target_layer_ids} (layer l = hidden_states[l + 1])")
     if cfg.partial_rotary_factor != 1.0:
         out += f", RoPE on {rotary_dim(cfg)} of {cfg.head_dim} head dims (partial_rotary_factor {cfg.partial_rotary_factor:g})"
-    for key, off in SCALING_OFF.items():  # a softcap of 0 is off too
-        if (getattr(cfg, key) or None) != off:
-            out += f", {key} {getattr(cfg, key)}"
+    out += "".join(f", {key} {getattr(cfg, key)}" for key, off in SCALING_OFF.items()
+                   if (getattr(cfg, key) or None) != off)  # a softcap of 0 is off too
     if cfg.arch == "dflash2":
         out += (f", convolutions kernel {cfg.conv_kernel_size} group {cfg.conv_group_size}, selector rank "
                 f"{cfg.selector_rank}, top-{cfg.selector_top_k}")
@@ -227,15 +221,13 @@ def check_against_target(cfg: DrafterConfig, target, source: str = "drafter conf
                           f"vocabulary (0..{target.vocab_size - 1})")
     if cfg.num_target_layers != target.num_layers:
         raise DFlashError(f"{source}: num_target_layers {cfg.num_target_layers} != target {target.name}'s {target.num_layers} layers")
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
-    if bad:
+    if bad := [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]:
         raise DFlashError(f"{source}: target_layer_ids {bad} out of range for {target.name} (0..{target.num_layers - 1})")
 
 
 def check_feature_layers(cfg: DrafterConfig, available: list[int], source: str) -> list[int]:
     """Indices into `available` for the drafter's layers; refuses a cache/target that lacks some."""
-    missing = [i for i in cfg.target_layer_ids if i not in available]
-    if missing:
+    if missing := [i for i in cfg.target_layer_ids if i not in available]:
         raise DFlashError(f"drafter expects {cfg.num_features} target layers {cfg.target_layer_ids} (fc input "
                           f"{cfg.num_features * cfg.hidden_size} = {cfg.num_features} x {cfg.hidden_size}) but "
                           f"{source} offers {len(available)} layers {available}; missing {missing}: re-extract with "

@@ -68,8 +68,7 @@ def cmd_info(args) -> int:
     print(f"rope             theta {c.rope_theta} scaling {c.rope_scaling}")
     if "sliding_attention" in c.layer_types:
         print(f"sliding window   {c.sliding_window} on layers {[i for i, t in enumerate(c.layer_types) if t == 'sliding_attention']}")
-    con = d.contract
-    if con:
+    if con := d.contract:
         tgt = con.get("target") or {}
         print(f"expected target  {tgt.get('name')} ({tgt.get('architecture')}, weights {tgt.get('weights_hash') or 'not recorded'}, "
               f"config {tgt.get('config_hash')}) {tgt.get('path', '')}")

@@ -9,10 +9,9 @@ from dflashkit.errors import DFlashError
 
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 ARCH_CLASS = {v: k for k, v in ARCHITECTURES.items()}
-# dflash_config keys the reference reads (any may also sit at the top level)
-DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "output_multiplier",
-               "final_logit_softcapping"}
 SCALING_OFF = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}  # plain DFlash
+# dflash_config keys the reference reads (any may also sit at the top level)
+DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", *SCALING_OFF}
 # speculators' flag for bidirectional sliding layers: dflash 0.1.0 never reads it and runs them causal
 NON_CAUSAL_KEY = "sliding_window_non_causal"
 # what transformers' Qwen3Config (hence the reference) takes when a file has neither rope_theta nor rope_parameters
@@ -121,16 +120,13 @@ class DrafterConfig:
     def from_zlab(cls, cfg: dict, source: str = "config.json", fc_features: int | None = None) -> tuple["DrafterConfig", list[str]]:
         """Parse a z-lab config; returns (config, notes). Missing layer ids fall back to fc's width + z-lab's rule."""
         notes = []
-        need = ["hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"]
-        missing = [k for k in need if k not in cfg]
+        missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size") if k not in cfg]
         if missing:
             raise DFlashError(f"{source}: missing field(s) {', '.join(missing)}; a DFlash config.json is a Qwen3 config plus dflash_config")
         _refuse_unsupported(cfg, source)
         arch = _architecture(cfg, source, notes)
         dfc = _dflash_fields(cfg, arch, source)
-        block = dfc.get("block_size")
-        if block is None:
-            block = 16
+        if "block_size" not in dfc:  # _dflash_fields keeps only the keys that are set
             notes.append("block_size not in config (top level or dflash_config): assuming 16")
         ids, n_target = _layer_ids(cfg, dfc, source, fc_features, notes)
         if dfc.get("mask_token_id") is None:
@@ -138,17 +134,16 @@ class DrafterConfig:
         layer_types, window = _layer_types(cfg, notes)
         heads = cfg["num_attention_heads"]
         theta, scaling = _rope(cfg, notes)
-        partial = _partial_rotary(cfg, source)
         conf = cls(
             hidden_size=cfg["hidden_size"], num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-            target_layer_ids=[int(i) for i in ids],
+            target_layer_ids=[int(i) for i in ids], block_size=int(dfc.get("block_size", 16)),
             num_target_layers=int(n_target) if n_target is not None else max(ids) + 3,
-            mask_token_id=int(dfc["mask_token_id"]), vocab_size=cfg.get("vocab_size", 0), block_size=int(block),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-            partial_rotary_factor=partial, max_position_embeddings=cfg.get("max_position_embeddings", 32768), layer_types=layer_types,
+            mask_token_id=int(dfc["mask_token_id"]), vocab_size=cfg.get("vocab_size", 0),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling, layer_types=layer_types,
+            partial_rotary_factor=_partial_rotary(cfg, source), max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             sliding_window=window if "sliding_attention" in layer_types else None, arch=arch,
             **{k: v for k, v in dfc.items() if k not in ("block_size", "mask_token_id", "target_layer_ids")},
         )
@@ -166,8 +161,7 @@ class DrafterConfig:
         plain = tc.to_dict()  # Gemma 4 refuses per-layer fields (head_dim) as attributes; Qwen3.5-MoE has no dense MLP
         ids = target_layer_ids if target_layer_ids is not None else target.default_layer_ids(num_layers)
         heads = tc.num_attention_heads
-        rope = getattr(tc, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(tc, "rope_theta", DEFAULT_ROPE_THETA))
+        theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", getattr(tc, "rope_theta", DEFAULT_ROPE_THETA))
         return cls(**dict(
             hidden_size=target.hidden_size, num_attention_heads=heads,
             num_key_value_heads=getattr(tc, "num_key_value_heads", heads),
@@ -198,8 +192,7 @@ def _architecture(cfg: dict, source: str, notes: list[str]) -> str:
     if not archs:
         notes.append("architectures missing: reading it as DFlashDraftModel")
         return "dflash"
-    unknown = [a for a in archs if a not in ARCHITECTURES]
-    if unknown or len(archs) != 1:
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise DFlashError(f"{source}: architectures {archs} is not one of {list(ARCHITECTURES)}: this drafter is a "
                           "model dflashkit cannot run, and running it as DFlash would give another model's outputs")
     return ARCHITECTURES[archs[0]]
@@ -213,27 +206,32 @@ def _dflash_fields(cfg: dict, arch: str, source: str) -> dict:
         raise DFlashError(f"{source}: dflash_config.is_causal is not read by z-lab's dflash 0.1.0 (it reads the "
                           "top-level is_causal, for every layer); move it to the top level or remove it")
     known = DFLASH_KEYS | (DFLASH2_KEYS if arch == "dflash2" else set())
-    unknown = sorted(set(dfc) - known - {NON_CAUSAL_KEY})  # false (or moot): accepted, nothing to honour
-    if unknown:
+    if unknown := sorted(set(dfc) - known - {NON_CAUSAL_KEY}):  # false (or moot): accepted, nothing to honour
         hint = (" (DFlash2 fields: set architectures to DFlash2DraftModel)" if set(unknown) & DFLASH2_KEYS else "")
         raise DFlashError(f"{source}: dflash_config has unknown key(s) {unknown}{hint}; dflashkit knows "
                           f"{sorted(known)}. A field it cannot honour is refused rather than ignored")
-    _check_block_size(cfg, dfc, source)
+    # block_size counts the anchor (z-lab, SGLang, llama.cpp's dflash.block_size; vLLM drafts block_size - 1): a
+    # top-level value that disagrees with dflash_config's leaves engines drafting different numbers of tokens
+    top, inner = cfg.get("block_size"), dfc.get("block_size")
+    if top is not None and inner is not None and int(top) != int(inner):
+        raise DFlashError(f"{source}: block_size {top} (top level) disagrees with dflash_config.block_size {inner}; "
+                          "set both to the trained block, anchor included (vLLM then drafts block_size - 1)")
     out = {k: v for k in known if (v := dfc.get(k, cfg.get(k))) is not None}
-    for key in SCALING_OFF:
-        if key in out:
-            out[key] = float(out[key])
-    if out.get("final_logit_softcapping") is not None and out["final_logit_softcapping"] <= 0:
+    out.update({key: float(out[key]) for key in SCALING_OFF if key in out})
+    if out.get("final_logit_softcapping", 1.0) <= 0:
         out["final_logit_softcapping"] = None  # the reference applies it only when > 0
     if cfg.get("is_causal") is not None:
         out["is_causal"] = bool(cfg["is_causal"])
     if arch == "dflash2":
-        absent = sorted(DFLASH2_KEYS - set(out))
-        if absent:
+        if absent := sorted(DFLASH2_KEYS - set(out)):
             raise DFlashError(f"{source}: DFlash2 config lacks {absent} in dflash_config; z-lab's reference needs them "
                               f"(speculators' defaults: {DFLASH2_DEFAULTS})")
         out.update({k: int(out[k]) for k in DFLASH2_KEYS})
-    _check_aux_layers(cfg, out, source)
+    # vLLM's eagle-style layer field stores ids + 1; one that disagrees with target_layer_ids is ambiguous
+    aux, ids = cfg.get("eagle_aux_hidden_state_layer_ids"), out.get("target_layer_ids")
+    if aux is not None and ids is not None and [int(i) + 1 for i in ids] != [int(i) for i in aux]:
+        raise DFlashError(f"{source}: eagle_aux_hidden_state_layer_ids {aux} disagrees with dflash_config."
+                          f"target_layer_ids {ids} (which would read {[int(i) + 1 for i in ids]}); remove one of them")
     return out
 
 
@@ -248,23 +246,6 @@ def _refuse_non_causal(cfg: dict, dfc: dict, source: str) -> None:
                               "runs sliding_attention layers causal; dflashkit refuses rather than run a model the "
                               f"reference does not. Remove {NON_CAUSAL_KEY} (or set it false) if the drafter was trained "
                               "with causal sliding layers; otherwise the folder is not a z-lab DFlash drafter")
-
-
-def _check_block_size(cfg: dict, dfc: dict, source: str) -> None:
-    """block_size counts the anchor (z-lab, SGLang, llama.cpp's dflash.block_size; vLLM drafts block_size - 1):
-    a top-level value that disagrees with dflash_config's leaves engines drafting different numbers of tokens."""
-    top, inner = cfg.get("block_size"), dfc.get("block_size")
-    if top is not None and inner is not None and int(top) != int(inner):
-        raise DFlashError(f"{source}: block_size {top} (top level) disagrees with dflash_config.block_size {inner}; "
-                          "set both to the trained block, anchor included (vLLM then drafts block_size - 1)")
-
-
-def _check_aux_layers(cfg: dict, dfc: dict, source: str) -> None:
-    """vLLM's eagle-style layer field stores ids +1; one that disagrees with target_layer_ids is ambiguous."""
-    aux, ids = cfg.get("eagle_aux_hidden_state_layer_ids"), dfc.get("target_layer_ids")
-    if aux is not None and ids is not None and [int(i) + 1 for i in ids] != [int(i) for i in aux]:
-        raise DFlashError(f"{source}: eagle_aux_hidden_state_layer_ids {aux} disagrees with dflash_config."
-                          f"target_layer_ids {ids} (which would read {[int(i) + 1 for i in ids]}); remove one of them")
 
 
 def _layer_ids(cfg: dict, dfc: dict, source: str, fc_features: int | None, notes: list[str]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from dflashkit.errors import DFlashError
@@ -14,23 +15,15 @@ SKIP_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.arch
 
 def _value(field):
     """A reader field as the value GGUFWriter.add_key_value takes (lists element by element)."""
-    import gguf
-
-    main = field.types[0]
-    if main == gguf.GGUFValueType.ARRAY:
-        sub = field.types[1]
-        if sub == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="surrogateescape") for i in field.data], sub
-        return [field.parts[i].tolist()[0] for i in field.data], sub
-    if main == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="surrogateescape"), None
-    return field.parts[field.data[0]].tolist()[0], None
+    array = field.types[0] == gguf.GGUFValueType.ARRAY
+    kind = field.types[1] if array else field.types[0]
+    text = kind == gguf.GGUFValueType.STRING
+    one = lambda i: bytes(field.parts[i]).decode("utf-8", errors="surrogateescape") if text else field.parts[i].tolist()[0]
+    return ([one(i) for i in field.data], kind) if array else (one(field.data[0]), None)
 
 
 def add_token_map(src: Path, dst: Path, vocab: list[int], head: np.ndarray) -> Path:
     """Copy `src`, a DFlash GGUF, to `dst` with `d2t` (absolute ids, I64) and the head rows of `vocab` as output.weight."""
-    import gguf
-
     reader = gguf.GGUFReader(str(src))
     arch_name = _value(reader.fields["general.architecture"])[0]
     if arch_name != "dflash":
@@ -43,14 +36,12 @@ def add_token_map(src: Path, dst: Path, vocab: list[int], head: np.ndarray) -> P
     with atomic_path(dst) as tmp:
         w = gguf.GGUFWriter(str(tmp), arch_name)
         for key, field in reader.fields.items():
-            if key in SKIP_KEYS:
-                continue
-            value, sub = _value(field)
-            w.add_key_value(key, value, field.types[0], sub_type=sub)
+            if key not in SKIP_KEYS:
+                value, sub = _value(field)
+                w.add_key_value(key, value, field.types[0], sub_type=sub)
         for t in reader.tensors:
-            if t.name == "output.weight":  # a full-vocabulary head: replaced by the draft rows below
-                continue
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # bytes of packed types: shape follows
+            if t.name != "output.weight":  # a full-vocabulary head: replaced by the draft rows below
+                w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # bytes of packed types: shape follows
         rows = np.ascontiguousarray(head[np.asarray(vocab)], dtype=np.float32)
         if weight_type == gguf.GGMLQuantizationType.BF16:
             w.add_tensor("output.weight", gguf.quants.quantize(rows, weight_type), raw_dtype=weight_type)
@@ -67,23 +58,12 @@ def add_token_map(src: Path, dst: Path, vocab: list[int], head: np.ndarray) -> P
 
 def read_token_map(path: Path) -> list[int] | None:
     """The `d2t` ids of a DFlash GGUF, or None (it drafts over the full vocabulary)."""
-    import gguf
-
     t = next((t for t in gguf.GGUFReader(str(path)).tensors if t.name == "d2t"), None)
     return None if t is None else np.asarray(t.data).astype(np.int64).tolist()
 
 
 def gguf_keys(path: Path) -> dict:
-    """The key/value pairs of a GGUF file, as plain Python values."""
-    import gguf
-
     return {k: _value(f)[0] for k, f in gguf.GGUFReader(str(path)).fields.items() if not k.startswith("GGUF.")}
-
-
-def uses_mrope(target_config: dict) -> bool:
-    """A target config (its text_config for a VL wrapper) whose RoPE has sections (mRoPE: Qwen2/3-VL, Qwen3.5)."""
-    cfg = target_config.get("text_config", target_config)
-    return "mrope_section" in (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
 
 
 def check_gguf(path: Path, cfg, vocab: list[int] | None, target_config: dict) -> list[str]:
@@ -106,7 +86,8 @@ def check_gguf(path: Path, cfg, vocab: list[int] | None, target_config: dict) ->
                           f"{rotary_dim(cfg)} of {cfg.head_dim} head dims (partial_rotary_factor "
                           f"{cfg.partial_rotary_factor:g}); write partial_rotary_factor into config.json and re-convert")
     sections = keys.get(f"{a}.rope.dimension_sections")
-    if uses_mrope(target_config) and not sections:
+    text = target_config.get("text_config", target_config)  # mRoPE (RoPE with sections): Qwen2/3-VL, Qwen3.5
+    if "mrope_section" in (text.get("rope_parameters") or text.get("rope_scaling") or {}) and not sections:
         raise DFlashError(f"{path}: no {a}.rope.dimension_sections, but the target uses mRoPE (rope_parameters."
                           "mrope_section); llama.cpp would rope the drafter as a text model: convert with a llama.cpp "
                           "whose converter writes the sections for a VL target (z-lab #170)")

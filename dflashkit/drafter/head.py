@@ -38,6 +38,7 @@ class DraftHead:
         self.scaling = tuple(scaling)
         self.vocab_ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long, device=lm_head_weight.device)
         self.weight = lm_head_weight if self.vocab_ids is None else lm_head_weight[self.vocab_ids]
+        self.size = self.weight.shape[0]  # rows of the (draft) vocabulary
         if self.vocab_ids is not None:
             self._index = torch.full((lm_head_weight.shape[0],), -100, dtype=torch.long, device=lm_head_weight.device)
             self._index[self.vocab_ids] = torch.arange(len(self.vocab_ids), device=lm_head_weight.device)
@@ -46,10 +47,6 @@ class DraftHead:
     def for_drafter(cls, target, drafter) -> "DraftHead":
         vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab")
         return cls(target.lm_head.weight, vocab, scaling_of(drafter.config))
-
-    @property
-    def size(self) -> int:
-        return self.weight.shape[0]
 
     def logits(self, hidden: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """[..., H] -> [..., V'] in float32 (argmax and log-softmax need the precision)."""

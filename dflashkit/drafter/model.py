@@ -27,15 +27,13 @@ class RMSNorm(nn.Module):
         return self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rope_init(cfg: DrafterConfig) -> dict:
-    """RoPE frequencies and scale as transformers builds them for this config (longrope: its long ones too)."""
+def rope_init(cfg: DrafterConfig) -> tuple:
+    """(inv_freq, longrope's long inv_freq, attention scale, longrope's original context) as transformers builds them."""
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    out = {"attention_scaling": 1.0, "long_inv_freq": None, "original_max": None}
     if kind == "default":  # partial rotary: frequencies over the rotated dims only, as transformers computes them
         dim = rotary_dim(cfg)
-        out["inv_freq"] = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        return out
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), None, 1.0, None
     if "dynamic" in kind:
         raise DFlashError(f"rope_scaling {scaling}: dynamic RoPE (frequencies recomputed as the sequence grows) is not "
                           "supported by the drafter; use a fixed scaling (linear, yarn, llama3, longrope) or default RoPE")
@@ -50,11 +48,10 @@ def rope_init(cfg: DrafterConfig) -> dict:
                      rope_parameters={"rope_theta": cfg.rope_theta, **scaling, "rope_type": kind,
                                       "partial_rotary_factor": cfg.partial_rotary_factor})
     inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
-    out.update(inv_freq=inv_freq.float(), attention_scaling=float(scale))
-    if kind == "longrope":
-        original = int(hf.rope_parameters["original_max_position_embeddings"])
-        out.update(long_inv_freq=ROPE_INIT_FUNCTIONS[kind](hf, "cpu", seq_len=original + 1)[0].float(), original_max=original)
-    return out
+    if kind != "longrope":
+        return inv_freq.float(), None, float(scale), None
+    original = int(hf.rope_parameters["original_max_position_embeddings"])
+    return inv_freq.float(), ROPE_INIT_FUNCTIONS[kind](hf, "cpu", seq_len=original + 1)[0].float(), float(scale), original
 
 
 def rotary_dim(cfg: DrafterConfig) -> int:
@@ -62,17 +59,13 @@ def rotary_dim(cfg: DrafterConfig) -> int:
     return int(cfg.head_dim * cfg.partial_rotary_factor)
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x, cos, sin):
     """x [b, h, T, d]; cos/sin [b, T, r]: the first r <= d dims rotate (partial rotary), the rest pass."""
     r = cos.shape[-1]
     if r < x.shape[-1]:
         return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.unsqueeze(1) + torch.cat((-x2, x1), dim=-1) * sin.unsqueeze(1)
 
 
 SLOT0 = ("seed", "mask")  # what slot 0 of a block holds: "seed" (the last accepted token) is every engine's
@@ -132,8 +125,7 @@ class Attention(nn.Module):
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         if self.n_kv != self.n_heads:
             k, v = (x.repeat_interleave(self.n_heads // self.n_kv, dim=1) for x in (k, v))
-        out = attend(q, k, v, mask)
-        return linear(out.transpose(1, 2).reshape(*h.shape[:2], -1), self.o_proj.weight)
+        return linear(attend(q, k, v, mask).transpose(1, 2).reshape(*h.shape[:2], -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -296,11 +288,10 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         if cfg.arch == "dflash2":
             self.candidate_selector = CandidateSelector(cfg)
-        rope = rope_init(cfg)
-        self.register_buffer("inv_freq", rope["inv_freq"], persistent=False)
-        self.register_buffer("long_inv_freq", rope["long_inv_freq"], persistent=False)  # longrope only
-        self.rope_scaling_factor = rope["attention_scaling"]  # yarn / longrope scale cos and sin, as transformers does
-        self.rope_original_max = rope["original_max"]
+        # yarn / longrope scale cos and sin (rope_scaling_factor), as transformers does
+        inv_freq, long_inv_freq, self.rope_scaling_factor, self.rope_original_max = rope_init(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)  # longrope only
         self.load_report: list[str] = []
         self.apply(self._init)
 
@@ -338,11 +329,8 @@ class DFlashDrafter(nn.Module):
 
     def _rope(self, positions, seq_len: int | None = None):
         """cos/sin of absolute positions, scaled; longrope's long frequencies past the original context (seq_len)."""
-        inv_freq = self.inv_freq
-        if self.long_inv_freq is not None:
-            n = seq_len if seq_len is not None else int(positions.max()) + 1
-            inv_freq = self.long_inv_freq if n > self.rope_original_max else self.inv_freq
-        freqs = positions[..., None].float() * inv_freq
+        long = self.long_inv_freq is not None and (seq_len or int(positions.max()) + 1) > self.rope_original_max
+        freqs = positions[..., None].float() * (self.long_inv_freq if long else self.inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         dtype = self.fc.weight.dtype
         return (emb.cos() * self.rope_scaling_factor).to(dtype), (emb.sin() * self.rope_scaling_factor).to(dtype)
@@ -455,13 +443,9 @@ def position_mask(q_pos, k_pos, causal: bool, window: int | None) -> torch.Tenso
     """[b, Q, S] bool from absolute positions: causal -> key <= query; window -> query - key < window, and
     key - query < window as well when not causal (dflash 0.1.0's sliding layers)."""
     d = q_pos[:, :, None] - k_pos[:, None, :]
-    ok = torch.ones_like(d, dtype=torch.bool)
-    if causal:
-        ok &= d >= 0
+    ok = d >= 0 if causal else torch.ones_like(d, dtype=torch.bool)
     if window is not None:
-        ok &= d < window
-        if not causal:
-            ok &= -d < window
+        ok &= (d < window) & ((-d < window) | causal)
     return ok
 
 
@@ -472,7 +456,7 @@ class ChunkedBlocks:
     def __init__(self, anchors, valid, ctx_len: int, B: int, chunk: int | None = None, causal: bool = False,
                  window: int | None = None):
         chunk = chunk or CHUNK_BLOCKS
-        self.T, self.B = ctx_len, B
+        self.T = ctx_len
         self.parts = []  # (first row, last row, L, mask [b, 1, rows, L + rows])
         live = anchors.masked_fill(~valid, 0)
         for s in range(0, anchors.shape[1], chunk):
@@ -484,10 +468,7 @@ class ChunkedBlocks:
                 k_pos = torch.cat([torch.arange(L, device=a.device).expand(a.shape[0], -1), q_pos], dim=1)
                 m = m & position_mask(q_pos, k_pos, causal, window)[:, None]
             self.parts.append((s * B, (s + a.shape[1]) * B, L, m))
-        self._args = (anchors, valid, ctx_len, B, chunk)
-
-    def restricted(self, causal: bool, window: int | None) -> "ChunkedBlocks":
-        return ChunkedBlocks(*self._args, causal=causal, window=window)
+        self.restricted = functools.partial(ChunkedBlocks, anchors, valid, ctx_len, B, chunk)  # (causal, window)
 
     def __call__(self, q, k, v):
         T, outs = self.T, []
@@ -512,7 +493,7 @@ class FlexBlocks:
         from torch.nn.attention.flex_attention import create_block_mask
 
         T, (b, n) = ctx_len, anchors.shape
-        self._args = (anchors, valid, ctx_len, B)
+        self.restricted = functools.partial(FlexBlocks, anchors, valid, ctx_len, B)  # (causal, window)
 
         def mask_mod(bi, h, q, kv):
             blk = q // B
@@ -530,9 +511,6 @@ class FlexBlocks:
 
         self.mask_mod = mask_mod
         self.block_mask = create_block_mask(mask_mod, b, None, n * B, T + n * B, device=anchors.device)
-
-    def restricted(self, causal: bool, window: int | None) -> "FlexBlocks":
-        return FlexBlocks(*self._args, causal=causal, window=window)
 
     def __call__(self, q, k, v):
         if torch.is_grad_enabled() and not q.is_cuda and q.requires_grad:

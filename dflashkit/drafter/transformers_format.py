@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 
+from dflashkit.drafter.config import SCALING_OFF
 from dflashkit.errors import DFlashError
 
 MODEL_TYPE = "muse_glimmer_assistant"
@@ -15,8 +16,6 @@ _ASSISTANTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # our dr
 
 def refusal(config, draft_vocab: bool) -> str | None:
     """Why this drafter cannot be expressed in transformers' DFlash drafter, or None."""
-    from dflashkit.drafter.config import SCALING_OFF
-
     if config.arch != "dflash":
         return f"architecture {config.arch}: transformers' DFlash drafter has no selector or codebooks"
     if draft_vocab:
@@ -24,8 +23,7 @@ def refusal(config, draft_vocab: bool) -> str | None:
                 "export with --full-vocab (tau as exported is then stated) or use --format zlab")
     if "sliding_attention" in config.layer_types:
         return "sliding-window layers: transformers' bidirectional window differs from ours at its edge"
-    scaled = [k for k, off in SCALING_OFF.items() if getattr(config, k) != off]
-    if scaled:
+    if scaled := [k for k, off in SCALING_OFF.items() if getattr(config, k) != off]:
         return f"{', '.join(scaled)}: transformers' DFlash loop applies no embedding or output scaling"
     if config.partial_rotary_factor != 1.0 or config.rope_scaling:
         return "partial rotary or RoPE scaling: transformers' DFlash drafter rotates every dim with plain RoPE"
@@ -67,8 +65,7 @@ def assistant(drafter, target):
 
 def from_transformers(raw: dict, tensors: dict, source: str) -> tuple[dict, dict]:
     """A transformers DFlash drafter folder's (config, tensors) as the z-lab ones load_drafter reads."""
-    missing = [k for k in ("block_size", "mask_token_id", "target_layer_ids") if raw.get(k) is None]
-    if missing:
+    if missing := [k for k in ("block_size", "mask_token_id", "target_layer_ids") if raw.get(k) is None]:
         raise DFlashError(f"{source}: model_type {MODEL_TYPE} without {', '.join(missing)}; transformers' DFlash loop "
                           "reads them: add them to config.json")
     rope = raw.get("rope_parameters") or {}

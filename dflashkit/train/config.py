@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import yaml
 
+from dflashkit.configs import find_config
 from dflashkit.errors import DFlashError
 
 
@@ -198,8 +199,6 @@ def load_config(path=None, overrides: list[str] | dict | None = None) -> TrainCo
     """Defaults <- YAML file <- key=value overrides; then value checks."""
     cfg = TrainConfig()
     if path is not None:
-        from dflashkit.configs import find_config
-
         p = find_config(path)
         try:
             values = yaml.safe_load(p.read_text()) or {}
@@ -215,9 +214,5 @@ def load_config(path=None, overrides: list[str] | dict | None = None) -> TrainCo
 
 def format_config(cfg: TrainConfig) -> str:
     """YAML of every setting with its help as a comment (what --print-config shows)."""
-    lines = []
-    for f in fields(TrainConfig):
-        val = yaml.safe_dump({f.name: getattr(cfg, f.name)}, default_flow_style=True, width=1000).strip()
-        val = val[1:-1] if val.startswith("{") else val
-        lines.append(f"{val:40s} # {f.metadata.get('help', '')}")
-    return "\n".join(lines) + "\n"
+    flow = lambda key: yaml.safe_dump({key: getattr(cfg, key)}, default_flow_style=True, width=1000).strip()[1:-1]
+    return "".join(f"{flow(f.name):40s} # {f.metadata.get('help', '')}\n" for f in fields(TrainConfig))

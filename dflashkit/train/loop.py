@@ -9,11 +9,13 @@ import random
 import signal
 import threading
 import time
-from dataclasses import astuple, dataclass
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from dflashkit.cache import open_cache
 from dflashkit.distributed import Dist, all_sum, barrier, init_distributed
@@ -34,9 +36,6 @@ from dflashkit.train.data import (add_noise, build_batch, data_kind, draft_vocab
                                  open_source, sample_anchors, usable)
 from dflashkit.train.loss import block_loss, predecessors, slot_weights, step_weight
 
-METRIC_COLUMNS = ["step", "epoch", "loss", "loss_name", "pos1_acc", "slot_acc", "lr", "grad_norm", "blocks",
-                  "tokens", "oov_frac", "blocks_per_s", "tokens_per_s", "elapsed_s", "peak_mem_gib", "selector_acc"]
-
 
 def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
     """Train a drafter as configured; returns a summary (also `out`/summary.json); on_step(step, row) after each step."""
@@ -51,11 +50,11 @@ def train(cfg: TrainConfig, target=None, source=None, on_step=None) -> dict:
         while step < r.total:
             tick = time.perf_counter()
             epoch, micro = global_batch(r, step)
-            stats = forward_backward(r, micro, epoch)
+            counts = forward_backward(r, micro, epoch)
             lr, grad_norm = optimizer_step(r, step, clock)
             step += 1
             clock.last_step = time.perf_counter() - tick
-            row = stats.summed(r.d).row(step, epoch, cfg.loss, lr, grad_norm, clock, r.d.device)
+            row = metrics_row(r, counts, step, epoch, lr, grad_norm, clock)
             history.append(row)
             if metrics:
                 metrics.step(row)
@@ -98,7 +97,6 @@ class Run:
     layer_ids: list[int]
     pool: list[int]  # indices of the sequences with something to anchor on
     gamma: float
-    mask_id: int
     per_step: int  # sequences per optimiser step, over all micro-batches and processes
     steps_per_epoch: int
     total: int
@@ -123,7 +121,7 @@ class Run:
 
 
 def initial_drafter(cfg: TrainConfig, target, init, layer_ids, resuming: bool, master: bool):
-    """The drafter's first weights (init=, a warm start from the target's top layers, or random) and its mask id."""
+    """The drafter's first weights: init=, a warm start from the target's top layers, or random."""
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.mask_token_id
     shape = {} if cfg.arch == "dflash" else {"arch": cfg.arch, **{k: getattr(cfg, k) for k in DFLASH2_KEYS}}
     with seeded(cfg.seed):
@@ -138,7 +136,7 @@ def initial_drafter(cfg: TrainConfig, target, init, layer_ids, resuming: bool, m
         lines = warm_start_from_target(drafter, target)
         if master:
             print("warm start: " + "; ".join(lines))
-    return drafter, mask_id
+    return drafter
 
 
 def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
@@ -170,7 +168,7 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     resume = load_train_state(ckpt) if ckpt else None
     vocab = resume["draft_vocab"] if resume else draft_vocabulary(cfg.draft_vocab, [source.seqs[i] for i in pool], target)
     gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
-    drafter, mask_id = initial_drafter(cfg, target, init, layer_ids, resuming=bool(resume), master=d.master)
+    drafter = initial_drafter(cfg, target, init, layer_ids, resuming=bool(resume), master=d.master)
     identity = target.identity()
     contract = resume_contract(drafter, cfg.loss, cfg.draft_vocab, gamma, identity)
     if resume:
@@ -179,11 +177,10 @@ def prepare(cfg: TrainConfig, d: Dist, target, source) -> Run:
     model = wrap(drafter, cfg, d)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     r = Run(cfg=cfg, d=d, out=Path(cfg.out), target=target, source=source, layer_ids=layer_ids, pool=pool, gamma=gamma,
-            mask_id=mask_id, per_step=per_step, steps_per_epoch=steps_per_epoch, total=total, eval_cache=eval_cache,
-            vocab=vocab, drafter=drafter, model=model, head=DraftHead(target.lm_head.weight, vocab, scaling_of(drafter.config)),
+            per_step=per_step, steps_per_epoch=steps_per_epoch, total=total, eval_cache=eval_cache, vocab=vocab,
+            drafter=drafter, model=model, head=DraftHead(target.lm_head.weight, vocab, scaling_of(drafter.config)),
             slot_w=slot_weights(cfg.block_size, gamma).to(d.device), opt=opt, contract=contract,
-            extra=dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab,
-                       train_config=cfg.to_dict()),
+            extra=dict(target_identity=identity, loss=cfg.loss, gamma=gamma, draft_vocab=vocab, train_config=cfg.to_dict()),
             compute_dtype=pick_dtype(cfg.dtype, d.device))  # master weights and loss: float32
     if resume:
         restore(r, ckpt, resume)
@@ -238,7 +235,7 @@ def describe(r: Run) -> None:
     r.log(f"data     {r.source.description}: {len(r.pool)} sequences, "
           f"{sum(seqs[i].length - seqs[i].prompt_len for i in r.pool)} response tokens ({r.source.kind})")
     r.log(f"drafter  {r.drafter.config.num_hidden_layers} layers, {n_params / 1e6:.1f}M parameters, block "
-          f"{cfg.block_size}, mask id {r.mask_id}; draft vocabulary {vocab} ({cfg.draft_vocab})")
+          f"{cfg.block_size}, mask id {r.drafter.config.mask_token_id}; draft vocabulary {vocab} ({cfg.draft_vocab})")
     r.log(f"loss     {cfg.loss}, gamma {r.gamma:g}: sum_k w_k*l_k / sum_k w_k over the global batch's supervised slots")
     r.log(f"steps    {r.total} ({r.steps_per_epoch}/epoch), global batch {r.per_step} sequences x <= "
           f"{cfg.anchors_per_seq} anchors, {r.d.world} process(es) on {r.d.device} "
@@ -271,9 +268,7 @@ def wrap(drafter, cfg: TrainConfig, d: Dist) -> nn.Module:
         for layer in drafter.layers:
             fully_shard(layer, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
 
 
 # ---- one step --------------------------------------------------------------------------------------------------
@@ -291,60 +286,50 @@ def global_batch(r: Run, step: int) -> tuple[int, list[tuple[list[int], object]]
         idx = chosen[m * cfg.batch_size:(m + 1) * cfg.batch_size]
         seqs = [r.source.seqs[i] for i in idx]
         anchors = [sample_anchors(r.source.seqs[i], cfg.anchors_per_seq, epoch, cfg.seed, i) for i in idx]
-        micro.append((idx, build_batch(seqs, anchors, cfg.block_size, r.mask_id).to(r.d.device)))
+        micro.append((idx, build_batch(seqs, anchors, cfg.block_size, r.drafter.config.mask_token_id).to(r.d.device)))
     return epoch, micro
 
 
-@dataclass
-class StepStats:
-    """Counts summed over a step's micro-batches (then over processes); the logged metrics are ratios of them."""
-    loss: float = 0.0
-    slots: float = 0.0  # supervised slots
-    oov: float = 0.0  # of which the label is outside the draft vocabulary
-    pos1: float = 0.0  # slot-1 predictions
-    pos1_correct: float = 0.0
-    correct: float = 0.0  # argmax == label, any slot
-    blocks: float = 0.0
-    tokens: float = 0.0
-    selector_slots: float = 0.0  # DFlash2: slots its candidate selector was trained on
-    selector_correct: float = 0.0  # of which it picked the true token (teacher-forced predecessor)
-
-    def summed(self, d: Dist) -> "StepStats":
-        return StepStats(*all_sum(torch.tensor(astuple(self), dtype=torch.float64), d).tolist())
-
-    def row(self, step: int, epoch: int, loss_name: str, lr: float, grad_norm: float, clock: "Clock", device) -> dict:
-        return {"step": step, "epoch": epoch, "loss": self.loss, "loss_name": loss_name,
-                "pos1_acc": self.pos1_correct / max(1.0, self.pos1), "slot_acc": self.correct / max(1.0, self.slots),
-                "lr": lr, "grad_norm": grad_norm, "blocks": int(self.blocks), "tokens": int(self.tokens),
-                "oov_frac": self.oov / max(1.0, self.slots), "blocks_per_s": self.blocks / clock.last_step,
-                "tokens_per_s": self.tokens / clock.last_step, "elapsed_s": clock.elapsed(),
-                "selector_acc": self.selector_correct / self.selector_slots if self.selector_slots else None,
-                "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+# what a step counts over its micro-batches, then over processes: slots are the supervised ones, oov those whose label
+# is outside the draft vocabulary, pos1 the slot-1 ones, correct: argmax == label; selector_*: DFlash2's selector
+STEP_COUNTS = ("loss", "slots", "oov", "pos1", "pos1_correct", "correct", "blocks", "tokens", "selector_slots",
+               "selector_correct")
 
 
-def forward_backward(r: Run, micro: list, epoch: int) -> StepStats:
+def forward_backward(r: Run, micro: list, epoch: int) -> Counter:
     """Loss and gradients of one optimiser step, normalised by the slot weight of the whole global batch."""
     cfg, d = r.cfg, r.d
     norm = all_sum(torch.tensor([sum(step_weight(b.labels, r.head, r.slot_w, cfg.loss) for _, b in micro)],
                                 dtype=torch.float64), d).item()
     norm = max(norm, 1e-12)  # a step without supervised slots contributes zero loss, not NaN
-    stats = StepStats()
+    counts = Counter()
     for m, (idx, batch) in enumerate(micro):
         feats, block_embeds, last_states = micro_inputs(r.source, idx, batch, r.target, r.layer_ids, cfg.loss == "kl",
                                                         cfg.noise_std, [mix_seed(cfg.seed, epoch, i, 3) for i in idx],
                                                         lambda ids: r.drafter.embed_block(r.target.embed, ids))
         with grad_sync(r, last=m == len(micro) - 1):
-            with autocast(r):
+            # bf16 compute where pick_dtype chose it; master weights and the loss stay float32
+            with torch.autocast(d.device.type, dtype=r.compute_dtype, enabled=r.compute_dtype != torch.float32):
                 hidden = r.model(feats, block_embeds, batch.anchors, batch.valid)
             selector = getattr(r.drafter, "candidate_selector", None)  # DFlash2
             pred = predecessors(batch.block_ids, batch.labels) if selector is not None else None
             loss, st = block_loss(hidden, batch.labels, r.slot_w, r.head, cfg.loss, norm, last_states, batch.anchors,
                                   cfg.head_chunk, selector, pred, cfg.selector_loss_alpha)
             (loss * d.world).backward()  # DDP/FSDP average gradients; the loss is already globally normalised
-        for key, value in {**st, "loss": loss.item(), "blocks": int(batch.valid.sum()),
-                           "tokens": int(batch.lengths.sum())}.items():
-            setattr(stats, key, getattr(stats, key) + value)
-    return stats
+        counts.update({**st, "loss": loss.item(), "blocks": int(batch.valid.sum()), "tokens": int(batch.lengths.sum())})
+    return counts
+
+
+def metrics_row(r: Run, counts: Counter, step: int, epoch: int, lr: float, grad_norm: float, clock: "Clock") -> dict:
+    """The logged metrics of a step (the columns of metrics.csv): ratios of its counts summed over processes."""
+    s = dict(zip(STEP_COUNTS, all_sum(torch.tensor([counts[k] for k in STEP_COUNTS], dtype=torch.float64), r.d).tolist()))
+    return {"step": step, "epoch": epoch, "loss": s["loss"], "loss_name": r.cfg.loss,
+            "pos1_acc": s["pos1_correct"] / max(1.0, s["pos1"]), "slot_acc": s["correct"] / max(1.0, s["slots"]),
+            "lr": lr, "grad_norm": grad_norm, "blocks": int(s["blocks"]), "tokens": int(s["tokens"]),
+            "oov_frac": s["oov"] / max(1.0, s["slots"]), "blocks_per_s": s["blocks"] / clock.last_step,
+            "tokens_per_s": s["tokens"] / clock.last_step, "elapsed_s": clock.elapsed(),
+            "peak_mem_gib": torch.cuda.max_memory_allocated(r.d.device) / 2**30 if r.d.device.type == "cuda" else None,
+            "selector_acc": s["selector_correct"] / s["selector_slots"] if s["selector_slots"] else None}
 
 
 def micro_inputs(source, idx: list[int], batch, target, layer_ids, need_last: bool, noise_std: float, noise_seeds,
@@ -370,15 +355,9 @@ def grad_sync(r: Run, last: bool):
     return contextlib.nullcontext()
 
 
-def autocast(r: Run):
-    """bf16 compute where pick_dtype chose it; master weights and the loss stay float32."""
-    return torch.autocast(r.d.device.type, dtype=r.compute_dtype, enabled=r.compute_dtype != torch.float32)
-
-
 def optimizer_step(r: Run, step: int, clock: "Clock") -> tuple[float, float]:
     """Clip, set the scheduled learning rate, AdamW step; returns (lr, gradient norm before clipping)."""
-    cfg = r.cfg
-    norm = torch.nn.utils.clip_grad_norm_(r.model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(r.model.parameters(), r.cfg.grad_clip if r.cfg.grad_clip > 0 else float("inf"))
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     lr = learning_rate(r, step, clock)
     for group in r.opt.param_groups:
@@ -503,8 +482,6 @@ def plain_drafter(drafter_cfg, weights: dict, vocab):
 # ---- what the user sees --------------------------------------------------------------------------------------
 def progress_bar(r: Run):
     """The tqdm bar (rank 0): steps, or seconds for a time-boxed run so that its ETA is the real one."""
-    from tqdm import tqdm
-
     kw = dict(total=r.total, initial=r.start, unit="step")
     if r.cfg.max_minutes:
         kw = dict(total=round(60 * r.cfg.max_minutes), initial=round(r.elapsed_before), unit="s",
@@ -533,15 +510,14 @@ class MetricsLog:
 
     @staticmethod
     def _append(path: Path, rows: list[dict]):
-        new = not path.is_file()
         with open(path, "a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]), extrasaction="ignore")
-            if new:
+            if f.tell() == 0:  # a new file
                 w.writeheader()
             w.writerows(rows)
 
     def step(self, row: dict):
-        self._append(self.path, [{k: row.get(k) for k in METRIC_COLUMNS}])
+        self._append(self.path, [row])
         if self.tb:
             for k in ("loss", "pos1_acc", "slot_acc", "lr", "grad_norm", "tokens_per_s"):
                 self.tb.add_scalar(f"train/{k}", row[k], row["step"])

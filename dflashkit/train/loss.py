@@ -67,9 +67,8 @@ def block_targets(labels: torch.Tensor, head, slot_w: torch.Tensor, kind: str):
     """labels [b, n, B] (-100: none) -> (slots with a label, draft-vocabulary index, w_k where supervised else 0)."""
     rows = labels >= 0
     index = head.to_index(labels)
-    w = slot_w.to(labels.device)[None, None, :].expand(labels.shape)
     supervised = rows & (index >= 0) if kind == "ce" else rows
-    return rows, index, torch.where(supervised, w, 0.0)
+    return rows, index, torch.where(supervised, slot_w.to(labels.device), 0.0)
 
 
 def step_weight(labels: torch.Tensor, head, slot_w: torch.Tensor, kind: str) -> float:
@@ -90,22 +89,16 @@ def block_loss(hidden, labels, slot_w, head, kind: str, norm: float, target_hidd
     block at a reads row a+k-1) -> (sum w_k l_k / norm, stats of summed counts)."""
     b, n, B = labels.shape
     rows, index, weight = block_targets(labels, head, slot_w, kind)
-    flat = rows.reshape(-1)
-    h = hidden.reshape(b * n * B, -1)[flat]
-    slot = torch.arange(B, device=labels.device).expand(b, n, B).reshape(-1)[flat]
-    target = None
-    if kind == "kl":
-        pos = anchors[:, :, None] + torch.arange(B, device=labels.device) - 1  # [b, n, B]
-        bi = torch.arange(b, device=labels.device)[:, None, None].expand(b, n, B)
-        target = target_hidden[bi.reshape(-1)[flat], pos.reshape(-1)[flat].clamp(min=0)]
-    w, idx = weight.reshape(-1)[flat], index.reshape(-1)[flat]
+    h, w, idx = hidden.reshape(b, n, B, -1)[rows], weight[rows], index[rows]
+    bi, ni, slot = rows.nonzero(as_tuple=True)  # of each row of h, in the same (row-major) order
+    target = target_hidden[bi, (anchors[bi, ni] + slot - 1).clamp(min=0)] if kind == "kl" else None
     loss, correct, top = ChunkedHeadLoss.apply(h, head.weight, idx, w / norm, target, chunk, kind, head.scaling,
                                                selector.top_k if selector is not None else 0)
     first = slot == 1
-    stats = {"slots": int(flat.sum()), "oov": int((idx < 0).sum()), "pos1": int(first.sum()),
+    stats = {"slots": int(rows.sum()), "oov": int((idx < 0).sum()), "pos1": int(first.sum()),
              "pos1_correct": int(correct[first].sum()), "correct": int(correct.sum())}
     if selector is not None:
-        sel, picked = selector_loss(selector, head, h, top, idx, pred.reshape(-1)[flat], w / norm)
+        sel, picked = selector_loss(selector, head, h, top, idx, pred[rows], w / norm)
         loss = loss + alpha * sel
         stats.update(selector_slots=int((idx >= 0).sum()), selector_correct=int(picked.sum()))
     return loss, stats
