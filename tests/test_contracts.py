@@ -405,3 +405,13 @@ def test_vllm_drafts_block_minus_one_with_our_export(smollm2, tmp_path):
     with VllmWorker(Path(smollm2.path), "float32", 1, 512, folder, engine_block("vllm", B)[1], engine=engine) as w:
         a = w.complete(smollm2.chat_ids([{"role": "user", "content": "hello"}]), 24, set(smollm2.stop_token_ids))
     assert a.steps > 0 and a.drafted == (B - 1) * a.steps
+
+
+def test_drafter_info_prints_what_the_contract_records(llama, tmp_path, capsys):
+    """`drafter info` shows the steps a dflashkit drafter was trained for, under the key training saves."""
+    from dflashkit.cli import main
+
+    save_drafter(drafter_for(llama), tmp_path / "d", trained_steps=1939, loss="ce")
+    assert main(["drafter", "info", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert "trained_steps    1939" in out and "loss             ce" in out

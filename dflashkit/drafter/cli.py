@@ -72,7 +72,7 @@ def cmd_info(args) -> int:
         tgt = con.get("target") or {}
         print(f"expected target  {tgt.get('name')} ({tgt.get('architecture')}, weights {tgt.get('weights_hash') or 'not recorded'}, "
               f"config {tgt.get('config_hash')}) {tgt.get('path', '')}")
-        for key in ("loss", "gamma", "step"):
+        for key in ("loss", "gamma", "trained_steps"):
             if key in con:
                 print(f"{key:16s} {con[key]}")
         if con.get("draft_vocab"):
