@@ -283,3 +283,19 @@ def test_real_engine_peers_write_the_schema_and_parity_against_their_plain(smoll
     p = res["parity"][f"{engine}-dflash"]
     assert p["against"] == engine and p["prompts"] == 2
     assert all(x["verdict"] in ("equal", "numerics") for x in p["per_prompt"]), p["per_prompt"]
+
+
+@pytest.mark.parametrize("label", ["prompt-lookup", "prompt-lookup-10", "ar@hf-stock"])
+def test_rows_on_stock_kernels_are_not_held_to_our_plain_decoding_where_bf16_switched_kernels(label):
+    """Where bf16 decoding runs row-invariant kernels, transformers' own loops (sized ones too) and plain decoding
+    on torch's kernels may part from our ar without failing the lossless check; with one kernel set they are held."""
+    from types import SimpleNamespace
+
+    from dflashkit.decode.sampling import GREEDY
+    from dflashkit.measure.bench import _judge
+
+    target = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"))
+    runs = [{"prompt": "p", "method": "ar", "tokens": [1, 2, 3]}, {"prompt": "p", "method": label, "tokens": [1, 2, 4]}]
+    rows = {"ar": ("ar", "hf"), label: (label, "hf-stock" if "@" in label else "hf")}
+    assert _judge(target, copy.deepcopy(runs), rows, {}, GREEDY, switched=True)[0] == []
+    assert [f["method"] for f in _judge(target, runs, rows, {}, GREEDY, switched=False)[0]] == [label]
