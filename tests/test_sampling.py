@@ -3,6 +3,7 @@ rejection rule is exact at every draft position and at the bonus, for chain and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import fields
 from types import SimpleNamespace
@@ -93,6 +94,9 @@ def test_bench_draft_mix_changes_rejection_decoding_and_is_recorded(tiny_dirs, d
         assert (c["temperature"], c["acceptance"], c["draft_mix"]) == (0.7, "rejection", float(mix))
         assert c["draft_temperature"] == (0.05 if mix == "0" else 0.7)
         assert f"draft mix {mix}" in (tmp_path / mix / "report.md").read_text()
+        sha = hashlib.sha256((drafter_dir / "model.safetensors").read_bytes()).hexdigest()
+        assert c["drafter"] == {"path": str(drafter_dir), "sha256": sha}  # which drafter the results are of
+        assert f"drafter `{drafter_dir}` (weights sha256 {sha[:12]})" in (tmp_path / mix / "report.md").read_text()
     assert out["0"] != out["1"]
 
 

@@ -410,7 +410,9 @@ def bench_markdown(result: dict) -> str:
              f"block size {c['block_size']}; methods run in rotated order per prompt after a warm-up; "
              f"{c.get('threads')} threads; " + (f"{c['auto']}; " if c.get("auto") else "")
              + "backends: " + ", ".join(f"{m} on {e}" for m, e in (c.get("backends") or {}).items())
-             + (f"; static kernels: {c['static_kernels']}" if c.get("static_kernels") else "") + ".", ""]
+             + (f"; static kernels: {c['static_kernels']}" if c.get("static_kernels") else "")
+             + (f"; drafter `{d['path']}`" + (f" (weights sha256 {d['sha256'][:12]})" if d["sha256"] else "")
+                if (d := c.get("drafter")) else "") + ".", ""]
     lines += cost_markdown(result.get("cost"))
     fastest = next(iter(result["methods"].values())).get("fastest_plain", "ar")
     headers = ["method", "backend", "tau", "tokens/s", "speedup vs ar", f"vs fastest plain ({fastest})", "vs hf-generate",

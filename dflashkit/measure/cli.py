@@ -242,12 +242,14 @@ def cmd_bench(args) -> int:
         "target": target.identity(), "dtype": str(target.dtype), "methods": methods, "engine": args.engine,
         "prompts": [pid for pid, _ in prompts], "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
         "sampling": repr(sampling), "threads": torch.get_num_threads(),
-        "drafter": sha256_file(weights) if args.drafter and weights.is_file() else args.drafter})
+        "drafter": (sha := sha256_file(weights) if args.drafter and weights.is_file() else None) or args.drafter})
     args.on_interrupt = (f"interrupted; the finished runs are in {journal.path}: the same command resumes from there "
                          "(another --out starts anew)")
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, sampling=sampling, engine=args.engine, log=_say, offline=offline,
                        predict=not args.no_predict, journal=journal, reprobe=args.reprobe)
+    if args.drafter:  # which drafter the speedups are of
+        result["config"]["drafter"] = {"path": str(args.drafter), "sha256": sha}
     paths = write_bench(result, args.out)
     journal.finish()
     print(bench_markdown(result))
