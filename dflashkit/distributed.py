@@ -79,7 +79,6 @@ def from_master(obj, d: Dist):
 
 
 def gather_all(obj, d: Dist) -> list:
-    """Every process's `obj`, in rank order, on every process."""
     if d.world == 1:
         return [obj]
     out = [None] * d.world

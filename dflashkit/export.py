@@ -33,10 +33,9 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     from dflashkit.drafter.checkpoint import check_against_target, load_drafter, run_latest, save_drafter
     from dflashkit.targets.model import load_target
 
-    if fmt not in FORMATS:
-        raise DFlashError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
-    if dtype not in DTYPES:
-        raise DFlashError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    for flag, value, allowed in (("--format", fmt, FORMATS), ("--dtype", dtype, DTYPES)):
+        if value not in allowed:
+            raise DFlashError(f"{flag} {value!r}: use one of {', '.join(allowed)}")
     src, out = run_latest(src) or Path(src), Path(out)
     if fmt == "gguf" and out.suffix != ".gguf":
         raise DFlashError(f"--out {out}: a GGUF export is one file; name it *.gguf")
@@ -70,14 +69,13 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
 
 def _offline_tau(drafter, target, cache_path: str, num_prompts: int | None, exported_full: bool) -> dict:
     from dflashkit.cache import open_cache
-    from dflashkit.cache.store import check_target
     from dflashkit.evaluate.offline import evaluate
 
     if exported_full and drafter.config.arch != "dflash":  # evaluate scores the full vocabulary for DFlash only
         raise DFlashError(f"{drafter.config.arch}: tau over the full vocabulary is measured for DFlash drafters "
                           "only; export with the token map (leave out --full-vocab)")
-    cache = open_cache(cache_path, num_prompts=num_prompts, layer_ids=drafter.config.target_layer_ids)
-    check_target(cache.path, cache.manifest, target.identity())
+    cache = open_cache(cache_path, num_prompts=num_prompts, expect_target=target.identity(),
+                       layer_ids=drafter.config.target_layer_ids)
     o = evaluate(drafter, target, cache, trees=(), progress=True)["overall"]
     as_exported = o["as_exported"]["tau"] if exported_full else o["tau"]
     return {"as_trained": o["tau"], "as_exported": as_exported, "prompts": o["prompts"], "cache": str(cache.path)}

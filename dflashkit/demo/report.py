@@ -31,8 +31,7 @@ def headline(bench: dict, suite: str) -> str:
 
 
 def bench_section(root: Path, folder: str, title: str) -> list[str]:
-    """bench's own report of one suite (measure/bench.py) under `title`: its headings one level down, its images
-    linked from the demo's folder."""
+    """bench's own report of one suite under `title`: its headings one level down, its images linked from here."""
     from dflashkit.measure.bench import bench_markdown
 
     head, _, body = bench_markdown(load(root / folder / "results.json")).partition("\n")
@@ -68,8 +67,7 @@ def write_report(root: Path, cfg, target, timings: dict, plan: str) -> dict:
              f"Target `{cfg.target}` on `{target.device}`, {m['cpu'] or 'unknown CPU'} ({', '.join(m['flags']) or '-'}), "
              f"{m['threads']} threads, torch {m['torch']}; eval suite `{cfg.eval_suite}`.", "",
              f"Numerics: dtype {dtype_reason(target.dtype, target.device, cfg.dtype)}; weights "
-             f"{describe(target)}. Decoding kernels: "
-             f"{describe_kernels(target.model)}.", "", f"Plan: {plan}.", "",
+             f"{describe(target)}. Decoding kernels: {describe_kernels(target.model)}.", "", f"Plan: {plan}.", "",
              "## Offline evaluation (eval cache, temperature 0)", "",
              "ddtree-4/ddtree-8 = DDTree node-budget trees budget:4/8 (the paper's tree, docs/design.md section 5).", "",
              offline_table(offline),

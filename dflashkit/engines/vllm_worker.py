@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from itertools import zip_longest
 
 REPLY = "@@dflashkit "
 
@@ -24,9 +25,7 @@ def counters(llm) -> dict:
 
 
 def combine(a: list, b: list, sign: int) -> list:
-    """a + sign * b, position by position (the shorter padded with zeros)."""
-    n = max(len(a), len(b))
-    return [x + sign * y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+    return [x + sign * y for x, y in zip_longest(a, b, fillvalue=0)]
 
 
 def main() -> None:
