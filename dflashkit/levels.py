@@ -108,15 +108,12 @@ def native_bf16() -> bool:
 
 
 def amx() -> bool:
-    """AMX tiles at the chosen level: v4 on a CPU with amx_bf16."""
     return chosen() == "v4" and {"amx_bf16", "amx_tile"} <= cpu()[1]
 
 
 def torch_environment(name: str) -> dict[str, str]:
     """The environment torch needs before it loads for its kernels to take a narrower level's path (the CLI sets it)."""
-    if name == "v3" and best() == "v4":
-        return {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"}
-    return {}
+    return {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"} if (name, best()) == ("v3", "v4") else {}
 
 
 def describe() -> str:

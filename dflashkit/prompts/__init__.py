@@ -114,9 +114,7 @@ class PromptSuite:
             z = math.sqrt(sum(x * x for x in v.values())) or 1.0
             return {w: x / z for w, x in v.items()}
 
-        centroid: Counter = Counter()
-        for it in reference.items:
-            centroid.update(unit(_words(it)))
+        centroid = sum((Counter(unit(_words(it))) for it in reference.items), Counter())
         score = [sum(x * centroid.get(w, 0.0) for w, x in unit(d).items()) for d in docs]
         keep = sorted(sorted(range(len(docs)), key=lambda i: (-score[i], i))[:n])
         return _suite(f"{self.name} (nearest {len(keep)} to {reference.name})", [self.items[i] for i in keep])
