@@ -7,8 +7,7 @@
     eval     offline: trained vs untrained vs first checkpoint, stride and walk anchors
     bench    online speculative decoding against the live target, on the eval suite and a held-out one
     report   report.md / report.json from what the stages wrote
-A rerun skips every stage whose inputs and outputs are unchanged (stages.py); plan.py sizes the run to the budget.
-"""
+A rerun skips every stage whose inputs and outputs are unchanged (stages.py); plan.py sizes the run to the budget."""
 
 from __future__ import annotations
 

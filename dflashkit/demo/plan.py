@@ -2,8 +2,7 @@
 (a batched greedy step, a one-token forward) and scales each stage's work by them. When all does not fit, the prompts
 shrink by sqrt(f) (f: the share of data and training time that fits) and training gets the rest (a CPU drafter is
 bound by its data first); once data and cache have run, training gets what they left. `<out>/plan.json` keeps the
-timing: a rerun with the same settings sizes the demo the same way and keeps what it built.
-"""
+timing: a rerun with the same settings sizes the demo the same way and keeps what it built."""
 
 from __future__ import annotations
 

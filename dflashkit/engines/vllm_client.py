@@ -35,8 +35,7 @@ class VllmWorker:
         self.cfg = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len,
                     "speculative": None if drafter is None else
                     {"method": "dflash", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}}
-        self.threads = threads
-        self.lines = deque(maxlen=40)
+        self.threads, self.lines = threads, deque(maxlen=40)
 
     def __enter__(self) -> "VllmWorker":
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -75,8 +74,7 @@ class VllmWorker:
                 self.proc.kill()
 
     def complete(self, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> EngineAnswer:
-        self.proc.stdin.write(json.dumps({"ids": ids, "max_tokens": max_new_tokens}) + "\n")
-        self.proc.stdin.flush()
+        print(json.dumps({"ids": ids, "max_tokens": max_new_tokens}), file=self.proc.stdin, flush=True)
         return answer_of(self._reply(3600, "answering"), (self.cfg["speculative"] or {}).get("num_speculative_tokens", 0))
 
 

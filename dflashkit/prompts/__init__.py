@@ -36,15 +36,8 @@ class PromptItem:
 
     def _segments(self) -> tuple[list[dict], list[list[dict]]]:
         """(what precedes the first user turn, [[user turn, the messages that answer it], ...])."""
-        head, turns = [], []
-        for m in self.messages:
-            if m["role"] == "user":
-                turns.append([m])
-            elif turns:
-                turns[-1].append(m)
-            else:
-                head.append(m)
-        return head, turns
+        cuts = [i for i, m in enumerate(self.messages) if m["role"] == "user"] + [len(self.messages)]
+        return list(self.messages[:cuts[0]]), [list(self.messages[a:b]) for a, b in zip(cuts, cuts[1:])]
 
     def turn(self, k: int, answers: list[str] | None = None) -> list[dict]:
         """The messages that ask user turn k (0-based), each earlier turn followed by `answers[j]`, the target's own
