@@ -2,8 +2,7 @@
 
     from dflashkit import load_target, new_drafter, load_drafter, save_drafter, DraftHead
 
-Names load lazily, so that `import dflashkit` stays cheap and the CLI starts without torch.
-"""
+Names load lazily, so that `import dflashkit` stays cheap and the CLI starts without torch."""
 
 from __future__ import annotations
 

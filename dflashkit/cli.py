@@ -7,8 +7,9 @@ import importlib
 import os
 import sys
 
-from dflashkit import machine
+from dflashkit import __version__, levels, machine, threads
 from dflashkit.errors import DFlashError
+from dflashkit.fileio import check_writable
 
 # The stages a user walks through, in order; each module's register(subparsers) declares its commands whole
 STAGES = ["dflashkit.targets.cli", "dflashkit.drafter.cli", "dflashkit.cache.cli",
@@ -22,8 +23,6 @@ ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSF
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dflashkit import __version__
-
     parser = argparse.ArgumentParser(prog="dflashkit", description="Train, evaluate and compare DFlash speculative drafters.")
     parser.add_argument("--version", action="version", version=f"dflashkit {__version__}")
     parser.add_argument("--isa", metavar="LEVEL", help=(
@@ -32,13 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         "this CPU's runs here as a CPU of that level would, torch's own kernels included"))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in STAGES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:  # a real missing dependency, not a stage that is not written yet
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 
@@ -78,34 +71,23 @@ def handler(func):
 
 
 def main(argv=None) -> int:
-    from dflashkit import levels
-
     argv = sys.argv[1:] if argv is None else list(argv)
+    args, before, outer = None, None, use_environment()
     try:
         level = levels.choose(asked := asked_isa(argv))
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if asked:
-        os.environ["DFLASHKIT_ISA"] = level  # what a dflashkit process started from this one runs at
-    for key, value in {**ENVIRONMENT, **levels.torch_environment(level)}.items():
-        os.environ.setdefault(key, value)
-    args = build_parser().parse_args(argv)
-    before, outer = None, use_environment()
-    try:
+        if asked:
+            os.environ["DFLASHKIT_ISA"] = level  # what a dflashkit process started from this one runs at
+        for key, value in {**ENVIRONMENT, **levels.torch_environment(level)}.items():
+            os.environ.setdefault(key, value)
+        args = build_parser().parse_args(argv)
         if getattr(args, "out", None):  # an output path that cannot be written fails now, not after the work
-            from dflashkit.fileio import check_writable
-
             check_writable(args.out)
         if hasattr(args, "threads"):  # commands that run models take --threads (dflashkit.threads)
             import torch
 
-            from dflashkit.threads import apply_threads, load_warning, under_torchrun
-
             before = torch.get_num_threads()
-            n = apply_threads(args)
-            warning = None if under_torchrun() or n == 1 else load_warning(n)  # one thread: nothing to share
-            if warning:
+            n = threads.apply_threads(args)  # one thread: nothing to share
+            if n > 1 and not threads.under_torchrun() and (warning := threads.load_warning(n)):
                 print(warning, file=sys.stderr)
         return handler(args.func)(args) or 0
     except DFlashError as e:

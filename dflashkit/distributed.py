@@ -4,6 +4,7 @@ extraction and training need, written once. With one process every helper is a n
 from __future__ import annotations
 
 import atexit
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,13 +47,11 @@ def _end_group() -> None:
     """End the group once every rank reached exit (or a minute passed): ending it under another rank aborts that one."""
     if not dist.is_initialized():
         return
-    try:
+    with contextlib.suppress(RuntimeError):  # a rank already gone: end ours regardless
         if dist.get_backend() == "gloo":
             dist.monitored_barrier(timeout=timedelta(seconds=60))
         else:
             dist.barrier()
-    except RuntimeError:
-        pass  # a rank already gone: end ours regardless
     dist.destroy_process_group()
 
 
@@ -79,7 +78,6 @@ def from_master(obj, d: Dist):
 
 
 def gather_all(obj, d: Dist) -> list:
-    """Every process's `obj`, in rank order, on every process."""
     if d.world == 1:
         return [obj]
     out = [None] * d.world

@@ -6,8 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from dflashkit.cache import open_cache
+from dflashkit.drafter.checkpoint import check_against_target, load_drafter, run_latest, save_drafter
 from dflashkit.drafter.cli import DTYPES, FORMATS
+from dflashkit.engines.install import require
+from dflashkit.engines.llamacpp import drafter_gguf
 from dflashkit.errors import DFlashError
+from dflashkit.evaluate.offline import evaluate
+from dflashkit.targets.model import load_target
 
 
 def cmd_export(args) -> int:
@@ -17,26 +25,12 @@ def cmd_export(args) -> int:
     return 0
 
 
-def _target_ref(drafter, given: str | None, src: Path) -> str:
-    tgt = (drafter.contract or {}).get("target") or {}
-    # the recorded folder, or the registry name when the folder has moved
-    if ref := given or (tgt["path"] if tgt.get("path") and Path(tgt["path"]).exists() else tgt.get("name")):
-        return ref
-    raise DFlashError(f"{src}: records no target (a z-lab folder); pass --target NAME_OR_FOLDER")
-
-
 def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_ref: str | None = None,
                    full_vocab: bool = False, cache: str | None = None, num_prompts: int | None = None) -> dict:
     """Write the export, its token map read back and checked; returns what it wrote, taus None without a cache."""
-    import torch
-
-    from dflashkit.drafter.checkpoint import check_against_target, load_drafter, run_latest, save_drafter
-    from dflashkit.targets.model import load_target
-
-    if fmt not in FORMATS:
-        raise DFlashError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
-    if dtype not in DTYPES:
-        raise DFlashError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    for flag, value, allowed in (("--format", fmt, FORMATS), ("--dtype", dtype, DTYPES)):
+        if value not in allowed:
+            raise DFlashError(f"{flag} {value!r}: use one of {', '.join(allowed)}")
     src, out = run_latest(src) or Path(src), Path(out)
     if fmt == "gguf" and out.suffix != ".gguf":
         raise DFlashError(f"--out {out}: a GGUF export is one file; name it *.gguf")
@@ -44,13 +38,14 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     vocab = (drafter.contract or {}).get("draft_vocab")
     keep_map = bool(vocab) and not full_vocab
     needs_target = fmt in ("gguf", "transformers") or keep_map or cache
-    target = load_target(_target_ref(drafter, target_ref, src), device="cpu") if needs_target else None
+    tgt = (drafter.contract or {}).get("target") or {}  # the recorded folder, or the registry name when it moved
+    target_ref = target_ref or (tgt["path"] if tgt.get("path") and Path(tgt["path"]).exists() else tgt.get("name"))
+    if needs_target and not target_ref:
+        raise DFlashError(f"{src}: records no target (a z-lab folder); pass --target NAME_OR_FOLDER")
+    target = load_target(target_ref, device="cpu") if needs_target else None
     if target is not None:
         check_against_target(drafter.config, target, str(src))
     if fmt == "gguf":
-        from dflashkit.engines.install import require
-        from dflashkit.engines.llamacpp import drafter_gguf
-
         drafter_gguf(require("llama.cpp"), drafter, target, dtype, out, token_map=keep_map)
     else:  # transformers: its head is the target's own, so a draft vocabulary cannot travel (refused by name)
         save_drafter(drafter, out, format=fmt, dtype=getattr(torch, dtype),
@@ -69,15 +64,11 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
 
 
 def _offline_tau(drafter, target, cache_path: str, num_prompts: int | None, exported_full: bool) -> dict:
-    from dflashkit.cache import open_cache
-    from dflashkit.cache.store import check_target
-    from dflashkit.evaluate.offline import evaluate
-
     if exported_full and drafter.config.arch != "dflash":  # evaluate scores the full vocabulary for DFlash only
         raise DFlashError(f"{drafter.config.arch}: tau over the full vocabulary is measured for DFlash drafters "
                           "only; export with the token map (leave out --full-vocab)")
-    cache = open_cache(cache_path, num_prompts=num_prompts, layer_ids=drafter.config.target_layer_ids)
-    check_target(cache.path, cache.manifest, target.identity())
+    cache = open_cache(cache_path, num_prompts=num_prompts, expect_target=target.identity(),
+                       layer_ids=drafter.config.target_layer_ids)
     o = evaluate(drafter, target, cache, trees=(), progress=True)["overall"]
     as_exported = o["as_exported"]["tau"] if exported_full else o["tau"]
     return {"as_trained": o["tau"], "as_exported": as_exported, "prompts": o["prompts"], "cache": str(cache.path)}

@@ -50,15 +50,15 @@ def _umask() -> int:
     return mask
 
 
-def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
+def check_writable(path: str | os.PathLike) -> None:
     """Refuse, before any work, an output path whose nearest existing ancestor is not a writable folder."""
     p = Path(path).absolute()
     here = p if p.exists() else next(a for a in p.parents if a.exists())
     if here != p and not here.is_dir():
-        raise DFlashError(f"{flag} {path}: {here} is a file, not a folder, so nothing can be written under it; "
-                          f"choose another {flag}")
+        raise DFlashError(f"--out {path}: {here} is a file, not a folder, so nothing can be written under it; "
+                          "choose another --out")
     if not os.access(here if here.is_dir() else here.parent, os.W_OK | os.X_OK):
-        raise DFlashError(f"{flag} {path}: {here} is not writable by this user; choose another {flag}")
+        raise DFlashError(f"--out {path}: {here} is not writable by this user; choose another --out")
 
 
 def read_json(path, fix: str = ""):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,14 +19,13 @@ class Level:
     name: str
     about: str
     flags: tuple[str, ...]  # the compiler's: an ISA baseline and generic tuning, never this CPU's own
-    needs: frozenset[str]  # /proc/cpuinfo flags a CPU must have to run it
-    x86: bool = True
+    needs: frozenset[str]  # /proc/cpuinfo flags a CPU must have to run it (none: any CPU, aarch64 included)
 
 
 V3_NEEDS = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
 LEVELS = {level.name: level for level in (
     Level("portable", "GCC vector extensions, no intrinsics: any CPU (aarch64 included), the v3 level's sums",
-          ("-mtune=generic",) if platform.machine() in ("x86_64", "AMD64") else (), frozenset(), x86=False),
+          ("-mtune=generic",) if platform.machine() in ("x86_64", "AMD64") else (), frozenset()),
     Level("v3", "x86-64-v3: AVX2 + FMA, 8-lane registers (most laptops and cloud CPUs)",
           ("-march=x86-64-v3", "-mtune=generic"), V3_NEEDS),
     Level("v4", "x86-64-v4: AVX-512, 16-lane registers, AMX tiles for bf16 weights where the CPU has them",
@@ -40,15 +40,11 @@ _chosen: str | None = None
 @functools.cache
 def cpu() -> tuple[str, frozenset[str]]:
     """This CPU's model name and flags from /proc/cpuinfo (the platform's name and none where there is none)."""
-    model, flags = platform.processor(), frozenset()
+    info = {}
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            if key.strip() == "flags":
-                return model, frozenset(value.split())
-    return model, flags
+        for key, _, value in (line.partition(":") for line in Path("/proc/cpuinfo").read_text().splitlines()):
+            info.setdefault(key.strip(), value.strip())  # the first processor's
+    return info.get("model name", platform.processor()), frozenset(info.get("flags", "").split())
 
 
 def is_x86() -> bool:
@@ -56,8 +52,8 @@ def is_x86() -> bool:
 
 
 def runs_here(name: str) -> bool:
-    level = LEVELS[name]
-    return not level.x86 or (is_x86() and level.needs <= cpu()[1])
+    needs = LEVELS[name].needs
+    return not needs or (is_x86() and needs <= cpu()[1])
 
 
 def runnable() -> list[str]:
@@ -86,8 +82,6 @@ def resolve(value: str | None) -> str:
 
 def choose(value: str | None) -> str:
     """Set this process's level (the CLI calls it once, before torch loads); returns its name."""
-    import sys
-
     global _chosen
     name = resolve(value)
     torch = sys.modules.get("torch")
@@ -114,15 +108,12 @@ def native_bf16() -> bool:
 
 
 def amx() -> bool:
-    """AMX tiles at the chosen level: v4 on a CPU with amx_bf16."""
     return chosen() == "v4" and {"amx_bf16", "amx_tile"} <= cpu()[1]
 
 
 def torch_environment(name: str) -> dict[str, str]:
     """The environment torch needs before it loads for its kernels to take a narrower level's path (the CLI sets it)."""
-    if name == "v3" and best() == "v4":
-        return {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"}
-    return {}
+    return {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"} if (name, best()) == ("v3", "v4") else {}
 
 
 def describe() -> str:

@@ -1,9 +1,6 @@
-"""Seeded blocks that leave the caller's random state as it was.
-
-Weight initialisation and transformers' sampling draw from torch's global generators; a library call that seeds
-them for the rest of the process would change what its caller draws next. Only `dflashkit.cli.main` (one command,
-one process) may seed for good; everything else seeds inside `seeded`.
-"""
+"""Seeded blocks that leave the caller's random state as it was: weight initialisation and transformers' sampling
+draw from torch's global generators, and a library call that seeded them for the rest of the process would change
+what its caller draws next, so library code seeds inside `seeded` only."""
 
 from __future__ import annotations
 

@@ -34,14 +34,10 @@ def cpu_times(cpus: list[int]) -> tuple[int, int]:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
         return 0, 0
-    busy = total = 0
     wanted = {f"cpu{c}" for c in cpus}
-    for name, *vals in map(str.split, lines):
-        if name in wanted:
-            v = [int(x) for x in vals[:8]]
-            total += sum(v)
-            busy += sum(v) - v[3] - v[4]  # less idle and iowait
-    return busy, total
+    rows = [[int(x) for x in vals[:8]] for name, *vals in map(str.split, lines) if name in wanted]
+    total = sum(map(sum, rows))
+    return total - sum(v[3] + v[4] for v in rows), total  # busy: less idle and iowait
 
 
 def busy_cores(sample_s: float = 0.2) -> int:

@@ -7,8 +7,7 @@
     eval     offline: trained vs untrained vs first checkpoint, stride and walk anchors
     bench    online speculative decoding against the live target, on the eval suite and a held-out one
     report   report.md / report.json from what the stages wrote
-A rerun skips every stage whose inputs and outputs are unchanged (stages.py); plan.py sizes the run to the budget.
-"""
+A rerun skips every stage whose inputs and outputs are unchanged (stages.py); plan.py sizes the run to the budget."""
 
 from __future__ import annotations
 
@@ -20,9 +19,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dflashkit.demo.stages import Stage, StageRunner
+from dflashkit.engines import install
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import read_json
+from dflashkit.prompts import load_prompts
 from dflashkit.rng import seeded
+from dflashkit.threads import add_threads_option
+from dflashkit.train.config import load_config
 
 STEPS = ["target", "data", "cache", "train", "eval", "bench", "report"]
 RECIPE = "smollm2-cpu"  # shipped with the package (dflashkit/configs): an installed dflashkit runs its own demo
@@ -109,8 +112,6 @@ Suites = namedtuple("Suites", "train eval bench holdout")  # train: the train-mi
 
 
 def demo_suites(cfg: DemoConfig) -> Suites:
-    from dflashkit.prompts import load_prompts
-
     suite, holdout, train = load_prompts(cfg.eval_suite), load_prompts(cfg.holdout_suite), load_prompts("train-mix")
     if cfg.train_prompts:  # on-domain data: the training prompts closest to the eval suite's topic
         train = train.nearest(suite, min(cfg.train_prompts, len(train.items)))
@@ -120,11 +121,9 @@ def demo_suites(cfg: DemoConfig) -> Suites:
 
 def peer_methods(cfg: DemoConfig) -> list[str]:
     """Plain decoders beside ours, the fastest a user could run here: a speedup is stated against them too."""
-    from dflashkit.engines.install import find
-
     if cfg.plain_peers not in ("auto", "none"):
         raise DFlashError(f"demo plain_peers {cfg.plain_peers!r}: use auto or none")
-    return ["llama.cpp"] if cfg.plain_peers == "auto" and find("llama.cpp") is not None else []
+    return ["llama.cpp"] if cfg.plain_peers == "auto" and install.find("llama.cpp") is not None else []
 
 
 def bench_runs(cfg: DemoConfig, p: Paths, s: Suites) -> list[tuple]:
@@ -195,8 +194,6 @@ def load_demo_target(cfg: DemoConfig):
 
 def load_recipe(cfg: DemoConfig, overrides: dict | None = None):
     """The training settings: the recipe file, then the demo's own overrides (tests shorten it)."""
-    from dflashkit.train.config import load_config
-
     return load_config(cfg.recipe, {**cfg.train, **(overrides or {})})
 
 
@@ -259,15 +256,14 @@ def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
     from dflashkit.drafter.checkpoint import load_drafter
 
     drafter = load_drafter(final_checkpoint(p), target=target, device=target.device, dtype=target.dtype)
-    walk, cost = p.eval / "trained-walk" / "results.json", None
+    walk, cost, offline = p.eval / "trained-walk" / "results.json", None, None
+    if walk.is_file():  # bench predicts tokens/s on the eval suite from the trained drafter's walk too
+        offline = {"": {**read_json(walk), "source": f"offline walk of the trained drafter ({walk.parent})"}}
     for suite, methods, max_new_tokens, out in runs:
         prompts = [(it.id, target.chat_ids(it.messages)) for it in suite.items]
-        offline = None
-        if out == p.bench and walk.is_file():  # bench predicts tokens/s from the trained drafter's walk too
-            offline = {"": {**read_json(walk), "source": f"offline walk of the trained drafter ({walk.parent})"}}
         result = run_bench(target, drafter, prompts, parse_methods(methods), max_new_tokens=max_new_tokens,
-                           progress=cfg.progress, cost=cost, engine=cfg.engine, offline=offline,
-                           references=out == p.bench)
+                           progress=cfg.progress, cost=cost, engine=cfg.engine,
+                           offline=offline if out == p.bench else None, references=out == p.bench)
         cost = CostCurve.from_dict(result["cost"])
         result["config"]["suite"] = suite.name
         write_bench(result, out)
@@ -292,8 +288,6 @@ OPTIONS = {
 
 
 def register(sub) -> None:
-    from dflashkit.threads import add_threads_option
-
     p = sub.add_parser("demo", help="the whole pipeline on the embedded default target (what `make demo` runs)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for name, kwargs in OPTIONS.items():

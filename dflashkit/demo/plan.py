@@ -2,8 +2,7 @@
 (a batched greedy step, a one-token forward) and scales each stage's work by them. When all does not fit, the prompts
 shrink by sqrt(f) (f: the share of data and training time that fits) and training gets the rest (a CPU drafter is
 bound by its data first); once data and cache have run, training gets what they left. `<out>/plan.json` keeps the
-timing: a rerun with the same settings sizes the demo the same way and keeps what it built.
-"""
+timing: a rerun with the same settings sizes the demo the same way and keeps what it built."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from dataclasses import asdict
 import torch
 
 from dflashkit.fileio import read_json, sha256_json, write_json
+from dflashkit.measure.curve import measure_cost_curve
 
 MARGIN = 0.9  # plan for 90% of the budget: the estimates are good to about 25% per stage
 MIN_PROMPTS, MIN_MINUTES = 64, 3.0  # below these the drafter learns too little to show anything
@@ -27,8 +27,6 @@ COMPILE_S = 200.0  # the static decoder's first compile, in eval's engine probe 
 def measure(target, prompt_ids: list[int], batch: int) -> dict:
     """Seconds per row of a batched greedy step (features recorded, as the data stage generates) and of a one-token
     forward after 400 tokens."""
-    from dflashkit.measure.curve import measure_cost_curve
-
     t0, steps = time.perf_counter(), []
     with target.recording(target.default_layer_ids(5)):
         out = target.model(input_ids=torch.tensor([prompt_ids] * batch, device=target.device), use_cache=True,

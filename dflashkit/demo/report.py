@@ -8,7 +8,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dflashkit.fileio import read_json, write_json, write_text
+from dflashkit.measure.bench import PEERS, PLAIN, TRANSFORMERS, bench_markdown
+from dflashkit.measure.probe import machine_key
 from dflashkit.report import markdown_table
+from dflashkit.targets.formats import describe
+from dflashkit.targets.invariant import describe_kernels
+from dflashkit.targets.model import dtype_reason
 
 DRAFTERS, ANCHORS = ("trained", "first-checkpoint", "untrained"), ("stride", "walk")
 
@@ -19,8 +24,6 @@ def load(path: Path) -> dict:  # a stage's JSON output, {} when the stage has no
 
 def headline(bench: dict, suite: str) -> str:
     """One line of a bench for the console: our fastest method against plain decoding, and lossless or not."""
-    from dflashkit.measure.bench import PEERS, PLAIN, TRANSFORMERS
-
     ours = {m: s for m, s in bench.get("methods", {}).items() if m not in PLAIN and not m.startswith(TRANSFORMERS + PEERS)}
     if not ours:
         return f"{suite}: not run"
@@ -31,10 +34,7 @@ def headline(bench: dict, suite: str) -> str:
 
 
 def bench_section(root: Path, folder: str, title: str) -> list[str]:
-    """bench's own report of one suite (measure/bench.py) under `title`: its headings one level down, its images
-    linked from the demo's folder."""
-    from dflashkit.measure.bench import bench_markdown
-
+    """bench's own report of one suite under `title`: its headings one level down, its images linked from here."""
     head, _, body = bench_markdown(load(root / folder / "results.json")).partition("\n")
     body = re.sub(r"^##", "###", body, flags=re.M).replace("](", f"]({folder}/")
     images = [f"![speedup]({folder}/speedup.png)"] if (root / folder / "speedup.png").is_file() else []  # (and bench's own)
@@ -55,11 +55,6 @@ def timings_table(timings: dict) -> str:
 
 def write_report(root: Path, cfg, target, timings: dict, plan: str) -> dict:
     """report.md and report.json; returns the lines for the console."""
-    from dflashkit.measure.probe import machine_key
-    from dflashkit.targets.invariant import describe_kernels
-    from dflashkit.targets.formats import describe
-    from dflashkit.targets.model import dtype_reason
-
     m = machine_key(target)[1]
     bench, holdout = load(root / "bench" / "results.json"), load(root / "bench-holdout" / "results.json")
     offline = {f"{a}/{d}": load(root / "eval" / f"{d}-{a}" / "results.json").get("overall") or {}
@@ -68,8 +63,7 @@ def write_report(root: Path, cfg, target, timings: dict, plan: str) -> dict:
              f"Target `{cfg.target}` on `{target.device}`, {m['cpu'] or 'unknown CPU'} ({', '.join(m['flags']) or '-'}), "
              f"{m['threads']} threads, torch {m['torch']}; eval suite `{cfg.eval_suite}`.", "",
              f"Numerics: dtype {dtype_reason(target.dtype, target.device, cfg.dtype)}; weights "
-             f"{describe(target)}. Decoding kernels: "
-             f"{describe_kernels(target.model)}.", "", f"Plan: {plan}.", "",
+             f"{describe(target)}. Decoding kernels: {describe_kernels(target.model)}.", "", f"Plan: {plan}.", "",
              "## Offline evaluation (eval cache, temperature 0)", "",
              "ddtree-4/ddtree-8 = DDTree node-budget trees budget:4/8 (the paper's tree, docs/design.md section 5).", "",
              offline_table(offline),

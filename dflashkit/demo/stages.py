@@ -1,8 +1,7 @@
 """Stage bookkeeping for `dflashkit demo`: a rerun skips a stage whose inputs and outputs are unchanged, rebuilds
 one whose outputs were corrupted, and resumes one that was interrupted (extraction and training pick up where they
 stopped). A stage's fingerprint holds each earlier stage's fingerprint and output digest, so that a stage rebuilt for
-new inputs rebuilds what reads it, while one rebuilt into the same outputs does not.
-"""
+new inputs rebuilds what reads it, while one rebuilt into the same outputs does not."""
 
 from __future__ import annotations
 

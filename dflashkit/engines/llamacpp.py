@@ -3,7 +3,9 @@ on token ids, its own timings and draft counters reported as llama.cpp reports t
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from dflashkit.drafter.config import check_engine_block
 from dflashkit.drafter.gguf import add_token_map, check_gguf, gguf_keys
-from dflashkit.engines.install import LlamaCpp, engines_home, require
+from dflashkit.engines.install import LlamaCpp, engines_home, require, run_step
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_path, sha256_json
 
@@ -45,15 +47,11 @@ def convert(engine: LlamaCpp, hf_dir: Path, dtype: str, out: Path, target_dir: P
     and head come from the target)."""
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [*engine.converter, str(hf_dir), "--outtype", GGUF_TYPES[dtype]]
+    cmd = [*engine.converter, hf_dir, "--outtype", GGUF_TYPES[dtype]]
     if target_dir is not None:
-        cmd += ["--target-model-dir", str(target_dir)]
+        cmd += ["--target-model-dir", target_dir]
     with atomic_path(out) as tmp:
-        res = subprocess.run(cmd + ["--outfile", str(tmp)], capture_output=True, text=True)
-        if res.returncode != 0:
-            tail = "\n".join(res.stderr.strip().splitlines()[-10:])
-            raise DFlashError(f"llama.cpp's converter could not convert {hf_dir} ({' '.join(cmd)}):\n{tail}")
+        run_step([*cmd, "--outfile", tmp], f"converting {hf_dir} with llama.cpp's converter")
     return out
 
 
@@ -93,30 +91,25 @@ class LlamaServer:
             self.cmd += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max),
                          "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(threads),
                          "-tbd", str(threads)]
-        self.proc = None
 
     def __enter__(self) -> "LlamaServer":
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.__exit__()
-                raise DFlashError(f"llama-server exited with {self.proc.returncode} while loading "
-                                  f"({' '.join(self.cmd)}); its log {self.log}:\n{self.log_tail()}")
-            try:
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(urllib.error.URLError, ConnectionError, json.JSONDecodeError):  # still loading
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=10) as r:
                     if json.loads(r.read()).get("status") == "ok":
                         return self
-            except (urllib.error.URLError, ConnectionError, json.JSONDecodeError):
-                pass
             time.sleep(0.2)
+        code = self.proc.poll()
         self.__exit__()
-        raise DFlashError(f"llama-server did not become ready in 600 s; its log {self.log}:\n{self.log_tail()}")
+        why = "did not become ready in 600 s" if code is None else f"exited with {code} while loading"
+        raise DFlashError(f"llama-server {why} ({' '.join(self.cmd)}); its log {self.log}:\n{self.log_tail()}")
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=30)
@@ -158,22 +151,20 @@ def answer_of(res: dict, seconds: float, stop_ids: set[int]) -> EngineAnswer:
 
 
 def drafter_gguf(engine: LlamaCpp, drafter, target, dtype: str, out: Path, token_map: bool = True) -> Path:
-    """A DFlash/DFlash2 drafter as llama.cpp runs it: z-lab folder -> llama.cpp's converter -> plus the draft
-    vocabulary's token map where it has one (and `token_map`)."""
+    """A DFlash/DFlash2 drafter as llama.cpp runs it: a z-lab folder without the token map (llama.cpp's converter
+    refuses d2t) -> the converter -> plus the draft vocabulary's token map where it has one (and `token_map`)."""
     import torch
 
     from dflashkit.drafter.checkpoint import save_drafter
 
     vocab = (getattr(drafter, "contract", None) or {}).get("draft_vocab") if token_map else None
-    wdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     with tempfile.TemporaryDirectory(prefix="dflashkit-gguf-") as tmp:
-        folder = save_drafter(drafter, Path(tmp) / "zlab", format="zlab", dtype=wdtype)  # no map: the converter
-        plain = convert(engine, folder, dtype, Path(tmp) / "plain.gguf", target_dir=Path(target.path))  # refuses d2t
-        if not vocab:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_path(out) as dst:
-                dst.write_bytes(plain.read_bytes())
-        else:
+        folder = save_drafter(drafter, Path(tmp) / "zlab", format="zlab", dtype=getattr(torch, dtype))
+        plain = convert(engine, folder, dtype, Path(tmp) / "plain.gguf", target_dir=Path(target.path))
+        if vocab:
             add_token_map(plain, out, vocab, target.lm_head.weight.detach().float().cpu().numpy())
+        else:
+            with atomic_path(out) as dst:
+                shutil.copyfile(plain, dst)
     check_gguf(out, drafter.config, vocab, json.loads((Path(target.path) / "config.json").read_text()))
     return out

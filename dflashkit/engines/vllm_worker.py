@@ -1,4 +1,4 @@
-"""Run by vLLM's own Python (its venv), never imported by dflashkit: one `LLM` configured by the JSON file argv[1],
+"""Run by vLLM's own Python (its venv), never imported by dflashkit: one `LLM` configured by the JSON in argv[1],
 one JSON request {"ids", "max_tokens"} a stdin line, one answer a stdout line prefixed REPLY (vLLM logs there too)."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from itertools import zip_longest
 
 REPLY = "@@dflashkit "
 
@@ -24,9 +25,7 @@ def counters(llm) -> dict:
 
 
 def combine(a: list, b: list, sign: int) -> list:
-    """a + sign * b, position by position (the shorter padded with zeros)."""
-    n = max(len(a), len(b))
-    return [x + sign * y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+    return [x + sign * y for x, y in zip_longest(a, b, fillvalue=0)]
 
 
 def main() -> None:
@@ -34,7 +33,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    cfg = json.load(open(sys.argv[1]))
+    cfg = json.loads(sys.argv[1])
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], seed=0,
               speculative_config=cfg.get("speculative"), disable_log_stats=False)
     print(REPLY + json.dumps({"ready": True}), flush=True)

@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass
 from importlib import resources
 
+from dflashkit.errors import DFlashError
+
 __all__ = ["BUILTIN_SUITES", "PromptItem", "PromptSuite", "load_prompts"]
 
 BUILTIN_SUITES = ("coding-10", "train-mix", "complete-12")  # complete-12: evaluation only, never trained on
@@ -34,15 +36,8 @@ class PromptItem:
 
     def _segments(self) -> tuple[list[dict], list[list[dict]]]:
         """(what precedes the first user turn, [[user turn, the messages that answer it], ...])."""
-        head, turns = [], []
-        for m in self.messages:
-            if m["role"] == "user":
-                turns.append([m])
-            elif turns:
-                turns[-1].append(m)
-            else:
-                head.append(m)
-        return head, turns
+        cuts = [i for i, m in enumerate(self.messages) if m["role"] == "user"] + [len(self.messages)]
+        return list(self.messages[:cuts[0]]), [list(self.messages[a:b]) for a, b in zip(cuts, cuts[1:])]
 
     def turn(self, k: int, answers: list[str] | None = None) -> list[dict]:
         """The messages that ask user turn k (0-based), each earlier turn followed by `answers[j]`, the target's own
@@ -112,9 +107,7 @@ class PromptSuite:
             z = math.sqrt(sum(x * x for x in v.values())) or 1.0
             return {w: x / z for w, x in v.items()}
 
-        centroid: Counter = Counter()
-        for it in reference.items:
-            centroid.update(unit(_words(it)))
+        centroid = sum((Counter(unit(_words(it))) for it in reference.items), Counter())
         score = [sum(x * centroid.get(w, 0.0) for w, x in unit(d).items()) for d in docs]
         keep = sorted(sorted(range(len(docs)), key=lambda i: (-score[i], i))[:n])
         return _suite(f"{self.name} (nearest {len(keep)} to {reference.name})", [self.items[i] for i in keep])
@@ -157,7 +150,6 @@ def _parse_messages(value, where: str) -> tuple[dict, ...]:
     fix = 'use a list like [{"role": "user", "content": "..."}]'
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects; {fix}")
-    out = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
             raise ValueError(f"{where}: messages[{i}] is {type(msg).__name__}, not an object; {fix}")
@@ -166,8 +158,7 @@ def _parse_messages(value, where: str) -> tuple[dict, ...]:
             raise ValueError(f"{where}: messages[{i}] needs a non-empty string 'role'; {fix}")
         if not isinstance(content, str):
             raise ValueError(f"{where}: messages[{i}] needs a string 'content'; {fix}")
-        out.append(dict(msg))
-    return tuple(out)
+    return tuple(map(dict, value))
 
 
 def _from_turns(value, where: str) -> tuple[dict, ...]:
@@ -211,7 +202,6 @@ def _row_id(obj: dict, where: str, default: str) -> str:
 
 
 def _parse_row(obj: dict, where: str, default_id: str, stem: str) -> PromptItem:
-    """One row in any of the formats (told by its fields, see the module docstring)."""
     keys = [k for k in _PARSERS if k in obj]
     if not keys:
         raise ValueError(f"{where}: no prompt field (it has {', '.join(sorted(obj)) or 'none'}); "
@@ -228,9 +218,9 @@ def _parse_row(obj: dict, where: str, default_id: str, stem: str) -> PromptItem:
     return PromptItem(id=pid, messages=messages, category=category or stem)
 
 
-def _parse_lines(text: str, source: str, stem: str) -> tuple[PromptItem, ...]:
+def _parse_lines(text: str, source: str, stem: str, seen: dict[str, str]) -> list[PromptItem]:
+    """The file's prompts; `seen`: where each id of the suite was first used (the suite's files share it)."""
     items: list[PromptItem] = []
-    first_line: dict[str, int] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -243,20 +233,19 @@ def _parse_lines(text: str, source: str, stem: str) -> tuple[PromptItem, ...]:
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}; write it as {_EXAMPLE}")
         item = _parse_row(obj, where, f"{stem}-{lineno}", stem)
-        if item.id in first_line:
-            raise ValueError(f"{where}: duplicate id {item.id!r} (first used on line {first_line[item.id]}); "
-                             "make every id unique")
-        first_line[item.id] = lineno
+        if item.id in seen:
+            raise ValueError(f"{where}: duplicate id {item.id!r}, also in {seen[item.id]}; make every id unique")
+        seen[item.id] = f"line {lineno} of {source}"
         items.append(item)
     if not items:
         raise ValueError(f"{source}: file is empty (no prompts found); add one JSON object per line, e.g. {_EXAMPLE}")
-    return tuple(items)
+    return items
 
 
-def _load_one(spec: str) -> tuple[PromptItem, ...]:
+def _load_one(spec: str, seen: dict[str, str]) -> list[PromptItem]:
     if spec in BUILTIN_SUITES:
         text = resources.files(__name__).joinpath(f"{spec}.jsonl").read_text(encoding="utf-8")
-        return _parse_lines(text, f"{spec}.jsonl", spec)
+        return _parse_lines(text, f"{spec}.jsonl", spec, seen)
     if os.path.isdir(spec):
         files = sorted(n for n in os.listdir(spec) if n.endswith((".jsonl", ".json")))
         hint = f" (it holds {', '.join(files[:3])}{', ...' if len(files) > 3 else ''})" if files else ""
@@ -272,7 +261,7 @@ def _load_one(spec: str) -> tuple[PromptItem, ...]:
             text = fh.read()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{spec}: not valid UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8") from None
-    return _parse_lines(text, spec, os.path.basename(spec).split(".")[0] or "prompts")
+    return _parse_lines(text, spec, os.path.basename(spec).split(".")[0] or "prompts", seen)
 
 
 def load_prompts(spec: str | os.PathLike) -> PromptSuite:
@@ -280,21 +269,12 @@ def load_prompts(spec: str | os.PathLike) -> PromptSuite:
     spec_str = os.fspath(spec)
     parts = [spec_str] if spec_str in BUILTIN_SUITES or os.path.isfile(spec_str) or "," not in spec_str else \
         [p.strip() for p in spec_str.split(",") if p.strip()]
-    items, where = [], {}
-    for part in parts:  # a file's own duplicate ids are refused with their lines by _parse_lines
-        for it in _load_one(part):
-            if it.id in where:
-                raise ValueError(f"{part}: id {it.id!r} is also in {where[it.id]}; ids must be unique across "
-                                 "the files of one suite")
-            where[it.id] = part
-            items.append(it)
-    return _suite(spec_str, items)
+    seen: dict[str, str] = {}
+    return _suite(spec_str, [item for part in parts for item in _load_one(part, seen)])
 
 
 def select_prompts(spec: str, num_prompts: int | None = None, per_category: int | None = None) -> PromptSuite:
     """What `--prompts SPEC [--num-prompts N] [--per-category N]` means: the first N of each category, then of all."""
-    from dflashkit.errors import DFlashError
-
     try:
         suite = load_prompts(spec)
     except ValueError as e:
