@@ -46,6 +46,19 @@ def test_missing_engine_names_its_install_command(tmp_path, monkeypatch, machine
             require(name)
 
 
+
+def test_a_cuda_vllm_install_asks_pip_for_packages_only(tmp_path, monkeypatch, machine_env):
+    """With CUDA, vLLM's venv takes the CUDA torch vllm pins: the venv is created without a pip call of nothing
+    (pip refuses one, which failed the install), then vllm is installed."""
+    from dflashkit.engines import install
+
+    machine_env(DFLASHKIT_ENGINES=tmp_path)
+    calls = []
+    monkeypatch.setattr(install, "run_step", lambda cmd, what: calls.append([str(c) for c in cmd]))
+    install.install_vllm(cuda=True)
+    pips = [c[c.index("install") + 1:] for c in calls if c[1:4] == ["-m", "pip", "install"]]
+    assert pips == [["-q", f"vllm=={install.VLLM_VERSION}"]]
+
 def runs_of(method, tokens_by_prompt, engine=None):
     return [{"prompt": p, "method": method, "tokens": t, **({"engine": engine} if engine else {})}
             for p, t in tokens_by_prompt.items()]

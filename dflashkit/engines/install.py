@@ -110,7 +110,8 @@ def run_step(cmd: list, what: str, quiet: bool = True) -> None:
 def _venv(path: Path, packages: list[str]) -> None:
     if not (path / "bin" / "python").is_file():
         run_step([sys.executable, "-m", "venv", path], f"creating the venv {path}")
-    run_step([path / "bin" / "python", "-m", "pip", "install", "-q", *packages], f"pip install into {path}")
+    if packages:  # none: the venv alone (pip refuses an install of nothing)
+        run_step([path / "bin" / "python", "-m", "pip", "install", "-q", *packages], f"pip install into {path}")
 
 
 def _download_sdist(folder: Path) -> Path:
