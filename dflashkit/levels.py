@@ -1,4 +1,4 @@
-"""ISA levels: the named instruction sets our kernels are built for instead of -march=native, so any test machine
+"""ISA levels: the named instruction sets our kernels are built for instead of the build machine's own, so any test machine
 builds and runs what a user's CPU runs (docs/design.md, "Threads and ISA levels"). The CLI's `--isa` calls `choose`
 once; else the widest level this CPU runs."""
 
