@@ -149,6 +149,8 @@ BUILD_LEVELS = """
 import os, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 from dflashkit import levels
+from dflashkit.cli import use_environment
+use_environment()  # into $DFLASHKIT_HOME, where the workers look
 levels.choose(os.environ.get("DFLASHKIT_ISA") or None)
 from dflashkit.decode import native
 from helpers import exercised_levels
