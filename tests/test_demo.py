@@ -53,6 +53,7 @@ def test_every_stage_writes_its_outputs(demo_run):
     assert set(bench["methods"]) == {"ar", "ngram", "ddtree-8", "hybrid-auto", "prompt-lookup"}
     holdout = json.loads((out / "bench-holdout/results.json").read_text())
     assert holdout["config"]["suite"] == "complete-12" and not holdout["mismatches"]
+    assert holdout["config"]["drafter"] == bench["config"]["drafter"] and "sha256" in bench["config"]["drafter"]
     assert holdout["config"]["max_new_tokens"] == cfg.holdout_max_new_tokens
     assert bench["cost"]["ns"][0] == 1 and "### Cost of one target forward" in text
     assert "Numerics: dtype float32" in text and "Decoding kernels: the stock kernels" in text

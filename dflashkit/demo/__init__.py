@@ -21,7 +21,7 @@ from pathlib import Path
 from dflashkit.demo.stages import Stage, StageRunner
 from dflashkit.engines import install
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import read_json
+from dflashkit.fileio import read_json, sha256_file
 from dflashkit.prompts import load_prompts
 from dflashkit.rng import seeded
 from dflashkit.threads import add_threads_option
@@ -255,7 +255,9 @@ def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
     from dflashkit.measure.curve import CostCurve
     from dflashkit.drafter.checkpoint import load_drafter
 
-    drafter = load_drafter(final_checkpoint(p), target=target, device=target.device, dtype=target.dtype)
+    folder = final_checkpoint(p)
+    drafter = load_drafter(folder, target=target, device=target.device, dtype=target.dtype)
+    which = {"path": str(folder), "sha256": sha256_file(folder / "model.safetensors")}  # the drafter the speedups are of
     walk, cost, offline = p.eval / "trained-walk" / "results.json", None, None
     if walk.is_file():  # bench predicts tokens/s on the eval suite from the trained drafter's walk too
         offline = {"": {**read_json(walk), "source": f"offline walk of the trained drafter ({walk.parent})"}}
@@ -265,7 +267,7 @@ def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
                            progress=cfg.progress, cost=cost, engine=cfg.engine,
                            offline=offline if out == p.bench else None, references=out == p.bench)
         cost = CostCurve.from_dict(result["cost"])
-        result["config"]["suite"] = suite.name
+        result["config"] |= {"suite": suite.name, "drafter": which}
         write_bench(result, out)
 
 
