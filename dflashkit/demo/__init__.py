@@ -21,7 +21,7 @@ from pathlib import Path
 from dflashkit.demo.stages import Stage, StageRunner
 from dflashkit.engines import install
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import read_json, sha256_file
+from dflashkit.fileio import read_json
 from dflashkit.prompts import load_prompts
 from dflashkit.rng import seeded
 from dflashkit.threads import add_threads_option
@@ -253,11 +253,11 @@ def bench_methods(cfg: DemoConfig, p: Paths, target, runs: list) -> None:
     """Online decoding of each (suite, methods, max new tokens, out folder), one cost curve measured for all."""
     from dflashkit.measure.bench import parse_methods, run_bench, write_bench
     from dflashkit.measure.curve import CostCurve
-    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.drafter.checkpoint import drafter_identity, load_drafter
 
     folder = final_checkpoint(p)
     drafter = load_drafter(folder, target=target, device=target.device, dtype=target.dtype)
-    which = {"path": str(folder), "sha256": sha256_file(folder / "model.safetensors")}  # the drafter the speedups are of
+    which = drafter_identity(folder)  # the drafter the speedups are of
     walk, cost, offline = p.eval / "trained-walk" / "results.json", None, None
     if walk.is_file():  # bench predicts tokens/s on the eval suite from the trained drafter's walk too
         offline = {"": {**read_json(walk), "source": f"offline walk of the trained drafter ({walk.parent})"}}

@@ -12,7 +12,7 @@ from dflashkit.drafter import transformers_format as tf
 from dflashkit.drafter.config import ARCH_CLASS, SCALING_OFF, DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter, rotary_dim
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import atomic_dir, read_json, write_json
+from dflashkit.fileio import atomic_dir, read_json, sha256_file, write_json
 from dflashkit.targets.model import check_same_target
 
 CONTRACT_FILE = "dflashkit.json"
@@ -63,6 +63,12 @@ def run_latest(run) -> Path | None:
     """The drafter folder a training run's latest.json points at; None when `run` is not a run folder."""
     f = Path(run) / RUN_POINTER
     return Path(run) / read_json(f)["checkpoint"] if f.is_file() else None
+
+
+def drafter_identity(path) -> dict:
+    """Which drafter a result is of: its folder and its weights' sha256 (None where it has no model.safetensors)."""
+    weights = Path(path) / "model.safetensors"
+    return {"path": str(Path(path).resolve()), "sha256": sha256_file(weights) if weights.is_file() else None}
 
 
 def load_drafter(path, target=None, allow_missing: bool = False, allow_skipped: bool = False, device="cpu",

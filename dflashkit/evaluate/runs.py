@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.drafter.checkpoint import load_drafter
+from dflashkit.drafter.checkpoint import drafter_identity, load_drafter
 from dflashkit.evaluate.offline import DEFAULT_TREES, cache_info, check_mode, evaluate, parse_trees, stride_anchors
-from dflashkit.fileio import atomic_dir, sha256_file, write_json, write_text
+from dflashkit.fileio import atomic_dir, write_json, write_text
 from dflashkit.report import bar_plot, hist_plot, line_plot, markdown_table
 from dflashkit.tree import parse_tree_spec
 
@@ -182,9 +182,8 @@ def run_eval(drafter_path, target, cache, run_dir, anchors: str = "stride", tree
     check_mode(anchors, max_blocks)
     ckpt = Path(drafter_path)
     drafter = load_drafter(ckpt, target=target, device=target.device, allow_skipped=allow_skipped)
-    drafter_info = {"path": str(ckpt.resolve()), "sha256": sha256_file(ckpt / "model.safetensors"),
-                    "load_report": list(drafter.load_report), "config": drafter.config.to_dict(),
-                    "contract": drafter.contract}
+    drafter_info = {**drafter_identity(ckpt), "load_report": list(drafter.load_report),
+                    "config": drafter.config.to_dict(), "contract": drafter.contract}
     info = cache_info(cache)
     B = drafter.config.block_size
     settings = {"anchors": anchors, "block_size": B, "max_blocks": max_blocks, "trees": trees}

@@ -9,7 +9,7 @@ from pathlib import Path
 from dflashkit.decode.methods import DEFAULT_METHODS, ENGINE_HELP, ENGINES, METHODS_HELP, PRICED, needs_drafter, parse_method
 from dflashkit.decode.sampling import Sampling
 from dflashkit.errors import DFlashError
-from dflashkit.fileio import read_json, sha256_file, write_json, write_text
+from dflashkit.fileio import read_json, write_json, write_text
 from dflashkit.measure.journal import Journal
 from dflashkit.measure.records import generation_record
 from dflashkit.prompts import PromptItem, select_prompts
@@ -206,16 +206,18 @@ def offline_runs(args: list[str]) -> dict[str, dict]:
     return runs
 
 
-def check_offline(offline: dict[str, dict], target, drafter_path: str | None, block_size: int | None) -> None:
-    """An offline eval prices bench rows only if it evaluated this target, drafter and block size; else refused."""
+def check_offline(offline: dict[str, dict], target, drafter_path: str | None, block_size: int | None,
+                  sha: str | None = None) -> None:
+    """An offline eval prices bench rows only if it evaluated this target, drafter (`sha`: its weights', if hashed
+    already) and block size; else refused."""
+    from dflashkit.drafter.checkpoint import drafter_identity
     from dflashkit.targets.model import check_same_target
 
     for res in offline.values():
         where = res["source"].split(" (")[0]
         check_same_target(res.get("target"), target.identity(), where, "pass an eval run of the bench's target")
-        weights = Path(drafter_path or "") / "model.safetensors"
         ran = (res.get("drafter") or {}).get("sha256")
-        if drafter_path and weights.is_file() and ran and ran != sha256_file(weights):
+        if drafter_path and ran and (sha := sha or drafter_identity(drafter_path)["sha256"]) and ran != sha:
             raise DFlashError(f"{where} evaluated another drafter ({res['drafter'].get('path')}) than --drafter "
                               f"{drafter_path}; pass an eval run of this drafter")
         if block_size and res["settings"].get("block_size") not in (None, block_size):
@@ -226,6 +228,7 @@ def check_offline(offline: dict[str, dict], target, drafter_path: str | None, bl
 def cmd_bench(args) -> int:
     import torch
 
+    from dflashkit.drafter.checkpoint import drafter_identity
     from dflashkit.measure.bench import bench_markdown, parse_methods, run_bench, write_bench
 
     sampling = _check(args)
@@ -235,21 +238,22 @@ def cmd_bench(args) -> int:
         raise DFlashError("--offline and --no-predict: the offline runs are read only to predict; drop one")
     offline = offline_runs(args.offline or [])  # a bad run folder fails before the target loads
     target, drafter = _load(args, need_drafter=any(needs_drafter(m) for m in methods))
-    check_offline(offline, target, args.drafter, args.block_size or (drafter.config.block_size if drafter else None))
-    weights = Path(args.drafter or "") / "model.safetensors"
+    which = drafter_identity(args.drafter) if args.drafter else None  # the drafter the speedups are of
+    check_offline(offline, target, args.drafter, args.block_size or (drafter.config.block_size if drafter else None),
+                  which and which["sha256"])
     # the finished runs, keyed by what they depend on
     journal = Journal(Path(args.out) / "runs.jsonl", {
         "target": target.identity(), "dtype": str(target.dtype), "methods": methods, "engine": args.engine,
         "prompts": [pid for pid, _ in prompts], "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
         "sampling": repr(sampling), "threads": torch.get_num_threads(),
-        "drafter": (sha := sha256_file(weights) if args.drafter and weights.is_file() else None) or args.drafter})
+        "drafter": which and (which["sha256"] or args.drafter)})
     args.on_interrupt = (f"interrupted; the finished runs are in {journal.path}: the same command resumes from there "
                          "(another --out starts anew)")
     result = run_bench(target, drafter, prompts, methods, max_new_tokens=args.max_new_tokens,
                        block_size=args.block_size, sampling=sampling, engine=args.engine, log=_say, offline=offline,
                        predict=not args.no_predict, journal=journal, reprobe=args.reprobe)
-    if args.drafter:  # which drafter the speedups are of
-        result["config"]["drafter"] = {"path": str(args.drafter), "sha256": sha}
+    if which:
+        result["config"]["drafter"] = which
     paths = write_bench(result, args.out)
     journal.finish()
     print(bench_markdown(result))
