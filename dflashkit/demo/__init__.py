@@ -19,13 +19,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dflashkit.demo.stages import Stage, StageRunner
-from dflashkit.engines import install
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import read_json
 from dflashkit.prompts import load_prompts
 from dflashkit.rng import seeded
 from dflashkit.threads import add_threads_option
-from dflashkit.train.config import load_config
 
 STEPS = ["target", "data", "cache", "train", "eval", "bench", "report"]
 RECIPE = "smollm2-cpu"  # shipped with the package (dflashkit/configs): an installed dflashkit runs its own demo
@@ -123,6 +121,8 @@ def peer_methods(cfg: DemoConfig) -> list[str]:
     """Plain decoders beside ours, the fastest a user could run here: a speedup is stated against them too."""
     if cfg.plain_peers not in ("auto", "none"):
         raise DFlashError(f"demo plain_peers {cfg.plain_peers!r}: use auto or none")
+    from dflashkit.engines import install  # loaded by the demo, not by every command's parser
+
     return ["llama.cpp"] if cfg.plain_peers == "auto" and install.find("llama.cpp") is not None else []
 
 
@@ -194,6 +194,8 @@ def load_demo_target(cfg: DemoConfig):
 
 def load_recipe(cfg: DemoConfig, overrides: dict | None = None):
     """The training settings: the recipe file, then the demo's own overrides (tests shorten it)."""
+    from dflashkit.train.config import load_config  # yaml: loaded by the demo, not by every command's parser
+
     return load_config(cfg.recipe, {**cfg.train, **(overrides or {})})
 
 

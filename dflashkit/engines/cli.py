@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dflashkit.engines import install
-
 
 def register(sub) -> None:
     p = sub.add_parser("engines", help="install and list the engines bench compares against (llama.cpp, vLLM)")
@@ -18,6 +16,8 @@ def register(sub) -> None:
 
 
 def cmd_install(args) -> int:
+    from dflashkit.engines import install  # urllib and subprocess plumbing: not at the parser's start
+
     if args.engine == "llama.cpp":
         install.install_llama_cpp(jobs=args.jobs)
     else:
@@ -26,5 +26,7 @@ def cmd_install(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from dflashkit.engines import install
+
     print("\n".join([f"engines cache: {install.engines_home()} ($DFLASHKIT_ENGINES)", *install.describe()]))
     return 0
