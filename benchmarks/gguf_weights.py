@@ -35,30 +35,25 @@ def bench(isa: str, weights: str, args) -> dict:
     return {"isa": isa, "weights": weights, "format": res["config"]["weights"], "ar": m["ar"]["tokens_per_s"],
             "best": m[args.method]["tokens_per_s"], "tau": m[args.method]["tau"],
             "llama_cpp": m["llama.cpp"]["tokens_per_s"], "equal": not res["mismatches"],
-            "kernels": res["config"].get("static_kernels"), "threads": res["config"]["threads"], "ar_tokens": tokens}
+            "kernels": res["config"].get("static_kernels"), "threads": res["config"]["threads"], "ar_tokens": tokens,
+            "agreement": res.get("agreement")}
 
 
-def parting(a: list[int], b: list[int]) -> int | None:
-    """The first index where two greedy outputs part, None where one is the other's prefix."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
-def agreement(row: dict, ref: dict) -> str:
-    """A lossy format against float32's plain outputs: prompts equal, and the earliest first parting token."""
-    parts = [parting(row["ar_tokens"][p], t) for p, t in ref["ar_tokens"].items() if p in row["ar_tokens"]]
-    equal = sum(p is None for p in parts)
-    first = min((p for p in parts if p is not None), default=None)
-    return f"{equal}/{len(parts)} equal" + (f", first parting at token {first}" if first is not None else "")
+def agreement(a: dict | None) -> str:
+    """bench's own agreement of a lossy format with float32 (top-1 along our plain output, prompts equal)."""
+    if not a:
+        return "float32's values"
+    first = f", first parting at token {a['earliest_parting']}" if a["earliest_parting"] is not None else ""
+    return f"top-1 {100 * a['top1']:.1f}%, {a['prompts_equal']}/{a['prompts']} equal{first}"
 
 
 def table(rows: list[dict], method: str) -> list[str]:
     fastest = max(rows, key=lambda r: r["llama_cpp"])
     out = [f"| level | weights | ours plain tok/s | ours {method} tok/s | tau | llama.cpp plain tok/s (same weights) | "
            f"plain / llama.cpp | {method} / llama.cpp | {method} / llama.cpp {fastest['weights']} @ {fastest['isa']} "
-           "(fastest plain here) | lossless | outputs vs float32 |", "|" + "---|" * 11]
+           "(fastest plain here) | lossless | agreement with float32 (bench's) |", "|" + "---|" * 11]
     for r in rows:
-        ref = next((x for x in rows if x["weights"] == "float" and x["isa"] == r["isa"]), None)
-        agree = agreement(r, ref) if ref and r is not ref else "-"
+        agree = agreement(r["agreement"])
         out.append(f"| {r['isa']} | {r['format']} | {r['ar']:.1f} | {r['best']:.1f} | {r['tau']:.2f} | "
                    f"{r['llama_cpp']:.1f} | {r['ar'] / r['llama_cpp']:.2f}x | {r['best'] / r['llama_cpp']:.2f}x | "
                    f"{r['best'] / fastest['llama_cpp']:.2f}x | {'yes' if r['equal'] else 'NO'} | {agree} |")

@@ -126,6 +126,35 @@ static void quantized_linears(const char* name) {
   }
 }
 
+// Integer dots (linear_int8) over random bytes in int order: every level (and aarch64) must give the same bits, since
+// the sums are integers and each lane's float steps are named; and each row of a call is that row alone
+template <typename Q>
+static void integer_dots(const char* name) {
+  for (auto [k, outs] : {std::pair<int64_t, int64_t>{64, 48}, {576, 160}}) {
+    const int64_t rows = 11;
+    std::vector<uint8_t> packed;
+    for (int64_t p = 0; p < outs / 16 * (k / 32); ++p) {
+      float sc[32];
+      for (auto& x : sc) x = std::round(uniform() * 256) / 4096;
+      const auto* bytes = reinterpret_cast<const uint8_t*>(sc);
+      packed.insert(packed.end(), bytes, bytes + 64 * Q::SCALES);
+      for (int64_t i = 0; i < Q::QUANTS; ++i) packed.push_back(static_cast<uint8_t>(uniform() * 128 + 128));
+    }
+    auto x = randoms(rows * k);
+    for (int64_t i = 0; i < k; ++i) x[2 * k + i] *= 1000, x[4 * k + i] = 0;  // a large row and a zero one
+    std::vector<float> y(rows * outs), one(outs);
+    const auto* w = reinterpret_cast<const Q*>(packed.data());
+    K::linear_int8(x.data(), w, y.data(), rows, outs, k);
+    keep(y);
+    for (int64_t r = 0; r < rows; r += 2) {
+      K::linear_int8(x.data() + r * k, w, one.data(), 1, outs, k);
+      char label[64];
+      std::snprintf(label, sizeof label, "int8-%s-%lld-row%lld", name, static_cast<long long>(k), static_cast<long long>(r));
+      check(label, one.data(), y.data() + r * outs, outs);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s OUT\n", argv[0]);
@@ -136,6 +165,9 @@ int main(int argc, char** argv) {
   quantized_linears<K::q8_0>("q8_0");
   quantized_linears<K::q4_0>("q4_0");
   quantized_linears<K::q4_1>("q4_1");
+  integer_dots<K::q8_0>("q8_0");
+  integer_dots<K::q4_0>("q4_0");
+  integer_dots<K::q4_1>("q4_1");
   // attention: a verify of a 4-token chain at slots 20..23 against one-token steps at each position, where the
   // chain's earlier keys are committed slots; 6 query heads over 2 KV heads, head_dim 64 (batched scores) and 48
   for (int64_t hd : {64, 48}) {

@@ -29,7 +29,7 @@ def kernel_bits(tmp_path, name: str, flags: list[str], compiler: str = "g++", ru
         subprocess.run([compiler, *CORE, *flags, "-o", str(exe)], check=True, capture_output=True, timeout=300)
     res = subprocess.run([*runner, str(exe), str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "differs" not in res.stdout, res.stdout + res.stderr
-    assert res.stdout.count("equal") == 114
+    assert res.stdout.count("equal") == 150
     return out.read_bytes()
 
 

@@ -50,6 +50,57 @@ def test_each_format_is_the_float_kernel_over_its_dequantized_copy(fmt, build):
             assert torch.equal(ops.linear_quant(x[:n], packed, CODES[fmt], outs), y[:n]), (fmt, n)
 
 
+def integer_dots(x: torch.Tensor, raw: np.ndarray, fmt: str, k: int) -> torch.Tensor:
+    """The -int8 model written out plainly: each row's blocks of 32 in 8 bits (xd = max|x| / 127, xq = nearest(x *
+    127 / max|x|)), integer dots with the file's quants, then per block acc = fma(wd * xd, dot, acc) (q4_1: then
+    fma(wm, xd * sum xq, acc)); each fused multiply-add rounded once (long double holds it exactly enough)."""
+    f32, ld = np.float32, np.longdouble
+    blocks = raw.reshape(raw.shape[0], k // 32, -1)
+    wd = blocks[..., :2].copy().view(np.float16)[..., 0].astype(f32)
+    wm = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(f32)
+    q = blocks[..., 2:].view(np.int8).astype(np.int64) if fmt == "q8_0" else np.concatenate(
+        [blocks[..., 4 if fmt == "q4_1" else 2:] & 15, blocks[..., 4 if fmt == "q4_1" else 2:] >> 4], -1).astype(np.int64)
+    q = q - 8 if fmt == "q4_0" else q
+    xb = x.numpy().reshape(x.shape[0], k // 32, 32)
+    amax = np.abs(xb).max(-1)
+    inv = np.where(amax > 0, f32(127) / np.where(amax > 0, amax, f32(1)), f32(0)).astype(f32)
+    xq = np.clip(np.rint(xb * inv[..., None]), -127, 127).astype(np.int64)
+    xd = (amax / f32(127)).astype(f32)
+    dots = np.einsum("rbi,obi->rob", xq, q)  # [row, output, block], exact
+    acc = np.zeros((x.shape[0], raw.shape[0]), f32)
+    for b in range(k // 32):
+        scale = (wd[None, :, b] * xd[:, None, b]).astype(f32)
+        acc = (scale.astype(ld) * dots[..., b].astype(f32).astype(ld) + acc.astype(ld)).astype(f32)
+        if fmt == "q4_1":
+            m = (xd[:, b] * xq[:, b].sum(-1).astype(f32)).astype(f32)
+            acc = (wm[None, :, b].astype(ld) * m[:, None].astype(ld) + acc.astype(ld)).astype(f32)
+    return torch.from_numpy(acc)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("fmt", formats.QUANTS)
+def test_integer_dots_are_the_plain_int8_model_and_each_row_its_own(fmt, build):
+    """linear_int8 against the -int8 model written out in the test, bit for bit, and each row of a call equal to that
+    row alone, 1 to 30 rows (the kernel takes them 2 or 8 at a time), with a zero row and large inputs."""
+    ops = native.ops(*build)
+    for outs, k in ((48, 64), (160, 576)):
+        w = torch.randn(outs, k) * 0.05
+        raw = quantize(w.numpy(), GGMLQuantizationType[fmt.upper()])
+        packed = torch.from_numpy(quant_order(fmt, raw, dots=True))
+        x = torch.randn(30, k) * torch.logspace(-3, 3, 30)[:, None]
+        x[3] = 0
+        y = ops.linear_int8(x, packed, CODES[fmt], outs)
+        assert torch.equal(y, integer_dots(x, raw, fmt, k)), fmt
+        for n in (1, 2, 3, 9, 16, 29):
+            assert torch.equal(ops.linear_int8(x[:n], packed, CODES[fmt], outs), y[:n]), (fmt, n)
+        assert torch.equal(ops.linear_int8(x[17:18], packed, CODES[fmt], outs), y[17:18])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:  # what torch.compile traces the step with, either kernel
+        for op in (ops.linear_int8, ops.linear_quant):
+            assert op(mode.from_tensor(x), mode.from_tensor(packed), CODES[fmt], outs).shape == y.shape
+
+
 def test_a_packed_matrix_of_the_wrong_size_or_format_is_refused():
     ops = native.ops()
     raw = quantize(np.ones((16, 64), np.float32), GGMLQuantizationType.Q8_0)
@@ -82,7 +133,26 @@ def test_a_quantized_target_decodes_as_its_dequantized_float_copy(tiny_dirs, fmt
     torch.testing.assert_close(sq[-1], hf, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_1-int8", "q4_0-int8", "q8_0-int8"])
+def test_an_int8_target_verifies_as_its_own_steps_and_near_its_widened_model(tiny_dirs, fmt):
+    """-int8: every matrix through the integer dots, each verify row bit for bit its own one-token step (row
+    invariance by construction), and the logits near the same weights widened to float32 (another model, close)."""
+    from test_static_decoder import prompt, verify_against_steps
+
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights=fmt)
+    w = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights=formats.base(fmt))
+    d = StaticDecoder(t, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    assert dict(d.formats) == {n: fmt for n in ("qkv", "o", "gu", "down", "head")}
+    logits, steps = verify_against_steps(d, prompt(t))
+    assert torch.equal(logits, steps)
+    widened, _ = verify_against_steps(StaticDecoder(w, 128, kernels="native", compile=False, layer_ids=[1, 2],
+                                                    verify_width=4), prompt(w))
+    assert not torch.equal(logits, widened)
+    torch.testing.assert_close(logits, widened, atol=0.05 * widened.abs().max().item(), rtol=0)
+    assert "integer dots" in formats.describe(t) and t.identity()["weights"] == formats.base(fmt)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_1-int8"])
 def test_speculation_on_a_quantized_target_is_its_plain_greedy_output(tiny_dirs, fmt):
     """Trees on the quantized steps equal their own plain decoding, token for token, with an oracle drafter whose
     planted mistakes the trees recover."""
@@ -194,19 +264,69 @@ def test_a_quantized_target_is_another_target_to_caches_and_the_same_to_its_draf
 
 
 @pytest.mark.e2e
-def test_generate_and_bench_take_weights_and_say_which_ran(tiny_dirs, tmp_path, capsys):
-    """--weights on the CLI: the static backend (compiled, as users run it) decodes the quantized blocks, and bench's
-    header names them."""
+def test_extraction_at_integer_dots_is_refused_with_the_format_to_extract_at(tiny_dirs, tmp_path, capsys):
     from dflashkit.cli import main
 
-    base = ["--target", str(tiny_dirs["llama"]), "--dtype", "float32", "--weights", "q4_1", "--engine", "static",
-            "--max-new-tokens", "6", "--prompts", "coding-10", "--num-prompts", "1"]
+    assert main(["extract", "--target", str(tiny_dirs["llama"]), "--weights", "gguf-int8", "--prompts", "coding-10",
+                 "--out", str(tmp_path / "c")]) != 0
+    assert "Extract at --weights gguf" in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
+def test_agreement_is_float32s_top1_along_our_output_teacher_forced(tiny_dirs):
+    """bench's agreement for a format quantized here: the float32 target (loaded afresh: the quantized target's own
+    parameters hold the quantized values, scrambled here so that reading them shows) predicts each next token of
+    our output; the test's own count of its hits and first misses."""
+    from dflashkit.measure.bench import float_agreement
+
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights="q4_1-int8")
+    f = load_target(tiny_dirs["llama"], device="cpu", dtype="float32")
+    gen = torch.Generator().manual_seed(0)
+    runs = []
+    for i in range(3):
+        ids = torch.randint(0, 200, (9,), generator=gen).tolist()
+        out = f.model(torch.tensor([ids])).logits[0, -1].argmax().item()
+        tokens = [out] + torch.randint(0, 200, (7,), generator=gen).tolist()  # the first a float32 hit
+        runs.append({"method": "ar", "prompt": f"p{i}", "prompt_ids": ids, "tokens": tokens, "turn_prompts": [ids]})
+    with torch.no_grad():
+        for w in t.model.parameters():
+            w.normal_()
+    a = float_agreement(t, runs, {"ar": ("ar", "static")})
+    hits, parting = [], {}
+    for r in runs:
+        seq = r["prompt_ids"] + r["tokens"]
+        same = [f.model(torch.tensor([seq[:j]])).logits[0, -1].argmax().item() == seq[j] for j in range(9, len(seq))]
+        hits += same
+        parting[r["prompt"]] = None if all(same) else same.index(False)
+    assert a["against"] == "the float32 target" and a["tokens"] == 24 and a["first_parting"] == parting
+    assert a["top1"] == pytest.approx(sum(hits) / 24) and 3 / 24 <= a["top1"] < 1
+    assert float_agreement(f, runs, {"ar": ("ar", "static")}) is None  # float32 itself: nothing to state
+
+
+def test_generate_and_bench_take_weights_and_say_which_ran(tiny_dirs, tmp_path, capsys):
+    """--weights on the CLI: the static backend (compiled, as users run it) decodes the quantized blocks through the
+    integer dots, bench's header names them, and bench states their agreement with the float32 target: float32's
+    top-1 along our plain output, as the test computes it."""
+    from dflashkit.cli import main
+
+    base = ["--target", str(tiny_dirs["llama"]), "--dtype", "float32", "--weights", "q4_1-int8", "--engine", "static",
+            "--max-new-tokens", "12", "--prompts", "coding-10", "--num-prompts", "2"]
     assert main(["generate", *base, "--method", "ar", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["engine"] == "static"
     assert main(["bench", *base, "--methods", "ar,ngram", "--no-predict", "--out", str(tmp_path / "b")]) == 0
     res = json.loads((tmp_path / "b" / "results.json").read_text())
-    assert res["config"]["weights"] == "q4_1: q4_1 (head q4_1), widened to float32" and res["mismatches"] == []
-    assert "weights q4_1: q4_1 (head q4_1), widened to float32" in (tmp_path / "b" / "report.md").read_text()
+    said = "q4_1-int8: q4_1 (head q4_1), activations in 8 bits, integer dots"
+    assert res["config"]["weights"] == said and res["mismatches"] == []
+    report = (tmp_path / "b" / "report.md").read_text()
+    assert f"weights {said}" in report and "Agreement with float32 (q4_1-int8 against the float32 target" in report
+    f = load_target(tiny_dirs["llama"], device="cpu", dtype="float32")
+    hits, parting = [], {}
+    for r in [r for r in res["runs"] if r["method"] == "ar"]:
+        logits = f.model(torch.tensor([r["prompt_ids"] + r["tokens"]])).logits[0, len(r["prompt_ids"]) - 1: -1]
+        same = (logits.argmax(-1) == torch.tensor(r["tokens"])).tolist()
+        hits += same
+        parting[r["prompt"]] = None if all(same) else same.index(False)
+    a = res["agreement"]
+    assert (a["top1"], a["tokens"], a["first_parting"]) == (pytest.approx(sum(hits) / len(hits)), len(hits), parting)
     with pytest.raises(SystemExit):
         main(["generate", *base[:4], "--weights", "q5_0", "--prompt", "hi"])
     assert "invalid choice: 'q5_0'" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from dflashkit.targets.cli import target_layers_arg
-from dflashkit.targets.formats import add_weights_option
+from dflashkit.targets.formats import DOTS, add_weights_option, base
 from dflashkit.threads import add_threads_option
 
 
@@ -72,9 +72,14 @@ def register(sub) -> None:
 def cmd_extract(args) -> int:
     from dflashkit.cache.extraction import extract
     from dflashkit.distributed import init_distributed
+    from dflashkit.errors import DFlashError
     from dflashkit.prompts import select_prompts
     from dflashkit.targets.model import load_target
 
+    if args.weights.endswith(DOTS):
+        raise DFlashError(f"--weights {args.weights}: extraction captures features through transformers, which "
+                          f"computes {base(args.weights)}'s values in float32; the integer dots run in the static "
+                          f"backend's decoding (generate, bench). Extract at --weights {base(args.weights)}")
     suite = select_prompts(args.prompts, args.num_prompts, args.per_category)
     d = init_distributed(args.device)  # under torchrun: one GPU per rank (cuda:LOCAL_RANK), or the CPU
     target = load_target(args.target, device=str(d.device), dtype=args.dtype, weights=args.weights)

@@ -42,17 +42,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-// x against a quantized matrix of `outs` outputs (format: 0 q8_0, 1 q4_0, 2 q4_1), packed by static.quant_order into
-// the bytes w
-at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t outs) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "dflashkit::linear_quant: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "dflashkit::linear_quant: w must be contiguous bytes");
+// x against a quantized matrix of `outs` outputs (format: 0 q8_0, 1 q4_0, 2 q4_1), packed into the bytes w by
+// static.quant_order (linear_quant: widened to float32) or static.int_order (linear_int8: integer dots)
+template <bool INT8>
+at::Tensor quantized(const char* name, const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t outs) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), name, ": w must be contiguous bytes");
   const int64_t k = x.size(-1);
   static constexpr int64_t block[] = {K::BLOCK_BYTES<K::q8_0>, K::BLOCK_BYTES<K::q4_0>, K::BLOCK_BYTES<K::q4_1>};
-  TORCH_CHECK(0 <= format && format < 3, "dflashkit::linear_quant: format ", format, " is not 0 (q8_0), 1 (q4_0) or "
-              "2 (q4_1)");
-  TORCH_CHECK(k % 32 == 0 && outs % 16 == 0 && w.numel() == outs / 16 * (k / 32) * block[format],
-              "dflashkit::linear_quant: ", w.numel(), " bytes are not a packed ", outs, "x", k, " matrix");
+  TORCH_CHECK(0 <= format && format < 3, name, ": format ", format, " is not 0 (q8_0), 1 (q4_0) or 2 (q4_1)");
+  TORCH_CHECK(k % 32 == 0 && outs % 16 == 0 && w.numel() == outs / 16 * (k / 32) * block[format], name, ": ",
+              w.numel(), " bytes are not a packed ", outs, "x", k, " matrix");
   auto xc = x.contiguous();
   const int64_t rows = xc.numel() / k;
   auto sizes = x.sizes().vec();
@@ -61,10 +61,24 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, int64_t format
   const float* xd = xc.data_ptr<float>();
   const uint8_t* wd = w.data_ptr<uint8_t>();
   float* yd = y.data_ptr<float>();
-  if (format == 0) K::linear(xd, reinterpret_cast<const K::q8_0*>(wd), yd, rows, outs, k);
-  if (format == 1) K::linear(xd, reinterpret_cast<const K::q4_0*>(wd), yd, rows, outs, k);
-  if (format == 2) K::linear(xd, reinterpret_cast<const K::q4_1*>(wd), yd, rows, outs, k);
+  auto run = [&](auto* q) {
+    if constexpr (INT8)
+      K::linear_int8(xd, q, yd, rows, outs, k);
+    else
+      K::linear(xd, q, yd, rows, outs, k);
+  };
+  if (format == 0) run(reinterpret_cast<const K::q8_0*>(wd));
+  if (format == 1) run(reinterpret_cast<const K::q4_0*>(wd));
+  if (format == 2) run(reinterpret_cast<const K::q4_1*>(wd));
   return y;
+}
+
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t outs) {
+  return quantized<false>("dflashkit::linear_quant", x, w, format, outs);
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t outs) {
+  return quantized<true>("dflashkit::linear_int8", x, w, format, outs);
 }
 
 // q [1, heads, n, hd], k and v the cache [1, kv_heads, slots, hd] (float32), start [1]: the committed slots every
@@ -225,6 +239,7 @@ DFLASHKIT_LIBRARY(DFLASHKIT_OPS, m) {
   m.def("linear(Tensor x, Tensor w) -> Tensor");
   m.def("linear_tiles(Tensor x, Tensor w) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor w, int format, int outs) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor w, int format, int outs) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor start, Tensor path) -> Tensor");
 }
 
@@ -232,5 +247,6 @@ DFLASHKIT_LIBRARY_IMPL(DFLASHKIT_OPS, m) {
   m.impl("linear", &linear);
   m.impl("linear_tiles", &linear_tiles);
   m.impl("linear_quant", &linear_quant);
+  m.impl("linear_int8", &linear_int8);
   m.impl("attend", &attend);
 }

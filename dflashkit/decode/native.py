@@ -109,12 +109,14 @@ def _load(level: str, tune: str | None) -> str:
     ns = namespace(level, tune)
     for op in ("linear", "linear_tiles"):
         torch.library.register_fake(f"{ns}::{op}")(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]))
-    torch.library.register_fake(f"{ns}::linear_quant")(lambda x, w, f, outs: x.new_empty(*x.shape[:-1], outs))
+    for op in ("linear_quant", "linear_int8"):
+        torch.library.register_fake(f"{ns}::{op}")(lambda x, w, f, outs: x.new_empty(*x.shape[:-1], outs))
     torch.library.register_fake(f"{ns}::attend")(
         lambda q, k, v, start, path: torch.empty_like(q, memory_format=torch.contiguous_format))
     return ns
 
 
 def ops(level: str | None = None, tune: str | None = None):
-    """The operators of a level's build (loaded on first use): `.linear`, `.linear_tiles`, `.linear_quant`, `.attend`."""
+    """The operators of a level's build (loaded on first use): `.linear`, `.linear_tiles`, `.linear_quant`,
+    `.linear_int8`, `.attend`."""
     return getattr(torch.ops, load(level, tune))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dflashkit.decode import native
 from dflashkit.errors import DFlashError
+from dflashkit.targets.formats import DOTS
 from dflashkit.tree import Tree
 
 PREFILL = 32  # prompts go in chunks of 32 tokens
@@ -87,7 +88,7 @@ class Geometry(NamedTuple):
 
     def quant_layout(self, formats: tuple) -> tuple[dict, int, int]:
         """The quantized arena: {name: (byte offset, outs, bytes)} in layer 0 (and the head), layer stride, size."""
-        sizes = {n: (o // 16 * (k // 32) * BLOCK_BYTES[f], o) for n, f in formats for o, k in [self.matrices()[n]]}
+        sizes = {n: (o // 16 * (k // 32) * BLOCK_BYTES[f.removesuffix(DOTS)], o) for n, f in formats for o, k in [self.matrices()[n]]}
         offs, off = {}, 0
         for name in [n for n, _ in formats if n != "head"]:
             offs[name], off = (off, sizes[name][1], sizes[name][0]), off + -(-sizes[name][0] // ALIGN) * ALIGN
@@ -213,9 +214,11 @@ BLOCK_BYTES = {"q8_0": 64 + 512, "q4_0": 64 + 256, "q4_1": 128 + 256}
 GGUF_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # a block of 32 in the file: f16 scale (and min), quants
 
 
-def quant_order(fmt: str, raw: np.ndarray) -> np.ndarray:
-    """GGUF blocks [outs, k / 32 * bytes] in linear_quant's order (kernels.h): per panel of 16 outputs and block of 32
-    inputs, float32 scales (d; m for q4_1), then quants [32 inputs][16 outputs], two 4-bit ones a byte (even low)."""
+def quant_order(fmt: str, raw: np.ndarray, dots: bool = False) -> np.ndarray:
+    """GGUF blocks [outs, k / 32 * bytes] in the kernels' order (kernels.h): per panel of 16 outputs and block of 32
+    inputs, float32 scales (d; m for q4_1), then the quants. linear_quant's: [32 inputs][16 outputs], two 4-bit ones a
+    byte (even low); linear_int8's (`dots`): by fours of inputs per output, q8_0 [8][16][4], 4-bit [4][16][4] with
+    byte t of group g holding input 8g + t low and 8g + 4 + t high."""
     outs = raw.shape[0]
     blocks = raw.reshape(outs // 16, 16, -1, GGUF_BYTES[fmt])  # [panel, output, block, bytes]
     scales = 2 if fmt == "q4_1" else 1
@@ -223,9 +226,15 @@ def quant_order(fmt: str, raw: np.ndarray) -> np.ndarray:
              for i in range(scales)]  # each [panel, block, 16]
     q = blocks[..., 2 * scales:]
     if fmt != "q8_0":  # the file's nibbles: inputs 0-15 low, 16-31 high
-        q = np.concatenate([q & 15, q >> 4], -1)
+        q = np.concatenate([q & 15, q >> 4], -1)  # [panel, output, block, 32 inputs]
+    if dots and fmt == "q8_0":
+        q = q.reshape(*q.shape[:3], 8, 4)
+    elif dots:
+        q = q.reshape(*q.shape[:3], 4, 2, 4)
+        q = q[..., 0, :] | (q[..., 1, :] << 4)
+    elif fmt != "q8_0":
         q = q[..., 0::2] | (q[..., 1::2] << 4)  # pairs of inputs: the even one low
-    q = q.transpose(0, 2, 3, 1)  # [panel, block, inputs (or pairs), 16 outputs]
+    q = q.transpose(0, 2, 3, 1, 4) if dots else q.transpose(0, 2, 3, 1)  # [panel, block, ..., 16 outputs, ...]
     flat = [np.ascontiguousarray(x).reshape(*x.shape[:2], -1).view(np.uint8) for x in (*parts, q)]
     return np.concatenate(flat, -1).reshape(-1)
 
@@ -245,11 +254,12 @@ def formats_of(target) -> tuple:
     if mixed := {n: sorted(f) for n, f in out.items() if len(f) > 1}:
         raise DFlashError(f"target {target.name}: the static step reads each of qkv, o, gate+up, down and the head in "
                           f"one format; these mix: {mixed} (use --weights float or q8_0)")
-    return tuple((n, f.pop()) for n, f in out.items())
+    dots = DOTS if target.weights.endswith(DOTS) else ""  # integer dots: another kernel, and the bytes in its order
+    return tuple((n, f.pop() + dots) for n, f in out.items())
 
 
 def pack_quant(target, geo: Geometry, formats: tuple) -> torch.Tensor:
-    """The quantized matrices in linear_quant's order, one byte buffer (quant_layout; empty without any)."""
+    """The quantized matrices in their kernel's order, one byte buffer (quant_layout; empty without any)."""
     if not formats:
         return torch.zeros(0, dtype=torch.uint8)
     offs, stride, size = geo.quant_layout(formats)
@@ -258,7 +268,8 @@ def pack_quant(target, geo: Geometry, formats: tuple) -> torch.Tensor:
         for i in [None] if name == "head" else range(geo.layers):
             raw = (target.blocks["head"].raw if i is None
                    else np.concatenate([target.blocks[f"{i}.{m}"].raw for m in FUSED[name]]))
-            packed = torch.from_numpy(quant_order(dict(formats)[name], raw))
+            fmt = dict(formats)[name]
+            packed = torch.from_numpy(quant_order(fmt.removesuffix(DOTS), raw, dots=fmt.endswith(DOTS)))
             start = off + (i or 0) * stride
             arena[start: start + packed.numel()].copy_(packed)
     return arena
@@ -346,7 +357,8 @@ def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, g
             return linear(x, w[name])
         off, outs, size = qlayout[name]
         off += max(i, 0) * qstride
-        return lib.linear_quant(x, quants[off: off + size], QUANT_CODES[kinds[name]], outs)
+        op = lib.linear_int8 if kinds[name].endswith(DOTS) else lib.linear_quant
+        return op(x, quants[off: off + size], QUANT_CODES[kinds[name].removesuffix(DOTS)], outs)
     n, eps, nh, kvh, hd = ids.shape[0], geo.eps, geo.heads, geo.kv_heads, geo.head_dim
     x = F.embedding(ids, embed)[None].float()
     cos, sin = rope[0][pos][None, None], rope[1][pos][None, None]

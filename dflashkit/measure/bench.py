@@ -22,7 +22,7 @@ from dflashkit.decode.methods import ENGINES, PEER_METHODS, PEERS, STATIC_KINDS,
 from dflashkit.decode.native import cflags, instruction_set
 from dflashkit.measure.peers import (TAU_TOLERANCE, ar_parting, check_engines, check_tau, differences, engine_tau,
                                    is_engine, plain_of, predicted_tau, EnginePeer)
-from dflashkit.targets.formats import describe as describe_weights
+from dflashkit.targets.formats import DOTS, base, lossy, describe as describe_weights
 from dflashkit.measure.predict import (measured_decode_tps, predict_bench, predicted_engine, predicted_markdown,
                                      predicted_plot)
 from dflashkit.measure.records import TRANSFORMERS, bench_parity, bench_records, kind_of, plain_row
@@ -103,8 +103,10 @@ def _engine_parting(target, runs: list[dict], rows: dict, turns: dict, decoder=N
     hf, st = plain_row(rows, "hf"), plain_row(rows, "static")
     if hf is None or st is None:
         return [], [], {}
-    step = check_static_step(target, decoder, runs, st) if decoder is not None else []
     summary = {**ar_parting(runs, st, against=hf), "against": hf}
+    if target.weights.endswith(DOTS):  # static's integer dots are another model than hf's floats: reported only
+        return [], [], summary
+    step = check_static_step(target, decoder, runs, st) if decoder is not None else []
     found = [{"prompt": k, "method": st, "against": hf, "first_difference": v} for k, v in summary["parts_at"].items()]
     if target.dtype == torch.float32 or not found:
         return step + found, [], summary
@@ -133,6 +135,41 @@ def check_static_step(target, decoder, runs: list[dict], label: str) -> list[dic
                         "first_difference": max(0, i - r["prompt_tokens"] + 1), "position": i,
                         "logit_gap": float(gap[i]), "tolerance": STEP_TOLERANCE})
     return bad
+
+
+@torch.no_grad()
+def float_agreement(target, runs: list[dict], rows: dict) -> dict | None:
+    """A lossy format (quantized here, or -int8) against float32 (the file's own values, or the float target): along
+    our plain decoding's output, teacher-forced, how often float32's top-1 token is the one chosen, and each prompt's
+    first parting (float32's greedy decoding equals ours on a prompt with none). Single-turn prompts."""
+    label = plain_row(rows, "static") or plain_row(rows, "hf")
+    if not lossy(target.weights) or label is None:
+        return None
+    from dflashkit.targets.model import load_target
+
+    ref = target.model if base(target.weights) == "gguf" else \
+        load_target(str(target.path), device=str(target.device), dtype="float32").model
+    parting, same, total = {}, 0, 0
+    for r in [r for r in runs if r["method"] == label and len(r["turn_prompts"]) == 1 and r["tokens"]]:
+        n, p = len(r["tokens"]), len(r["prompt_ids"])
+        top = ref(torch.tensor([r["prompt_ids"] + r["tokens"]], device=target.device)).logits[0, p - 1: p - 1 + n]
+        hits = top.argmax(-1).cpu() == torch.tensor(r["tokens"])
+        same, total = same + int(hits.sum()), total + n
+        parting[r["prompt"]] = None if bool(hits.all()) else int((~hits).nonzero()[0])
+    firsts = [v for v in parting.values() if v is not None]
+    return {"row": label, "weights": target.weights, "against": "float32 over the same values" if base(
+        target.weights) == "gguf" else "the float32 target", "top1": same / max(total, 1), "tokens": total,
+        "prompts_equal": len(parting) - len(firsts), "prompts": len(parting), "first_parting": parting,
+        "earliest_parting": min(firsts, default=None)}
+
+
+def agreement_markdown(a: dict | None) -> list[str]:
+    if not a:
+        return []
+    first = f"; earliest first parting at token {a['earliest_parting']}" if a["earliest_parting"] is not None else ""
+    return ["", f"Agreement with float32 ({a['weights']} against {a['against']}, along {a['row']}'s output): top-1 "
+            f"{100 * a['top1']:.1f}% of {a['tokens']} tokens; {a['prompts_equal']}/{a['prompts']} prompts equal"
+            f"{first}."]
 
 
 def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]], methods: list[str],
@@ -189,7 +226,7 @@ def run_bench(target, drafter, prompts: list[tuple[str, list[int] | PromptItem]]
                           max_new_tokens, sampling),
         "cost": costs, "cost_models": models, "seconds": spent, "methods": summary, "categories": by_category,
         "mismatches": mismatches, "divergences": divergences, "engine_divergences": judged["engine_divergences"],
-        "tau_checks": check_tau(summary), "runs": runs})
+        "tau_checks": check_tau(summary), "agreement": float_agreement(target, runs, rows), "runs": runs})
 
 
 def _config(target, drafter, B, methods, engine, rows, session, prompts, categories, turns, max_new_tokens,
@@ -396,7 +433,7 @@ def add_ratios(summary: dict) -> None:
 
 def bench_weights(c: dict) -> str:
     """The header's note of quantized weights, and that llama.cpp's rows run the same ones."""
-    weights = f"; weights {c['weights']}" if "widened" in c.get("weights", "") else ""
+    weights = f"; weights {c['weights']}" if not c.get("weights", "(float)").endswith("(float)") else ""
     if weights and any(m.startswith("llama.cpp") for m in c["methods"]):
         weights += ", llama.cpp on the same weights" + (" (the file itself)" if c["weights"].startswith("gguf") else "")
     return weights
@@ -438,6 +475,7 @@ def bench_markdown(result: dict) -> str:
               "the same backend; ceiling = tau * t_ar / (t_draft + t_verify); overhead = time outside drafter and "
               "target forwards / decode time.", ""]
     lines += category_markdown(result)
+    lines += agreement_markdown(result.get("agreement"))
     if result.get("parity"):
         lines += parity_markdown(result["parity"])
     if c["temperature"] == 0:

@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # torch loads with a target, not with the CLI's parser
     import torch
 
 QUANTS = ("q8_0", "q4_0", "q4_1")
-WEIGHTS = ("auto", "float", "gguf", *QUANTS)
+DOTS = "-int8"  # a quantized format's spelling for activations in 8 bits and integer dots (decode/kernels.h)
+WEIGHTS = ("auto", "float", "gguf", *QUANTS, *(f"{w}{DOTS}" for w in ("gguf", *QUANTS)))
 # the target's matrices the static step reads, by its names, and llama.cpp's for layer tensors
 MATRICES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
             "down": "ffn_down"}
@@ -44,7 +45,9 @@ def add_weights_option(p) -> None:
     p.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="the target's weight format: float (its --dtype), gguf (a GGUF target's own blocks, e.g. the "
                    "default's Q4_1: the same values as its float32 copy), q8_0 | q4_0 | q4_1 (quantized here, as "
-                   "llama-quantize does: another model); auto = gguf for a GGUF target on a CPU, else float")
+                   "llama-quantize does: another model); any of these with -int8 (e.g. gguf-int8): activations "
+                   "in 8 bits and integer dots on the static backend, as llama.cpp computes (another model, lossless "
+                   "against its own plain decoding); auto = gguf for a GGUF target on a CPU, else float")
 
 
 def _qtype(fmt: str):
@@ -61,6 +64,16 @@ def _modules(target) -> dict:
         for name, m in zip(MATRICES, (a.q_proj, a.k_proj, a.v_proj, a.o_proj, p.gate_proj, p.up_proj, p.down_proj)):
             out[f"{i}.{name}"] = m
     return out
+
+
+def base(weights: str) -> str:
+    """The weights' values: a spelling less its -int8 (the hf backend and extraction compute with these)."""
+    return weights.removesuffix(DOTS)
+
+
+def lossy(weights: str) -> bool:
+    """Another model than the float32 one of the same file or target: quantized here, or integer dots."""
+    return base(weights) in QUANTS or weights.endswith(DOTS)
 
 
 def resolve(weights: str, target) -> str:
@@ -125,8 +138,9 @@ def apply(target, weights: str) -> str:
     """Put the target in `weights` (blocks in `target.blocks`, their values in its parameters); returns its name."""
     import torch
 
-    weights = resolve(weights, target)
-    target.weights, target.blocks = weights, {}
+    spelled = resolve(weights, target)
+    weights = base(spelled)
+    target.weights, target.blocks = spelled, {}
     if weights == "float":
         return weights
     if target.dtype != torch.float32:
@@ -157,7 +171,7 @@ def apply(target, weights: str) -> str:
                                   f"target {target.name}; prepare the target again (dflashkit target prepare --force)")
             w.copy_(b.dequantized().to(w.dtype))
     target.blocks = blocks
-    return weights
+    return spelled
 
 
 def describe(target) -> str:
@@ -165,4 +179,5 @@ def describe(target) -> str:
     if not target.blocks:
         return f"{str(target.dtype).removeprefix('torch.')} (float)"
     kinds = sorted({b.format for b in target.blocks.values()})
-    return f"{target.weights}: {'/'.join(kinds)} (head {target.blocks['head'].format}), widened to float32"
+    how = "activations in 8 bits, integer dots" if target.weights.endswith(DOTS) else "widened to float32"
+    return f"{target.weights}: {'/'.join(kinds)} (head {target.blocks['head'].format}), {how}"
