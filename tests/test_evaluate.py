@@ -460,6 +460,20 @@ def test_cli_eval_writes_a_complete_run(setup, capsys):
     assert "exists and is not empty" in capsys.readouterr().err
 
 
+def test_eval_on_a_served_format_runs_the_drafter_trained_on_floats_and_says_both(setup, tiny_dirs, capsys):
+    """A cache extracted at q8_0 (the target as served) takes the drafter trained on float features; the run says
+    which format its features are and which the drafter was trained at."""
+    from dflashkit.targets.model import load_target
+
+    root, _ = setup
+    q = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights="q8_0")
+    cache = extract(q, load_prompts("coding-10").subset(2), root / "cache-q8_0", layer_ids=[1, 2, 3], max_new_tokens=20,
+                    progress=False)
+    assert _eval(root, cache, "d0", "r-q8_0") == 0
+    assert "weights  features at q8_0; the drafter trained at float" in capsys.readouterr().out
+    assert json.loads((root / "r-q8_0" / "results.json").read_text())["target"]["weights"] == "q8_0"
+
+
 def test_cli_eval_partial_cache_needs_allow_partial(setup, capsys):
     root, cache = setup
     assert _eval(root, cache, "d0", "rp", "--num-prompts", "5") == 2

@@ -263,7 +263,6 @@ def test_a_quantized_target_is_another_target_to_caches_and_the_same_to_its_draf
     check_same_target(f.identity(), {**q.identity(), "weights": None}, "drafter d", "")  # what load_drafter checks
 
 
-@pytest.mark.e2e
 def test_extraction_at_integer_dots_is_refused_with_the_format_to_extract_at(tiny_dirs, tmp_path, capsys):
     from dflashkit.cli import main
 
@@ -302,6 +301,7 @@ def test_agreement_is_float32s_top1_along_our_output_teacher_forced(tiny_dirs):
     assert float_agreement(f, runs, {"ar": ("ar", "static")}) is None  # float32 itself: nothing to state
 
 
+@pytest.mark.e2e
 def test_generate_and_bench_take_weights_and_say_which_ran(tiny_dirs, tmp_path, capsys):
     """--weights on the CLI: the static backend (compiled, as users run it) decodes the quantized blocks through the
     integer dots, bench's header names them, and bench states their agreement with the float32 target: float32's

@@ -333,7 +333,8 @@ def check_inputs(drafter, target, cache) -> None:
     ident = target.identity()
     check_same_target(cache.target, ident, f"cache {cache.path}", "pass the cache's target with --target")
     made_for = (getattr(drafter, "contract", None) or {}).get("target")
-    check_same_target(made_for, ident, "the drafter (its dflashkit.json)", "evaluate it with its own target")
+    check_same_target(made_for, {**ident, "weights": None}, "the drafter (its dflashkit.json)",  # any format of it
+                      "evaluate it with its own target")
     check_feature_layers(drafter.config, list(cache.layer_ids), f"cache {cache.path}")
 
 

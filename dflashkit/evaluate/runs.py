@@ -150,6 +150,9 @@ def header_lines(drafter_info: dict, target_ident: dict, cache_info: dict, setti
         f"drafter  {drafter_info['path']}  (model.safetensors sha256 {drafter_info['sha256'][:12]})",
         *[f"  {line}" for line in drafter_info["load_report"]],
         f"target   {target_ident['name']}  {target_ident['path']}",
+        f"weights  features at {target_ident.get('weights') or 'float'}; the drafter trained at "
+        f"{((drafter_info.get('contract') or {}).get('target') or {}).get('weights') or 'float'} (compare the two "
+        "formats' evals: dflashkit compare RUN RUN)",
         f"cache    {cache_info['path']}  (manifest {cache_info['manifest_hash'][:12]})",
         f"prompts  {prompts}",
         f"blocks   {count}: block_size={settings['block_size']}, max_blocks_per_seq={per}, anchors={settings['anchors']}{vocab}",

@@ -95,9 +95,12 @@ def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def cost_report(target, curve: CostCurve) -> dict:
-    """The curve plus the memory-bound floor of a one-token forward: its weight bytes (tied ones once) / bandwidth."""
-    first = {p.data_ptr(): p for p in reversed(list(target.model.parameters()))}  # one per storage: the first named
-    nbytes, bw = sum(p.numel() * p.element_size() for p in first.values()), measure_bandwidth(target.device)
+    """The curve plus the memory-bound floor of a one-token forward: its weight bytes (tied ones once, quantized
+    matrices as their blocks) / bandwidth."""
+    from dflashkit.targets.formats import stored
+
+    (count, nbytes), bw = stored(target), measure_bandwidth(target.device)
     floor = nbytes / bw
-    return {**curve.to_dict(), "weight_bytes": nbytes, "bandwidth_gb_s": bw / 1e9, "floor_ms": 1000 * floor,
+    return {**curve.to_dict(), "weights": count, "weight_bytes": nbytes, "bandwidth_gb_s": bw / 1e9,
+            "floor_ms": 1000 * floor,
             "one_token_vs_floor": curve.seconds[0] / floor}

@@ -174,6 +174,16 @@ def apply(target, weights: str) -> str:
     return spelled
 
 
+def stored(target) -> tuple[int, int]:
+    """(weights, bytes) a one-token step reads: each storage once, quantized matrices as their blocks."""
+    blocks = getattr(target, "blocks", None) or {}
+    kept = {m.weight.data_ptr() for m in _modules(target).values()} if blocks else set()
+    first = {p.data_ptr(): p for p in target.model.parameters()}
+    count = sum(p.numel() for p in first.values())
+    nbytes = sum(p.numel() * p.element_size() for ptr, p in first.items() if ptr not in kept)
+    return count, nbytes + sum(b.raw.nbytes for b in blocks.values())
+
+
 def describe(target) -> str:
     """For reports: the weights a target runs in."""
     if not target.blocks:
