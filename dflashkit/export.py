@@ -42,7 +42,10 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     target_ref = target_ref or (tgt["path"] if tgt.get("path") and Path(tgt["path"]).exists() else tgt.get("name"))
     if needs_target and not target_ref:
         raise DFlashError(f"{src}: records no target (a z-lab folder); pass --target NAME_OR_FOLDER")
-    target = load_target(target_ref, device="cpu") if needs_target else None
+    # tau on the target as served: the cache's features are at the format it was extracted at (the drafter's any)
+    served = (open_cache(cache).target.get("weights") or "float") if cache else None
+    fmt_args = {"dtype": "float32", "weights": served} if served not in (None, "float") else {}
+    target = load_target(target_ref, device="cpu", **fmt_args) if needs_target else None
     if target is not None:
         check_against_target(drafter.config, target, str(src))
     if fmt == "gguf":
@@ -56,7 +59,8 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
     full = target.lm_head.weight.shape[0] if target is not None else drafter.config.vocab_size
     res = {"path": str(out), "format": fmt, "dtype": dtype, "source": str(src),
            "vocabulary": {"as_trained": len(vocab) if vocab else full, "as_exported": len(vocab) if keep_map else full},
-           "tau": {"as_trained": None, "as_exported": None}}
+           "tau": {"as_trained": None, "as_exported": None}, "trained_at": tgt.get("weights") or "float",
+           "measured_at": served}
     if cache:
         res["tau"] = _offline_tau(drafter, target, cache, num_prompts, exported_full=bool(vocab) and not keep_map)
     res["lines"] = _lines(res, bool(vocab), keep_map)
@@ -89,10 +93,14 @@ def _lines(res: dict, has_vocab: bool, keep_map: bool) -> list[str]:
         lines.append(f"vocabulary: trained over {v['as_trained']} tokens, exported over all {v['as_exported']} "
                      "(--full-vocab: engines draft over tokens the drafter never trained on)")
     if t["as_trained"] is not None:
-        lines.append(f"tau (offline, {t['prompts']} prompts of {t['cache']}): as trained {t['as_trained']:.3f}, "
-                     f"as exported {t['as_exported']:.3f}")
+        lines.append(f"tau (offline, {t['prompts']} prompts of {t['cache']}, the target's features at "
+                     f"{res['measured_at']}; the drafter trained at {res['trained_at']}): as trained "
+                     f"{t['as_trained']:.3f}, as exported {t['as_exported']:.3f}")
     elif has_vocab and not keep_map:
         lines.append("tau as exported: not measured; pass --cache CACHE (`dflashkit eval` reports both too)")
     else:
         lines.append("tau as exported = tau as trained (same vocabulary); `dflashkit eval` measures it")
+    if t["as_trained"] is None:
+        lines.append(f"target format: the drafter trained at {res['trained_at']}; for its tau on the target as served "
+                     "pass --cache CACHE extracted at that format (dflashkit extract --weights gguf|q8_0|...)")
     return lines

@@ -82,6 +82,23 @@ def test_export_states_tau_as_trained_and_as_exported(setup):
     assert kept["tau"]["as_exported"] == kept["tau"]["as_trained"] == pytest.approx(mapped["tau"])
 
 
+def test_export_measures_tau_on_the_format_its_cache_was_extracted_at(setup, capsys):
+    """A cache of the target as served (q8_0 here): the export's tau is the drafter on those features, and it says
+    at which format, beside the one the drafter trained at."""
+    from dflashkit.targets.model import load_target
+
+    t, root, _, _ = setup
+    q = load_target(t.path, device="cpu", dtype="float32", weights="q8_0")
+    cache = extract(q, load_prompts("coding-10").subset(2), root / "cache-q8_0", layer_ids=LAYERS, max_new_tokens=24,
+                    progress=False)
+    res = export_drafter(root / "full", root / "zq", dtype="float32", cache=str(cache))
+    want = evaluate(load_drafter(root / "full"), q, open_cache(cache), trees=())["overall"]["tau"]
+    assert (res["measured_at"], res["trained_at"], res["tau"]["as_trained"]) == ("q8_0", "float", pytest.approx(want))
+    assert "the target's features at q8_0; the drafter trained at float" in "\n".join(res["lines"])
+    assert "for its tau on the target as served pass --cache" in "\n".join(
+        export_drafter(root / "full", root / "zn", dtype="float32")["lines"])
+
+
 def test_export_errors_name_the_fix(setup, tmp_path, machine_env):
     t, root, _, _ = setup
     with pytest.raises(DFlashError, match=r"name it \*\.gguf"):

@@ -263,6 +263,34 @@ def test_a_quantized_target_is_another_target_to_caches_and_the_same_to_its_draf
     check_same_target(f.identity(), {**q.identity(), "weights": None}, "drafter d", "")  # what load_drafter checks
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q8_0-int8"])
+def test_a_drafter_on_the_static_backend_reads_the_heads_blocks(tiny_dirs, fmt):
+    """In a static session the drafter's full-vocabulary head is the target's head in its blocks (the same kernel as
+    the target's head: 30 MB where the float32 copy is 113 for SmolLM2), restored after; and speculation with the
+    real drafter stays its plain greedy output."""
+    from dflashkit.decode.speculative import DFlashProposer, generate_chain
+    from dflashkit.decode.session import Timer
+    from dflashkit.drafter.checkpoint import new_drafter
+    from dflashkit.drafter.head import few_rows_linear
+    from test_static_decoder import prompt
+
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights=fmt)
+    torch.manual_seed(0)
+    p = DFlashProposer(t, new_drafter(t, num_layers=1, target_layer_ids=[1, 2], block_size=4).eval())
+    d = StaticDecoder(t, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    d.drafter_call = (p.drafter, p.drafter)  # what decoder_for sets, compiled
+    b = StaticBackend(d, p)
+    raw = t.blocks["head"].raw
+    packed = torch.from_numpy(quant_order(formats.base(fmt), raw, dots=fmt.endswith("-int8")))
+    op = native.ops().linear_int8 if fmt.endswith("-int8") else native.ops().linear_quant
+    x = torch.randn(3, t.hidden_size)
+    with b.session(Timer(torch.device("cpu"))):
+        assert torch.equal(p.head_linear(x, None), op(x, packed, CODES[formats.base(fmt)], raw.shape[0]))
+        out = generate_chain(b, p, prompt(t), max_new_tokens=24)
+    assert p.head_linear is few_rows_linear
+    assert out.tokens == generate_ar(b, prompt(t), max_new_tokens=24).tokens
+
+
 def test_extraction_at_integer_dots_is_refused_with_the_format_to_extract_at(tiny_dirs, tmp_path, capsys):
     from dflashkit.cli import main
 

@@ -54,6 +54,7 @@ class DFlashProposer:
         block_ids(torch.zeros((), dtype=torch.long), self.block_size, self.mask_id, slot0)  # checks the name now
         self.dtype = drafter.fc.weight.dtype
         self.context_kv, self.call, self.fresh, self._compiled = None, drafter, True, None
+        self.head_linear = few_rows_linear  # a backend's own for the head where it has one (static: the blocks)
 
     @torch.no_grad()
     def compiled(self):
@@ -73,13 +74,15 @@ class DFlashProposer:
         return call
 
     @contextmanager
-    def calling(self, call):
-        """The drafter called through `call` while the context is (a backend's own compiled call)."""
-        was, self.call = self.call, call
+    def calling(self, call, head_linear=None):
+        """The drafter called through `call` while the context is (a backend's own compiled call), and its head
+        through `head_linear` where given."""
+        was = self.call, self.head_linear
+        self.call, self.head_linear = call, head_linear or self.head_linear
         try:
             yield
         finally:
-            self.call = was
+            self.call, self.head_linear = was
 
     def reset(self, prompt_ids) -> None:
         self.context_kv, self.fresh = self.drafter.new_context_kv(), True
@@ -95,7 +98,7 @@ class DFlashProposer:
         h = call(features, block_embeds, positions, past_key_values=self.context_kv, use_cache=True,
                  linear=few_rows_linear)  # decoding's products
         self.hidden, self.anchor = h[:, 1:], anchor  # DFlash2's selector reads them in draft()
-        return self.head.logits(h[0, 1:], few_rows_linear)  # [B-1, V']
+        return self.head.logits(h[0, 1:], self.head_linear)  # [B-1, V']
 
     @torch.no_grad()
     def draft(self, features, anchor, start: int, temperature: float = 0.0, generator=None, mix: float = 1.0):

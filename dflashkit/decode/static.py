@@ -434,7 +434,7 @@ class StaticDecoder:
                               "use kernels='reduce' (or auto)")
         ops = native.load(level, tune) if kernels in BY_PATH else None  # the chosen level, or `level` (tests)
         dev = target.device
-        self.target, self.max_len, self.kernels = target, max_len, kernels
+        self.target, self.max_len, self.kernels, self.ops, self.geo = target, max_len, kernels, ops, geo
         self.formats = formats_of(target) if kernels == "native" else ()  # quantized: in their blocks (kernels.h)
         self.arena, self.embed = pack_weights(target, geo, kernels, self.formats), target.embed_tokens.weight
         self.quants = pack_quant(target, geo, self.formats)
@@ -463,6 +463,18 @@ class StaticDecoder:
                       for w, (k, f) in kinds.items()}
         self.compile_s, self.step_s = {}, {}  # seconds per width: the first call's; a step's median, by warm()
         self.drafter_call = (None, None)  # (drafter, its compiled call), set by decoder_for
+
+    def head_linear(self):
+        """The head in its blocks, for a drafter's few rows of logits over the full vocabulary: its float32 copy reads
+        113 MB a call for SmolLM2's 49k tokens, the q8_0 blocks 30 (a draft's rounding only moves the drafts, which
+        the verify checks). None where the head is float."""
+        kind = dict(self.formats).get("head")
+        if kind is None:
+            return None
+        off, outs, size = self.geo.quant_layout(self.formats)[0]["head"]
+        lib, code = getattr(torch.ops, self.ops), QUANT_CODES[kind.removesuffix(DOTS)]
+        op, w = lib.linear_int8 if kind.endswith(DOTS) else lib.linear_quant, self.quants[off: off + size]
+        return lambda x, _: op(x.float(), w, code, outs)
 
     def _check_room(self, pos: int, n: int) -> None:
         if pos + n > self.max_len:
@@ -647,7 +659,8 @@ class StaticBackend:
         stack.enter_context(collector_paused())
         drafter, call = self.d.drafter_call
         if call is not None and getattr(self.proposer, "drafter", None) is drafter:  # compiled with the decoder
-            stack.enter_context(self.proposer.calling(call))
+            full = self.proposer.head.vocab_ids is None  # a draft vocabulary's head is its own rows, float
+            stack.enter_context(self.proposer.calling(call, self.d.head_linear() if full else None))
         return stack
 
     def verified_tokens(self, tree) -> int:
