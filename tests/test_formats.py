@@ -213,6 +213,9 @@ def test_data_generate_regenerates_every_turn_unless_asked_for_the_files_answers
     assert by_id["s1#2"]["completion_ids"][-1] in stops
     with pytest.raises(DFlashError, match="responses='file', now 'target'"):
         generate_sequences(target, str(share), own, 6, progress=False)  # one file never mixes the two
+    served = tmp_path / "q8.jsonl"  # the answers of the target as served, in q8_0: its identity says so
+    assert main(base + ["--out", str(served), "--weights", "q8_0", "--num-prompts", "1"]) == 0
+    assert read_sequences(served)[0]["target"]["weights"] == "q8_0"
     turns_only = _write(tmp_path / "t.jsonl", [{"turns": ["a", "b"]}])
     assert main(base[:5] + [str(turns_only)] + base[6:] + ["--out", str(tmp_path / "x.jsonl"), "--use-file-responses"]) == 2
     assert "no assistant answer to user turn 1" in capsys.readouterr().err

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dflashkit.decode.methods import PRICED
+from dflashkit.targets.formats import add_weights_option
 from dflashkit.threads import add_threads_option
 
 
@@ -37,6 +38,7 @@ def register(sub) -> None:
     g.add_argument("--engine", default="hf", choices=("auto",) + PRICED,
                    help="what answers: hf (transformers, batched) or, one prompt at a time, what you serve on (static, "
                    "llama.cpp, vllm): in bf16 each writes its own text, and an eval on it predicts that engine")
+    add_weights_option(g)
     add_threads_option(g)
     g.set_defaults(func=cmd_generate, on_interrupt="interrupted; the answers finished so far are in --out, and the "
                    "same command resumes from there")
@@ -67,7 +69,8 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise DFlashError("--max-new-tokens and --batch-size must be at least 1")
     suite = select_prompts(args.prompts, per_category=args.per_category)  # before the target loads: errors are fast
-    target = load_target(args.target, device=args.device)
+    fmt = {} if args.weights in ("auto", "float") else {"dtype": "float32"}  # blocks widen to float32
+    target = load_target(args.target, device=args.device, weights=args.weights, **fmt)
     with plain_answers(target, "hf" if args.use_file_responses else args.engine, args.max_new_tokens) as by:
         out = generate_sequences(target, suite, args.out, args.max_new_tokens, args.batch_size, args.num_prompts,
                                  use_file_responses=args.use_file_responses, answered_by=by)
