@@ -44,8 +44,7 @@ def export_drafter(src, out, fmt: str = "zlab", dtype: str = "bfloat16", target_
         raise DFlashError(f"{src}: records no target (a z-lab folder); pass --target NAME_OR_FOLDER")
     # tau on the target as served: the cache's features are at the format it was extracted at (the drafter's any)
     served = (open_cache(cache).target.get("weights") or "float") if cache else None
-    fmt_args = {"dtype": "float32", "weights": served} if served not in (None, "float") else {}
-    target = load_target(target_ref, device="cpu", **fmt_args) if needs_target else None
+    target = load_target(target_ref, device="cpu", weights=served or "float") if needs_target else None
     if target is not None:
         check_against_target(drafter.config, target, str(src))
     if fmt == "gguf":

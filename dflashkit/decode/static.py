@@ -214,6 +214,11 @@ BLOCK_BYTES = {"q8_0": 64 + 512, "q4_0": 64 + 256, "q4_1": 128 + 256}
 GGUF_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # a block of 32 in the file: f16 scale (and min), quants
 
 
+def quant_op(lib, kind: str):
+    """(operator, format code) of a quantized matrix's kind: -int8 the integer dots, else widened to float32."""
+    return (lib.linear_int8 if kind.endswith(DOTS) else lib.linear_quant), QUANT_CODES[kind.removesuffix(DOTS)]
+
+
 def quant_order(fmt: str, raw: np.ndarray, dots: bool = False) -> np.ndarray:
     """GGUF blocks [outs, k / 32 * bytes] in the kernels' order (kernels.h): per panel of 16 outputs and block of 32
     inputs, float32 scales (d; m for q4_1), then the quants. linear_quant's: [32 inputs][16 outputs], two 4-bit ones a
@@ -357,8 +362,8 @@ def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, g
             return linear(x, w[name])
         off, outs, size = qlayout[name]
         off += max(i, 0) * qstride
-        op = lib.linear_int8 if kinds[name].endswith(DOTS) else lib.linear_quant
-        return op(x, quants[off: off + size], QUANT_CODES[kinds[name].removesuffix(DOTS)], outs)
+        op, code = quant_op(lib, kinds[name])
+        return op(x, quants[off: off + size], code, outs)
     n, eps, nh, kvh, hd = ids.shape[0], geo.eps, geo.heads, geo.kv_heads, geo.head_dim
     x = F.embedding(ids, embed)[None].float()
     cos, sin = rope[0][pos][None, None], rope[1][pos][None, None]
@@ -472,8 +477,7 @@ class StaticDecoder:
         if kind is None:
             return None
         off, outs, size = self.geo.quant_layout(self.formats)[0]["head"]
-        lib, code = getattr(torch.ops, self.ops), QUANT_CODES[kind.removesuffix(DOTS)]
-        op, w = lib.linear_int8 if kind.endswith(DOTS) else lib.linear_quant, self.quants[off: off + size]
+        (op, code), w = quant_op(getattr(torch.ops, self.ops), kind), self.quants[off: off + size]
         return lambda x, _: op(x.float(), w, code, outs)
 
     def _check_room(self, pos: int, n: int) -> None:

@@ -297,9 +297,10 @@ def load_target(name_or_path: str | os.PathLike = "smollm2-135m", device: str = 
 
     name, path = resolve(name_or_path)
     dev = pick_device(device)
-    # a GGUF target's own blocks widen to float32 (faster than bf16 copies, and the file's values): auto's dtype then
-    gguf = weights == "auto" and dtype in (None, "auto") and dev.type == "cpu" and gguf_source(path) is not None
-    dt = torch.float32 if gguf else pick_dtype(dtype, dev)
+    # blocks widen to float32 (for a GGUF target's own, faster than bf16 copies): a quantized format's dtype, and
+    # auto's for a GGUF target on a CPU, unless one is given
+    blocks = weights not in ("auto", "float") or weights == "auto" and dev.type == "cpu" and gguf_source(path) is not None
+    dt = torch.float32 if blocks and dtype in (None, "auto") else pick_dtype(dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         # a VL checkpoint (Qwen3.5) loads as its text model: transformers leaves the vision tower out

@@ -69,8 +69,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise DFlashError("--max-new-tokens and --batch-size must be at least 1")
     suite = select_prompts(args.prompts, per_category=args.per_category)  # before the target loads: errors are fast
-    fmt = {} if args.weights in ("auto", "float") else {"dtype": "float32"}  # blocks widen to float32
-    target = load_target(args.target, device=args.device, weights=args.weights, **fmt)
+    target = load_target(args.target, device=args.device, weights=args.weights)
     with plain_answers(target, "hf" if args.use_file_responses else args.engine, args.max_new_tokens) as by:
         out = generate_sequences(target, suite, args.out, args.max_new_tokens, args.batch_size, args.num_prompts,
                                  use_file_responses=args.use_file_responses, answered_by=by)
