@@ -111,6 +111,15 @@ def amx() -> bool:
     return chosen() == "v4" and {"amx_bf16", "amx_tile"} <= cpu()[1]
 
 
+VNNI = {"v3": "avx_vnni", "v4": "avx512_vnni"}  # the level's integer dots through vpdpbusd, where the CPU has it
+
+
+def vnni() -> bool:
+    """Integer dots through VNNI (the same bits, fewer instructions): the chosen level's kind of it on this CPU, unless
+    the level emulates a narrower CPU (x86-64-v3 itself has none)."""
+    return not narrower() and VNNI.get(chosen()) in cpu()[1]
+
+
 def torch_environment(name: str) -> dict[str, str]:
     """The environment torch needs before it loads for its kernels to take a narrower level's path (the CLI sets it)."""
     return {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"} if (name, best()) == ("v3", "v4") else {}
@@ -120,5 +129,6 @@ def describe() -> str:
     """One line for reports: the level, what it is, and this CPU's native bf16."""
     bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu()[1]]
     narrow = f" (this CPU runs {best()})" if narrower() else ""
+    dots = f"; integer dots through {VNNI[chosen()]}" if vnni() else ""
     return f"level {chosen()}{narrow}: {LEVELS[chosen()].about}; " + (
-        f"native bf16 ({', '.join(bf16)})" if native_bf16() else "no native bf16")
+        f"native bf16 ({', '.join(bf16)})" if native_bf16() else "no native bf16") + dots

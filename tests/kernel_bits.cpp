@@ -1,7 +1,8 @@
 // The kernels of dflashkit/decode/kernels.h alone, without torch, on fixed inputs: built by tests/test_levels.py
 // for every ISA level this machine runs, with Zen's tuning planted, and for aarch64 (run under qemu-user), so the
 // builds' bits can be compared where the CPUs they stand for are absent.
-// Writes every output's float32 bits to argv[1]; prints one line per exactness check: "NAME equal" or "NAME differs".
+// Writes every output's float32 bits to argv[1]; prints one line per exactness check: "NAME equal" or "NAME differs",
+// and where this CPU runs the build's VNNI variant of the integer dots, one "vnni NAME same" (or "differs") per call.
 #include <cmath>
 #include <cstdio>
 #include <vector>
@@ -146,6 +147,15 @@ static void integer_dots(const char* name) {
     const auto* w = reinterpret_cast<const Q*>(packed.data());
     K::linear_int8(x.data(), w, y.data(), rows, outs, k);
     keep(y);
+#if defined(DFLASHKIT_VNNI)
+    if (DFLASHKIT_VNNI == 512 ? __builtin_cpu_supports("avx512vnni") : __builtin_cpu_supports("avxvnni")) {
+      std::vector<float> v(rows * outs);
+      K::vnni::linear_int8(x.data(), w, v.data(), rows, outs, k);
+      const bool same = std::memcmp(v.data(), y.data(), y.size() * sizeof(float)) == 0;
+      differ += !same;
+      std::printf("vnni int8-%s-%lld %s\n", name, static_cast<long long>(k), same ? "same" : "differs");
+    }
+#endif
     for (int64_t r = 0; r < rows; r += 2) {
       K::linear_int8(x.data() + r * k, w, one.data(), 1, outs, k);
       char label[64];

@@ -30,6 +30,8 @@ def kernel_bits(tmp_path, name: str, flags: list[str], compiler: str = "g++", ru
     res = subprocess.run([*runner, str(exe), str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "differs" not in res.stdout, res.stdout + res.stderr
     assert res.stdout.count("equal") == 150
+    if runner == () and levels.VNNI["v3"] in levels.cpu()[1] and "-march=x86-64-v3" in flags:
+        assert res.stdout.count("same") == 6  # AVX-VNNI's dots: the level's own bits
     return out.read_bytes()
 
 
@@ -82,6 +84,19 @@ def test_a_level_this_cpu_cannot_run_is_refused_with_the_ones_it_can(monkeypatch
     with pytest.raises(DFlashError, match=r"--isa v3: this CPU \(Some CPU\) cannot run level v3 \(missing abm, bmi1, "
                                           r"bmi2, f16c, movbe\); use one of portable"):
         levels.resolve("v3")
+
+
+def test_vnni_dots_run_where_the_level_and_the_cpu_have_them_and_not_in_a_narrower_level(monkeypatch):
+    if not X86:
+        pytest.skip("x86 levels")
+    v4 = levels.LEVELS["v4"].needs
+    for flags, chosen, expect in ((v4 | {"avx512_vnni"}, "v4", True), (v4, "v4", False),
+                                  (v4 | {"avx512_vnni", "avx_vnni"}, "v3", False),  # a v3 CPU emulated: none
+                                  (levels.V3_NEEDS | {"avx_vnni"}, "v3", True), (levels.V3_NEEDS, "v3", False)):
+        monkeypatch.setattr(levels, "cpu", lambda flags=flags: ("Some CPU", frozenset(flags)))
+        monkeypatch.setattr(levels, "_chosen", chosen)
+        assert levels.vnni() is expect, (sorted(flags), chosen)
+        assert ("integer dots through" in levels.describe()) is expect
 
 
 def test_the_cli_takes_isa_before_the_command_and_from_the_environment(monkeypatch, capsys):

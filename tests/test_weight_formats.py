@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
 
+from dflashkit import levels
 from dflashkit.decode import native
 from dflashkit.decode.speculative import generate_ar, generate_tree
 from dflashkit.decode.static import StaticBackend, StaticDecoder, panel_order, quant_order
@@ -81,23 +82,26 @@ def integer_dots(x: torch.Tensor, raw: np.ndarray, fmt: str, k: int) -> torch.Te
 @pytest.mark.parametrize("fmt", formats.QUANTS)
 def test_integer_dots_are_the_plain_int8_model_and_each_row_its_own(fmt, build):
     """linear_int8 against the -int8 model written out in the test, bit for bit, and each row of a call equal to that
-    row alone, 1 to 30 rows (the kernel takes them 2 or 8 at a time), with a zero row and large inputs."""
+    row alone, 1 to 30 rows (the kernel takes them 2 or 8 at a time), with a zero row and large inputs; through VNNI
+    too where this CPU has the level's kind of it (levels.VNNI)."""
     ops = native.ops(*build)
+    dots = [ops.linear_int8] + ([ops.linear_vnni] if levels.VNNI.get(build[0]) in levels.cpu()[1] else [])
     for outs, k in ((48, 64), (160, 576)):
         w = torch.randn(outs, k) * 0.05
         raw = quantize(w.numpy(), GGMLQuantizationType[fmt.upper()])
         packed = torch.from_numpy(quant_order(fmt, raw, dots=True))
         x = torch.randn(30, k) * torch.logspace(-3, 3, 30)[:, None]
         x[3] = 0
-        y = ops.linear_int8(x, packed, CODES[fmt], outs)
-        assert torch.equal(y, integer_dots(x, raw, fmt, k)), fmt
-        for n in (1, 2, 3, 9, 16, 29):
-            assert torch.equal(ops.linear_int8(x[:n], packed, CODES[fmt], outs), y[:n]), (fmt, n)
-        assert torch.equal(ops.linear_int8(x[17:18], packed, CODES[fmt], outs), y[17:18])
+        y = integer_dots(x, raw, fmt, k)
+        for op in dots:
+            assert torch.equal(op(x, packed, CODES[fmt], outs), y), (fmt, op)
+            for n in (1, 2, 3, 9, 16, 29):
+                assert torch.equal(op(x[:n], packed, CODES[fmt], outs), y[:n]), (fmt, op, n)
+            assert torch.equal(op(x[17:18], packed, CODES[fmt], outs), y[17:18])
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:  # what torch.compile traces the step with, either kernel
-        for op in (ops.linear_int8, ops.linear_quant):
+        for op in (*dots, ops.linear_quant):
             assert op(mode.from_tensor(x), mode.from_tensor(packed), CODES[fmt], outs).shape == y.shape
 
 

@@ -486,11 +486,6 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t k, Rows8& out) {
 
 // 4 * VL bytes: VL lanes of four (one output's four inputs), and the products' sums within a lane
 typedef uint8_t bvec __attribute__((vector_size(4 * VL)));
-#if defined(__AVX512BW__) || defined(__AVX2__)
-typedef int16_t pvec __attribute__((vector_size(4 * VL)));  // sums of pairs (maddubs), exact for our bounds
-#else
-typedef i32xv pvec;  // the portable path sums each lane's four products at once, in int32
-#endif
 
 inline bvec load_bytes(const uint8_t* p) {
   bvec v;
@@ -505,132 +500,31 @@ inline bvec splat4(const int8_t* p) {  // four bytes in every lane
   return std::bit_cast<bvec>(u - u32xv{});
 }
 
-// Sums of products of unsigned u (at most 15 here) and signed s (at most 127 in size), by pairs: at most 3810 each,
-// so eight such sums add in 16 bits exactly
-inline pvec pairs(bvec u, bvec s) {
+// The dots themselves (int8.h) at the level's own instructions, and on x86 once more with VNNI's vpdpbusd (four
+// products summed into 32 bits in one instruction: AVX-512 VNNI at v4, AVX-VNNI at v3), compiled for those
+// instructions alone and run only where the CPU has them (levels.vnni): the integer sums are exact, so the bits
+// are the same either way
+#define DFLASHKIT_VNNI 0
+namespace level {  // (each variant in a namespace of its own: Rows8's namespace holds neither)
+#include "int8.h"
+}
+using level::linear_int8;
+#undef DFLASHKIT_VNNI
 #if defined(__AVX512BW__)
-  return reinterpret_cast<pvec>(_mm512_maddubs_epi16(reinterpret_cast<__m512i>(u), reinterpret_cast<__m512i>(s)));
+#define DFLASHKIT_VNNI 512
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
 #elif defined(__AVX2__)
-  return reinterpret_cast<pvec>(_mm256_maddubs_epi16(reinterpret_cast<__m256i>(u), reinterpret_cast<__m256i>(s)));
-#else
-  const i32xv a = std::bit_cast<i32xv>(u), b = std::bit_cast<i32xv>(s);
-  i32xv sum = {};
-  for (int t = 0; t < 4; ++t) sum += ((a >> (8 * t)) & 255) * ((b << (24 - 8 * t)) >> 24);
-  return sum;
+#define DFLASHKIT_VNNI 256
+#pragma GCC push_options
+#pragma GCC target("avxvnni")
 #endif
+#if defined(DFLASHKIT_VNNI)
+namespace vnni {
+#include "int8.h"
 }
-
-inline i32xv lanes(pvec p) {  // each lane's sum
-#if defined(__AVX512BW__)
-  return reinterpret_cast<i32xv>(_mm512_madd_epi16(reinterpret_cast<__m512i>(p), _mm512_set1_epi16(1)));
-#elif defined(__AVX2__)
-  return reinterpret_cast<i32xv>(_mm256_madd_epi16(reinterpret_cast<__m256i>(p), _mm256_set1_epi16(1)));
-#else
-  return p;
+#pragma GCC pop_options
 #endif
-}
-
-// Each lane's dot of signed w and signed x (at most 127 in size): |w| times x with w's sign, 32512 at most a pair
-inline i32xv signed_dots(bvec w, bvec x) {
-#if defined(__AVX512BW__)
-  const __m512i wi = reinterpret_cast<__m512i>(w), xi = reinterpret_cast<__m512i>(x);
-  const __m512i sx = _mm512_mask_sub_epi8(xi, _mm512_movepi8_mask(wi), _mm512_setzero_si512(), xi);
-  return lanes(reinterpret_cast<pvec>(_mm512_maddubs_epi16(_mm512_abs_epi8(wi), sx)));
-#elif defined(__AVX2__)
-  const __m256i wi = reinterpret_cast<__m256i>(w), xi = reinterpret_cast<__m256i>(x);
-  return lanes(reinterpret_cast<pvec>(_mm256_maddubs_epi16(_mm256_abs_epi8(wi), _mm256_sign_epi8(xi, wi))));
-#else
-  const i32xv a = std::bit_cast<i32xv>(w), b = std::bit_cast<i32xv>(x);
-  i32xv sum = {};
-  for (int t = 0; t < 4; ++t) sum += ((a << (24 - 8 * t)) >> 24) * ((b << (24 - 8 * t)) >> 24);
-  return sum;
-#endif
-}
-
-// R rows' integer dots with one panel's block of 32 inputs: s[r][v] for the panel's vector v of outputs
-template <typename Q, int R>
-inline void block_dots(const int8_t* xq, int64_t k, const uint8_t* q, i32xv (&s)[R][PV]) {
-  if constexpr (std::is_same_v<Q, q8_0>) {
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < PV; ++v) s[r][v] = i32xv{};
-    for (int g = 0; g < 8; ++g) {
-      bvec x[R];
-      for (int r = 0; r < R; ++r) x[r] = splat4(xq + r * k + 4 * g);
-      for (int v = 0; v < PV; ++v) {
-        const bvec w = load_bytes(q + g * 64 + v * 4 * VL);
-        for (int r = 0; r < R; ++r) s[r][v] += signed_dots(w, x[r]);
-      }
-    }
-  } else {
-    pvec p[R][PV] = {};
-    for (int g = 0; g < 4; ++g) {
-      bvec xa[R], xb[R];  // the rows' inputs 8g..8g+3 and 8g+4..8g+7, in every lane
-      for (int r = 0; r < R; ++r) xa[r] = splat4(xq + r * k + 8 * g), xb[r] = splat4(xq + r * k + 8 * g + 4);
-      for (int v = 0; v < PV; ++v) {
-        const bvec w = load_bytes(q + g * 64 + v * 4 * VL), lo = w & 15, hi = w >> 4;
-        for (int r = 0; r < R; ++r) p[r][v] += pairs(lo, xa[r]) + pairs(hi, xb[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < PV; ++v) s[r][v] = lanes(p[r][v]);
-  }
-}
-
-// R rows (from row r0) against one panel, every block in order -> y
-template <typename Q, int R>
-inline void int_panel(const Rows8& x, int64_t r0, int64_t k, const uint8_t* panel, float* y, int64_t outs) {
-  const int64_t nb = k / 32;
-  lvec acc[R][PV] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = panel + b * BLOCK_BYTES<Q>;
-    i32xv s[R][PV];
-    block_dots<Q, R>(x.q.data() + r0 * k + b * 32, k, blk + Q::SCALES * PANEL * 4, s);
-    for (int v = 0; v < PV; ++v) {
-      const lvec wd = load<lvec>(reinterpret_cast<const float*>(blk) + v * VL);
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (r0 + r) * nb + b;
-        if constexpr (std::is_same_v<Q, q4_0>) s[r][v] -= 8 * x.s[at];
-        acc[r][v] = fma(wd * splat<lvec>(x.d[at]), __builtin_convertvector(s[r][v], lvec), acc[r][v]);
-        if constexpr (std::is_same_v<Q, q4_1>)
-          acc[r][v] = fma(load<lvec>(reinterpret_cast<const float*>(blk) + PANEL + v * VL), splat<lvec>(x.m[at]),
-                          acc[r][v]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < PV; ++v) std::memcpy(y + r * outs + v * VL, &acc[r][v], sizeof acc[r][v]);
-}
-
-#if defined(__AVX512F__)
-constexpr int RI = 8;  // rows a call of int_panel: the accumulators of 8 rows (16 registers) and the weights fit
-#else
-constexpr int RI = 2;
-#endif
-
-template <typename Q, int R>
-inline void int_rows(int64_t n, const Rows8& x, int64_t r0, int64_t k, const uint8_t* panel, float* y, int64_t outs) {
-  if constexpr (R > 0) {
-    if (n == R) return int_panel<Q, R>(x, r0, k, panel, y, outs);
-    int_rows<Q, R - 1>(n, x, r0, k, panel, y, outs);
-  }
-}
-
-// x [rows, k] (float32, quantized here) against w [outs, k] in int order -> y [rows, outs]
-template <typename Q>
-void linear_int8(const float* x, const Q* w, float* y, int64_t rows, int64_t outs, int64_t k) {
-  thread_local Rows8 xq;
-  quantize_rows(x, rows, k, xq);
-  const Rows8& xs = xq;  // the threads below read the caller's (each thread has its own thread_local)
-  const uint8_t* base = reinterpret_cast<const uint8_t*>(w);
-  const int64_t blocks = (rows + RI - 1) / RI;
-  DFLASHKIT_PARALLEL_FOR(0, outs / PANEL, 4, [&](int64_t lo, int64_t hi) {
-    for (int64_t p = lo; p < hi; ++p)
-      for (int64_t b = 0; b < blocks; ++b) {  // rows in blocks of as even a size as RI allows
-        const int64_t r = rows * b / blocks, n = rows * (b + 1) / blocks - r;
-        int_rows<Q, RI>(n, xs, r, k, base + p * panel_bytes<Q>(k), y + r * outs + p * PANEL, outs);
-      }
-  });
-}
 
 // ---- attention ------------------------------------------------------------------------------------------------
 // One query row sees the cache slots 0..start-1, then the slots of its own path (its ancestors' and its own, in

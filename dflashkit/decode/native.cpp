@@ -43,8 +43,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // x against a quantized matrix of `outs` outputs (format: 0 q8_0, 1 q4_0, 2 q4_1), packed into the bytes w by
-// static.quant_order (linear_quant: widened to float32) or static.int_order (linear_int8: integer dots)
-template <bool INT8>
+// static.quant_order (linear_quant: widened to float32) or with dots=True (linear_int8 and linear_vnni: integer dots)
+enum class Dots { widened, int8, vnni };
+
+template <Dots DOTS>
 at::Tensor quantized(const char* name, const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t outs) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), name, ": w must be contiguous bytes");
@@ -62,8 +64,12 @@ at::Tensor quantized(const char* name, const at::Tensor& x, const at::Tensor& w,
   const uint8_t* wd = w.data_ptr<uint8_t>();
   float* yd = y.data_ptr<float>();
   auto run = [&](auto* q) {
-    if constexpr (INT8)
+    if constexpr (DOTS == Dots::int8)
       K::linear_int8(xd, q, yd, rows, outs, k);
+#if defined(DFLASHKIT_VNNI)
+    else if constexpr (DOTS == Dots::vnni)
+      K::vnni::linear_int8(xd, q, yd, rows, outs, k);
+#endif
     else
       K::linear(xd, q, yd, rows, outs, k);
   };
@@ -74,11 +80,25 @@ at::Tensor quantized(const char* name, const at::Tensor& x, const at::Tensor& w,
 }
 
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t outs) {
-  return quantized<false>("dflashkit::linear_quant", x, w, format, outs);
+  return quantized<Dots::widened>("dflashkit::linear_quant", x, w, format, outs);
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t outs) {
-  return quantized<true>("dflashkit::linear_int8", x, w, format, outs);
+  return quantized<Dots::int8>("dflashkit::linear_int8", x, w, format, outs);
+}
+
+// linear_int8 through vpdpbusd: the same bits; for a CPU with avx512_vnni (v4 builds) or avx_vnni (v3 builds)
+at::Tensor linear_vnni(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t outs) {
+#if defined(DFLASHKIT_VNNI)
+  static const bool here = DFLASHKIT_VNNI == 512 ? __builtin_cpu_supports("avx512vnni")
+                                                 : __builtin_cpu_supports("avxvnni");
+  TORCH_CHECK(here, "dflashkit::linear_vnni: this CPU has no ", DFLASHKIT_VNNI == 512 ? "avx512_vnni" : "avx_vnni",
+              "; use linear_int8 (the same bits)");
+  return quantized<Dots::vnni>("dflashkit::linear_vnni", x, w, format, outs);
+#else
+  TORCH_CHECK(false, "dflashkit::linear_vnni: this build has no VNNI (x86-64 levels only); use linear_int8");
+  return x;
+#endif
 }
 
 // q [1, heads, n, hd], k and v the cache [1, kv_heads, slots, hd] (float32), start [1]: the committed slots every
@@ -240,6 +260,7 @@ DFLASHKIT_LIBRARY(DFLASHKIT_OPS, m) {
   m.def("linear_tiles(Tensor x, Tensor w) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor w, int format, int outs) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, int format, int outs) -> Tensor");
+  m.def("linear_vnni(Tensor x, Tensor w, int format, int outs) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor start, Tensor path) -> Tensor");
 }
 
@@ -248,5 +269,6 @@ DFLASHKIT_LIBRARY_IMPL(DFLASHKIT_OPS, m) {
   m.impl("linear_tiles", &linear_tiles);
   m.impl("linear_quant", &linear_quant);
   m.impl("linear_int8", &linear_int8);
+  m.impl("linear_vnni", &linear_vnni);
   m.impl("attend", &attend);
 }

@@ -17,7 +17,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import atomic_path, home, sha256_file, write_text
 
 HERE = Path(__file__).parent
-SOURCE, CORE = HERE / "native.cpp", HERE / "kernels.h"
+SOURCE, CORE, DOTS = HERE / "native.cpp", HERE / "kernels.h", HERE / "int8.h"
 # fp-contract off: a fused multiply-add is one where the source names it (kernels.h), never a compiler's choice
 COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-Wno-psabi"]
 
@@ -47,7 +47,8 @@ def tiles_run_here() -> bool:
 def library_path(level: str | None = None, tune: str | None = None) -> Path:
     """Where a level's build of this source, flags and torch lives: named by the level, not by the CPU."""
     level = level or levels.chosen()
-    key = "\n".join([SOURCE.read_text(), CORE.read_text(), *cflags(level, tune), torch.__version__, torch.__file__])
+    sources = [path.read_text() for path in (SOURCE, CORE, DOTS)]
+    key = "\n".join([*sources, *cflags(level, tune), torch.__version__, torch.__file__])
     return home() / "native" / f"native-{level}{'-' + tune if tune else ''}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -109,7 +110,7 @@ def _load(level: str, tune: str | None) -> str:
     ns = namespace(level, tune)
     for op in ("linear", "linear_tiles"):
         torch.library.register_fake(f"{ns}::{op}")(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]))
-    for op in ("linear_quant", "linear_int8"):
+    for op in ("linear_quant", "linear_int8", "linear_vnni"):
         torch.library.register_fake(f"{ns}::{op}")(lambda x, w, f, outs: x.new_empty(*x.shape[:-1], outs))
     torch.library.register_fake(f"{ns}::attend")(
         lambda q, k, v, start, path: torch.empty_like(q, memory_format=torch.contiguous_format))
@@ -118,5 +119,5 @@ def _load(level: str, tune: str | None) -> str:
 
 def ops(level: str | None = None, tune: str | None = None):
     """The operators of a level's build (loaded on first use): `.linear`, `.linear_tiles`, `.linear_quant`,
-    `.linear_int8`, `.attend`."""
+    `.linear_int8`, `.linear_vnni`, `.attend`."""
     return getattr(torch.ops, load(level, tune))

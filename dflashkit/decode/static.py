@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflashkit import levels
 from dflashkit.decode import native
 from dflashkit.errors import DFlashError
 from dflashkit.targets.formats import DOTS
@@ -215,8 +216,10 @@ GGUF_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # a block of 32 in the file: 
 
 
 def quant_op(lib, kind: str):
-    """(operator, format code) of a quantized matrix's kind: -int8 the integer dots, else widened to float32."""
-    return (lib.linear_int8 if kind.endswith(DOTS) else lib.linear_quant), QUANT_CODES[kind.removesuffix(DOTS)]
+    """(operator, format code) of a quantized matrix's kind: -int8 the integer dots (through VNNI where the level and
+    CPU have it: the same bits), else widened to float32."""
+    dots = lib.linear_vnni if levels.vnni() else lib.linear_int8
+    return (dots if kind.endswith(DOTS) else lib.linear_quant), QUANT_CODES[kind.removesuffix(DOTS)]
 
 
 def quant_order(fmt: str, raw: np.ndarray, dots: bool = False) -> np.ndarray:
