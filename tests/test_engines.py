@@ -271,3 +271,31 @@ def test_llama_cpp_peer_is_lossless_and_accepts_what_our_chain_predicts(real):
 @needs_vllm
 def test_vllm_peer_is_lossless_and_accepts_what_our_chain_predicts(real):
     assert_engine_agrees(engine_bench(real, "vllm-dflash"), "vllm")
+
+
+@pytest.mark.engines
+@needs_llama
+def test_a_file_llama_quantize_wrote_decodes_as_its_float_copy_beside_llama_cpp_on_it(real, tmp_path):
+    """Q4_K_M, as users download it, written by the installed llama-quantize from the target's float32 GGUF and
+    passed as --target FILE.gguf: --weights gguf reads its q5_0, q8_0, q4_K and q6_K blocks, greedy decoding on them
+    equals its float32 copy's, and bench runs llama.cpp on that very file."""
+    import subprocess
+
+    from dflashkit.decode.speculative import generate_ar
+    from dflashkit.decode.static import StaticBackend, StaticDecoder
+    from dflashkit.engines.llamacpp import target_gguf
+    from dflashkit.targets.formats import gguf_source
+    from dflashkit.targets.model import load_target
+
+    t, _, prompts = real
+    engine, out = require("llama.cpp"), tmp_path / "SmolLM2-Q4_K_M.gguf"
+    subprocess.run([engine.binary("llama-quantize"), target_gguf(engine, t, "float32"), out, "Q4_K_M", "2"],
+                   check=True, capture_output=True)
+    q = load_target(str(out), device="cpu", dtype="float32", weights="gguf")
+    f = load_target(str(out), device="cpu", dtype="float32", weights="float")
+    assert {b.format for b in q.blocks.values()} == {"q5_0", "q8_0", "q4_k", "q6_k"} and gguf_source(q.path) == out
+    ids = prompts[0][1]
+    tokens = [generate_ar(StaticBackend(StaticDecoder(x, 256, compile=False)), ids, 24).tokens for x in (q, f)]
+    assert tokens[0] == tokens[1]
+    res = run_bench(q, None, prompts[:1], parse_methods("llama.cpp"), max_new_tokens=16, progress=False)
+    assert res["methods"]["llama.cpp"]["tokens_per_s"] > 0 and "q4_k" in res["config"]["weights"]

@@ -65,6 +65,10 @@ def test_unknown_target_and_bad_folders(tmp_path):
         load_target("no-such-target")
     with pytest.raises(DFlashError, match="no config.json"):
         load_target(tmp_path)
+    fake = tmp_path / "model.gguf"  # a .gguf target is prepared from the file: one that is not GGUF is named
+    fake.write_bytes(b"<html>404</html>")
+    with pytest.raises(DFlashError, match=r"model.gguf: not a GGUF file .*pass a \.gguf file"):
+        load_target(fake)
 
 
 def test_architecture_without_decoder_layers_is_refused(tmp_path):

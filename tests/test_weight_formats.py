@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
 from dflashkit import levels
 from dflashkit.decode import native
 from dflashkit.decode.speculative import generate_ar, generate_tree
-from dflashkit.decode.static import StaticBackend, StaticDecoder, panel_order, quant_order
+from dflashkit.decode.static import GGUF_BYTES, KINDS, StaticBackend, StaticDecoder, panel_order, quant_order
 from dflashkit.errors import DFlashError
 from dflashkit.targets import formats
 from dflashkit.targets.model import load_target
@@ -24,7 +24,12 @@ from helpers import exercised_levels
 
 BUILDS = [pytest.param((lv, None), id=lv) for lv in exercised_levels()] + \
     ([pytest.param(("v3", "znver3"), id="v3-znver3")] if "v3" in exercised_levels() else [])
-CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q6_k": 3}
+
+
+def kinds(formats: tuple) -> dict[str, set[str]]:
+    """formats_of's kernel kinds per matrix of the step, over its layers and runs."""
+    return {name: {kind for runs in layers for _, kind in runs} for name, layers in formats}
 
 
 def dequantized(w: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -105,14 +110,82 @@ def test_integer_dots_are_the_plain_int8_model_and_each_row_its_own(fmt, build):
             assert op(mode.from_tensor(x), mode.from_tensor(packed), CODES[fmt], outs).shape == y.shape
 
 
+def random_blocks(fmt: str, outs: int, k: int, rng) -> np.ndarray:
+    """Random GGUF blocks of `fmt` (llama-quantize's kinds, which GGUF's Python quantizer does not write), their
+    float16 scales set within a plain range."""
+    raw = rng.integers(0, 256, size=(outs, k // (256 if fmt.endswith("_k") else 32), GGUF_BYTES[fmt]), dtype=np.uint8)
+    at = {"q6_k": [208], "q4_k": [0, 2], "q5_0": [0], "q8_0": [0]}[fmt]
+    for i in at:
+        raw[..., i: i + 2] = (rng.random(raw.shape[:2] + (1,)) * 0.02 + 1e-3).astype(np.float16).view(np.uint8)
+    return raw.reshape(outs, -1)
+
+
+def int8_reference(x: torch.Tensor, values: np.ndarray, d: np.ndarray, m: np.ndarray | None, k: int) -> torch.Tensor:
+    """The -int8 model of weights `values` = d * q (+ m), d and m per run of inputs (16 or 32): each row's blocks of
+    32 in 8 bits, integer dots with q per run, acc = fma(d * xd, dot, acc) run by run (then fma(m, xd * sum xq))."""
+    f32, ld = np.float32, np.longdouble
+    run = k // d.shape[1]
+    dd, shifted = np.repeat(d, run, 1).astype(np.float64), values - (0 if m is None else np.repeat(m, run, 1))
+    q = np.rint(np.divide(shifted, dd, out=np.zeros_like(dd), where=dd != 0)).astype(np.int64)  # d = 0: any q adds 0
+    xb = x.numpy().reshape(x.shape[0], k // 32, 32)
+    amax = np.abs(xb).max(-1)
+    inv = np.where(amax > 0, f32(127) / np.where(amax > 0, amax, f32(1)), f32(0)).astype(f32)
+    xq = np.clip(np.rint(xb * inv[..., None]), -127, 127).astype(np.int64).reshape(x.shape[0], -1)
+    xd = (amax / f32(127)).astype(f32)
+    acc = np.zeros((x.shape[0], values.shape[0]), f32)
+    for j in range(d.shape[1]):
+        b = j * run // 32
+        dots = xq[:, j * run: (j + 1) * run] @ q[:, j * run: (j + 1) * run].T
+        acc = ((d[None, :, j] * xd[:, None, b]).astype(f32).astype(ld) * dots.astype(f32).astype(ld) +
+               acc.astype(ld)).astype(f32)
+        if m is not None:
+            s = (xd[:, b] * xq[:, b * 32: b * 32 + 32].sum(-1).astype(f32)).astype(f32)
+            acc = (m[None, :, j].astype(ld) * s[:, None].astype(ld) + acc.astype(ld)).astype(f32)
+    return torch.from_numpy(acc)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("fmt", ["q5_0", "q4_k", "q6_k"])
+def test_llama_quantizes_formats_are_their_dequantized_values_and_their_int8_model(fmt, build):
+    """q5_0, q4_K and q6_K (what a Q4_K_M file holds beside q8_0) unpacked into the kernels' kinds: widened, the float
+    kernel over GGUF's dequantized values bit for bit; through integer dots, the -int8 model written out here over
+    the file's own scales (q6_K: one per 16 inputs); each row of a call that row alone."""
+    from gguf.quants import Q4_K
+
+    ops, rng = native.ops(*build), np.random.default_rng(0)
+    outs, k = 48, 512
+    raw = random_blocks(fmt, outs, k, rng)
+    values = dequantize(raw, GGMLQuantizationType[fmt.upper()]).reshape(outs, k)
+    b = raw.reshape(outs, k // 256 if fmt.endswith("_k") else k // 32, -1)
+    half = lambda at: b[..., at: at + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    m = None
+    if fmt == "q5_0":
+        d = half(0)
+    elif fmt == "q6_k":  # d times each 16's int8 scale
+        d = (half(208)[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)).reshape(outs, -1)
+    else:
+        sc, mins = (x.reshape(outs, -1, 8).astype(np.float32) for x in Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12)))
+        d, m = (half(0)[..., None] * sc).reshape(outs, -1), -(half(2)[..., None] * mins).reshape(outs, -1)
+    kind = KINDS[fmt]
+    x = torch.randn(30, k) * torch.logspace(-2, 2, 30)[:, None]
+    y = ops.linear_quant(x, torch.from_numpy(quant_order(fmt, raw)), CODES[kind], outs)
+    assert torch.equal(y, ops.linear(x, panel_order(torch.from_numpy(values.copy())).contiguous()))
+    packed = torch.from_numpy(quant_order(fmt, raw, dots=True))
+    z = ops.linear_int8(x, packed, CODES[kind], outs)
+    assert torch.equal(z, int8_reference(x, values, d, m, k))
+    for n in (1, 3, 9, 17):
+        assert torch.equal(ops.linear_quant(x[:n], torch.from_numpy(quant_order(fmt, raw)), CODES[kind], outs), y[:n])
+        assert torch.equal(ops.linear_int8(x[:n], packed, CODES[kind], outs), z[:n])
+
+
 def test_a_packed_matrix_of_the_wrong_size_or_format_is_refused():
     ops = native.ops()
     raw = quantize(np.ones((16, 64), np.float32), GGMLQuantizationType.Q8_0)
     packed = torch.from_numpy(quant_order("q8_0", raw))
     with pytest.raises(RuntimeError, match="not a packed 32x64 matrix"):
         ops.linear_quant(torch.randn(1, 64), packed, 0, 32)
-    with pytest.raises(RuntimeError, match="format 3 is not"):
-        ops.linear_quant(torch.randn(1, 64), packed, 3, 16)
+    with pytest.raises(RuntimeError, match="format 4 is not"):
+        ops.linear_quant(torch.randn(1, 64), packed, 4, 16)
 
 
 @pytest.mark.parametrize("fmt", formats.QUANTS)
@@ -129,7 +202,7 @@ def test_a_quantized_target_decodes_as_its_dequantized_float_copy(tiny_dirs, fmt
             b.copy_(a)
     dq = StaticDecoder(q, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
     df = StaticDecoder(f, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
-    assert dict(dq.formats) == {n: fmt for n in ("qkv", "o", "gu", "down", "head")} and df.formats == ()
+    assert kinds(dq.formats) == {n: {fmt} for n in ("qkv", "o", "gu", "down", "head")} and df.formats == ()
     assert dq.arena.numel() < df.arena.numel() and dq.quants.numel() > 0
     (lq, sq), (lf, sf) = verify_against_steps(dq, prompt(q)), verify_against_steps(df, prompt(f))
     assert torch.equal(lq, lf) and torch.equal(sq, sf) and torch.equal(lq, sq)
@@ -146,7 +219,7 @@ def test_an_int8_target_verifies_as_its_own_steps_and_near_its_widened_model(tin
     t = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights=fmt)
     w = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights=formats.base(fmt))
     d = StaticDecoder(t, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
-    assert dict(d.formats) == {n: fmt for n in ("qkv", "o", "gu", "down", "head")}
+    assert kinds(d.formats) == {n: {fmt} for n in ("qkv", "o", "gu", "down", "head")}
     logits, steps = verify_against_steps(d, prompt(t))
     assert torch.equal(logits, steps)
     widened, _ = verify_against_steps(StaticDecoder(w, 128, kernels="native", compile=False, layer_ids=[1, 2],
@@ -176,7 +249,7 @@ def test_speculation_on_a_quantized_target_is_its_plain_greedy_output(tiny_dirs,
 
 def write_gguf(target, path, types: dict[str, str]):
     """The target's matrices as llama.cpp's converter writes them (q and k rows interleaved per head for its RoPE),
-    each in the format `types` names for it (by the llama.cpp tensor name's kind: 'attn_q', 'token_embd', ...)."""
+    each in the format `types` names for it (by its name less '.weight', else its kind: 'attn_q', 'token_embd', ...)."""
     cfg, w = target.config, GGUFWriter(str(path), "llama")
 
     def permute(m, heads):
@@ -191,7 +264,7 @@ def write_gguf(target, path, types: dict[str, str]):
         m = t.detach().float().numpy()
         if ".attn_q." in name or ".attn_k." in name:
             m = permute(m, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
-        kind = GGMLQuantizationType[types.get(name.split(".")[-2], "q8_0").upper()]
+        kind = GGMLQuantizationType[types.get(name.removesuffix(".weight"), types.get(name.split(".")[-2], "q8_0")).upper()]
         w.add_tensor(name, quantize(np.ascontiguousarray(m), kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -237,10 +310,37 @@ def test_what_the_formats_cannot_run_is_refused_by_name(tiny_dirs, tmp_path):
     folder = gguf_target(tiny_dirs, tmp_path, {"ffn_down": "f16"})
     with pytest.raises(DFlashError, match=r"tensor blk.0.ffn_down.weight is F16; --weights gguf keeps q8_0"):
         load_target(folder, device="cpu", dtype="float32", weights="gguf")
-    mixed = gguf_target(tiny_dirs, tmp_path / "mixed", {"attn_q": "q4_0"})  # q in q4_0, k and v in q8_0
-    t = load_target(mixed, device="cpu", dtype="float32", weights="gguf")
-    with pytest.raises(DFlashError, match=r"these mix: \{'qkv': \['q4_0', 'q8_0'\]\}"):
-        StaticDecoder(t, 128, kernels="native", compile=False)
+
+
+
+def test_a_file_mixing_formats_by_layer_and_within_qkv_decodes_as_its_float_copy(tiny_dirs, tmp_path):
+    """As llama-quantize's Q4_K_M writes them: q and k in q5_0 with v in q8_0 (one run: both unpack to q8_0's kind),
+    layer 0's v in q4_0 (a run of its own), down in q4_1 in one layer and q5_0 in the next. Each run is one kernel
+    call; the whole step equals the float32 target holding the file's values bit for bit, and through integer dots
+    each verify row is its own one-token step."""
+    from test_static_decoder import prompt, verify_against_steps
+
+    types = {"attn_q": "q5_0", "attn_k": "q5_0", "attn_v": "q8_0", "blk.0.attn_v": "q4_0", "ffn_down": "q4_1",
+             "blk.1.ffn_down": "q5_0"}
+    folder = gguf_target(tiny_dirs, tmp_path, types)
+    q = load_target(folder, device="cpu", dtype="float32", weights="gguf")
+    f = load_target(folder, device="cpu", dtype="float32")
+    with torch.no_grad():
+        for a, b in zip(q.model.parameters(), f.model.parameters()):
+            b.copy_(a)
+    dq = StaticDecoder(q, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    runs = dict(dq.formats)
+    assert runs["qkv"][0] == ((("q", "k"), "q8_0"), (("v",), "q4_0")) and runs["qkv"][1] == ((("q", "k", "v"), "q8_0"),)
+    assert runs["down"][0] == ((("down",), "q4_1"),) and runs["down"][1] == ((("down",), "q8_0"),)
+    df = StaticDecoder(f, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    (lq, sq), (lf, sf) = verify_against_steps(dq, prompt(q)), verify_against_steps(df, prompt(f))
+    assert torch.equal(lq, lf) and torch.equal(sq, sf) and torch.equal(lq, sq)
+    t = load_target(folder, device="cpu", dtype="float32", weights="gguf-int8")
+    di = StaticDecoder(t, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    assert dict(di.formats)["qkv"][0] == ((("q", "k"), "q8_0-int8"), (("v",), "q4_0-int8"))
+    logits, steps = verify_against_steps(di, prompt(t))
+    assert torch.equal(logits, steps)
+    torch.testing.assert_close(logits, lq, atol=0.05 * lq.abs().max().item(), rtol=0)
 
 
 @pytest.mark.e2e

@@ -64,18 +64,20 @@ inline i32xv add_signed(i32xv acc, bvec w, bvec x) {
 #endif
 }
 
-// R rows' integer dots with one panel's block of 32 inputs: s[r][v] for the panel's vector v of outputs
+// R rows' integer dots with one panel's block of 32 inputs: s[r][v] for the panel's vector v of outputs (q6_k: s
+// over inputs 0-15, h over 16-31)
 template <typename Q, int R>
-inline void block_dots(const int8_t* xq, int64_t k, const uint8_t* q, i32xv (&s)[R][PV]) {
-  if constexpr (std::is_same_v<Q, q8_0>) {
+inline void block_dots(const int8_t* xq, int64_t k, const uint8_t* q, i32xv (&s)[R][PV], i32xv (&h)[R][PV]) {
+  if constexpr (bytes8<Q>) {
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < PV; ++v) s[r][v] = i32xv{};
+      for (int v = 0; v < PV; ++v) s[r][v] = h[r][v] = i32xv{};
     for (int g = 0; g < 8; ++g) {
       bvec x[R];
       for (int r = 0; r < R; ++r) x[r] = splat4(xq + r * k + 4 * g);
+      auto& sum = std::is_same_v<Q, q6_k> && g >= 4 ? h : s;
       for (int v = 0; v < PV; ++v) {
         const bvec w = load_bytes(q + g * 64 + v * 4 * VL);
-        for (int r = 0; r < R; ++r) s[r][v] = add_signed(s[r][v], w, x[r]);
+        for (int r = 0; r < R; ++r) sum[r][v] = add_signed(sum[r][v], w, x[r]);
       }
     }
   } else {
@@ -100,14 +102,17 @@ inline void int_panel(const Rows8& x, int64_t r0, int64_t k, const uint8_t* pane
   lvec acc[R][PV] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * BLOCK_BYTES<Q>;
-    i32xv s[R][PV];
-    block_dots<Q, R>(x.q.data() + r0 * k + b * 32, k, blk + Q::SCALES * PANEL * 4, s);
+    i32xv s[R][PV], h[R][PV];
+    block_dots<Q, R>(x.q.data() + r0 * k + b * 32, k, blk + Q::SCALES * PANEL * 4, s, h);
     for (int v = 0; v < PV; ++v) {
       const lvec wd = load<lvec>(reinterpret_cast<const float*>(blk) + v * VL);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * nb + b;
         if constexpr (std::is_same_v<Q, q4_0>) s[r][v] -= 8 * x.s[at];
         acc[r][v] = fma(wd * splat<lvec>(x.d[at]), __builtin_convertvector(s[r][v], lvec), acc[r][v]);
+        if constexpr (std::is_same_v<Q, q6_k>)
+          acc[r][v] = fma(load<lvec>(reinterpret_cast<const float*>(blk) + PANEL + v * VL) * splat<lvec>(x.d[at]),
+                          __builtin_convertvector(h[r][v], lvec), acc[r][v]);
         if constexpr (std::is_same_v<Q, q4_1>)
           acc[r][v] = fma(load<lvec>(reinterpret_cast<const float*>(blk) + PANEL + v * VL), splat<lvec>(x.m[at]),
                           acc[r][v]);

@@ -215,14 +215,19 @@ struct Ahead {
 // Each matrix in blocks of 32 inputs, as the file has them, repacked per panel: for each panel (16 outputs) and each
 // block of 32 inputs, the 16 outputs' scales widened to float32 (d, then for q4_1 the mins m), then the quants
 // [32 inputs][16 outputs] (q8_0: int8; q4_0, q4_1: a byte per output and pair of inputs, the even input's in the
-// low nibble). A weight is widened to the float32 value GGUF's reference dequantizer gives (d * q, for q4_1 then + m,
+// low nibble; q6_k: int8, with two scales, inputs 0-15's then 16-31's). Other GGUF formats are unpacked into these
+// (static.unpack: q5_0 as q8_0, q4_K as q4_1 with m = -dmin * m', q6_K as q6_k). A weight is widened to the float32 value GGUF's reference dequantizer gives (d * q, for q4_1 then + m,
 // each rounded; d * q is exact, a half's 11 bits by at most 8, so q4_1's is one fused multiply-add), and the sums
 // run the float32 chain: the outputs are the float32 kernel's over a dequantized copy, bit for bit.
 struct q8_0 { static constexpr int64_t SCALES = 1, QUANTS = 32 * PANEL; };
 struct q4_0 { static constexpr int64_t SCALES = 1, QUANTS = 16 * PANEL; };
 struct q4_1 { static constexpr int64_t SCALES = 2, QUANTS = 16 * PANEL; };
+struct q6_k { static constexpr int64_t SCALES = 2, QUANTS = 32 * PANEL; };  // int8 quants, a scale per 16 inputs
 template <typename W>
-constexpr bool quantized = std::is_same_v<W, q8_0> || std::is_same_v<W, q4_0> || std::is_same_v<W, q4_1>;
+constexpr bool quantized = std::is_same_v<W, q8_0> || std::is_same_v<W, q4_0> || std::is_same_v<W, q4_1> ||
+                           std::is_same_v<W, q6_k>;
+template <typename Q>
+constexpr bool bytes8 = std::is_same_v<Q, q8_0> || std::is_same_v<Q, q6_k>;  // a byte a quant
 template <typename Q>
 constexpr int64_t BLOCK_BYTES = Q::SCALES * PANEL * 4 + Q::QUANTS;  // one panel's block of 32 inputs
 
@@ -275,9 +280,10 @@ template <typename Q>
 inline void widen2(const uint8_t* panel, int64_t i, int v, lvec& w0, lvec& w1) {
   const uint8_t* b = panel + (i / 32) * BLOCK_BYTES<Q>;
   const int64_t j = i % 32;
-  const lvec d = load<lvec>(reinterpret_cast<const float*>(b) + v * VL);
+  const int64_t half = std::is_same_v<Q, q6_k> && j >= 16 ? PANEL : 0;  // q6_k: inputs 16-31 have scales of their own
+  const lvec d = load<lvec>(reinterpret_cast<const float*>(b) + half + v * VL);
   const uint8_t* q = b + Q::SCALES * PANEL * 4 + v * VL;
-  if constexpr (std::is_same_v<Q, q8_0>) {
+  if constexpr (bytes8<Q>) {
     w0 = __builtin_convertvector(widen_bytes<true>(q + j * PANEL), lvec) * d;
     w1 = __builtin_convertvector(widen_bytes<true>(q + (j + 1) * PANEL), lvec) * d;
   } else {

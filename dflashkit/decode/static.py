@@ -87,16 +87,28 @@ class Geometry(NamedTuple):
         return {"qkv": (q + 2 * kv, self.hidden), "o": (self.hidden, q),
                 "gu": (2 * self.inter, self.hidden), "down": (self.hidden, self.inter), "head": (self.vocab, self.hidden)}
 
-    def quant_layout(self, formats: tuple) -> tuple[dict, int, int]:
-        """The quantized arena: {name: (byte offset, outs, bytes)} in layer 0 (and the head), layer stride, size."""
-        sizes = {n: (o // 16 * (k // 32) * BLOCK_BYTES[f.removesuffix(DOTS)], o) for n, f in formats for o, k in [self.matrices()[n]]}
+    def parts(self) -> dict[str, tuple[int, int]]:
+        """The target's matrices the step fuses (targets/formats.py names): name -> (outputs, inputs)."""
+        q, kv, m = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.matrices()
+        return {"q": (q, self.hidden), "k": (kv, self.hidden), "v": (kv, self.hidden), "o": m["o"],
+                "gate": (self.inter, self.hidden), "up": (self.inter, self.hidden), "down": m["down"],
+                "head": m["head"]}
+
+    def quant_layout(self, formats: tuple) -> tuple[dict, int]:
+        """The quantized arena: {(matrix, layer; the head's -1): ((byte offset, outs, bytes, kind), ...) one per run
+        of formats_of}, layer by layer, then the head; and its size."""
+        dims, per = self.parts(), dict(formats)
         offs, off = {}, 0
-        for name in [n for n, _ in formats if n != "head"]:
-            offs[name], off = (off, sizes[name][1], sizes[name][0]), off + -(-sizes[name][0] // ALIGN) * ALIGN
-        stride, end = off, off * self.layers
-        if "head" in sizes:
-            offs["head"], end = (end, sizes["head"][1], sizes["head"][0]), end + sizes["head"][0]
-        return offs, stride, end
+        for i in [*range(self.layers), -1]:
+            for name in [n for n in per if (n == "head") == (i < 0)]:
+                entries = []
+                for parts, kind in per[name][max(i, 0)]:
+                    outs, k = sum(dims[m][0] for m in parts), dims[parts[0]][1]
+                    size = outs // 16 * (k // 32) * BLOCK_BYTES[kind.removesuffix(DOTS)]
+                    entries.append((off, outs, size, kind))
+                    off += -(-size // ALIGN) * ALIGN
+                offs[name, i] = tuple(entries)
+        return offs, off
 
 
 def _view(arena, off, shape):
@@ -209,42 +221,92 @@ def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
     return raw[start: start + nbytes].view(dtype)
 
 
-# quantized formats as linear_quant numbers them, and the bytes of a panel's block of 32 inputs (kernels.h)
-QUANT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
-BLOCK_BYTES = {"q8_0": 64 + 512, "q4_0": 64 + 256, "q4_1": 128 + 256}
-GGUF_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # a block of 32 in the file: f16 scale (and min), quants
+# kernel kinds as linear_quant numbers them, and the bytes of a panel's block of 32 inputs (kernels.h)
+QUANT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q6_k": 3}
+BLOCK_BYTES = {"q8_0": 64 + 512, "q4_0": 64 + 256, "q4_1": 128 + 256, "q6_k": 128 + 512}
+# a GGUF format's kernel kind (unpack: the same values) and its block's bytes in the file (K-quants: 256 inputs)
+KINDS = {"q8_0": "q8_0", "q5_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q4_k": "q4_1", "q6_k": "q6_k"}
+GGUF_BYTES = {"q8_0": 34, "q5_0": 22, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210}
+
+
+@torch.compiler.assume_constant_result  # a fact of the process: the compiled step bakes it in, reading no file
+def _vnni() -> bool:
+    return levels.vnni()
 
 
 def quant_op(lib, kind: str):
     """(operator, format code) of a quantized matrix's kind: -int8 the integer dots (through VNNI where the level and
     CPU have it: the same bits), else widened to float32."""
-    dots = lib.linear_vnni if levels.vnni() else lib.linear_int8
+    dots = lib.linear_vnni if _vnni() else lib.linear_int8
     return (dots if kind.endswith(DOTS) else lib.linear_quant), QUANT_CODES[kind.removesuffix(DOTS)]
 
 
-def quant_order(fmt: str, raw: np.ndarray, dots: bool = False) -> np.ndarray:
-    """GGUF blocks [outs, k / 32 * bytes] in the kernels' order (kernels.h): per panel of 16 outputs and block of 32
-    inputs, float32 scales (d; m for q4_1), then the quants. linear_quant's: [32 inputs][16 outputs], two 4-bit ones a
-    byte (even low); linear_int8's (`dots`): by fours of inputs per output, q8_0 [8][16][4], 4-bit [4][16][4] with
-    byte t of group g holding input 8g + t low and 8g + 4 + t high."""
+def _halves(b: np.ndarray) -> np.ndarray:
+    """Float16 pairs of bytes [..., 2] as float32 [...]."""
+    return b.copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def unpack(fmt: str, raw: np.ndarray) -> tuple[str, list[np.ndarray], np.ndarray]:
+    """GGUF blocks [outs, bytes] -> (kernel kind, scales [outs, k / 32] each, quants [outs, k]) holding the values
+    GGUF's reference dequantizer gives, each weight computed by the kind's kernel as that dequantizer does: q8_0,
+    q5_0 d * q; q4_0 d * (q - 8); q4_1 d * q + m; q4_K d * q - dm as q4_1 with m = -dm (d * q is exact there, so
+    one rounding either way); q6_K d * q with d per 16 inputs (scales: inputs 0-15's, then 16-31's)."""
     outs = raw.shape[0]
-    blocks = raw.reshape(outs // 16, 16, -1, GGUF_BYTES[fmt])  # [panel, output, block, bytes]
-    scales = 2 if fmt == "q4_1" else 1
-    parts = [blocks[..., 2 * i: 2 * i + 2].copy().view(np.float16).astype(np.float32)[..., 0].transpose(0, 2, 1)
-             for i in range(scales)]  # each [panel, block, 16]
-    q = blocks[..., 2 * scales:]
-    if fmt != "q8_0":  # the file's nibbles: inputs 0-15 low, 16-31 high
-        q = np.concatenate([q & 15, q >> 4], -1)  # [panel, output, block, 32 inputs]
-    if dots and fmt == "q8_0":
+    b = raw.reshape(outs, -1, GGUF_BYTES[fmt])  # [output, block, bytes]
+    if fmt == "q8_0":
+        return "q8_0", [_halves(b[..., :2])], b[..., 2:].view(np.int8).reshape(outs, -1)
+    if fmt in ("q4_0", "q4_1"):
+        n = 2 if fmt == "q4_1" else 1
+        qs = b[..., 2 * n:]
+        return fmt, [_halves(b[..., 2 * i: 2 * i + 2]) for i in range(n)], np.concatenate([qs & 15, qs >> 4], -1).reshape(outs, -1)
+    if fmt == "q5_0":  # the fifth bits of a block's 32 quants in one little-endian word, input i's at bit i
+        high = (b[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+        qs = b[..., 6:]
+        q = (np.concatenate([qs & 15, qs >> 4], -1) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        return "q8_0", [_halves(b[..., :2])], q.reshape(outs, -1)
+    if fmt == "q4_k":  # per 256 inputs d, dmin, 6-bit scales and mins of 8 blocks of 32, then 4 groups of 32 bytes:
+        from gguf.quants import Q4_K  # a group's low nibbles block 2g, its high ones 2g + 1
+
+        sc, m = (x.reshape(outs, -1, 8).astype(np.float32) for x in Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12)))
+        d = (_halves(b[..., 0:2])[..., None] * sc).reshape(outs, -1)
+        dm = (_halves(b[..., 2:4])[..., None] * m).reshape(outs, -1)
+        qs = b[..., 16:].reshape(outs, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        return "q4_1", [d, -dm], (qs & 15).reshape(outs, -1)
+    if fmt == "q6_k":  # per 256 inputs low nibbles, 2 high bits, 16 int8 scales, d
+        n = outs * b.shape[1]
+        ql = b[..., :128].reshape(n, -1, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        qh = b[..., 128:192].reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = ((ql & 15).reshape(n, -1, 32) | ((qh & 3).reshape(n, -1, 32) << 4)).astype(np.int8) - np.int8(32)
+        d = (_halves(b[..., 208:210]).reshape(n, 1) * b[..., 192:208].reshape(n, 16).view(np.int8).astype(np.float32))
+        d = d.reshape(outs, -1)  # [output, block of 16]
+        return "q6_k", [d[:, 0::2], d[:, 1::2]], q.reshape(outs, -1)
+    raise DFlashError(f"GGUF format {fmt}: the static backend reads {', '.join(KINDS)}; use --weights float")
+
+
+def pack(kind: str, scales: list[np.ndarray], q: np.ndarray, dots: bool = False) -> np.ndarray:
+    """A kind's scales and quants in the kernels' order (kernels.h): per panel of 16 outputs and block of 32 inputs,
+    the float32 scales, then the quants. linear_quant's: [32 inputs][16 outputs], two 4-bit ones a byte (even low);
+    linear_int8's (`dots`): by fours of inputs per output, 8-bit [8][16][4], 4-bit [4][16][4] with byte t of group g
+    holding input 8g + t low and 8g + 4 + t high."""
+    outs = q.shape[0]
+    parts = [x.reshape(outs // 16, 16, -1).transpose(0, 2, 1) for x in scales]  # each [panel, block, 16]
+    q = q.view(np.uint8).reshape(outs // 16, 16, -1, 32)  # [panel, output, block, 32 inputs]
+    wide = kind in ("q8_0", "q6_k")  # a byte a quant
+    if dots and wide:
         q = q.reshape(*q.shape[:3], 8, 4)
     elif dots:
         q = q.reshape(*q.shape[:3], 4, 2, 4)
         q = q[..., 0, :] | (q[..., 1, :] << 4)
-    elif fmt != "q8_0":
+    elif not wide:
         q = q[..., 0::2] | (q[..., 1::2] << 4)  # pairs of inputs: the even one low
     q = q.transpose(0, 2, 3, 1, 4) if dots else q.transpose(0, 2, 3, 1)  # [panel, block, ..., 16 outputs, ...]
-    flat = [np.ascontiguousarray(x).reshape(*x.shape[:2], -1).view(np.uint8) for x in (*parts, q)]
+    flat = [np.ascontiguousarray(x, dtype=x.dtype).reshape(*x.shape[:2], -1).view(np.uint8) for x in (*parts, q)]
     return np.concatenate(flat, -1).reshape(-1)
+
+
+def quant_order(fmt: str, raw: np.ndarray, dots: bool = False) -> np.ndarray:
+    """GGUF blocks [outs, bytes] of format `fmt` in its kernel kind's order (unpack, then pack)."""
+    return pack(*unpack(fmt, raw), dots=dots)
 
 
 # the step's fused matrices and the target's matrices (targets/formats.py names) each concatenates
@@ -252,34 +314,41 @@ FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gu": ("gate", "up"), "down": ("do
 
 
 def formats_of(target) -> tuple:
-    """((matrix, format), ...) of a target whose matrices are quantized (targets/formats.py), () for float ones;
-    one format per matrix across the layers, and q, k, v (gate, up) alike, as the step concatenates them."""
+    """((matrix, per layer), ...) of a target whose matrices are quantized (targets/formats.py), () for float ones:
+    for each of the step's matrices (the head: one entry) and layer, its parts in runs that share a kernel kind,
+    ((parts, kind), ...), each run one call of its kernel (a Q4_K_M file mixes q5_0 and q8_0 in q, k, v, and q4_K
+    and q6_K in down across layers). -int8 kinds for integer dots."""
     blocks = getattr(target, "blocks", None)
     if not blocks:
         return ()
-    out = {name: {blocks[f"{i}.{m}"].format for i in range(len(target.decoder.layers)) for m in mats}
-           for name, mats in FUSED.items()} | {"head": {blocks["head"].format}}
-    if mixed := {n: sorted(f) for n, f in out.items() if len(f) > 1}:
-        raise DFlashError(f"target {target.name}: the static step reads each of qkv, o, gate+up, down and the head in "
-                          f"one format; these mix: {mixed} (use --weights float or q8_0)")
     dots = DOTS if target.weights.endswith(DOTS) else ""  # integer dots: another kernel, and the bytes in its order
-    return tuple((n, f.pop() + dots) for n, f in out.items())
+
+    def runs(names: tuple, prefix: str) -> tuple:
+        out = []
+        for m in names:
+            kind = KINDS[blocks[prefix + m].format] + dots
+            out = out[:-1] + [(out[-1][0] + (m,), kind)] if out and out[-1][1] == kind else out + [((m,), kind)]
+        return tuple(out)
+    layers = range(len(target.decoder.layers))
+    return tuple((name, tuple(runs(parts, f"{i}.") for i in layers)) for name, parts in FUSED.items()) + \
+        (("head", (runs(("head",), ""),)),)
 
 
 def pack_quant(target, geo: Geometry, formats: tuple) -> torch.Tensor:
     """The quantized matrices in their kernel's order, one byte buffer (quant_layout; empty without any)."""
     if not formats:
         return torch.zeros(0, dtype=torch.uint8)
-    offs, stride, size = geo.quant_layout(formats)
+    offs, size = geo.quant_layout(formats)
     arena = _empty_arena(size, torch.uint8, target.device)
-    for name, (off, _, _) in offs.items():
-        for i in [None] if name == "head" else range(geo.layers):
-            raw = (target.blocks["head"].raw if i is None
-                   else np.concatenate([target.blocks[f"{i}.{m}"].raw for m in FUSED[name]]))
-            fmt = dict(formats)[name]
-            packed = torch.from_numpy(quant_order(fmt.removesuffix(DOTS), raw, dots=fmt.endswith(DOTS)))
-            start = off + (i or 0) * stride
-            arena[start: start + packed.numel()].copy_(packed)
+    per = dict(formats)
+    for (name, i), entries in offs.items():
+        for (parts, kind), (off, _, nbytes, _) in zip(per[name][max(i, 0)], entries):
+            unpacked = [unpack(target.blocks[m if i < 0 else f"{i}.{m}"].format,
+                               target.blocks[m if i < 0 else f"{i}.{m}"].raw) for m in parts]
+            scales = [np.concatenate(x) for x in zip(*(u[1] for u in unpacked))]
+            packed = pack(kind.removesuffix(DOTS), scales, np.concatenate([u[2] for u in unpacked]),
+                          dots=kind.endswith(DOTS))
+            arena[off: off + nbytes].copy_(torch.from_numpy(packed))
     return arena
 
 
@@ -355,18 +424,18 @@ def step(arena, quants, embed, rope, kv, ids, pos, slots, path, keep, span, *, g
     K and V written to `kv` at `slots` [n] -> logits [k, V] of the `keep` rows (and `layer_ids`' states [1, n, F]). A
     row attends, on our kernels, to slots 0..pos[0]-1 then its `path` [n, W]; else to the `span` slots up to it."""
     layout, stride, tail, _ = geo.layout(formats)
-    qlayout, qstride, _ = geo.quant_layout(formats) if formats else ({}, 0, 0)
+    qlayout = geo.quant_layout(formats)[0] if formats else {}
     lib = getattr(torch.ops, ops) if kernels in BY_PATH else None  # ours: the build under torch.ops.`ops`
     linear, attend = KERNELS.get(kernels) or (lib.linear_tiles if kernels == "tiles" else lib.linear, lib.attend)
-    kinds = dict(formats)
 
-    def lin(x, i, name, w):  # a float matrix from the arena, or a quantized one's bytes (layer i; -1: the head)
-        if name not in qlayout:
+    def lin(x, i, name, w):  # a float matrix from the arena, or a quantized one's runs of bytes (layer i; -1: the head)
+        if (name, i) not in qlayout:
             return linear(x, w[name])
-        off, outs, size = qlayout[name]
-        off += max(i, 0) * qstride
-        op, code = quant_op(lib, kinds[name])
-        return op(x, quants[off: off + size], code, outs)
+        ys = []
+        for off, outs, size, kind in qlayout[name, i]:
+            op, code = quant_op(lib, kind)
+            ys.append(op(x, quants[off: off + size], code, outs))
+        return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
     n, eps, nh, kvh, hd = ids.shape[0], geo.eps, geo.heads, geo.kv_heads, geo.head_dim
     x = F.embedding(ids, embed)[None].float()
     cos, sin = rope[0][pos][None, None], rope[1][pos][None, None]
@@ -476,10 +545,9 @@ class StaticDecoder:
         """The head in its blocks, for a drafter's few rows of logits over the full vocabulary: its float32 copy reads
         113 MB a call for SmolLM2's 49k tokens, the q8_0 blocks 30 (a draft's rounding only moves the drafts, which
         the verify checks). None where the head is float."""
-        kind = dict(self.formats).get("head")
-        if kind is None:
+        if not self.formats:
             return None
-        off, outs, size = self.geo.quant_layout(self.formats)[0]["head"]
+        [(off, outs, size, kind)] = self.geo.quant_layout(self.formats)[0]["head", -1]
         (op, code), w = quant_op(getattr(torch.ops, self.ops), kind), self.quants[off: off + size]
         return lambda x, _: op(x.float(), w, code, outs)
 

@@ -41,7 +41,7 @@ ISA_CMAKE = {"native": [], **{isa: ["-DGGML_NATIVE=OFF", *(f"-DGGML_{u}={on}" fo
 def llama_isa() -> str:
     """The llama.cpp build the chosen level runs: this CPU's own, or the narrower level's."""
     return levels.chosen() if levels.narrower() else "native"
-LLAMA_TARGETS = ["llama-server", "llama-bench", "llama-cli"]
+LLAMA_TARGETS = ["llama-server", "llama-bench", "llama-cli", "llama-quantize"]  # quantize: the K-quant files users run
 ABOUT = {"llama.cpp": "about 15 min on 2 cores, 1.5 GB", "vllm": "about 2 min, 3.5 GB"}
 
 

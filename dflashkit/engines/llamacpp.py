@@ -64,8 +64,9 @@ def target_gguf(engine: LlamaCpp, target, dtype: str) -> Path:
     if weights == "gguf":
         return gguf_source(target.path)
     if weights in ("q4_0", "q4_1"):
-        raise DFlashError(f"llama.cpp beside --weights {weights}: its converter writes q8_0 only (a 4-bit file needs "
-                          "llama-quantize); bench a GGUF target's own file (--weights gguf) or q8_0")
+        raise DFlashError(f"llama.cpp beside --weights {weights}: its converter writes q8_0 only; bench a GGUF "
+                          "target's own file (--weights gguf: a file llama-quantize wrote, passed as --target FILE.gguf, "
+                          "or the default's) or q8_0")
     dtype = weights if weights == "q8_0" else dtype
     key = sha256_json(target.identity())[:16]
     return convert(engine, Path(target.path), dtype, gguf_dir() / f"{target.name}-{key}-{GGUF_TYPES[dtype]}.gguf")

