@@ -343,6 +343,38 @@ def test_a_file_mixing_formats_by_layer_and_within_qkv_decodes_as_its_float_copy
     torch.testing.assert_close(logits, lq, atol=0.05 * lq.abs().max().item(), rtol=0)
 
 
+def test_weights_from_another_gguf_file_are_the_model_served_and_keep_the_targets_drafter(tiny_dirs, tmp_path):
+    """--weights FILE.gguf: the target's matrices from a file of it (llama-quantize's Q4_K_M, say): its blocks in
+    the kernels, its values in the parameters, another model to caches (lossy) and the same target to a drafter;
+    the file the target was prepared from is its own gguf; a missing file is refused by name."""
+    import argparse
+
+    from dflashkit.drafter.checkpoint import new_drafter
+
+    folder = gguf_target(tiny_dirs, tmp_path, {"attn_q": "q5_0", "attn_k": "q5_0", "ffn_down": "q4_1"})
+    source = tmp_path / "tiny.gguf"
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights=str(source))
+    assert t.weights == str(source.resolve()) and t.blocks["0.q"].format == "q5_0" and formats.lossy(t.weights)
+    assert formats.describe(t).startswith("tiny.gguf: q4_1/q5_0/q8_0 (head q8_0)")
+    assert torch.equal(t.decoder.layers[0].self_attn.q_proj.weight, t.blocks["0.q"].dequantized())
+    f = load_target(tiny_dirs["llama"], device="cpu", dtype="float32")
+    assert t.identity()["weights"] == "file tiny.gguf" and f.identity()["weights"] == "float"
+    assert {k: v for k, v in t.identity().items() if k != "weights"} == {k: v for k, v in f.identity().items() if k != "weights"}
+    from dflashkit.drafter.checkpoint import load_drafter, save_drafter
+
+    save_drafter(new_drafter(f, num_layers=1, block_size=4), tmp_path / "drafter", target_identity=f.identity())
+    load_drafter(tmp_path / "drafter", target=t)  # a drafter of the float target runs on the file's model
+    own = load_target(folder, device="cpu", dtype="float32", weights=str(source) + "-int8")
+    assert own.weights == "gguf-int8"
+    ap = argparse.ArgumentParser()
+    formats.add_weights_option(ap)
+    assert ap.parse_args(["--weights", str(source)]).weights == str(source.resolve())
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--weights", str(tmp_path / "missing.gguf")])
+    with pytest.raises(DFlashError, match="no such GGUF file"):
+        load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights=str(tmp_path / "missing.gguf"))
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_the_shipped_files_blocks_are_the_prepared_float32_copy(smollm2):

@@ -23,6 +23,7 @@ from dflashkit.errors import DFlashError
 from dflashkit.fileio import read_json
 from dflashkit.prompts import load_prompts
 from dflashkit.rng import seeded
+from dflashkit.targets.formats import parse_weights
 from dflashkit.threads import add_threads_option
 
 STEPS = ["target", "data", "cache", "train", "eval", "bench", "report"]
@@ -279,7 +280,8 @@ OPTIONS = {
     "budget_minutes": {"type": float, "help": "size training data and time to fit the demo here (0: as given)"},
     "device": {"help": "auto (CUDA when present) | cpu | cuda"},
     "dtype": {"help": "auto (bf16 on CUDA and on CPUs with native bf16, else float32) | float32 | bfloat16"},
-    "weights": {"help": "auto (the shipped GGUF's own blocks, widened to float32) | float | gguf | q8_0 | q4_0 | q4_1"},
+    "weights": {"type": parse_weights, "help": "auto (the shipped GGUF's own blocks, widened to float32) | float | "
+                "gguf | q8_0 | q4_0 | q4_1 | FILE.gguf (the target's matrices from that file), any with -int8"},
     "target": {"help": "the target model"}, "recipe": {"help": "training settings file or shipped name"},
     "out": {"help": "where the demo writes"},
     "train_prompts": {"type": int, "help": "train-mix prompts nearest the eval suite's topic (0: all 664)"},

@@ -58,11 +58,13 @@ def convert(engine: LlamaCpp, hf_dir: Path, dtype: str, out: Path, target_dir: P
 def target_gguf(engine: LlamaCpp, target, dtype: str) -> Path:
     """The target's weights as llama.cpp runs them, in the format ours run (a GGUF target's own file, q8_0, else
     `dtype`), cached by the target's identity."""
-    from dflashkit.targets.formats import base, gguf_source
+    from dflashkit.targets.formats import base, gguf_source, is_file
 
     weights = base(getattr(target, "weights", "float"))  # -int8: the same file (llama.cpp's own dots are int8)
     if weights == "gguf":
         return gguf_source(target.path)
+    if is_file(weights):
+        return Path(weights)
     if weights in ("q4_0", "q4_1"):
         raise DFlashError(f"llama.cpp beside --weights {weights}: its converter writes q8_0 only; bench a GGUF "
                           "target's own file (--weights gguf: a file llama-quantize wrote, passed as --target FILE.gguf, "

@@ -4,6 +4,7 @@ formats"). `gguf` takes the prepared-from file's own blocks; the others quantize
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +45,31 @@ class Blocks:
         return torch.from_numpy(dequantize(self.raw, _qtype(self.format)).reshape(-1, self.k).copy())
 
 
+def is_file(weights: str) -> bool:
+    """A spelling that names a GGUF file of the target's matrices (PATH.gguf, or PATH.gguf-int8)."""
+    return base(weights).lower().endswith(".gguf")
+
+
+def parse_weights(value: str) -> str:
+    if value in WEIGHTS:
+        return value
+    if is_file(value):
+        path = Path(base(value)).expanduser()
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"{path}: no such GGUF file")
+        return str(path.resolve()) + (DOTS if value.endswith(DOTS) else "")
+    raise argparse.ArgumentTypeError(f"{value!r}: use one of {', '.join(WEIGHTS)}, or a .gguf file of this target")
+
+
 def add_weights_option(p) -> None:
-    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+    p.add_argument("--weights", default="auto", type=parse_weights, metavar="{" + ",".join(WEIGHTS) + ",FILE.gguf}",
                    help="the target's weight format: float (its --dtype), gguf (a GGUF target's own blocks, e.g. the "
                    "default's Q4_1: the same values as its float32 copy), q8_0 | q4_0 | q4_1 (quantized here, as "
-                   "llama-quantize does: another model); any of these with -int8 (e.g. gguf-int8): activations "
-                   "in 8 bits and integer dots on the static backend, as llama.cpp computes (another model, lossless "
-                   "against its own plain decoding); auto = gguf for a GGUF target on a CPU, else float")
+                   "llama-quantize does: another model), FILE.gguf (this target's matrices from that file, e.g. a "
+                   "Q4_K_M llama-quantize wrote: the model served; its drafter stays this target's); any of these "
+                   "with -int8 (e.g. gguf-int8): activations in 8 bits and integer dots on the static backend, as "
+                   "llama.cpp computes (another model, lossless against its own plain decoding); auto = gguf for a "
+                   "GGUF target on a CPU, else float")
 
 
 def _qtype(fmt: str):
@@ -75,14 +94,22 @@ def base(weights: str) -> str:
 
 
 def lossy(weights: str) -> bool:
-    """Another model than the float32 one of the same file or target: quantized here, or integer dots."""
-    return base(weights) in QUANTS or weights.endswith(DOTS)
+    """Another model than the float32 one of the same file or target: quantized here or in another file, or integer
+    dots."""
+    return base(weights) in QUANTS or is_file(weights) or weights.endswith(DOTS)
 
 
 def resolve(weights: str, target) -> str:
     """`auto`: the file's own formats for a float32 target prepared from a GGUF, else the target's float dtype."""
+    if is_file(weights):  # the very file the target was prepared from is its own blocks
+        path = Path(base(weights)).expanduser().resolve()
+        if not path.is_file():
+            raise DFlashError(f"--weights {weights}: no such GGUF file")
+        own = gguf_source(target.path)
+        return ("gguf" if own is not None and own.resolve() == path else str(path)) + \
+            (DOTS if weights.endswith(DOTS) else "")
     if weights not in WEIGHTS:
-        raise DFlashError(f"--weights {weights!r}: use one of {', '.join(WEIGHTS)}")
+        raise DFlashError(f"--weights {weights!r}: use one of {', '.join(WEIGHTS)}, or a .gguf file of this target")
     if weights == "auto":
         return "gguf" if str(target.dtype) == "torch.float32" and gguf_source(target.path) is not None else "float"
     return weights
@@ -164,6 +191,8 @@ def apply(target, weights: str) -> str:
             raise DFlashError(f"--weights gguf: target {target.name} was not prepared from a GGUF file; use --weights "
                               f"float or one of {', '.join(QUANTS)}")
         blocks = read_gguf(source, target)
+    elif is_file(weights):
+        blocks = read_gguf(Path(weights), target)
     else:
         blocks = {name: quantize(m.weight, weights) for name, m in modules.items()}
     with torch.no_grad():
@@ -193,4 +222,5 @@ def describe(target) -> str:
         return f"{str(target.dtype).removeprefix('torch.')} (float)"
     kinds = sorted({b.format for b in target.blocks.values()})
     how = "activations in 8 bits, integer dots" if target.weights.endswith(DOTS) else "widened to float32"
-    return f"{target.weights}: {'/'.join(kinds)} (head {target.blocks['head'].format}), {how}"
+    name = Path(target.weights).name if is_file(target.weights) else target.weights
+    return f"{name}: {'/'.join(kinds)} (head {target.blocks['head'].format}), {how}"

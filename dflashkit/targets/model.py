@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import sha256_json
-from dflashkit.targets.formats import QUANTS, apply, base, gguf_source
+from dflashkit.targets.formats import QUANTS, apply, base, gguf_source, is_file
 from dflashkit.targets.invariant import step_linear_attention
 from dflashkit.targets.registry import resolve, weights_hash
 from dflashkit import levels
@@ -118,6 +118,7 @@ class Target:
         if self._weights_hash is None:
             self._weights_hash = weights_hash(self.path) or state_dict_hash(self.model)
         quant = base(self.weights) if base(self.weights) in QUANTS else "float"  # gguf: the float copy's values
+        quant = f"file {Path(base(self.weights)).name}" if is_file(self.weights) else quant  # another file's: its own
         return {"name": self.name, "path": str(self.path.resolve()), "weights_hash": self._weights_hash, "weights": quant,
                 "config_hash": sha256_json(cfg)[:16], "architecture": self.architecture, "num_layers": self.num_layers,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "mask_token_id": self.mask_token_id}
