@@ -24,7 +24,7 @@ from helpers import exercised_levels
 
 BUILDS = [pytest.param((lv, None), id=lv) for lv in exercised_levels()] + \
     ([pytest.param(("v3", "znver3"), id="v3-znver3")] if "v3" in exercised_levels() else [])
-CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q6_k": 3}
+CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q6_k": 3, "q5_0": 4}
 
 
 def kinds(formats: tuple) -> dict[str, set[str]]:
@@ -155,6 +155,8 @@ def test_llama_quantizes_formats_are_their_dequantized_values_and_their_int8_mod
     ops, rng = native.ops(*build), np.random.default_rng(0)
     outs, k = 48, 512
     raw = random_blocks(fmt, outs, k, rng)
+    if fmt == "q5_0":  # the largest sums the integer path holds: every quant 31 against a positive row
+        raw.reshape(outs, k // 32, -1)[:16, :, 2:] = 255
     values = dequantize(raw, GGMLQuantizationType[fmt.upper()]).reshape(outs, k)
     b = raw.reshape(outs, k // 256 if fmt.endswith("_k") else k // 32, -1)
     half = lambda at: b[..., at: at + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
@@ -168,6 +170,7 @@ def test_llama_quantizes_formats_are_their_dequantized_values_and_their_int8_mod
         d, m = (half(0)[..., None] * sc).reshape(outs, -1), -(half(2)[..., None] * mins).reshape(outs, -1)
     kind = KINDS[fmt]
     x = torch.randn(30, k) * torch.logspace(-2, 2, 30)[:, None]
+    x[0] = x[0].abs()
     y = ops.linear_quant(x, torch.from_numpy(quant_order(fmt, raw)), CODES[kind], outs)
     assert torch.equal(y, ops.linear(x, panel_order(torch.from_numpy(values.copy())).contiguous()))
     packed = torch.from_numpy(quant_order(fmt, raw, dots=True))
@@ -184,8 +187,8 @@ def test_a_packed_matrix_of_the_wrong_size_or_format_is_refused():
     packed = torch.from_numpy(quant_order("q8_0", raw))
     with pytest.raises(RuntimeError, match="not a packed 32x64 matrix"):
         ops.linear_quant(torch.randn(1, 64), packed, 0, 32)
-    with pytest.raises(RuntimeError, match="format 4 is not"):
-        ops.linear_quant(torch.randn(1, 64), packed, 4, 16)
+    with pytest.raises(RuntimeError, match="format 5 is not"):
+        ops.linear_quant(torch.randn(1, 64), packed, 5, 16)
 
 
 @pytest.mark.parametrize("fmt", formats.QUANTS)
@@ -314,10 +317,10 @@ def test_what_the_formats_cannot_run_is_refused_by_name(tiny_dirs, tmp_path):
 
 
 def test_a_file_mixing_formats_by_layer_and_within_qkv_decodes_as_its_float_copy(tiny_dirs, tmp_path):
-    """As llama-quantize's Q4_K_M writes them: q and k in q5_0 with v in q8_0 (one run: both unpack to q8_0's kind),
-    layer 0's v in q4_0 (a run of its own), down in q4_1 in one layer and q5_0 in the next. Each run is one kernel
-    call; the whole step equals the float32 target holding the file's values bit for bit, and through integer dots
-    each verify row is its own one-token step."""
+    """As llama-quantize's Q4_K_M writes them: q and k in q5_0 with v in q8_0, layer 0's v in q4_0, down in q4_1 in
+    one layer and q5_0 in the next (kinds per layer; q, k, v in two runs). Each run is one kernel call; the whole
+    step equals the float32 target holding the file's values bit for bit, and through integer dots each verify row
+    is its own one-token step."""
     from test_static_decoder import prompt, verify_against_steps
 
     types = {"attn_q": "q5_0", "attn_k": "q5_0", "attn_v": "q8_0", "blk.0.attn_v": "q4_0", "ffn_down": "q4_1",
@@ -330,14 +333,15 @@ def test_a_file_mixing_formats_by_layer_and_within_qkv_decodes_as_its_float_copy
             b.copy_(a)
     dq = StaticDecoder(q, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
     runs = dict(dq.formats)
-    assert runs["qkv"][0] == ((("q", "k"), "q8_0"), (("v",), "q4_0")) and runs["qkv"][1] == ((("q", "k", "v"), "q8_0"),)
-    assert runs["down"][0] == ((("down",), "q4_1"),) and runs["down"][1] == ((("down",), "q8_0"),)
+    assert runs["qkv"][0] == ((("q", "k"), "q5_0"), (("v",), "q4_0"))
+    assert runs["qkv"][1] == ((("q", "k"), "q5_0"), (("v",), "q8_0"))
+    assert runs["down"][0] == ((("down",), "q4_1"),) and runs["down"][1] == ((("down",), "q5_0"),)
     df = StaticDecoder(f, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
     (lq, sq), (lf, sf) = verify_against_steps(dq, prompt(q)), verify_against_steps(df, prompt(f))
     assert torch.equal(lq, lf) and torch.equal(sq, sf) and torch.equal(lq, sq)
     t = load_target(folder, device="cpu", dtype="float32", weights="gguf-int8")
     di = StaticDecoder(t, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
-    assert dict(di.formats)["qkv"][0] == ((("q", "k"), "q8_0-int8"), (("v",), "q4_0-int8"))
+    assert dict(di.formats)["qkv"][1] == ((("q", "k"), "q5_0-int8"), (("v",), "q8_0-int8"))
     logits, steps = verify_against_steps(di, prompt(t))
     assert torch.equal(logits, steps)
     torch.testing.assert_close(logits, lq, atol=0.05 * lq.abs().max().item(), rtol=0)
@@ -493,4 +497,4 @@ def test_generate_and_bench_take_weights_and_say_which_ran(tiny_dirs, tmp_path, 
     assert (a["top1"], a["tokens"], a["first_parting"]) == (pytest.approx(sum(hits) / len(hits)), len(hits), parting)
     with pytest.raises(SystemExit):
         main(["generate", *base[:4], "--weights", "q5_0", "--prompt", "hi"])
-    assert "invalid choice: 'q5_0'" in capsys.readouterr().err
+    assert "'q5_0': use one of auto, float, gguf" in capsys.readouterr().err  # quantized here: q8_0, q4_0, q4_1

@@ -5,9 +5,12 @@
 
 #if DFLASHKIT_VNNI
 typedef i32xv pvec;  // vpdpbusd sums a lane's four products into its 32 bits at once
+constexpr bool MADDUBS = false;
 #elif defined(__AVX512BW__) || defined(__AVX2__)
 typedef int16_t pvec __attribute__((vector_size(4 * VL)));  // sums of pairs (maddubs), exact for our bounds
+constexpr bool MADDUBS = true;
 #else
+constexpr bool MADDUBS = false;
 typedef i32xv pvec;  // the portable path sums each lane's four products at once, in int32
 #endif
 
@@ -80,18 +83,29 @@ inline void block_dots(const int8_t* xq, int64_t k, const uint8_t* q, i32xv (&s)
         for (int r = 0; r < R; ++r) sum[r][v] = add_signed(sum[r][v], w, x[r]);
       }
     }
-  } else {
+  } else {  // nibbles (q5_0: and a fifth bit, byte t of a lane's word holding input 8g + t's at bit 2g and input
+    // 8g + 4 + t's at bit 2g + 1); with maddubs a 5-bit pair sum is at most 7874, so four add in 16 bits
+    constexpr bool five = std::is_same_v<Q, q5_0>;
+    constexpr int flush = five && MADDUBS ? 2 : 4;
     pvec p[R][PV] = {};
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < PV; ++v) s[r][v] = i32xv{};
     for (int g = 0; g < 4; ++g) {
       bvec xa[R], xb[R];  // the rows' inputs 8g..8g+3 and 8g+4..8g+7, in every lane
       for (int r = 0; r < R; ++r) xa[r] = splat4(xq + r * k + 8 * g), xb[r] = splat4(xq + r * k + 8 * g + 4);
       for (int v = 0; v < PV; ++v) {
-        const bvec w = load_bytes(q + g * 64 + v * 4 * VL), lo = w & 15, hi = w >> 4;
+        const bvec w = load_bytes(q + g * 64 + v * 4 * VL);
+        bvec lo = w & 15, hi = w >> 4;
+        if constexpr (five) {
+          const bvec high = load_bytes(q - PANEL * 4 + v * 4 * VL);
+          lo |= ((high >> (2 * g)) & 1) << 4, hi |= ((high >> (2 * g + 1)) & 1) << 4;
+        }
         for (int r = 0; r < R; ++r) p[r][v] = add_pairs(add_pairs(p[r][v], lo, xa[r]), hi, xb[r]);
       }
+      if ((g + 1) % flush == 0)
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < PV; ++v) s[r][v] += lanes(p[r][v]), p[r][v] = pvec{};
     }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < PV; ++v) s[r][v] = lanes(p[r][v]);
   }
 }
 
@@ -109,6 +123,7 @@ inline void int_panel(const Rows8& x, int64_t r0, int64_t k, const uint8_t* pane
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * nb + b;
         if constexpr (std::is_same_v<Q, q4_0>) s[r][v] -= 8 * x.s[at];
+        if constexpr (std::is_same_v<Q, q5_0>) s[r][v] -= 16 * x.s[at];
         acc[r][v] = fma(wd * splat<lvec>(x.d[at]), __builtin_convertvector(s[r][v], lvec), acc[r][v]);
         if constexpr (std::is_same_v<Q, q6_k>)
           acc[r][v] = fma(load<lvec>(reinterpret_cast<const float*>(blk) + PANEL + v * VL) * splat<lvec>(x.d[at]),

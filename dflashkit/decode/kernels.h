@@ -215,17 +215,19 @@ struct Ahead {
 // Each matrix in blocks of 32 inputs, as the file has them, repacked per panel: for each panel (16 outputs) and each
 // block of 32 inputs, the 16 outputs' scales widened to float32 (d, then for q4_1 the mins m), then the quants
 // [32 inputs][16 outputs] (q8_0: int8; q4_0, q4_1: a byte per output and pair of inputs, the even input's in the
-// low nibble; q6_k: int8, with two scales, inputs 0-15's then 16-31's). Other GGUF formats are unpacked into these
-// (static.unpack: q5_0 as q8_0, q4_K as q4_1 with m = -dmin * m', q6_K as q6_k). A weight is widened to the float32 value GGUF's reference dequantizer gives (d * q, for q4_1 then + m,
+// low nibble; q6_k: int8, with two scales, inputs 0-15's then 16-31's; q5_0: d, each output's fifth bits in a
+// 32-bit word, then q4_0's nibbles). Other GGUF formats are unpacked into these (static.unpack: q4_K as q4_1 with
+// m = -dmin * m', q6_K as q6_k). A weight is widened to the float32 value GGUF's reference dequantizer gives (d * q, for q4_1 then + m,
 // each rounded; d * q is exact, a half's 11 bits by at most 8, so q4_1's is one fused multiply-add), and the sums
 // run the float32 chain: the outputs are the float32 kernel's over a dequantized copy, bit for bit.
 struct q8_0 { static constexpr int64_t SCALES = 1, QUANTS = 32 * PANEL; };
 struct q4_0 { static constexpr int64_t SCALES = 1, QUANTS = 16 * PANEL; };
 struct q4_1 { static constexpr int64_t SCALES = 2, QUANTS = 16 * PANEL; };
 struct q6_k { static constexpr int64_t SCALES = 2, QUANTS = 32 * PANEL; };  // int8 quants, a scale per 16 inputs
+struct q5_0 { static constexpr int64_t SCALES = 2, QUANTS = 16 * PANEL; };  // d, then the fifth bits, then nibbles
 template <typename W>
 constexpr bool quantized = std::is_same_v<W, q8_0> || std::is_same_v<W, q4_0> || std::is_same_v<W, q4_1> ||
-                           std::is_same_v<W, q6_k>;
+                           std::is_same_v<W, q6_k> || std::is_same_v<W, q5_0>;
 template <typename Q>
 constexpr bool bytes8 = std::is_same_v<Q, q8_0> || std::is_same_v<Q, q6_k>;  // a byte a quant
 template <typename Q>
@@ -292,6 +294,11 @@ inline void widen2(const uint8_t* panel, int64_t i, int v, lvec& w0, lvec& w1) {
     if constexpr (std::is_same_v<Q, q4_0>) {
       w0 = d * __builtin_convertvector(lo - 8, lvec);
       w1 = d * __builtin_convertvector(hi - 8, lvec);
+    } else if constexpr (std::is_same_v<Q, q5_0>) {  // each output's fifth bits in a word, input j's at bit j
+      i32xv high;
+      std::memcpy(&high, reinterpret_cast<const int32_t*>(b) + PANEL + v * VL, sizeof high);
+      w0 = d * __builtin_convertvector((lo | ((high >> j) & 1) << 4) - 16, lvec);
+      w1 = d * __builtin_convertvector((hi | ((high >> (j + 1)) & 1) << 4) - 16, lvec);
     } else {
       const lvec m = load<lvec>(reinterpret_cast<const float*>(b) + PANEL + v * VL);
       w0 = fma(d, __builtin_convertvector(lo, lvec), m);  // d * q is exact (11 by 4 bits): one rounding either way

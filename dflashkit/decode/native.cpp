@@ -42,7 +42,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-// x against a quantized matrix of `outs` outputs (format: 0 q8_0, 1 q4_0, 2 q4_1, 3 q6_k), packed into the bytes w by
+// x against a quantized matrix of `outs` outputs (format: 0 q8_0, 1 q4_0, 2 q4_1, 3 q6_k, 4 q5_0), packed into the bytes w by
 // static.quant_order (linear_quant: widened to float32) or with dots=True (linear_int8 and linear_vnni: integer dots)
 enum class Dots { widened, int8, vnni };
 
@@ -52,8 +52,9 @@ at::Tensor quantized(const char* name, const at::Tensor& x, const at::Tensor& w,
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), name, ": w must be contiguous bytes");
   const int64_t k = x.size(-1);
   static constexpr int64_t block[] = {K::BLOCK_BYTES<K::q8_0>, K::BLOCK_BYTES<K::q4_0>, K::BLOCK_BYTES<K::q4_1>,
-                                      K::BLOCK_BYTES<K::q6_k>};
-  TORCH_CHECK(0 <= format && format < 4, name, ": format ", format, " is not 0 (q8_0), 1 (q4_0), 2 (q4_1) or 3 (q6_k)");
+                                      K::BLOCK_BYTES<K::q6_k>, K::BLOCK_BYTES<K::q5_0>};
+  TORCH_CHECK(0 <= format && format < 5, name, ": format ", format,
+              " is not 0 (q8_0), 1 (q4_0), 2 (q4_1), 3 (q6_k) or 4 (q5_0)");
   TORCH_CHECK(k % 32 == 0 && outs % 16 == 0 && w.numel() == outs / 16 * (k / 32) * block[format], name, ": ",
               w.numel(), " bytes are not a packed ", outs, "x", k, " matrix");
   auto xc = x.contiguous();
@@ -78,6 +79,7 @@ at::Tensor quantized(const char* name, const at::Tensor& x, const at::Tensor& w,
   if (format == 1) run(reinterpret_cast<const K::q4_0*>(wd));
   if (format == 2) run(reinterpret_cast<const K::q4_1*>(wd));
   if (format == 3) run(reinterpret_cast<const K::q6_k*>(wd));
+  if (format == 4) run(reinterpret_cast<const K::q5_0*>(wd));
   return y;
 }
 

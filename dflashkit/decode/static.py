@@ -222,10 +222,10 @@ def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
 
 
 # kernel kinds as linear_quant numbers them, and the bytes of a panel's block of 32 inputs (kernels.h)
-QUANT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q6_k": 3}
-BLOCK_BYTES = {"q8_0": 64 + 512, "q4_0": 64 + 256, "q4_1": 128 + 256, "q6_k": 128 + 512}
+QUANT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q6_k": 3, "q5_0": 4}
+BLOCK_BYTES = {"q8_0": 64 + 512, "q4_0": 64 + 256, "q4_1": 128 + 256, "q6_k": 128 + 512, "q5_0": 128 + 256}
 # a GGUF format's kernel kind (unpack: the same values) and its block's bytes in the file (K-quants: 256 inputs)
-KINDS = {"q8_0": "q8_0", "q5_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q4_k": "q4_1", "q6_k": "q6_k"}
+KINDS = {"q8_0": "q8_0", "q5_0": "q5_0", "q4_0": "q4_0", "q4_1": "q4_1", "q4_k": "q4_1", "q6_k": "q6_k"}
 GGUF_BYTES = {"q8_0": 34, "q5_0": 22, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210}
 
 
@@ -248,8 +248,8 @@ def _halves(b: np.ndarray) -> np.ndarray:
 
 def unpack(fmt: str, raw: np.ndarray) -> tuple[str, list[np.ndarray], np.ndarray]:
     """GGUF blocks [outs, bytes] -> (kernel kind, scales [outs, k / 32] each, quants [outs, k]) holding the values
-    GGUF's reference dequantizer gives, each weight computed by the kind's kernel as that dequantizer does: q8_0,
-    q5_0 d * q; q4_0 d * (q - 8); q4_1 d * q + m; q4_K d * q - dm as q4_1 with m = -dm (d * q is exact there, so
+    GGUF's reference dequantizer gives, each weight computed by the kind's kernel as that dequantizer does: q8_0
+    d * q; q4_0 d * (q - 8); q5_0 d * (q - 16); q4_1 d * q + m; q4_K d * q - dm as q4_1 with m = -dm (d * q is exact there, so
     one rounding either way); q6_K d * q with d per 16 inputs (scales: inputs 0-15's, then 16-31's)."""
     outs = raw.shape[0]
     b = raw.reshape(outs, -1, GGUF_BYTES[fmt])  # [output, block, bytes]
@@ -262,8 +262,8 @@ def unpack(fmt: str, raw: np.ndarray) -> tuple[str, list[np.ndarray], np.ndarray
     if fmt == "q5_0":  # the fifth bits of a block's 32 quants in one little-endian word, input i's at bit i
         high = (b[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
         qs = b[..., 6:]
-        q = (np.concatenate([qs & 15, qs >> 4], -1) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
-        return "q8_0", [_halves(b[..., :2])], q.reshape(outs, -1)
+        q = np.concatenate([qs & 15, qs >> 4], -1) | (high.astype(np.uint8) << 4)
+        return "q5_0", [_halves(b[..., :2])], q.reshape(outs, -1)
     if fmt == "q4_k":  # per 256 inputs d, dmin, 6-bit scales and mins of 8 blocks of 32, then 4 groups of 32 bytes:
         from gguf.quants import Q4_K  # a group's low nibbles block 2g, its high ones 2g + 1
 
@@ -291,6 +291,16 @@ def pack(kind: str, scales: list[np.ndarray], q: np.ndarray, dots: bool = False)
     outs = q.shape[0]
     parts = [x.reshape(outs // 16, 16, -1).transpose(0, 2, 1) for x in scales]  # each [panel, block, 16]
     q = q.view(np.uint8).reshape(outs // 16, 16, -1, 32)  # [panel, output, block, 32 inputs]
+    if kind == "q5_0":  # the fifth bits, a 32-bit word per output: input i's at bit i, or (dots) byte t holding
+        high = (q >> 4).astype(np.uint32)  # input 8g + t's at bit 2g and 8g + 4 + t's at bit 2g + 1
+        if dots:
+            g = high.reshape(*high.shape[:3], 4, 2, 4) << (2 * np.arange(4, dtype=np.uint32)[:, None, None] +
+                                                          np.arange(2, dtype=np.uint32)[:, None])
+            words = g.sum((3, 4)) << (8 * np.arange(4, dtype=np.uint32))
+        else:
+            words = high << np.arange(32, dtype=np.uint32)
+        parts.append(words.sum(-1, dtype=np.uint32).transpose(0, 2, 1))
+        q = q & 15
     wide = kind in ("q8_0", "q6_k")  # a byte a quant
     if dots and wide:
         q = q.reshape(*q.shape[:3], 8, 4)
