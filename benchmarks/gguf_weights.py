@@ -1,6 +1,8 @@
 """The weights CPU users run (issue 69): the embedded default on its shipped GGUF (Q4_1, head Q8_0) kept in its blocks
 by our static backend, widened to float32 (`gguf`: the float32 copy's outputs) or through integer dots (`gguf-int8`:
-activations in 8 bits, as llama.cpp computes), against llama.cpp decoding the very same file, beside other formats.
+activations in 8 bits, as llama.cpp computes), against llama.cpp decoding the very same file, beside other formats:
+`q4_k_m` is the file llama-quantize writes for Q4_K_M from the float32 copy (q5_0, q8_0, q4_K, q6_K), passed as
+`--weights FILE.gguf`, with llama.cpp on that file.
 Each row is one `dflashkit --isa LEVEL bench --weights W` process, as a user runs it: our plain decoding, our best
 method, the drafter's chain (its tau on these weights) and llama.cpp's plain decoding of the same weights alternate
 prompt by prompt in one run (same threads). At level v3 llama.cpp runs its AVX2 build (`dflashkit --isa v3 engines
@@ -25,9 +27,29 @@ from common import cpu_name, write_results
 DFLASHKIT = [sys.executable, "-m", "dflashkit.cli"]
 
 
+def q4_k_m(args) -> Path:
+    """The target as llama-quantize writes it for Q4_K_M from its float32 GGUF (the installed llama.cpp's), once."""
+    from dflashkit.engines.install import require
+    from dflashkit.engines.llamacpp import target_gguf
+    from dflashkit.targets.model import load_target
+
+    out = Path(args.work) / f"{args.target}-Q4_K_M.gguf"
+    if not out.is_file():
+        engine = require("llama.cpp")
+        f32 = target_gguf(engine, load_target(args.target, device="cpu", dtype="float32"), "float32")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(engine.binary("llama-quantize")), str(f32), str(out) + ".tmp", "Q4_K_M", "2"], check=True,
+                       capture_output=True)
+        os.replace(str(out) + ".tmp", out)
+    return out.resolve()
+
+
 def bench(isa: str, weights: str, args) -> dict:
     """One bench process: tokens/s of ar, the best method, the chain and llama.cpp on the same weights (where its
     converter writes them), taus, agreement with float32."""
+    row = weights
+    if weights.removesuffix("-int8") == "q4_k_m":  # llama-quantize's file, the target's matrices from it
+        weights = str(q4_k_m(args)) + weights.removeprefix("q4_k_m")
     peer = ",llama.cpp" if weights.removesuffix("-int8") not in ("q4_0", "q4_1") else ""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [*DFLASHKIT, "--isa", isa, "bench", "--target", args.target, "--dtype", "float32", "--weights", weights,
@@ -38,7 +60,7 @@ def bench(isa: str, weights: str, args) -> dict:
         subprocess.run(cmd, check=True, env=os.environ)
         res = json.loads((Path(tmp) / "results.json").read_text())
     m, cost = res["methods"], res["cost"]
-    return {"isa": isa, "weights": weights, "format": res["config"]["weights"], "ar": m["ar"]["tokens_per_s"],
+    return {"isa": isa, "weights": row, "format": res["config"]["weights"], "dots": res["config"].get("static_kernels"), "ar": m["ar"]["tokens_per_s"],
             "best": m[args.method]["tokens_per_s"], "tau": m[args.method]["tau"], "chain_tau": m["chain"]["tau"],
             "worst": m[args.method]["worst_prompt"], "llama_cpp": m["llama.cpp"]["tokens_per_s"] if peer else None,
             "equal": not res["mismatches"], "bytes_per_weight": cost["weight_bytes"] / cost["weights"],
@@ -53,6 +75,7 @@ def eval_tau(weights: str, args) -> float | None:
         return None
     w = "float" if weights == "gguf" else weights
     cache, run = Path(args.work) / f"cache-{w}", Path(args.work) / f"eval-{w}"
+    w = str(q4_k_m(args)) if w == "q4_k_m" else w
     if not (run / "results.json").exists():
         subprocess.run([*DFLASHKIT, "extract", "--target", args.target, "--dtype", "float32", "--weights", w,
                         "--prompts", args.prompts, "--max-new-tokens", str(args.new), "--out", str(cache)],
@@ -80,7 +103,8 @@ def table(rows: list[dict], method: str) -> list[str]:
     for r in rows:
         evaluated = f"{r['eval_tau']:.2f}" if r["eval_tau"] is not None else "-"
         peer = f"{r['llama_cpp']:.1f}" if r["llama_cpp"] else "-"
-        out.append(f"| {r['isa']} | {r['format']} | {r['bytes_per_weight']:.2f} | {r['ar']:.1f} | {r['best']:.1f} "
+        vnni = " (VNNI)" if r["weights"].endswith("-int8") and "integer dots through" in (r.get("dots") or "") else ""
+        out.append(f"| {r['isa']}{vnni} | {r['format']} | {r['bytes_per_weight']:.2f} | {r['ar']:.1f} | {r['best']:.1f} "
                    f"({r['tau']:.2f}) | {r['worst']['ratio']:.2f}x ({r['worst']['prompt']}) | {r['chain_tau']:.2f} | "
                    f"{evaluated} | {peer} | {ratio(r['ar'], r['llama_cpp'])} | "
                    f"{ratio(r['best'], r['llama_cpp'])} | {ratio(r['best'], fastest['llama_cpp'])} | "
@@ -96,7 +120,8 @@ def main() -> None:
     ap.add_argument("--prompts", default="coding-10")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--runs", default="v3:gguf,v3:gguf-int8,v3:q8_0,v3:q4_0,v4:gguf,v4:gguf-int8",
+    ap.add_argument("--runs", default="v3:gguf,v3:gguf-int8,v3:q8_0,v3:q4_0,v3:q4_k_m,v3:q4_k_m-int8,v4:gguf,"
+                    "v4:gguf-int8,v4:q4_k_m,v4:q4_k_m-int8",
                     help="LEVEL:WEIGHTS pairs, one bench each")
     ap.add_argument("--work", default="runs/gguf-weights", help="the eval caches and runs, reused by a rerun")
     ap.add_argument("--out", default=None)
@@ -111,7 +136,9 @@ def main() -> None:
           "writes, so the same outputs); -int8 = the same blocks against activations quantized to 8 bits per block "
           "of 32, integer dots (as llama.cpp computes; another model, lossless against its own plain decoding); "
           "q8_0, q4_0 = quantized from the float32 copy by GGUF's reference quantizer (llama.cpp's converter for "
-          "q8_0's row; its converter writes no 4-bit file): other models. Ratios are within one bench run (one "
+          "q8_0's row; its converter writes no 4-bit file): other models; q4_k_m = the file llama-quantize writes "
+          "for Q4_K_M from the float32 copy (`--weights FILE.gguf`; llama.cpp runs that very file), another model. "
+          "(VNNI): the integer dots through vpdpbusd. Ratios are within one bench run (one "
           "process per row). Agreement: float32's top-1 token along our plain output, teacher-forced, and the "
           "prompts on which float32's greedy decoding is ours. tau offline: the drafter on that format's features "
           "(dflashkit extract --weights, then eval)."]
