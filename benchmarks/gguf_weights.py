@@ -60,7 +60,8 @@ def bench(isa: str, weights: str, args) -> dict:
         subprocess.run(cmd, check=True, env=os.environ)
         res = json.loads((Path(tmp) / "results.json").read_text())
     m, cost = res["methods"], res["cost"]
-    return {"isa": isa, "weights": row, "format": res["config"]["weights"], "dots": res["config"].get("static_kernels"), "ar": m["ar"]["tokens_per_s"],
+    return {"isa": isa, "weights": row, "format": res["config"]["weights"], "dots": res["config"].get("static_kernels"),
+            "ar": m["ar"]["tokens_per_s"],
             "best": m[args.method]["tokens_per_s"], "tau": m[args.method]["tau"], "chain_tau": m["chain"]["tau"],
             "worst": m[args.method]["worst_prompt"], "llama_cpp": m["llama.cpp"]["tokens_per_s"] if peer else None,
             "equal": not res["mismatches"], "bytes_per_weight": cost["weight_bytes"] / cost["weights"],
@@ -123,10 +124,19 @@ def main() -> None:
     ap.add_argument("--runs", default="v3:gguf,v3:gguf-int8,v3:q8_0,v3:q4_0,v3:q4_k_m,v3:q4_k_m-int8,v4:gguf,"
                     "v4:gguf-int8,v4:q4_k_m,v4:q4_k_m-int8",
                     help="LEVEL:WEIGHTS pairs, one bench each")
-    ap.add_argument("--work", default="runs/gguf-weights", help="the eval caches and runs, reused by a rerun")
+    ap.add_argument("--work", default="runs/gguf-weights", help="the eval caches and runs and each bench row, reused by "
+                    "a rerun (delete its rows/ to measure again)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    rows = [bench(*run.split(":"), args) for run in args.runs.split(",")]
+    rows = []
+    for run in args.runs.split(","):  # each row kept under --work as it ends: a rerun resumes after the last
+        isa, weights = run.split(":", 1)
+        kept = Path(args.work) / "rows" / f"{isa}-{weights}.json"
+        if not kept.is_file():
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.with_suffix(".tmp").write_text(json.dumps(bench(isa, weights, args)))
+            kept.with_suffix(".tmp").replace(kept)
+        rows.append(json.loads(kept.read_text()))
     for r in rows:
         r["eval_tau"] = eval_tau(r["weights"], args)
     md = [f"# The shipped GGUF's own weights: ours (static backend) vs llama.cpp on the same weights, {args.prompts}, "

@@ -88,12 +88,14 @@ static void quantized(int64_t outs, int64_t k, std::vector<uint8_t>& packed, std
       for (int64_t j = 0; j < 32; ++j)
         for (int64_t o = 0; o < 16; ++o) {
           float w;
-          if constexpr (std::is_same_v<Q, K::q8_0>) {
-            w = static_cast<float>(static_cast<int8_t>(q[j * 16 + o])) * sc[0][o];
+          if constexpr (std::is_same_v<Q, K::q8_0> || std::is_same_v<Q, K::q6_k>) {  // q6_k: a scale per 16
+            w = static_cast<float>(static_cast<int8_t>(q[j * 16 + o])) * sc[std::is_same_v<Q, K::q6_k> && j >= 16][o];
           } else {
             const int nib = j % 2 ? q[j / 2 * 16 + o] >> 4 : q[j / 2 * 16 + o] & 15;
             w = std::is_same_v<Q, K::q4_0> ? sc[0][o] * static_cast<float>(nib - 8) : sc[0][o] * static_cast<float>(nib);
             if constexpr (std::is_same_v<Q, K::q4_1>) w = w + sc[1][o];
+            if constexpr (std::is_same_v<Q, K::q5_0>)  // the second slot's bits: each output's fifth bits
+              w = sc[0][o] * static_cast<float>((nib | static_cast<int>(std::bit_cast<uint32_t>(sc[1][o]) >> j & 1) << 4) - 16);
           }
           dense[(p * 16 + o) * k + b * 32 + j] = w;
         }
@@ -175,9 +177,13 @@ int main(int argc, char** argv) {
   quantized_linears<K::q8_0>("q8_0");
   quantized_linears<K::q4_0>("q4_0");
   quantized_linears<K::q4_1>("q4_1");
+  quantized_linears<K::q6_k>("q6_k");
+  quantized_linears<K::q5_0>("q5_0");
   integer_dots<K::q8_0>("q8_0");
   integer_dots<K::q4_0>("q4_0");
   integer_dots<K::q4_1>("q4_1");
+  integer_dots<K::q6_k>("q6_k");
+  integer_dots<K::q5_0>("q5_0");
   // attention: a verify of a 4-token chain at slots 20..23 against one-token steps at each position, where the
   // chain's earlier keys are committed slots; 6 query heads over 2 KV heads, head_dim 64 (batched scores) and 48
   for (int64_t hd : {64, 48}) {

@@ -74,6 +74,7 @@ def run_eval_command(args, replays=None) -> dict:
     if not args.target and not Path(str(target_ref)).exists():
         target_ref = cache.target.get("name")  # the registry name, when the recorded folder has moved
     served = cache.target.get("weights") or "float"  # features extracted at a quantized format: the same model here
+    served = served.removeprefix("file ")  # ... or from a GGUF file of the target (--weights FILE.gguf)
     target = load_target(target_ref, device=args.device, weights=served)
     check_target(cache.path, cache.manifest, target.identity())  # weights included: a fine-tune is another target
     return runs.run_eval(ckpt, target, cache, run_dir, anchors=args.anchors, trees=trees, max_blocks=args.max_blocks,

@@ -118,7 +118,7 @@ class Target:
         if self._weights_hash is None:
             self._weights_hash = weights_hash(self.path) or state_dict_hash(self.model)
         quant = base(self.weights) if base(self.weights) in QUANTS else "float"  # gguf: the float copy's values
-        quant = f"file {Path(base(self.weights)).name}" if is_file(self.weights) else quant  # another file's: its own
+        quant = f"file {base(self.weights)}" if is_file(self.weights) else quant  # another file's: its own
         return {"name": self.name, "path": str(self.path.resolve()), "weights_hash": self._weights_hash, "weights": quant,
                 "config_hash": sha256_json(cfg)[:16], "architecture": self.architecture, "num_layers": self.num_layers,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "mask_token_id": self.mask_token_id}
