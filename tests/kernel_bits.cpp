@@ -41,6 +41,11 @@ static std::vector<W> panels(const std::vector<float>& w, int64_t outs, int64_t 
 
 static float as_float(float x) { return x; }
 static K::bf16 as_bf16(float x) { return K::bf16{static_cast<uint16_t>(std::bit_cast<uint32_t>(x) >> 16)}; }
+// a half from a random float's middle bits: every exponent but the all-ones one (subnormals and zeros included)
+static K::f16 as_f16(float x) {
+  const uint16_t h = static_cast<uint16_t>(std::bit_cast<uint32_t>(x) >> 7);
+  return K::f16{static_cast<uint16_t>((h & 0x7c00) == 0x7c00 ? h & 0xbfff : h)};
+}
 
 static std::vector<float> all;
 static int differ = 0;
@@ -174,6 +179,7 @@ int main(int argc, char** argv) {
   }
   linears(as_float, "f32");
   linears(as_bf16, "bf16");
+  linears(as_f16, "f16");
   quantized_linears<K::q8_0>("q8_0");
   quantized_linears<K::q4_0>("q4_0");
   quantized_linears<K::q4_1>("q4_1");

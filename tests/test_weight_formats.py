@@ -1,5 +1,5 @@
-"""Weight formats (issue 69): GGUF's q8_0, q4_0 and q4_1 kept in their blocks for the static backend's kernels and
-widened in registers; the outputs are the float32 kernels' over the dequantized copy, bit for bit, on every ISA
+"""Weight formats (issue 69): GGUF's q8_0, q4_0 and q4_1 (and llama-quantize's q5_0, q4_K, q6_K, the converter's
+f16, bf16, f32) kept in their blocks for the static backend's kernels and widened in registers; the outputs are the float32 kernels' over the dequantized copy, bit for bit, on every ISA
 level; a GGUF target's file is read as its own blocks; what cannot run is refused by name."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from helpers import exercised_levels
 
 BUILDS = [pytest.param((lv, None), id=lv) for lv in exercised_levels()] + \
     ([pytest.param(("v3", "znver3"), id="v3-znver3")] if "v3" in exercised_levels() else [])
-CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q6_k": 3, "q5_0": 4}
+CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q6_k": 3, "q5_0": 4, "f16": 5, "bf16": 6, "f32": 7}
 
 
 def kinds(formats: tuple) -> dict[str, set[str]]:
@@ -54,6 +54,32 @@ def test_each_format_is_the_float_kernel_over_its_dequantized_copy(fmt, build):
         assert torch.equal(y, ops.linear(x, panel_order(dequantized(w, fmt)).contiguous()))
         for n in (1, 2, 5, 12, 24, 29):
             assert torch.equal(ops.linear_quant(x[:n], packed, CODES[fmt], outs), y[:n]), (fmt, n)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "f32"])
+def test_a_files_float_matrices_are_the_float_kernel_over_their_values(fmt, build):
+    """GGUF's F16, BF16 and F32 tensors kept at their own bytes and widened in registers (f16 by F16C, or on the
+    portable path in integer steps): bit for bit the float32 kernel over their values, subnormal halves, the largest
+    ones and negative zero included, each row of a call that row alone; and no integer dots for them."""
+    ops = native.ops(*build)
+    outs, k = 48, 576
+    w = torch.randn(outs, k) * 0.05
+    w[:4] *= 1e-5  # f16's subnormals (below 6.1e-5)
+    w[4, :8] = torch.tensor([65504.0, -65504.0, 6e-8, -6e-8, 0.0, -0.0, 2.0 ** -24, 1.0])
+    raw = w.numpy() if fmt == "f32" else quantize(w.numpy(), GGMLQuantizationType[fmt.upper()])
+    raw = raw.view(np.uint8).reshape(outs, -1)
+    values = torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt.upper()]).astype(np.float32).reshape(outs, k))
+    assert fmt != "f16" or ((values[:4] != 0) & (values[:4].abs() < 6.1e-5)).any()
+    packed = torch.from_numpy(quant_order(fmt, raw))
+    assert packed.numel() == outs * k * (4 if fmt == "f32" else 2)
+    x = torch.randn(30, k)
+    y = ops.linear_quant(x, packed, CODES[fmt], outs)
+    assert torch.equal(y, ops.linear(x, panel_order(values).contiguous()))
+    for n in (1, 2, 5, 12, 24, 29):
+        assert torch.equal(ops.linear_quant(x[:n], packed, CODES[fmt], outs), y[:n]), (fmt, n)
+    with pytest.raises(RuntimeError, match=f"format {CODES[fmt]} is a float one, with no integer dots"):
+        ops.linear_int8(x, packed, CODES[fmt], outs)
 
 
 def integer_dots(x: torch.Tensor, raw: np.ndarray, fmt: str, k: int) -> torch.Tensor:
@@ -181,17 +207,37 @@ def test_llama_quantizes_formats_are_their_dequantized_values_and_their_int8_mod
         assert torch.equal(ops.linear_int8(x[:n], packed, CODES[kind], outs), z[:n])
 
 
+def test_every_format_read_from_a_file_has_a_kernel_kind():
+    """targets/formats.py's list of what --weights gguf reads and decode/static.py's kinds for them name the same
+    formats, each with its file bytes and a kernel code."""
+    assert set(formats.READ) == set(KINDS) == set(GGUF_BYTES)
+    assert set(KINDS.values()) <= set(CODES) and set(formats.HALVES) <= set(formats.READ)
+
+
+def test_the_memory_floor_counts_the_bytes_the_kernels_read(tiny_dirs):
+    """A q8_0 block is 34 bytes in the file and 36 where the kernels read it (its scale widened to float32 once):
+    the cost report's floor counts the kernels' bytes, float matrices as they are stored."""
+    from dflashkit.decode.static import kernel_bytes
+    from dflashkit.measure.curve import CostCurve, cost_report
+
+    t = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights="q8_0")
+    blocks = sum(b.raw.shape[0] * b.k // 32 for b in t.blocks.values())
+    (count, file), (_, read) = formats.stored(t), formats.stored(t, kernel_bytes)
+    assert read - file == 2 * blocks and count == sum(p.numel() for p in t.model.parameters())
+    assert cost_report(t, CostCurve([1], [0.01]))["weight_bytes"] == read
+
+
 def test_a_packed_matrix_of_the_wrong_size_or_format_is_refused():
     ops = native.ops()
     raw = quantize(np.ones((16, 64), np.float32), GGMLQuantizationType.Q8_0)
     packed = torch.from_numpy(quant_order("q8_0", raw))
     with pytest.raises(RuntimeError, match="not a packed 32x64 matrix"):
         ops.linear_quant(torch.randn(1, 64), packed, 0, 32)
-    with pytest.raises(RuntimeError, match="format 5 is not"):
-        ops.linear_quant(torch.randn(1, 64), packed, 5, 16)
+    with pytest.raises(RuntimeError, match="format 8 is not"):
+        ops.linear_quant(torch.randn(1, 64), packed, 8, 16)
 
 
-@pytest.mark.parametrize("fmt", formats.QUANTS)
+@pytest.mark.parametrize("fmt", [*formats.QUANTS, *formats.HALVES])
 def test_a_quantized_target_decodes_as_its_dequantized_float_copy(tiny_dirs, fmt):
     """The whole step: a target in `fmt` (its blocks in the kernels) against the float32 target holding the same
     values (its own parameters, dequantized): prompt, verify rows and one-token steps bit for bit; and each verify row
@@ -268,7 +314,8 @@ def write_gguf(target, path, types: dict[str, str]):
         if ".attn_q." in name or ".attn_k." in name:
             m = permute(m, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
         kind = GGMLQuantizationType[types.get(name.removesuffix(".weight"), types.get(name.split(".")[-2], "q8_0")).upper()]
-        w.add_tensor(name, quantize(np.ascontiguousarray(m), kind), raw_dtype=kind)
+        data = np.ascontiguousarray(m) if kind == GGMLQuantizationType.F32 else quantize(np.ascontiguousarray(m), kind)
+        w.add_tensor(name, data, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -310,8 +357,10 @@ def test_what_the_formats_cannot_run_is_refused_by_name(tiny_dirs, tmp_path):
         load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights="q5_0")
     with pytest.raises(DFlashError, match=r"--weights q8_0: target qwen3_5 \(qwen3_5_text\) is not a dense Llama-type"):
         load_target(tiny_dirs["qwen3_5"], device="cpu", dtype="float32", weights="q8_0")
-    folder = gguf_target(tiny_dirs, tmp_path, {"ffn_down": "f16"})
-    with pytest.raises(DFlashError, match=r"tensor blk.0.ffn_down.weight is F16; --weights gguf keeps q8_0"):
+    with pytest.raises(DFlashError, match="--weights 'bf16-int8': use one of"):
+        load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights="bf16-int8")
+    folder = gguf_target(tiny_dirs, tmp_path, {"ffn_down": "q5_1"})
+    with pytest.raises(DFlashError, match=r"tensor blk.0.ffn_down.weight is Q5_1; --weights gguf keeps q8_0"):
         load_target(folder, device="cpu", dtype="float32", weights="gguf")
 
 
@@ -345,6 +394,37 @@ def test_a_file_mixing_formats_by_layer_and_within_qkv_decodes_as_its_float_copy
     logits, steps = verify_against_steps(di, prompt(t))
     assert torch.equal(logits, steps)
     torch.testing.assert_close(logits, lq, atol=0.05 * lq.abs().max().item(), rtol=0)
+
+
+def test_a_files_float_matrices_run_as_floats_beside_its_blocks(tiny_dirs, tmp_path):
+    """A converter's f16, bf16 and f32 matrices beside quantized blocks (q and k in f16 with v in q8_0, gate and up in
+    bf16, down in f32 then q4_0, the tied head in bf16): each kept at its own bytes, a run of its own; the whole step
+    equals the float32 target holding the file's values bit for bit; through -int8 the float matrices stay in the
+    float kernel and each verify row is its own one-token step."""
+    from test_static_decoder import prompt, verify_against_steps
+
+    types = {"attn_q": "f16", "attn_k": "f16", "attn_v": "q8_0", "attn_output": "f16", "ffn_gate": "bf16",
+             "ffn_up": "bf16", "ffn_down": "f32", "blk.1.ffn_down": "q4_0", "token_embd": "bf16"}
+    folder = gguf_target(tiny_dirs, tmp_path, types)
+    q = load_target(folder, device="cpu", dtype="float32", weights="gguf")
+    f = load_target(folder, device="cpu", dtype="float32")
+    with torch.no_grad():
+        for a, b in zip(q.model.parameters(), f.model.parameters()):
+            b.copy_(a)
+    dq = StaticDecoder(q, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    runs = dict(dq.formats)
+    assert runs["qkv"][0] == ((("q", "k"), "f16"), (("v",), "q8_0")) and runs["gu"][1] == ((("gate", "up"), "bf16"),)
+    assert runs["down"][0] == ((("down",), "f32"),) and runs["down"][1] == ((("down",), "q4_0"),)
+    assert runs["head"] == (((("head",), "bf16"),),)
+    df = StaticDecoder(f, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    (lq, sq), (lf, sf) = verify_against_steps(dq, prompt(q)), verify_against_steps(df, prompt(f))
+    assert torch.equal(lq, lf) and torch.equal(sq, sf) and torch.equal(lq, sq)
+    t = load_target(folder, device="cpu", dtype="float32", weights="gguf-int8")
+    di = StaticDecoder(t, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    assert dict(di.formats)["qkv"][1] == ((("q", "k"), "f16"), (("v",), "q8_0-int8"))
+    logits, steps = verify_against_steps(di, prompt(t))
+    assert torch.equal(logits, steps)
+    assert "(float matrices widened)" in formats.describe(t)
 
 
 def test_weights_from_another_gguf_file_are_the_model_served_and_keep_the_targets_drafter(tiny_dirs, tmp_path):

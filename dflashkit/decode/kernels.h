@@ -1,6 +1,6 @@
 // The static decoder's CPU kernels, free of torch (native.cpp binds them to torch; tests/kernel_bits.cpp runs them
 // alone, on any CPU a cross compiler targets): the linear y[r, o] = sum_k x[r, k] * w[o, k] (activations float32,
-// weights float32 or bfloat16, sums in float32) and attention over each row's own sequence.
+// weights float32, bfloat16 or float16, sums in float32) and attention over each row's own sequence.
 //
 // Why our own: at one row a decode step is a matrix-vector product that must stream every weight once at the
 // memory's speed, and every (row, output) must run the same code on the same operands in the same order, so that a
@@ -35,6 +35,10 @@
 namespace dflashkit_kernels {
 
 struct bf16 {  // the top half of a float32, as c10::BFloat16 stores it
+  uint16_t x;
+};
+
+struct f16 {  // IEEE half precision, as GGUF's F16 tensors store it: every value exact in float32
   uint16_t x;
 };
 
@@ -118,6 +122,61 @@ inline f32x8 load<f32x8>(const bf16* p) {
   std::memcpy(&h, p, sizeof h);
   return std::bit_cast<f32x8>(__builtin_convertvector(h, u32x8) << 16);
 #endif
+}
+
+// f16 widened: F16C's conversion where the level has it (v3, v4), else the same exact widening in integer steps
+// (sign apart; exponent rebiased; a subnormal made normal by an exact float32 subtraction, so no step meets a
+// denormal operand that a flush-to-zero mode would zero; infinities and NaNs keep an all-ones exponent)
+typedef uint16_t u16x4 __attribute__((vector_size(8)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+template <typename V>
+struct halves_of;  // (a vector size that depends on a template parameter is lost in GCC's templates)
+template <>
+struct halves_of<f32x4> { typedef u16x4 H; typedef u32x4 U; };
+template <>
+struct halves_of<f32x8> { typedef u16x8 H; typedef u32x8 U; };
+template <>
+struct halves_of<f32x16> { typedef u16x16 H; typedef u32x16 U; };
+
+template <typename V>
+inline V widen_halves(const uint16_t* p) {
+  typedef typename halves_of<V>::U U;
+  typename halves_of<V>::H h;
+  std::memcpy(&h, p, sizeof h);
+  const U u = __builtin_convertvector(h, U), sign = (u & 0x8000u) << 16;
+  U o = (u & 0x7fffu) << 13;
+  const U e = o & 0x0f800000u;
+  o += 0x38000000u;  // the exponent's bias, 15 -> 127
+  o = e == 0x0f800000u ? o + 0x38000000u : o;  // infinity or NaN: exponent 255
+  o = e == 0 ? o + 0x00800000u : o;  // zero or subnormal: 2^-14 * (1 + m), then less 2^-14
+  const V f = std::bit_cast<V>(o) - std::bit_cast<V>(reinterpret_cast<U>(e == 0) & 0x38800000u);
+  return std::bit_cast<V>(std::bit_cast<U>(f) | sign);
+}
+
+template <typename V>
+inline V load(const f16* p);
+
+template <>
+inline f32x16 load<f32x16>(const f16* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<f32x16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  return widen_halves<f32x16>(reinterpret_cast<const uint16_t*>(p));
+#endif
+}
+
+template <>
+inline f32x8 load<f32x8>(const f16* p) {
+#if defined(__F16C__)
+  return reinterpret_cast<f32x8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return widen_halves<f32x8>(reinterpret_cast<const uint16_t*>(p));
+#endif
+}
+
+inline float to_float(f16 v) {
+  const uint16_t lanes[4] = {v.x};
+  return widen_halves<f32x4>(lanes)[0];
 }
 
 // A k that is not a multiple of 64: its last products go to lanes 0.. of the 64 (in memory order) before the tree,

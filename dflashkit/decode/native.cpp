@@ -42,8 +42,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-// x against a quantized matrix of `outs` outputs (format: 0 q8_0, 1 q4_0, 2 q4_1, 3 q6_k, 4 q5_0), packed into the bytes w by
-// static.quant_order (linear_quant: widened to float32) or with dots=True (linear_int8 and linear_vnni: integer dots)
+// x against a matrix of `outs` outputs kept in a GGUF file's format (0 q8_0, 1 q4_0, 2 q4_1, 3 q6_k, 4 q5_0; and
+// 16- or 32-bit floats: 5 f16, 6 bf16, 7 f32), packed into the bytes w by static.quant_order: the quantized ones for
+// linear_quant (widened to float32) or with dots=True for linear_int8 and linear_vnni (integer dots); the floats in
+// panel order, for linear_quant alone (they have no integer dots: the float kernel runs them)
 enum class Dots { widened, int8, vnni };
 
 template <Dots DOTS>
@@ -52,9 +54,12 @@ at::Tensor quantized(const char* name, const at::Tensor& x, const at::Tensor& w,
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), name, ": w must be contiguous bytes");
   const int64_t k = x.size(-1);
   static constexpr int64_t block[] = {K::BLOCK_BYTES<K::q8_0>, K::BLOCK_BYTES<K::q4_0>, K::BLOCK_BYTES<K::q4_1>,
-                                      K::BLOCK_BYTES<K::q6_k>, K::BLOCK_BYTES<K::q5_0>};
-  TORCH_CHECK(0 <= format && format < 5, name, ": format ", format,
-              " is not 0 (q8_0), 1 (q4_0), 2 (q4_1), 3 (q6_k) or 4 (q5_0)");
+                                      K::BLOCK_BYTES<K::q6_k>, K::BLOCK_BYTES<K::q5_0>, 32 * 16 * 2, 32 * 16 * 2,
+                                      32 * 16 * 4};
+  TORCH_CHECK(0 <= format && format < 8, name, ": format ", format,
+              " is not 0 (q8_0), 1 (q4_0), 2 (q4_1), 3 (q6_k), 4 (q5_0), 5 (f16), 6 (bf16) or 7 (f32)");
+  TORCH_CHECK(DOTS == Dots::widened || format < 5, name, ": format ", format,
+              " is a float one, with no integer dots; run it through linear_quant");
   TORCH_CHECK(k % 32 == 0 && outs % 16 == 0 && w.numel() == outs / 16 * (k / 32) * block[format], name, ": ",
               w.numel(), " bytes are not a packed ", outs, "x", k, " matrix");
   auto xc = x.contiguous();
@@ -80,6 +85,11 @@ at::Tensor quantized(const char* name, const at::Tensor& x, const at::Tensor& w,
   if (format == 2) run(reinterpret_cast<const K::q4_1*>(wd));
   if (format == 3) run(reinterpret_cast<const K::q6_k*>(wd));
   if (format == 4) run(reinterpret_cast<const K::q5_0*>(wd));
+  if constexpr (DOTS == Dots::widened) {
+    if (format == 5) K::linear(xd, reinterpret_cast<const K::f16*>(wd), yd, rows, outs, k);
+    if (format == 6) K::linear(xd, reinterpret_cast<const K::bf16*>(wd), yd, rows, outs, k);
+    if (format == 7) K::linear(xd, reinterpret_cast<const float*>(wd), yd, rows, outs, k);
+  }
   return y;
 }
 

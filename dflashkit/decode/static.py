@@ -221,12 +221,23 @@ def _empty_arena(numel: int, dtype, device) -> torch.Tensor:
     return raw[start: start + nbytes].view(dtype)
 
 
-# kernel kinds as linear_quant numbers them, and the bytes of a panel's block of 32 inputs (kernels.h)
-QUANT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q6_k": 3, "q5_0": 4}
-BLOCK_BYTES = {"q8_0": 64 + 512, "q4_0": 64 + 256, "q4_1": 128 + 256, "q6_k": 128 + 512, "q5_0": 128 + 256}
+# kernel kinds as linear_quant numbers them, and the bytes of a panel's block of 32 inputs (kernels.h); the floats
+# (GGUF's F16, BF16 and F32 tensors) are in panel order and have no integer dots (FLOATS)
+QUANT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q6_k": 3, "q5_0": 4, "f16": 5, "bf16": 6, "f32": 7}
+BLOCK_BYTES = {"q8_0": 64 + 512, "q4_0": 64 + 256, "q4_1": 128 + 256, "q6_k": 128 + 512, "q5_0": 128 + 256,
+               "f16": 1024, "bf16": 1024, "f32": 2048}
+FLOATS = ("f16", "bf16", "f32")
 # a GGUF format's kernel kind (unpack: the same values) and its block's bytes in the file (K-quants: 256 inputs)
-KINDS = {"q8_0": "q8_0", "q5_0": "q5_0", "q4_0": "q4_0", "q4_1": "q4_1", "q4_k": "q4_1", "q6_k": "q6_k"}
-GGUF_BYTES = {"q8_0": 34, "q5_0": 22, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210}
+KINDS = {"q8_0": "q8_0", "q5_0": "q5_0", "q4_0": "q4_0", "q4_1": "q4_1", "q4_k": "q4_1", "q6_k": "q6_k",
+         "f16": "f16", "bf16": "bf16", "f32": "f32"}
+GGUF_BYTES = {"q8_0": 34, "q5_0": 22, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210, "f16": 64, "bf16": 64,
+              "f32": 128}
+
+
+def kernel_bytes(blocks) -> int:
+    """The bytes the kernels read of a matrix in a GGUF format (targets/formats.py's Blocks): its kind's, which for
+    q4_K (read as q4_1) and q6_K are more than the file's."""
+    return blocks.raw.shape[0] // 16 * (blocks.k // 32) * BLOCK_BYTES[KINDS[blocks.format]]
 
 
 @torch.compiler.assume_constant_result  # a fact of the process: the compiled step bakes it in, reading no file
@@ -250,8 +261,11 @@ def unpack(fmt: str, raw: np.ndarray) -> tuple[str, list[np.ndarray], np.ndarray
     """GGUF blocks [outs, bytes] -> (kernel kind, scales [outs, k / 32] each, quants [outs, k]) holding the values
     GGUF's reference dequantizer gives, each weight computed by the kind's kernel as that dequantizer does: q8_0
     d * q; q4_0 d * (q - 8); q5_0 d * (q - 16); q4_1 d * q + m; q4_K d * q - dm as q4_1 with m = -dm (d * q is exact there, so
-    one rounding either way); q6_K d * q with d per 16 inputs (scales: inputs 0-15's, then 16-31's)."""
+    one rounding either way); q6_K d * q with d per 16 inputs (scales: inputs 0-15's, then 16-31's); f16, bf16 and
+    f32 as they are."""
     outs = raw.shape[0]
+    if fmt in FLOATS:  # no scales: each weight's bits as they are
+        return fmt, [], raw.view(np.float32 if fmt == "f32" else np.uint16).reshape(outs, -1)
     b = raw.reshape(outs, -1, GGUF_BYTES[fmt])  # [output, block, bytes]
     if fmt == "q8_0":
         return "q8_0", [_halves(b[..., :2])], b[..., 2:].view(np.int8).reshape(outs, -1)
@@ -287,8 +301,11 @@ def pack(kind: str, scales: list[np.ndarray], q: np.ndarray, dots: bool = False)
     """A kind's scales and quants in the kernels' order (kernels.h): per panel of 16 outputs and block of 32 inputs,
     the float32 scales, then the quants. linear_quant's: [32 inputs][16 outputs], two 4-bit ones a byte (even low);
     linear_int8's (`dots`): by fours of inputs per output, 8-bit [8][16][4], 4-bit [4][16][4] with byte t of group g
-    holding input 8g + t low and 8g + 4 + t high."""
+    holding input 8g + t low and 8g + 4 + t high. The floats (FLOATS): panel_order's."""
     outs = q.shape[0]
+    if kind in FLOATS:  # the float kernel's panel order
+        bits = torch.from_numpy(q.view(np.int32 if q.itemsize == 4 else np.int16))
+        return np.ascontiguousarray(panel_order(bits).numpy()).reshape(-1).view(np.uint8)
     parts = [x.reshape(outs // 16, 16, -1).transpose(0, 2, 1) for x in scales]  # each [panel, block, 16]
     q = q.view(np.uint8).reshape(outs // 16, 16, -1, 32)  # [panel, output, block, 32 inputs]
     if kind == "q5_0":  # the fifth bits, a 32-bit word per output: input i's at bit i, or (dots) byte t holding
@@ -336,7 +353,8 @@ def formats_of(target) -> tuple:
     def runs(names: tuple, prefix: str) -> tuple:
         out = []
         for m in names:
-            kind = KINDS[blocks[prefix + m].format] + dots
+            kind = KINDS[blocks[prefix + m].format]
+            kind += "" if kind in FLOATS else dots  # a float matrix has no integer dots: the float kernel's sums
             out = out[:-1] + [(out[-1][0] + (m,), kind)] if out and out[-1][1] == kind else out + [((m,), kind)]
         return tuple(out)
     layers = range(len(target.decoder.layers))

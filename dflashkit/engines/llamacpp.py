@@ -56,8 +56,8 @@ def convert(engine: LlamaCpp, hf_dir: Path, dtype: str, out: Path, target_dir: P
 
 
 def target_gguf(engine: LlamaCpp, target, dtype: str) -> Path:
-    """The target's weights as llama.cpp runs them, in the format ours run (a GGUF target's own file, q8_0, else
-    `dtype`), cached by the target's identity."""
+    """The target's weights as llama.cpp runs them, in the format ours run (a GGUF target's own file, q8_0, bf16,
+    f16, else `dtype`), cached by the target's identity."""
     from dflashkit.targets.formats import base, gguf_source, is_file
 
     weights = base(getattr(target, "weights", "float"))  # -int8: the same file (llama.cpp's own dots are int8)
@@ -66,10 +66,10 @@ def target_gguf(engine: LlamaCpp, target, dtype: str) -> Path:
     if is_file(weights):
         return Path(weights)
     if weights in ("q4_0", "q4_1"):
-        raise DFlashError(f"llama.cpp beside --weights {weights}: its converter writes q8_0 only; bench a GGUF "
+        raise DFlashError(f"llama.cpp beside --weights {weights}: its converter writes q8_0, bf16 and f16 only; bench a GGUF "
                           "target's own file (--weights gguf: a file llama-quantize wrote, passed as --target FILE.gguf, "
                           "or the default's) or q8_0")
-    dtype = weights if weights == "q8_0" else dtype
+    dtype = {"q8_0": "q8_0", "bf16": "bfloat16", "f16": "float16"}.get(weights, dtype)  # its converter's rounding
     key = sha256_json(target.identity())[:16]
     return convert(engine, Path(target.path), dtype, gguf_dir() / f"{target.name}-{key}-{GGUF_TYPES[dtype]}.gguf")
 

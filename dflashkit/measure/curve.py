@@ -96,10 +96,11 @@ def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
 
 def cost_report(target, curve: CostCurve) -> dict:
     """The curve plus the memory-bound floor of a one-token forward: its weight bytes (tied ones once, quantized
-    matrices as their blocks) / bandwidth."""
+    matrices as the kernels read their blocks) / bandwidth."""
+    from dflashkit.decode.static import kernel_bytes
     from dflashkit.targets.formats import stored
 
-    (count, nbytes), bw = stored(target), measure_bandwidth(target.device)
+    (count, nbytes), bw = stored(target, kernel_bytes), measure_bandwidth(target.device)
     floor = nbytes / bw
     return {**curve.to_dict(), "weights": count, "weight_bytes": nbytes, "bandwidth_gb_s": bw / 1e9,
             "floor_ms": 1000 * floor,

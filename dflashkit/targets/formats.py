@@ -1,4 +1,4 @@
-"""Weight formats: a float dtype, or GGUF blocks (q8_0, q4_0, q4_1) kept for the static backend's kernels and
+"""Weight formats: a float dtype, or GGUF's (q8_0, q4_0, q4_1, bf16, f16 ...) kept for the static backend's kernels and
 dequantized into the target's parameters for all else, so every reader computes one model (docs/design.md, "Weight
 formats"). `gguf` takes the prepared-from file's own blocks; the others quantize a float target (another model)."""
 
@@ -19,11 +19,13 @@ if TYPE_CHECKING:  # torch loads with a target, not with the CLI's parser
     import torch
 
 QUANTS = ("q8_0", "q4_0", "q4_1")
+HALVES = ("bf16", "f16")  # 16-bit floats, rounded here from float32 as GGUF's converter does, kept at 2 bytes
 # what --weights gguf reads from a file (decode/static.py unpacks each into a kernel's kind): llama-quantize's
-# Q4_K_M, for one, writes q4_K and q6_K where a row divides into 256s, else q5_0 and q8_0
-READ = ("q8_0", "q5_0", "q4_0", "q4_1", "q4_k", "q6_k")
+# Q4_K_M, for one, writes q4_K and q6_K where a row divides into 256s, else q5_0 and q8_0; a converter's --outtype
+# f16, bf16 or f32 file, its floats
+READ = ("q8_0", "q5_0", "q4_0", "q4_1", "q4_k", "q6_k", "f16", "bf16", "f32")
 DOTS = "-int8"  # a quantized format's spelling for activations in 8 bits and integer dots (decode/kernels.h)
-WEIGHTS = ("auto", "float", "gguf", *QUANTS, *(f"{w}{DOTS}" for w in ("gguf", *QUANTS)))
+WEIGHTS = ("auto", "float", "gguf", *QUANTS, *HALVES, *(f"{w}{DOTS}" for w in ("gguf", *QUANTS)))
 # the target's matrices the static step reads, by its names, and llama.cpp's for layer tensors
 MATRICES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
             "down": "ffn_down"}
@@ -31,7 +33,8 @@ MATRICES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "ga
 
 @dataclass(frozen=True)
 class Blocks:
-    """One matrix [outs, k] in GGUF blocks of 32 inputs: `raw` [outs, k / 32 * bytes a block], the file's bytes."""
+    """One matrix [outs, k] in a GGUF format: `raw` [outs, bytes a row], the file's bytes (blocks of 32 or 256 inputs,
+    or floats)."""
 
     format: str
     raw: np.ndarray
@@ -42,7 +45,7 @@ class Blocks:
         import torch
         from gguf import dequantize
 
-        return torch.from_numpy(dequantize(self.raw, _qtype(self.format)).reshape(-1, self.k).copy())
+        return torch.from_numpy(dequantize(self.raw, _qtype(self.format)).astype(np.float32).reshape(-1, self.k))
 
 
 def is_file(weights: str) -> bool:
@@ -64,12 +67,13 @@ def parse_weights(value: str) -> str:
 def add_weights_option(p) -> None:
     p.add_argument("--weights", default="auto", type=parse_weights, metavar="{" + ",".join(WEIGHTS) + ",FILE.gguf}",
                    help="the target's weight format: float (its --dtype), gguf (a GGUF target's own blocks, e.g. the "
-                   "default's Q4_1: the same values as its float32 copy), q8_0 | q4_0 | q4_1 (quantized here, as "
-                   "llama-quantize does: another model), FILE.gguf (this target's matrices from that file, e.g. a "
-                   "Q4_K_M llama-quantize wrote: the model served; its drafter stays this target's); any of these "
-                   "with -int8 (e.g. gguf-int8): activations in 8 bits and integer dots on the static backend, as "
-                   "llama.cpp computes (another model, lossless against its own plain decoding); auto = gguf for a "
-                   "GGUF target on a CPU, else float")
+                   "default's Q4_1: the same values as its float32 copy), q8_0 | q4_0 | q4_1 | bf16 | f16 (from the "
+                   "float32 target here, as llama-quantize or GGUF's converter does: another model), FILE.gguf (this "
+                   "target's matrices from that file, e.g. a Q4_K_M llama-quantize wrote: the model served; its drafter "
+                   "stays this target's); gguf, FILE.gguf or a quantized one with -int8 (e.g. gguf-int8): activations "
+                   "in 8 bits and integer dots on the static backend, as llama.cpp computes (another model, lossless "
+                   "against its own plain decoding; a file's float matrices stay float); auto = gguf for a GGUF target "
+                   "on a CPU, else float")
 
 
 def _qtype(fmt: str):
@@ -96,7 +100,7 @@ def base(weights: str) -> str:
 def lossy(weights: str) -> bool:
     """Another model than the float32 one of the same file or target: quantized here or in another file, or integer
     dots."""
-    return base(weights) in QUANTS or is_file(weights) or weights.endswith(DOTS)
+    return base(weights) in (*QUANTS, *HALVES) or is_file(weights) or weights.endswith(DOTS)
 
 
 def resolve(weights: str, target) -> str:
@@ -148,7 +152,7 @@ def read_gguf(path: Path, target) -> dict[str, Blocks]:
         if fmt not in READ:
             raise DFlashError(f"{path}: tensor {gname} is {t.tensor_type.name}; --weights gguf keeps {', '.join(READ)} "
                               "(use --weights float, or q8_0 to quantize the float copy)")
-        raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)
+        raw = np.asarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)  # (F16 and F32 come as their floats)
         if name.endswith((".q", ".k")):
             raw = _unpermute(raw, cfg.num_attention_heads if name.endswith(".q") else cfg.num_key_value_heads)
         out[name] = Blocks(fmt, np.ascontiguousarray(raw), int(t.shape[0]))
@@ -156,12 +160,13 @@ def read_gguf(path: Path, target) -> dict[str, Blocks]:
 
 
 def quantize(w: torch.Tensor, fmt: str) -> Blocks:
-    """w [outs, k] in GGUF's blocks by its reference quantizer."""
+    """w [outs, k] in a GGUF format by its reference quantizer (bf16, f16: rounded to nearest, as its converter)."""
     from gguf import quantize as gguf_quantize
 
     if w.shape[1] % 32:
         raise DFlashError(f"a matrix of {w.shape[1]} inputs does not divide into {fmt}'s blocks of 32; use --weights float")
-    return Blocks(fmt, gguf_quantize(w.detach().float().numpy(), _qtype(fmt)), int(w.shape[1]))
+    raw = gguf_quantize(w.detach().float().numpy(), _qtype(fmt))
+    return Blocks(fmt, raw.view(np.uint8).reshape(raw.shape[0], -1), int(w.shape[1]))
 
 
 def apply(target, weights: str) -> str:
@@ -189,7 +194,7 @@ def apply(target, weights: str) -> str:
         source = gguf_source(target.path)
         if source is None:
             raise DFlashError(f"--weights gguf: target {target.name} was not prepared from a GGUF file; use --weights "
-                              f"float or one of {', '.join(QUANTS)}")
+                              f"float or one of {', '.join((*QUANTS, *HALVES))}")
         blocks = read_gguf(source, target)
     elif is_file(weights):
         blocks = read_gguf(Path(weights), target)
@@ -206,14 +211,15 @@ def apply(target, weights: str) -> str:
     return spelled
 
 
-def stored(target) -> tuple[int, int]:
-    """(weights, bytes) a one-token step reads: each storage once, quantized matrices as their blocks."""
+def stored(target, size=lambda b: b.raw.nbytes) -> tuple[int, int]:
+    """(weights, bytes) a one-token step reads: each storage once, quantized matrices as `size` counts their blocks
+    (the file's bytes, or those of the kernel kind they are read in: decode/static.py's kernel_bytes)."""
     blocks = getattr(target, "blocks", None) or {}
     kept = {m.weight.data_ptr() for m in _modules(target).values()} if blocks else set()
     first = {p.data_ptr(): p for p in target.model.parameters()}
     count = sum(p.numel() for p in first.values())
     nbytes = sum(p.numel() * p.element_size() for ptr, p in first.items() if ptr not in kept)
-    return count, nbytes + sum(b.raw.nbytes for b in blocks.values())
+    return count, nbytes + sum(size(b) for b in blocks.values())
 
 
 def describe(target) -> str:
@@ -222,5 +228,7 @@ def describe(target) -> str:
         return f"{str(target.dtype).removeprefix('torch.')} (float)"
     kinds = sorted({b.format for b in target.blocks.values()})
     how = "activations in 8 bits, integer dots" if target.weights.endswith(DOTS) else "widened to float32"
+    if target.weights.endswith(DOTS) and set(kinds) & {"f16", "bf16", "f32"}:
+        how += " (float matrices widened)"
     name = Path(target.weights).name if is_file(target.weights) else target.weights
     return f"{name}: {'/'.join(kinds)} (head {target.blocks['head'].format}), {how}"

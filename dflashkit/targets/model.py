@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from dflashkit.errors import DFlashError
 from dflashkit.fileio import sha256_json
-from dflashkit.targets.formats import QUANTS, apply, base, gguf_source, is_file
+from dflashkit.targets.formats import HALVES, QUANTS, apply, base, gguf_source, is_file
 from dflashkit.targets.invariant import step_linear_attention
 from dflashkit.targets.registry import resolve, weights_hash
 from dflashkit import levels
@@ -117,7 +117,7 @@ class Target:
         cfg = json.loads((self.path / "config.json").read_text())
         if self._weights_hash is None:
             self._weights_hash = weights_hash(self.path) or state_dict_hash(self.model)
-        quant = base(self.weights) if base(self.weights) in QUANTS else "float"  # gguf: the float copy's values
+        quant = base(self.weights) if base(self.weights) in (*QUANTS, *HALVES) else "float"  # gguf: the float copy's values
         quant = f"file {base(self.weights)}" if is_file(self.weights) else quant  # another file's: its own
         return {"name": self.name, "path": str(self.path.resolve()), "weights_hash": self._weights_hash, "weights": quant,
                 "config_hash": sha256_json(cfg)[:16], "architecture": self.architecture, "num_layers": self.num_layers,
