@@ -2,7 +2,8 @@
 by our static backend, widened to float32 (`gguf`: the float32 copy's outputs) or through integer dots (`gguf-int8`:
 activations in 8 bits, as llama.cpp computes), against llama.cpp decoding the very same file, beside other formats:
 `q4_k_m` is the file llama-quantize writes for Q4_K_M from the float32 copy (q5_0, q8_0, q4_K, q6_K), passed as
-`--weights FILE.gguf`, with llama.cpp on that file.
+`--weights FILE.gguf`, with llama.cpp on that file; `bf16`, `f16` round the float32 copy to 16-bit floats kept at 2
+bytes a weight (llama.cpp runs its converter's file of that type).
 Each row is one `dflashkit --isa LEVEL bench --weights W` process, as a user runs it: our plain decoding, our best
 method, the drafter's chain (its tau on these weights) and llama.cpp's plain decoding of the same weights alternate
 prompt by prompt in one run (same threads). At level v3 llama.cpp runs its AVX2 build (`dflashkit --isa v3 engines
@@ -147,7 +148,9 @@ def main() -> None:
           "of 32, integer dots (as llama.cpp computes; another model, lossless against its own plain decoding); "
           "q8_0, q4_0 = quantized from the float32 copy by GGUF's reference quantizer (llama.cpp's converter for "
           "q8_0's row; its converter writes no 4-bit file): other models; q4_k_m = the file llama-quantize writes "
-          "for Q4_K_M from the float32 copy (`--weights FILE.gguf`; llama.cpp runs that very file), another model. "
+          "for Q4_K_M from the float32 copy (`--weights FILE.gguf`; llama.cpp runs that very file), another model; "
+          "bf16, f16 = the float32 copy rounded to 16-bit floats (llama.cpp: its converter's --outtype bf16 or f16 "
+          "file, the same values), another model. "
           "(VNNI): the integer dots through vpdpbusd. Ratios are within one bench run (one "
           "process per row). Agreement: float32's top-1 token along our plain output, teacher-forced, and the "
           "prompts on which float32's greedy decoding is ours. tau offline: the drafter on that format's features "
