@@ -486,8 +486,9 @@ def test_a_quantized_target_is_another_target_to_caches_and_the_same_to_its_draf
 @pytest.mark.parametrize("fmt", ["q8_0", "q8_0-int8"])
 def test_a_drafter_on_the_static_backend_reads_the_heads_blocks(tiny_dirs, fmt):
     """In a static session the drafter's full-vocabulary head is the target's head in its blocks (the same kernel as
-    the target's head: 30 MB where the float32 copy is 113 for SmolLM2), restored after; and speculation with the
-    real drafter stays its plain greedy output."""
+    the target's head: 30 MB where the float32 copy is 113 for SmolLM2) and its own matrices q8_0 blocks (a copy, its
+    call compiled as decoder_for compiles it), restored after; and speculation with the real drafter stays its plain
+    greedy output."""
     from dflashkit.decode.speculative import DFlashProposer, generate_chain
     from dflashkit.decode.session import Timer
     from dflashkit.drafter.checkpoint import new_drafter
@@ -498,17 +499,28 @@ def test_a_drafter_on_the_static_backend_reads_the_heads_blocks(tiny_dirs, fmt):
     torch.manual_seed(0)
     p = DFlashProposer(t, new_drafter(t, num_layers=1, target_layer_ids=[1, 2], block_size=4).eval())
     d = StaticDecoder(t, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
-    d.drafter_call = (p.drafter, p.drafter)  # what decoder_for sets, compiled
+    d.drafter_copy = d.drafter_in_blocks(p.drafter)
+    d.drafter_call = (p.drafter, p.compiled(*d.drafter_copy))  # what decoder_for sets
     b = StaticBackend(d, p)
     raw = t.blocks["head"].raw
     packed = torch.from_numpy(quant_order(formats.base(fmt), raw, dots=fmt.endswith("-int8")))
     op = native.ops().linear_int8 if fmt.endswith("-int8") else native.ops().linear_quant
     x = torch.randn(3, t.hidden_size)
+    feats, block = torch.randn(1, 5, p.drafter.fc.weight.shape[1]), torch.randn(1, 4, t.hidden_size)
+    pos = torch.arange(9)[None]
     with b.session(Timer(torch.device("cpu"))):
         assert torch.equal(p.head_linear(x, None), op(x, packed, CODES[formats.base(fmt)], raw.shape[0]))
+        copy = p.module  # its matrices in q8_0 blocks (-int8: in the integer dots' order), the float drafter's near
+        assert copy is not p.drafter and copy.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
+        blocks = copy(feats, block, pos, past_key_values=copy.new_context_kv(), linear=p.linear)
+        floats = p.drafter(feats, block, pos, past_key_values=p.drafter.new_context_kv())
+        assert not torch.equal(blocks, floats)
+        torch.testing.assert_close(blocks, floats, atol=0.05 * floats.abs().max().item(), rtol=0)
         out = generate_chain(b, p, prompt(t), max_new_tokens=24)
-    assert p.head_linear is few_rows_linear
+    assert p.head_linear is few_rows_linear and p.module is p.drafter
     assert out.tokens == generate_ar(b, prompt(t), max_new_tokens=24).tokens
+    assert StaticDecoder(load_target(tiny_dirs["llama"], device="cpu", dtype="float32"), 128, kernels="native",
+                         compile=False).drafter_in_blocks(p.drafter) == (None, None)  # a float target's stays float
 
 
 def test_extraction_at_integer_dots_is_refused_with_the_format_to_extract_at(tiny_dirs, tmp_path, capsys):

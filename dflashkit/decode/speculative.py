@@ -53,36 +53,40 @@ class DFlashProposer:
         self.slot0, self.mask_id = slot0, drafter.config.mask_token_id  # slot0: see block_ids (always "seed" in use)
         block_ids(torch.zeros((), dtype=torch.long), self.block_size, self.mask_id, slot0)  # checks the name now
         self.dtype = drafter.fc.weight.dtype
-        self.context_kv, self.call, self.fresh, self._compiled = None, drafter, True, None
+        self.context_kv, self.call, self.fresh, self._compiled = None, drafter, True, {}
         self.head_linear = few_rows_linear  # a backend's own for the head where it has one (static: the blocks)
+        self.module, self.linear = drafter, few_rows_linear  # the module a round calls, and its products
 
     @torch.no_grad()
-    def compiled(self):
-        """The drafter's call compiled for the static backend (its ~370 small ops cost more than its products), warmed
-        for the context sizes a round passes; its drafts differ from eager ones by rounding, which the verify absorbs."""
-        if self._compiled is not None:
-            return self._compiled
-        call = self._compiled = torch.compile(self.drafter, dynamic=True)
-        kv, width, dev = self.drafter.new_context_kv(), self.drafter.fc.weight.shape[1], self.drafter.fc.weight.device
+    def compiled(self, module=None, linear=few_rows_linear):
+        """The drafter's call (or `module`'s, a copy of it whose products `linear` computes) compiled for the static
+        backend (its ~370 small ops cost more than its products), warmed for the context sizes a round passes; its
+        drafts differ from eager ones by rounding, which the verify absorbs."""
+        module = module or self.drafter
+        if id(module) in self._compiled:
+            return self._compiled[id(module)]
+        call = self._compiled[id(module)] = torch.compile(module, dynamic=True)
+        kv, width, dev = module.new_context_kv(), self.drafter.fc.weight.shape[1], self.drafter.fc.weight.device
         block = torch.zeros(1, self.block_size, self.drafter.config.hidden_size, dtype=self.dtype, device=dev)
         start = 0
         for n in (7, 1, 2, 3, FEW_ROWS + 6):  # first sizes that no later size or stride equals (dynamo guards on it)
             pos = torch.arange(start, start + n + self.block_size, device=dev)[None]  # context, then the block
-            (call if start else self.drafter)(torch.zeros(1, n, width, dtype=self.dtype, device=dev), block, pos,
-                                              past_key_values=kv, linear=few_rows_linear)
+            (call if start else module)(torch.zeros(1, n, width, dtype=self.dtype, device=dev), block, pos,
+                                        past_key_values=kv, linear=linear)
             start += n
         return call
 
     @contextmanager
-    def calling(self, call, head_linear=None):
-        """The drafter called through `call` while the context is (a backend's own compiled call), and its head
-        through `head_linear` where given."""
-        was = self.call, self.head_linear
+    def calling(self, call, head_linear=None, module=None, linear=None):
+        """The drafter called through `call` while the context is (a backend's own compiled call), its head through
+        `head_linear` where given; `module` and `linear`: a copy of the drafter in another format, and its products."""
+        was = self.call, self.head_linear, self.module, self.linear
         self.call, self.head_linear = call, head_linear or self.head_linear
+        self.module, self.linear = module or self.drafter, linear or few_rows_linear
         try:
             yield
         finally:
-            self.call, self.head_linear = was
+            self.call, self.head_linear, self.module, self.linear = was
 
     def reset(self, prompt_ids) -> None:
         self.context_kv, self.fresh = self.drafter.new_context_kv(), True
@@ -93,10 +97,10 @@ class DFlashProposer:
         ids = block_ids(anchor[0], self.block_size, self.mask_id, self.slot0)
         block_embeds = self.drafter.embed_block(self.target.embed, ids, self.dtype)[None]  # [1, B, H]
         positions = torch.arange(start - n, start + self.block_size, device=block_embeds.device)[None]  # context, block
-        call, self.fresh = self.drafter if self.fresh else self.call, False  # a prompt's first call: eager, once
+        call, self.fresh = self.module if self.fresh else self.call, False  # a prompt's first call: eager, once
         features = features.to(self.dtype).clone(memory_format=torch.contiguous_format)  # one layout: one compile
         h = call(features, block_embeds, positions, past_key_values=self.context_kv, use_cache=True,
-                 linear=few_rows_linear)  # decoding's products
+                 linear=self.linear)  # decoding's products
         self.hidden, self.anchor = h[:, 1:], anchor  # DFlash2's selector reads them in draft()
         return self.head.logits(h[0, 1:], self.head_linear)  # [B-1, V']
 

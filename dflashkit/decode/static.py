@@ -568,6 +568,7 @@ class StaticDecoder:
                       for w, (k, f) in kinds.items()}
         self.compile_s, self.step_s = {}, {}  # seconds per width: the first call's; a step's median, by warm()
         self.drafter_call = (None, None)  # (drafter, its compiled call), set by decoder_for
+        self.drafter_copy = (None, None)  # (a copy of it in blocks, their linear): drafter_in_blocks
 
     def head_linear(self):
         """The head in its blocks, for a drafter's few rows of logits over the full vocabulary: its float32 copy reads
@@ -578,6 +579,34 @@ class StaticDecoder:
         [(off, outs, size, kind)] = self.geo.quant_layout(self.formats)[0]["head", -1]
         (op, code), w = quant_op(getattr(torch.ops, self.ops), kind), self.quants[off: off + size]
         return lambda x, _: op(x.float(), w, code, outs)
+
+    def drafter_in_blocks(self, drafter):
+        """On a quantized target, a copy of a DFlash drafter whose matrices (fc and its layers' projections) are q8_0
+        blocks for these kernels (-int8 where the target's are), and the linear that reads them: its float32 matrices
+        are a third of a one-token step's bytes on a 135M target, read at every draft. Another drafter numerically
+        (its drafts move by rounding; the verify keeps the output exact). (None, None) on a float target."""
+        if not self.formats or drafter.config.arch != "dflash":
+            return None, None
+        import copy
+
+        from dflashkit.drafter.head import few_rows_linear
+        from dflashkit.targets.formats import quantize
+
+        kind = "q8_0" + (DOTS if self.target.weights.endswith(DOTS) else "")
+        op, code = quant_op(getattr(torch.ops, self.ops), kind)
+        module = copy.deepcopy(drafter)
+        for name, m in module.named_modules():
+            last = name.rsplit(".", 1)[-1]
+            if isinstance(m, torch.nn.Linear) and (name == "fc" or last.endswith("_proj")) and m.bias is None and \
+                    m.weight.shape[0] % 16 == 0 and m.weight.shape[1] % 32 == 0:
+                packed = quant_order("q8_0", quantize(m.weight, "q8_0").raw, dots=kind.endswith(DOTS))
+                m.weight = torch.nn.Parameter(torch.from_numpy(packed).view(m.weight.shape[0], -1), requires_grad=False)
+
+        def linear(x, w, bias=None):  # a matrix in blocks holds its outputs as its rows
+            if w.dtype != torch.uint8:
+                return few_rows_linear(x, w, bias)
+            return op(x.float(), w, code, w.shape[0]).to(x.dtype)
+        return module, linear
 
     def _check_room(self, pos: int, n: int) -> None:
         if pos + n > self.max_len:
@@ -730,7 +759,9 @@ def decoder_for(session, length: int, proposer=None, trees: bool = False) -> Sta
         d.warm()
         t0 = time.perf_counter()
         if hasattr(proposer, "compiled"):  # a test's oracle proposer has no drafter to compile
-            d.drafter_call = (proposer.drafter, proposer.compiled())  # this backend's, run in its session
+            d.drafter_copy = d.drafter_in_blocks(proposer.drafter)
+            d.drafter_call = (proposer.drafter, proposer.compiled(*d.drafter_copy) if d.drafter_copy[0] is not None
+                              else proposer.compiled())  # this backend's, run in its session
         log(f"compiled in {sum(d.compile_s.values()) + time.perf_counter() - t0:.0f} s")
     return d
 
@@ -763,7 +794,8 @@ class StaticBackend:
         drafter, call = self.d.drafter_call
         if call is not None and getattr(self.proposer, "drafter", None) is drafter:  # compiled with the decoder
             full = self.proposer.head.vocab_ids is None  # a draft vocabulary's head is its own rows, float
-            stack.enter_context(self.proposer.calling(call, self.d.head_linear() if full else None))
+            stack.enter_context(self.proposer.calling(call, self.d.head_linear() if full else None,
+                                                      *self.d.drafter_copy))
         return stack
 
     def verified_tokens(self, tree) -> int:

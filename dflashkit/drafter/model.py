@@ -332,7 +332,7 @@ class DFlashDrafter(nn.Module):
         long = self.long_inv_freq is not None and (seq_len or int(positions.max()) + 1) > self.rope_original_max
         freqs = positions[..., None].float() * (self.long_inv_freq if long else self.inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        dtype = self.fc.weight.dtype
+        dtype = self.norm.weight.dtype  # (a decoding copy may hold its matrices in blocks: decode/static.py)
         return (emb.cos() * self.rope_scaling_factor).to(dtype), (emb.sin() * self.rope_scaling_factor).to(dtype)
 
     def _layer_masks(self, mask, q_pos, k_pos) -> list:  # k_pos: a callable, only a restricted layer needs keys
