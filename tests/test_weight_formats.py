@@ -1,6 +1,7 @@
 """Weight formats (issue 69): GGUF's q8_0, q4_0 and q4_1 (and llama-quantize's q5_0, q4_K, q6_K, the converter's
-f16, bf16, f32) kept in their blocks for the static backend's kernels and widened in registers; the outputs are the float32 kernels' over the dequantized copy, bit for bit, on every ISA
-level; a GGUF target's file is read as its own blocks; what cannot run is refused by name."""
+f16, bf16, f32) kept in their blocks for the static backend's kernels and widened in registers; the outputs are the
+float32 kernels' over the dequantized copy, bit for bit, on every ISA level; a GGUF target's file is read as its own
+blocks; what cannot run is refused by name."""
 
 from __future__ import annotations
 
