@@ -238,6 +238,18 @@ def test_a_packed_matrix_of_the_wrong_size_or_format_is_refused():
         ops.linear_quant(torch.randn(1, 64), packed, 8, 16)
 
 
+def decoders(folder, weights: str) -> tuple:
+    """(target in `weights`, its step, the float32 target holding the same values, its step): a verify of 4 with
+    features from layers 1 and 2 each."""
+    q = load_target(folder, device="cpu", dtype="float32", weights=weights)
+    f = load_target(folder, device="cpu", dtype="float32")
+    with torch.no_grad():
+        for a, b in zip(q.model.parameters(), f.model.parameters()):
+            b.copy_(a)
+    return tuple(x for t in (q, f) for x in (t, StaticDecoder(t, 128, kernels="native", compile=False,
+                                                                 layer_ids=[1, 2], verify_width=4)))
+
+
 @pytest.mark.parametrize("fmt", [*formats.QUANTS, *formats.HALVES])
 def test_a_quantized_target_decodes_as_its_dequantized_float_copy(tiny_dirs, fmt):
     """The whole step: a target in `fmt` (its blocks in the kernels) against the float32 target holding the same
@@ -245,13 +257,7 @@ def test_a_quantized_target_decodes_as_its_dequantized_float_copy(tiny_dirs, fmt
     is the quantized step's own one-token step (what speculation's exactness rests on)."""
     from test_static_decoder import prompt, verify_against_steps
 
-    q = load_target(tiny_dirs["llama"], device="cpu", dtype="float32", weights=fmt)
-    f = load_target(tiny_dirs["llama"], device="cpu", dtype="float32")
-    with torch.no_grad():
-        for a, b in zip(q.model.parameters(), f.model.parameters()):
-            b.copy_(a)
-    dq = StaticDecoder(q, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
-    df = StaticDecoder(f, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    q, dq, f, df = decoders(tiny_dirs["llama"], fmt)
     assert kinds(dq.formats) == {n: {fmt} for n in ("qkv", "o", "gu", "down", "head")} and df.formats == ()
     assert dq.arena.numel() < df.arena.numel() and dq.quants.numel() > 0
     (lq, sq), (lf, sf) = verify_against_steps(dq, prompt(q)), verify_against_steps(df, prompt(f))
@@ -376,17 +382,11 @@ def test_a_file_mixing_formats_by_layer_and_within_qkv_decodes_as_its_float_copy
     types = {"attn_q": "q5_0", "attn_k": "q5_0", "attn_v": "q8_0", "blk.0.attn_v": "q4_0", "ffn_down": "q4_1",
              "blk.1.ffn_down": "q5_0"}
     folder = gguf_target(tiny_dirs, tmp_path, types)
-    q = load_target(folder, device="cpu", dtype="float32", weights="gguf")
-    f = load_target(folder, device="cpu", dtype="float32")
-    with torch.no_grad():
-        for a, b in zip(q.model.parameters(), f.model.parameters()):
-            b.copy_(a)
-    dq = StaticDecoder(q, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    q, dq, f, df = decoders(folder, "gguf")
     runs = dict(dq.formats)
     assert runs["qkv"][0] == ((("q", "k"), "q5_0"), (("v",), "q4_0"))
     assert runs["qkv"][1] == ((("q", "k"), "q5_0"), (("v",), "q8_0"))
     assert runs["down"][0] == ((("down",), "q4_1"),) and runs["down"][1] == ((("down",), "q5_0"),)
-    df = StaticDecoder(f, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
     (lq, sq), (lf, sf) = verify_against_steps(dq, prompt(q)), verify_against_steps(df, prompt(f))
     assert torch.equal(lq, lf) and torch.equal(sq, sf) and torch.equal(lq, sq)
     t = load_target(folder, device="cpu", dtype="float32", weights="gguf-int8")
@@ -407,17 +407,11 @@ def test_a_files_float_matrices_run_as_floats_beside_its_blocks(tiny_dirs, tmp_p
     types = {"attn_q": "f16", "attn_k": "f16", "attn_v": "q8_0", "attn_output": "f16", "ffn_gate": "bf16",
              "ffn_up": "bf16", "ffn_down": "f32", "blk.1.ffn_down": "q4_0", "token_embd": "bf16"}
     folder = gguf_target(tiny_dirs, tmp_path, types)
-    q = load_target(folder, device="cpu", dtype="float32", weights="gguf")
-    f = load_target(folder, device="cpu", dtype="float32")
-    with torch.no_grad():
-        for a, b in zip(q.model.parameters(), f.model.parameters()):
-            b.copy_(a)
-    dq = StaticDecoder(q, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
+    q, dq, f, df = decoders(folder, "gguf")
     runs = dict(dq.formats)
     assert runs["qkv"][0] == ((("q", "k"), "f16"), (("v",), "q8_0")) and runs["gu"][1] == ((("gate", "up"), "bf16"),)
     assert runs["down"][0] == ((("down",), "f32"),) and runs["down"][1] == ((("down",), "q4_0"),)
     assert runs["head"] == (((("head",), "bf16"),),)
-    df = StaticDecoder(f, 128, kernels="native", compile=False, layer_ids=[1, 2], verify_width=4)
     (lq, sq), (lf, sf) = verify_against_steps(dq, prompt(q)), verify_against_steps(df, prompt(f))
     assert torch.equal(lq, lf) and torch.equal(sq, sf) and torch.equal(lq, sq)
     t = load_target(folder, device="cpu", dtype="float32", weights="gguf-int8")

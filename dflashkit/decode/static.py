@@ -5,6 +5,7 @@ docs/design.md, "The static decoder in detail"."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import functools
 import gc
@@ -587,8 +588,6 @@ class StaticDecoder:
         (its drafts move by rounding; the verify keeps the output exact). (None, None) on a float target."""
         if not self.formats or drafter.config.arch != "dflash":
             return None, None
-        import copy
-
         from dflashkit.drafter.head import few_rows_linear
         from dflashkit.targets.formats import quantize
 
